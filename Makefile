@@ -1,0 +1,25 @@
+# The two README commands live here: `make demo` (the main job on the built-in demo) and `make test`.
+# Both create .venv with Python 3.12 on first use and reinstall only when pyproject.toml changes.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo python3.12)
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint install
+
+$(STAMP): pyproject.toml
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/python -m hf_vla.demo

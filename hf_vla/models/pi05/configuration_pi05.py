@@ -1,0 +1,123 @@
+"""pi0.5 configuration, written like transformers' `PI0Config` and with the same argument names."""
+
+from huggingface_hub.dataclasses import strict
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.models.auto import CONFIG_MAPPING
+
+# Image / language / expert defaults reproduce the published pi0.5 (PaliGemma 3B + Gemma 300M expert).
+PALIGEMMA_VOCAB_SIZE = 257152
+
+
+@strict
+class PI05Config(PreTrainedConfig):
+    r"""
+    Configuration for [`PI05ForConditionalGeneration`].
+
+    vlm_config (`dict` or `PaliGemmaConfig`, *optional*):
+        The vision-language backbone (PaliGemma: SigLIP + Gemma 2B by default).
+    dit_config (`dict` or `GemmaConfig`, *optional*):
+        The action expert (Gemma 300M by default). Every norm of it becomes an adaRMSNorm conditioned on the
+        flow-matching time. It must have the same depth, head_dim and number of key/value heads as the VLM's
+        language model, because both towers attend over each other's keys/values layer by layer.
+    chunk_size (`int`, defaults to 50): action steps predicted per chunk.
+    max_state_dim (`int`, defaults to 32): state vectors are zero-padded to this size (then discretized into the prompt).
+    max_action_dim (`int`, defaults to 32): action vectors are zero-padded to this size.
+    num_inference_steps (`int`, defaults to 10): Euler steps of `sample_actions`.
+    time_sampling_beta_alpha / time_sampling_beta_beta / time_sampling_scale / time_sampling_offset:
+        t ~ Beta(alpha, beta) * scale + offset during training.
+    min_period / max_period (`float`): periods of the sin/cos time embedding.
+    state_bins (`int`, defaults to 256): bins of the state discretization in the prompt.
+    tokenizer_max_length (`int`, defaults to 200): prompt length the processor pads/truncates to.
+    image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
+    """
+
+    model_type = "pi05"
+    sub_configs = {"vlm_config": AutoConfig, "dit_config": AutoConfig}
+
+    vlm_config: dict | PreTrainedConfig | None = None
+    dit_config: dict | PreTrainedConfig | None = None
+    chunk_size: int = 50
+    max_state_dim: int = 32
+    max_action_dim: int = 32
+    num_inference_steps: int = 10
+    time_sampling_beta_alpha: float = 1.5
+    time_sampling_beta_beta: float = 1.0
+    time_sampling_scale: float = 0.999
+    time_sampling_offset: float = 0.001
+    min_period: float = 4e-3
+    max_period: float = 4.0
+    state_bins: int = 256
+    tokenizer_max_length: int = 200
+
+    def __post_init__(self, **kwargs):
+        if isinstance(self.vlm_config, dict):
+            self.vlm_config = CONFIG_MAPPING[self.vlm_config.get("model_type", "paligemma")](**self.vlm_config)
+        elif self.vlm_config is None:
+            self.vlm_config = CONFIG_MAPPING["paligemma"](
+                text_config={
+                    "model_type": "gemma",
+                    "hidden_size": 2048,
+                    "num_hidden_layers": 18,
+                    "intermediate_size": 16384,
+                    "num_attention_heads": 8,
+                    "num_key_value_heads": 1,
+                    "head_dim": 256,
+                    "hidden_activation": "gelu_pytorch_tanh",
+                    "vocab_size": PALIGEMMA_VOCAB_SIZE,
+                },
+                vision_config={
+                    "model_type": "siglip_vision_model",
+                    "intermediate_size": 4304,
+                    "hidden_size": 1152,
+                    "patch_size": 14,
+                    "image_size": 224,
+                    "num_hidden_layers": 27,
+                    "num_attention_heads": 16,
+                    "vision_use_head": False,
+                    "projection_dim": 2048,
+                },
+                projection_dim=2048,
+                image_token_id=PALIGEMMA_VOCAB_SIZE,
+            )
+        if isinstance(self.dit_config, dict):
+            self.dit_config = CONFIG_MAPPING[self.dit_config.get("model_type", "gemma")](**self.dit_config)
+        elif self.dit_config is None:
+            self.dit_config = CONFIG_MAPPING["gemma"](
+                hidden_size=1024,
+                num_hidden_layers=18,
+                intermediate_size=4096,
+                num_attention_heads=8,
+                num_key_value_heads=1,
+                head_dim=256,
+                hidden_activation="gelu_pytorch_tanh",
+                vocab_size=self.vlm_config.text_config.vocab_size,
+            )
+        # Both towers are bidirectional; the block structure is expressed by which keys each call sees.
+        self.dit_config.is_causal = False
+        self.dit_config.use_bidirectional_attention = True
+        self.vlm_config.text_config.use_bidirectional_attention = True
+        super().__post_init__(**kwargs)
+
+    @property
+    def image_size(self) -> int:
+        return self.vlm_config.vision_config.image_size
+
+    @property
+    def num_image_tokens(self) -> int:
+        vision = self.vlm_config.vision_config
+        return (vision.image_size // vision.patch_size) ** 2
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: the two towers must be able to share attention layer by layer."""
+        text, expert = self.vlm_config.text_config, self.dit_config
+        for name in ("num_hidden_layers", "head_dim", "num_key_value_heads"):
+            if getattr(text, name) != getattr(expert, name):
+                raise ValueError(
+                    f"PI05Config: vlm_config.text_config.{name}={getattr(text, name)} != dit_config.{name}="
+                    f"{getattr(expert, name)}; the expert attends to the VLM's keys/values per layer, so they must match."
+                )
+        if expert.hidden_size % 2:
+            raise ValueError(f"PI05Config: dit_config.hidden_size={expert.hidden_size} must be even (sin/cos time embedding).")
+
+
+__all__ = ["PI05Config"]

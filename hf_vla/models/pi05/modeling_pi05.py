@@ -1,0 +1,450 @@
+"""pi0.5 as a transformers model.
+
+Written in the style of transformers' `PI0ForConditionalGeneration` and with its argument names. What pi0.5 adds:
+
+- the action expert's norms are adaRMSNorms conditioned on an MLP of the sin/cos time embedding (scale, shift and a
+  gate on each residual branch, zero-initialised), so time enters through the norms instead of the action tokens;
+- no state projection: the state is discretized into the prompt by the processor;
+- the suffix is one bidirectional block of `chunk_size` action tokens after the prefix.
+
+Both towers share attention layer by layer: at layer i the VLM projects the prefix to Q/K/V and attends over the
+prefix; the expert projects the suffix to Q/K/V and attends over [prefix K/V; suffix K/V]. Because the prefix never
+attends to the suffix, this is the same computation as one joint attention with the big_vision block mask, and the
+prefix K/V can be cached (`sample_actions` runs the prefix once). Attention goes through `ALL_ATTENTION_FUNCTIONS`,
+so eager, sdpa, flex_attention and flash_attention_2 all compute it; each call needs only a key-padding mask.
+
+We run the layers ourselves instead of calling `GemmaModel.forward` twice because transformers'
+`GradientCheckpointingLayer` drops `past_key_values` under gradient checkpointing, which would cut the expert off
+from the prefix during training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModel, DynamicCache, PreTrainedModel
+from transformers import initialization as init
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gemma.modeling_gemma import (
+    GemmaAttention,
+    GemmaMLP,
+    GemmaPreTrainedModel,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.models.pi0.modeling_pi0 import PI0TimestepEmbeddings
+
+from .configuration_pi05 import PI05Config
+
+# Backends whose attention call accepts an arbitrary key-padding mask, which is all pi0.5 needs per call.
+SUPPORTED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+class PI05AdaRMS(nn.Module):
+    """adaRMSNorm: RMS-normalise, then scale/shift from the condition; also returns the residual gate.
+
+    (Named without "RMSNorm" so Gemma's init, which zeroes `.weight` of RMSNorm modules, leaves it alone.)
+    """
+
+    def __init__(self, hidden_size: int, cond_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.dense = nn.Linear(cond_dim, 3 * hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden_states.float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        modulation = self.dense(cond.to(self.dense.weight.dtype)).float()[:, None, :]
+        scale, shift, gate = modulation.chunk(3, dim=-1)
+        normed = normed * (1.0 + scale) + shift
+        return normed.to(hidden_states.dtype), gate.to(hidden_states.dtype)
+
+
+class PI05ExpertDecoderLayer(nn.Module):
+    """A Gemma decoder layer whose two norms are adaRMS and whose residuals are gated."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = GemmaAttention(config=config, layer_idx=layer_idx)
+        self.mlp = GemmaMLP(config)
+        self.input_layernorm = PI05AdaRMS(config.hidden_size, config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = PI05AdaRMS(config.hidden_size, config.hidden_size, eps=config.rms_norm_eps)
+
+
+class PI05ActionExpert(GemmaPreTrainedModel):
+    """The Gemma action expert of pi0.5: decoder layers and final norm, no token embeddings, no rotary of its own."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.layers = nn.ModuleList(PI05ExpertDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = PI05AdaRMS(config.hidden_size, config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, PI05AdaRMS):  # adaLN-zero: the expert starts as identity residual branches
+            init.zeros_(module.dense.weight)
+            init.zeros_(module.dense.bias)
+
+
+def _project_qkv(attn: GemmaAttention, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    shape = (*hidden.shape[:-1], -1, attn.head_dim)
+    query = attn.q_proj(hidden).view(shape).transpose(1, 2)
+    key = attn.k_proj(hidden).view(shape).transpose(1, 2)
+    value = attn.v_proj(hidden).view(shape).transpose(1, 2)
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    return query, key, value
+
+
+def _attend(attn: GemmaAttention, query, key, value, mask) -> torch.Tensor:
+    implementation = attn.config._attn_implementation
+    interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    out, _ = interface(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, is_causal=False)
+    out = out.reshape(*query.shape[:1], query.shape[2], -1).contiguous()
+    return attn.o_proj(out)
+
+
+def _vlm_layer(layer, hidden, mask, cos, sin, kv_only=False):
+    """One VLM (Gemma) layer over the prefix; also returns this layer's prefix keys/values.
+
+    With `kv_only` (the last layer: nothing reads its prefix output) only the keys/values are computed.
+    """
+    query, key, value = _project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin)
+    if kv_only:
+        return hidden, key, value
+    hidden = hidden + _attend(layer.self_attn, query, key, value, mask)
+    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden, key, value
+
+
+def _expert_layer(layer, hidden, cond, prefix_key, prefix_value, mask, cos, sin):
+    """One expert layer over the suffix, attending to the prefix keys/values of the same layer."""
+    normed, gate = layer.input_layernorm(hidden, cond)
+    query, key, value = _project_qkv(layer.self_attn, normed, cos, sin)
+    key = torch.cat([prefix_key.to(key.dtype), key], dim=2)
+    value = torch.cat([prefix_value.to(value.dtype), value], dim=2)
+    hidden = hidden + gate * _attend(layer.self_attn, query, key, value, mask)
+    normed, gate = layer.post_attention_layernorm(hidden, cond)
+    return hidden + gate * layer.mlp(normed)
+
+
+class PI05PreTrainedModel(PreTrainedModel):
+    config: PI05Config
+    config_class = PI05Config
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _no_split_modules = ["GemmaDecoderLayer", "PI05ExpertDecoderLayer", "SiglipEncoderLayer"]
+    input_modalities = ("image", "text")
+    # As the reference does in bf16: the vision path, every (ada)RMS norm and the action/time heads stay fp32.
+    _keep_in_fp32_modules_strict = [
+        "vision_tower",
+        "multi_modal_projector",
+        "layernorm",
+        "norm.",
+        "action_in_proj",
+        "action_out_proj",
+        "time_mlp_in",
+        "time_mlp_out",
+    ]
+
+    def set_attn_implementation(self, attn_implementation, **kwargs):
+        # transformers marks every sub-model config it switched with `_attn_was_changed` but clears the mark only on
+        # the direct sub-configs; PaliGemma's nested text/vision configs would keep it and ignore every later switch.
+        for module in self.modules():
+            if isinstance(module, PreTrainedModel) and hasattr(module.config, "_attn_was_changed"):
+                del module.config._attn_was_changed
+        super().set_attn_implementation(attn_implementation, **kwargs)
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, PI0TimestepEmbeddings):
+            init.copy_(module.sinusoid_freq, module.compute_freqs(module.config))
+
+
+class PI05Model(PI05PreTrainedModel):
+    """PaliGemma (prefix) + adaRMS Gemma action expert (suffix)."""
+
+    def __init__(self, config: PI05Config):
+        super().__init__(config)
+        self.vlm = AutoModel.from_config(config.vlm_config)
+        self.expert = PI05ActionExpert(config.dit_config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.vlm.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.vlm.set_input_embeddings(value)
+
+    @property
+    def text_model(self):
+        return self.vlm.language_model
+
+    def _check_attention(self):
+        for cfg in (self.config.vlm_config.text_config, self.config.dit_config):
+            implementation = cfg._attn_implementation or "eager"
+            if implementation not in SUPPORTED_ATTENTION:
+                raise ValueError(
+                    f"pi0.5 cannot run with attn_implementation={implementation!r}: its prefix/suffix attention needs "
+                    f"a per-key padding mask, which this backend does not express. Use one of {SUPPORTED_ATTENTION}."
+                )
+
+    def prefix_mask(self, pixel_attention_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, n_cams * image_tokens + L] bool: which prefix tokens are real."""
+        image_mask = pixel_attention_mask.bool().repeat_interleave(self.config.num_image_tokens, dim=1)
+        return torch.cat([image_mask, attention_mask.bool()], dim=1)
+
+    def embed_prefix(self, input_ids, pixel_values, pixel_attention_mask=None) -> torch.Tensor:
+        """Image tokens of every camera slot (absent ones are masked, not dropped), then language tokens."""
+        batch_size, num_cameras = pixel_values.shape[:2]
+        vision_dtype = self.vlm.vision_tower.get_input_embeddings().weight.dtype
+        features = self.vlm.get_image_features(pixel_values.flatten(0, 1).to(vision_dtype)).pooler_output
+        text_embeds = self.vlm.get_input_embeddings()(input_ids)  # Gemma scales by sqrt(width) here
+        features = features.to(text_embeds.dtype).reshape(batch_size, num_cameras * features.shape[1], -1)
+        return torch.cat([features, text_embeds], dim=1)
+
+    def _masks(self, prefix_valid: torch.Tensor, prefix_embeds, suffix_embeds):
+        text_config, expert_config = self.config.vlm_config.text_config, self.config.dit_config
+        prefix_mask = None
+        if prefix_embeds is not None:
+            prefix_mask = create_bidirectional_mask(
+                config=text_config, inputs_embeds=prefix_embeds, attention_mask=prefix_valid
+            )
+        suffix_mask = None
+        if suffix_embeds is not None:
+            batch_size, chunk = suffix_embeds.shape[:2]
+            key_valid = torch.cat([prefix_valid, prefix_valid.new_ones(batch_size, chunk)], dim=1)
+            keys = suffix_embeds.new_empty(batch_size, key_valid.shape[1], 1)
+            suffix_mask = create_bidirectional_mask(
+                config=expert_config, inputs_embeds=suffix_embeds, attention_mask=key_valid, encoder_hidden_states=keys
+            )
+        return prefix_mask, suffix_mask
+
+    def _checkpointed(self, fn):
+        if self.gradient_checkpointing and self.training:
+            return partial(self._gradient_checkpointing_func, fn)
+        return fn
+
+    def forward(
+        self,
+        suffix_embeds: torch.Tensor | None,
+        adarms_cond: torch.Tensor | None,
+        prefix_valid: torch.Tensor,
+        prefix_embeds: torch.Tensor | None = None,
+        past_key_values: DynamicCache | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor | None, DynamicCache | None]:
+        """Run the towers. Prefix only (fills a cache), suffix only (reads `past_key_values`), or both jointly.
+
+        Returns the expert's normalised suffix hidden states (or None) and the prefix cache (when one was used).
+        """
+        self._check_attention()
+        if prefix_embeds is None and past_key_values is None:
+            raise ValueError("PI05Model needs the prefix: pass prefix_embeds or a prefix past_key_values cache.")
+        text = self.text_model
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        prefix_mask, suffix_mask = self._masks(prefix_valid, prefix_embeds, suffix_embeds)
+        prefix_positions = prefix_valid.long().cumsum(-1) - 1
+        if prefix_embeds is not None:
+            prefix_cos, prefix_sin = text.rotary_emb(prefix_embeds, position_ids=prefix_positions)
+        if suffix_embeds is not None:
+            offset = prefix_valid.long().sum(-1, keepdim=True)
+            suffix_positions = offset + torch.arange(suffix_embeds.shape[1], device=suffix_embeds.device)
+            suffix_cos, suffix_sin = text.rotary_emb(suffix_embeds, position_ids=suffix_positions)
+
+        hidden_prefix, hidden_suffix = prefix_embeds, suffix_embeds
+        last = len(text.layers) - 1
+        for index, (vlm_layer, expert_layer) in enumerate(zip(text.layers, self.expert.layers)):
+            if hidden_prefix is not None:
+                step = partial(
+                    _vlm_layer, vlm_layer, mask=prefix_mask, cos=prefix_cos, sin=prefix_sin, kv_only=index == last
+                )
+                hidden_prefix, key, value = self._checkpointed(step)(hidden_prefix)
+                if use_cache:
+                    past_key_values.update(key, value, index)
+            else:
+                key, value = past_key_values.layers[index].keys, past_key_values.layers[index].values
+            if hidden_suffix is not None:
+                step = partial(_expert_layer, expert_layer, mask=suffix_mask, cos=suffix_cos, sin=suffix_sin)
+                hidden_suffix = self._checkpointed(step)(hidden_suffix, adarms_cond, key, value)
+        if hidden_suffix is not None:
+            hidden_suffix, _ = self.expert.norm(hidden_suffix, adarms_cond)
+        return hidden_suffix, past_key_values
+
+
+class PI05ForConditionalGeneration(PI05PreTrainedModel):
+    """pi0.5: predicts the flow-matching velocity of an action chunk; `sample_actions` integrates it."""
+
+    def __init__(self, config: PI05Config):
+        super().__init__(config)
+        self.model = PI05Model(config)
+        width = config.dit_config.hidden_size
+        self.time_embed = PI0TimestepEmbeddings(config)
+        self.action_in_proj = nn.Linear(config.max_action_dim, width)
+        self.action_out_proj = nn.Linear(width, config.max_action_dim)
+        self.time_mlp_in = nn.Linear(width, width)
+        self.time_mlp_out = nn.Linear(width, width)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.model.set_input_embeddings(value)
+
+    def embed_suffix(self, noise: torch.Tensor, timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Action tokens from x_t, and the adaRMS condition from the time embedding."""
+        expert_dtype = self.model.expert.layers[0].mlp.up_proj.weight.dtype
+        action_embeds = self.action_in_proj(noise.to(self.action_in_proj.weight.dtype)).to(expert_dtype)
+        time_embeds = self.time_embed(timestep.float()).to(self.time_mlp_in.weight.dtype)
+        cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_embeds))))
+        return action_embeds, cond
+
+    def sample_time(self, batch_size: int, device) -> torch.Tensor:
+        """t ~ Beta(alpha, beta) * scale + offset (as published), from the global RNG."""
+        config = self.config
+        beta = torch.distributions.Beta(
+            torch.tensor(config.time_sampling_beta_alpha), torch.tensor(config.time_sampling_beta_beta)
+        )
+        return (beta.sample((batch_size,)) * config.time_sampling_scale + config.time_sampling_offset).to(device)
+
+    def forward(
+        self,
+        noise: torch.FloatTensor | None = None,
+        timestep: torch.FloatTensor | None = None,
+        input_ids: torch.LongTensor | None = None,
+        pixel_values: torch.FloatTensor | None = None,
+        pixel_attention_mask: torch.BoolTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        actions: torch.FloatTensor | None = None,
+        state: torch.FloatTensor | None = None,
+        past_key_values: DynamicCache | None = None,
+        use_cache: bool = False,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        r"""
+        noise (`[B, chunk, max_action_dim]`): x_t at `timestep` when `actions` is None; otherwise the noise that is
+            mixed with `actions` (sampled when omitted).
+        timestep (`[B]`): flow-matching time in [0, 1] (sampled from the configured Beta when omitted with `actions`).
+        input_ids / attention_mask (`[B, L]`): the prompt (`Task: ..., State: ...;\nAction: `), right-padded.
+        pixel_values (`[B, n_cams, 3, H, W]`), pixel_attention_mask (`[B, n_cams]`): camera images and presence.
+        actions (`[B, chunk, max_action_dim]`): normalised target chunk; when given, `loss` is the mean flow-matching
+            MSE (the trainer computes its own masked, aggregated loss from `logits` instead).
+        state: accepted for a uniform policy signature and unused: pi0.5 reads the state from the prompt.
+        past_key_values: a prefix cache from a previous call (`use_cache=True`); the prefix is then not recomputed.
+
+        Returns `logits` = predicted velocity `[B, chunk, max_action_dim]` (fp32).
+        """
+        if input_ids is None:
+            raise ValueError("PI05ForConditionalGeneration.forward needs input_ids (and attention_mask).")
+        batch_size = input_ids.shape[0]
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        if pixel_attention_mask is None:
+            if pixel_values is None:
+                raise ValueError("Pass pixel_values, or pixel_attention_mask together with past_key_values.")
+            pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=input_ids.device)
+        shape = (batch_size, self.config.chunk_size, self.config.max_action_dim)
+        if actions is not None:
+            if timestep is None:
+                timestep = self.sample_time(batch_size, input_ids.device)
+            if noise is None:
+                noise = torch.randn(shape, device=input_ids.device, dtype=torch.float32)
+            t = timestep[:, None, None].to(actions.dtype)
+            x_t = t * noise + (1 - t) * actions
+        else:
+            if noise is None or timestep is None:
+                raise ValueError("Without actions, pass noise (x_t) and timestep: the model predicts the velocity there.")
+            x_t = noise
+
+        prefix_embeds = None
+        if past_key_values is None:
+            if pixel_values is None:
+                raise ValueError("pixel_values are needed unless a prefix past_key_values cache is passed.")
+            prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
+        suffix_embeds, cond = self.embed_suffix(x_t, timestep)
+        hidden, cache = self.model(
+            suffix_embeds,
+            cond,
+            prefix_valid=self.model.prefix_mask(pixel_attention_mask, attention_mask),
+            prefix_embeds=prefix_embeds,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+        )
+        velocity = self.action_out_proj(hidden[:, -self.config.chunk_size :].to(self.action_out_proj.weight.dtype))
+        velocity = velocity.float()
+        loss = None
+        if actions is not None:
+            loss = F.mse_loss(velocity, (noise - actions).float())
+        return CausalLMOutputWithPast(loss=loss, logits=velocity, past_key_values=cache)
+
+    @torch.no_grad()
+    def prefix_cache(self, input_ids, pixel_values, pixel_attention_mask=None, attention_mask=None) -> DynamicCache:
+        """Run the VLM once over the prefix and return its per-layer keys/values."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        if pixel_attention_mask is None:
+            pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=input_ids.device)
+        prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
+        _, cache = self.model(
+            None,
+            None,
+            prefix_valid=self.model.prefix_mask(pixel_attention_mask, attention_mask),
+            prefix_embeds=prefix_embeds,
+            use_cache=True,
+        )
+        return cache
+
+    @torch.no_grad()
+    def sample_actions(
+        self,
+        input_ids: torch.LongTensor,
+        pixel_values: torch.FloatTensor,
+        pixel_attention_mask: torch.BoolTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        noise: torch.FloatTensor | None = None,
+        num_steps: int | None = None,
+        state: torch.FloatTensor | None = None,
+        **kwargs,
+    ) -> torch.FloatTensor:
+        """Integrate the velocity from t=1 (noise) to t=0 with `num_inference_steps` Euler steps; prefix run once."""
+        num_steps = num_steps or self.config.num_inference_steps
+        batch_size, device = input_ids.shape[0], input_ids.device
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        if pixel_attention_mask is None:
+            pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=device)
+        if noise is None:
+            noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
+        cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask)
+        x_t = noise.float()
+        dt = -1.0 / num_steps
+        for step in range(num_steps):
+            time = torch.full((batch_size,), 1.0 + step * dt, dtype=torch.float32, device=device)
+            velocity = self(
+                noise=x_t,
+                timestep=time,
+                input_ids=input_ids,
+                pixel_attention_mask=pixel_attention_mask,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+            ).logits
+            x_t = x_t + dt * velocity
+        return x_t
+
+
+__all__ = ["PI05PreTrainedModel", "PI05Model", "PI05ForConditionalGeneration"]

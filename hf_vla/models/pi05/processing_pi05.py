@@ -1,0 +1,219 @@
+"""pi0.5 processor: prompt (task + discretized state), images, quantile normalization per head, un-normalization."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import BatchFeature, ProcessorMixin
+
+DEGENERATE_EPS = 1e-6
+
+
+def resize_with_pad(images: torch.Tensor, size: int) -> torch.Tensor:
+    """Aspect-preserving bilinear resize of `[..., 3, H, W]` images to `size`x`size`, centred black padding.
+
+    Accepts uint8 (0..255) or float in [0, 1]; returns float32 in [-1, 1] (SigLIP's normalisation), as openpi does.
+    """
+    if images.dtype == torch.uint8:
+        images = images.float() / 255.0
+    images = images.float()
+    lead, (channels, height, width) = images.shape[:-3], images.shape[-3:]
+    if channels != 3:
+        raise ValueError(f"expected channels-first RGB images [..., 3, H, W], got shape {tuple(images.shape)}")
+    flat = images.reshape(-1, channels, height, width)
+    if (height, width) != (size, size):
+        ratio = max(width / size, height / size)
+        new_h, new_w = int(height / ratio), int(width / ratio)
+        flat = F.interpolate(flat, size=(new_h, new_w), mode="bilinear", align_corners=False).clamp(0.0, 1.0)
+        pad_h, pad_w = size - new_h, size - new_w
+        flat = F.pad(flat, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0.0)
+    return (flat * 2.0 - 1.0).reshape(*lead, channels, size, size)
+
+
+def _as_tensor(value, dtype=torch.float32) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype)
+    return torch.as_tensor(np.asarray(value), dtype=dtype)
+
+
+class PI05Processor(ProcessorMixin):
+    r"""
+    Turns raw robot observations into pi0.5 inputs and predicted chunks back into robot actions.
+
+    tokenizer: any HF tokenizer (real runs: `google/paligemma-3b-pt-224`'s).
+    norm_stats (`dict`): `{head: {"state": {"q01": [...], "q99": [...]}, "actions": {...}}}`, one head per
+        `robot_type::control_mode`; quantile normalization maps q01..q99 to [-1, 1]. Dimensions with q01 == q99 are
+        degenerate and map to 0 (and back to their constant), instead of exploding.
+    head_names (`list[str]`): heads in `dataset_index` order.
+    image_size, max_state_dim, max_action_dim, chunk_size, state_bins: as in `PI05Config`; prompt_max_length is its
+        `tokenizer_max_length`.
+    """
+
+    attributes = ["tokenizer"]
+    tokenizer_class = "AutoTokenizer"
+
+    def __init__(
+        self,
+        tokenizer=None,
+        norm_stats: dict | None = None,
+        head_names: list[str] | None = None,
+        image_size: int = 224,
+        max_state_dim: int = 32,
+        max_action_dim: int = 32,
+        chunk_size: int = 50,
+        prompt_max_length: int = 200,
+        state_bins: int = 256,
+        **kwargs,
+    ):
+        self.norm_stats = norm_stats or {}
+        self.head_names = list(head_names) if head_names is not None else list(self.norm_stats)
+        self.image_size = image_size
+        self.max_state_dim = max_state_dim
+        self.max_action_dim = max_action_dim
+        self.chunk_size = chunk_size
+        self.prompt_max_length = prompt_max_length
+        self.state_bins = state_bins
+        super().__init__(tokenizer, **kwargs)
+
+    @classmethod
+    def from_config(cls, config, tokenizer, norm_stats: dict | None = None, head_names=None) -> PI05Processor:
+        return cls(
+            tokenizer=tokenizer,
+            norm_stats=norm_stats,
+            head_names=head_names,
+            image_size=config.image_size,
+            max_state_dim=config.max_state_dim,
+            max_action_dim=config.max_action_dim,
+            chunk_size=config.chunk_size,
+            prompt_max_length=config.tokenizer_max_length,
+            state_bins=config.state_bins,
+        )
+
+    # ---- normalization -------------------------------------------------------------------------------------------
+    def _head(self, head: str | int | None) -> str:
+        if head is None:
+            if len(self.head_names) != 1:
+                raise ValueError(f"Pass a normalization head: this processor has {self.head_names}.")
+            return self.head_names[0]
+        if isinstance(head, int):
+            return self.head_names[head]
+        if head not in self.norm_stats:
+            raise KeyError(f"unknown normalization head {head!r}; known: {sorted(self.norm_stats)}")
+        return head
+
+    def _quantiles(self, head, key: str):
+        stats = self.norm_stats[self._head(head)][key]
+        return _as_tensor(stats["q01"]), _as_tensor(stats["q99"])
+
+    def normalize(self, values, key: str, head=None) -> torch.Tensor:
+        """q01..q99 -> [-1, 1] on the last dim; degenerate dims -> 0."""
+        values = _as_tensor(values)
+        q01, q99 = (q.to(values.device) for q in self._quantiles(head, key))
+        dim = values.shape[-1]
+        if q01.shape[-1] != dim:
+            raise ValueError(f"{key} has {dim} dims but head {self._head(head)!r} has stats for {q01.shape[-1]}")
+        span = q99 - q01
+        degenerate = span.abs() < DEGENERATE_EPS
+        out = 2.0 * (values - q01) / torch.where(degenerate, torch.ones_like(span), span) - 1.0
+        return torch.where(degenerate, torch.zeros_like(out), out)
+
+    def unnormalize(self, values, key: str, head=None) -> torch.Tensor:
+        """Inverse of `normalize` on the head's real dims (extra padded dims are dropped)."""
+        values = _as_tensor(values)
+        q01, q99 = (q.to(values.device) for q in self._quantiles(head, key))
+        values = values[..., : q01.shape[-1]]
+        span = q99 - q01
+        degenerate = span.abs() < DEGENERATE_EPS
+        return torch.where(degenerate, q01.expand_as(values), (values + 1.0) * span / 2.0 + q01)
+
+    def unnormalize_actions(self, actions, head=None) -> torch.Tensor:
+        return self.unnormalize(actions, "actions", head)
+
+    # ---- prompt --------------------------------------------------------------------------------------------------
+    def discretize_state(self, normalized_state: torch.Tensor) -> np.ndarray:
+        """`state_bins` uniform bins over [-1, 1] (openpi's `np.digitize(..., linspace(-1, 1, bins + 1)[:-1]) - 1`)."""
+        bins = np.linspace(-1, 1, self.state_bins + 1)[:-1]
+        # Clipped so an out-of-range state never yields bin -1 or `state_bins` (openpi leaves those unclipped).
+        return np.clip(np.digitize(normalized_state.detach().cpu().numpy(), bins=bins) - 1, 0, self.state_bins - 1)
+
+    def build_prompt(self, task: str, normalized_state: torch.Tensor) -> str:
+        cleaned = task.strip().replace("_", " ").replace("\n", " ")
+        state = " ".join(map(str, self.discretize_state(normalized_state).tolist()))
+        return f"Task: {cleaned}, State: {state};\nAction: "
+
+    def pad(self, values: torch.Tensor, size: int) -> torch.Tensor:
+        if values.shape[-1] > size:
+            raise ValueError(f"vector of {values.shape[-1]} dims does not fit the model's max of {size}")
+        return F.pad(values, (0, size - values.shape[-1]))
+
+    # ---- the call ------------------------------------------------------------------------------------------------
+    def __call__(
+        self,
+        images: torch.Tensor | Sequence | None = None,
+        text: str | Sequence[str] | None = None,
+        state=None,
+        actions=None,
+        head: str | int | None = None,
+        camera_mask=None,
+        normalized: bool = False,
+        **kwargs,
+    ) -> BatchFeature:
+        """Build model inputs for a batch.
+
+        images: `[B, n_cams, 3, H, W]` (uint8 or float in [0, 1]) or one sample `[n_cams, 3, H, W]`.
+        text: task strings. state: `[B, state_dim]` raw (or already normalized with `normalized=True`).
+        actions: optional `[B, chunk, action_dim]` raw targets. head: normalization head (name or index).
+        camera_mask: optional `[B, n_cams]` presence (default: all present).
+        """
+        if text is None:
+            raise ValueError("PI05Processor needs the task text.")
+        single = isinstance(text, str)
+        texts = [text] if single else list(text)
+        if state is None:
+            raise ValueError("PI05Processor needs the robot state (pi0.5 puts it in the prompt).")
+        state = _as_tensor(state)
+        if state.ndim == 1:
+            state = state[None]
+        if not normalized:
+            state = self.normalize(state, "state", head)
+        prompts = [self.build_prompt(t, s) for t, s in zip(texts, state, strict=True)]
+        data = dict(
+            self.tokenizer(
+                prompts,
+                padding="max_length",
+                truncation=True,
+                max_length=self.prompt_max_length,
+                return_tensors="pt",
+                padding_side="right",
+            )
+        )
+        data["attention_mask"] = data["attention_mask"].bool()
+        data["state"] = self.pad(state, self.max_state_dim)
+        if images is not None:
+            images = _as_tensor(images, dtype=images.dtype if isinstance(images, torch.Tensor) else torch.float32)
+            if images.ndim == 4:
+                images = images[None]
+            data["pixel_values"] = resize_with_pad(images, self.image_size)
+            mask = torch.ones(images.shape[:2], dtype=torch.bool) if camera_mask is None else _as_tensor(camera_mask, torch.bool)
+            data["pixel_attention_mask"] = mask
+        if actions is not None:
+            actions = _as_tensor(actions)
+            if actions.ndim == 2:
+                actions = actions[None]
+            dim = actions.shape[-1]
+            actions = actions if normalized else self.normalize(actions, "actions", head)
+            data["actions"] = self.pad(actions, self.max_action_dim)
+            dim_mask = torch.zeros(actions.shape[0], self.max_action_dim, dtype=torch.bool)
+            dim_mask[:, :dim] = True
+            data["action_dim_mask"] = dim_mask
+        return BatchFeature(data=data)
+
+    @property
+    def model_input_names(self):
+        return ["input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state"]
+
+
+__all__ = ["PI05Processor", "resize_with_pad"]

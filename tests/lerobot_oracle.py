@@ -1,0 +1,135 @@
+"""lerobot's own pi0 / pi0.5 built at tiny dims, as a numerical oracle for hf_vla.
+
+lerobot's constructors hard-code the SigLIP So400m widths, the projector width (2048) and, in the joint attention,
+8 heads; we patch the two config factories it calls (`get_gemma_config` and the PaliGemma wrapper) so the same
+architecture is built at tiny dims. Heads stay 8 because lerobot reshapes with a literal 8.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+
+VOCAB = 257152  # lerobot hard-codes PaliGemma's vocabulary
+TEXT = dict(width=64, depth=2, mlp_dim=128, num_heads=8, num_kv_heads=1, head_dim=8)
+EXPERT = dict(width=32, depth=2, mlp_dim=64, num_heads=8, num_kv_heads=1, head_dim=8)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=8)
+IMAGE_SIZE = 32
+CHUNK, MAX_STATE, MAX_ACTION = 5, 8, 6
+
+
+def _vlm_config():
+    return {
+        "model_type": "paligemma",
+        "text_config": {
+            "model_type": "gemma", "hidden_size": TEXT["width"], "num_hidden_layers": TEXT["depth"],
+            "intermediate_size": TEXT["mlp_dim"], "num_attention_heads": TEXT["num_heads"],
+            "num_key_value_heads": TEXT["num_kv_heads"], "head_dim": TEXT["head_dim"], "vocab_size": VOCAB,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model", **VISION, "image_size": IMAGE_SIZE, "vision_use_head": False,
+            "projection_dim": TEXT["width"], "projector_hidden_act": "gelu_fast",
+        },
+        "projection_dim": TEXT["width"],
+        "image_token_id": VOCAB,
+    }
+
+
+def _dit_config():
+    return {
+        "model_type": "gemma", "hidden_size": EXPERT["width"], "num_hidden_layers": EXPERT["depth"],
+        "intermediate_size": EXPERT["mlp_dim"], "num_attention_heads": EXPERT["num_heads"],
+        "num_key_value_heads": EXPERT["num_kv_heads"], "head_dim": EXPERT["head_dim"], "vocab_size": VOCAB,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def hf_pi05_config():
+    from hf_vla import PI05Config
+
+    return PI05Config(vlm_config=_vlm_config(), dit_config=_dit_config(), chunk_size=CHUNK,
+                      max_state_dim=MAX_STATE, max_action_dim=MAX_ACTION)
+
+
+def hf_pi0_config():
+    from transformers import PI0Config
+
+    return PI0Config(vlm_config=_vlm_config(), dit_config=_dit_config(), chunk_size=CHUNK,
+                     max_state_dim=MAX_STATE, max_action_dim=MAX_ACTION)
+
+
+@contextlib.contextmanager
+def _tiny_lerobot(module):
+    from lerobot.policies.pi05.modeling_pi05 import GemmaConfig as LeGemmaConfig
+
+    def tiny_variant(variant):
+        dims = TEXT if variant == "gemma_2b" else EXPERT
+        return LeGemmaConfig(dims["width"], dims["depth"], dims["mlp_dim"], dims["num_heads"], dims["num_kv_heads"],
+                             dims["head_dim"])
+
+    original = module.PaliGemmaForConditionalGenerationWithPiGemma
+
+    def tiny_paligemma(config):
+        for key, value in VISION.items():
+            setattr(config.vision_config, key, value)
+        config.vision_config.projection_dim = TEXT["width"]
+        return original(config=config)
+
+    with (
+        mock.patch.object(module, "get_gemma_config", tiny_variant),
+        mock.patch.object(module, "PaliGemmaForConditionalGenerationWithPiGemma", tiny_paligemma),
+    ):
+        yield
+
+
+def _randomize(model: torch.nn.Module, seed: int):
+    """Random weights everywhere (the zero-initialised adaRMS gates would otherwise hide the expert)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+def build_lerobot_pi05(seed: int = 0):
+    from lerobot.policies.pi05 import modeling_pi05 as module
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config as LePI05Config
+
+    config = LePI05Config(chunk_size=CHUNK, n_action_steps=CHUNK, max_state_dim=MAX_STATE, max_action_dim=MAX_ACTION,
+                          image_resolution=(IMAGE_SIZE, IMAGE_SIZE), dtype="float32", device="cpu")
+    with _tiny_lerobot(module):
+        model = module.PI05Pytorch(config)
+    _randomize(model, seed)
+    return model.eval()
+
+
+def build_lerobot_pi0(seed: int = 0):
+    from lerobot.policies.pi0 import modeling_pi0 as module
+    from lerobot.policies.pi0.configuration_pi0 import PI0Config as LePI0Config
+
+    config = LePI0Config(chunk_size=CHUNK, n_action_steps=CHUNK, max_state_dim=MAX_STATE, max_action_dim=MAX_ACTION,
+                         image_resolution=(IMAGE_SIZE, IMAGE_SIZE), dtype="float32", device="cpu")
+    with _tiny_lerobot(module):
+        model = module.PI0Pytorch(config)
+    _randomize(model, seed)
+    return model.eval()
+
+
+def sample_inputs(batch_size: int = 2, num_cameras: int = 2, seq_len: int = 7, seed: int = 1):
+    """Identical raw inputs for both implementations: images in [-1, 1], right-padded tokens, a missing camera."""
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.rand(batch_size, num_cameras, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator) * 2 - 1
+    camera_mask = torch.ones(batch_size, num_cameras, dtype=torch.bool)
+    camera_mask[-1, -1] = False
+    tokens = torch.randint(2, 1000, (batch_size, seq_len), generator=generator)
+    token_mask = torch.ones(batch_size, seq_len, dtype=torch.bool)
+    token_mask[-1, seq_len - 3 :] = False
+    tokens[~token_mask] = 0
+    actions = torch.randn(batch_size, CHUNK, MAX_ACTION, generator=generator)
+    noise = torch.randn(batch_size, CHUNK, MAX_ACTION, generator=generator)
+    state = torch.randn(batch_size, MAX_STATE, generator=generator)
+    time = torch.rand(batch_size, generator=generator) * 0.9 + 0.05
+    return dict(images=images, camera_mask=camera_mask, tokens=tokens, token_mask=token_mask, actions=actions,
+                noise=noise, state=state, time=time)
