@@ -1,6 +1,6 @@
 """hf_vla: train and serve vision-language-action robot policies (pi0, pi0.5) the Hugging Face way."""
 
-from transformers import AutoConfig, AutoModel, AutoProcessor
+from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText, AutoProcessor
 
 from .models.pi05 import PI05Config, PI05ForConditionalGeneration, PI05Model, PI05PreTrainedModel, PI05Processor
 
@@ -9,6 +9,8 @@ __version__ = "0.1.0"
 # `import hf_vla` makes "pi05" a first-class transformers model type.
 AutoConfig.register("pi05", PI05Config, exist_ok=True)
 AutoModel.register(PI05Config, PI05ForConditionalGeneration, exist_ok=True)
+# transformers maps pi0's policy to AutoModelForImageTextToText (AutoModel gives the headless PI0Model): same for pi05.
+AutoModelForImageTextToText.register(PI05Config, PI05ForConditionalGeneration, exist_ok=True)
 AutoProcessor.register(PI05Config, PI05Processor, exist_ok=True)
 # save_pretrained writes an auto_map, so a checkpoint also loads with trust_remote_code=True without hf_vla.
 PI05Config.register_for_auto_class()

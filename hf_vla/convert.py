@@ -109,6 +109,10 @@ _GEMMA_VARIANTS = {
 }
 
 
+# SigLIP So400m/14 as used by pi0 / pi0.5 (image_size comes from the checkpoint's image_resolution).
+_VISION_DIMS = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, patch_size=14)
+
+
 def config_from_lerobot(lerobot_config: dict):
     """Build the hf_vla/transformers config from a lerobot policy `config.json` (published dims per variant)."""
     from transformers import PI0Config
@@ -126,8 +130,7 @@ def config_from_lerobot(lerobot_config: dict):
         "model_type": "paligemma",
         "text_config": {"model_type": "gemma", "vocab_size": vocab, "hidden_activation": "gelu_pytorch_tanh", **text},
         "vision_config": {
-            "model_type": "siglip_vision_model", "intermediate_size": 4304, "hidden_size": 1152, "patch_size": 14,
-            "image_size": image_size, "num_hidden_layers": 27, "num_attention_heads": 16, "vision_use_head": False,
+            "model_type": "siglip_vision_model", **_VISION_DIMS, "image_size": image_size, "vision_use_head": False,
             "projection_dim": text["hidden_size"],
         },
         "projection_dim": text["hidden_size"],

@@ -8,6 +8,7 @@ architecture is built at tiny dims. Heads stay 8 because lerobot reshapes with a
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
@@ -20,7 +21,21 @@ IMAGE_SIZE = 32
 CHUNK, MAX_STATE, MAX_ACTION = 5, 8, 6
 
 
-def _vlm_config():
+@dataclass
+class Dims:
+    """One tiny architecture, built identically by lerobot and hf_vla."""
+
+    text: dict = field(default_factory=lambda: dict(TEXT))
+    expert: dict = field(default_factory=lambda: dict(EXPERT))
+    vision: dict = field(default_factory=lambda: dict(VISION))
+    image_size: int = IMAGE_SIZE
+    chunk: int = CHUNK
+    max_state: int = MAX_STATE
+    max_action: int = MAX_ACTION
+
+
+def _vlm_config(d: Dims):
+    TEXT, VISION, IMAGE_SIZE = d.text, d.vision, d.image_size  # noqa: N806
     return {
         "model_type": "paligemma",
         "text_config": {
@@ -38,7 +53,8 @@ def _vlm_config():
     }
 
 
-def _dit_config():
+def _dit_config(d: Dims):
+    EXPERT = d.expert  # noqa: N806
     return {
         "model_type": "gemma", "hidden_size": EXPERT["width"], "num_hidden_layers": EXPERT["depth"],
         "intermediate_size": EXPERT["mlp_dim"], "num_attention_heads": EXPERT["num_heads"],
@@ -47,35 +63,37 @@ def _dit_config():
     }
 
 
-def hf_pi05_config():
+def hf_pi05_config(d: Dims | None = None):
     from hf_vla import PI05Config
 
-    return PI05Config(vlm_config=_vlm_config(), dit_config=_dit_config(), chunk_size=CHUNK,
-                      max_state_dim=MAX_STATE, max_action_dim=MAX_ACTION)
+    d = d or Dims()
+    return PI05Config(vlm_config=_vlm_config(d), dit_config=_dit_config(d), chunk_size=d.chunk,
+                      max_state_dim=d.max_state, max_action_dim=d.max_action)
 
 
-def hf_pi0_config():
+def hf_pi0_config(d: Dims | None = None):
     from transformers import PI0Config
 
-    return PI0Config(vlm_config=_vlm_config(), dit_config=_dit_config(), chunk_size=CHUNK,
-                     max_state_dim=MAX_STATE, max_action_dim=MAX_ACTION)
+    d = d or Dims()
+    return PI0Config(vlm_config=_vlm_config(d), dit_config=_dit_config(d), chunk_size=d.chunk,
+                     max_state_dim=d.max_state, max_action_dim=d.max_action)
 
 
 @contextlib.contextmanager
-def _tiny_lerobot(module):
+def _tiny_lerobot(module, d: Dims):
     from lerobot.policies.pi05.modeling_pi05 import GemmaConfig as LeGemmaConfig
 
     def tiny_variant(variant):
-        dims = TEXT if variant == "gemma_2b" else EXPERT
+        dims = d.text if variant == "gemma_2b" else d.expert
         return LeGemmaConfig(dims["width"], dims["depth"], dims["mlp_dim"], dims["num_heads"], dims["num_kv_heads"],
                              dims["head_dim"])
 
     original = module.PaliGemmaForConditionalGenerationWithPiGemma
 
     def tiny_paligemma(config):
-        for key, value in VISION.items():
+        for key, value in d.vision.items():
             setattr(config.vision_config, key, value)
-        config.vision_config.projection_dim = TEXT["width"]
+        config.vision_config.projection_dim = d.text["width"]
         return original(config=config)
 
     with (
@@ -93,34 +111,40 @@ def _randomize(model: torch.nn.Module, seed: int):
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
 
 
-def build_lerobot_pi05(seed: int = 0):
+def build_lerobot_pi05(seed: int = 0, d: Dims | None = None):
     from lerobot.policies.pi05 import modeling_pi05 as module
     from lerobot.policies.pi05.configuration_pi05 import PI05Config as LePI05Config
 
-    config = LePI05Config(chunk_size=CHUNK, n_action_steps=CHUNK, max_state_dim=MAX_STATE, max_action_dim=MAX_ACTION,
-                          image_resolution=(IMAGE_SIZE, IMAGE_SIZE), dtype="float32", device="cpu")
-    with _tiny_lerobot(module):
+    d = d or Dims()
+    config = LePI05Config(chunk_size=d.chunk, n_action_steps=d.chunk, max_state_dim=d.max_state,
+                          max_action_dim=d.max_action, image_resolution=(d.image_size, d.image_size), dtype="float32",
+                          device="cpu")
+    with _tiny_lerobot(module, d):
         model = module.PI05Pytorch(config)
     _randomize(model, seed)
     return model.eval()
 
 
-def build_lerobot_pi0(seed: int = 0):
+def build_lerobot_pi0(seed: int = 0, d: Dims | None = None):
     from lerobot.policies.pi0 import modeling_pi0 as module
     from lerobot.policies.pi0.configuration_pi0 import PI0Config as LePI0Config
 
-    config = LePI0Config(chunk_size=CHUNK, n_action_steps=CHUNK, max_state_dim=MAX_STATE, max_action_dim=MAX_ACTION,
-                         image_resolution=(IMAGE_SIZE, IMAGE_SIZE), dtype="float32", device="cpu")
-    with _tiny_lerobot(module):
+    d = d or Dims()
+    config = LePI0Config(chunk_size=d.chunk, n_action_steps=d.chunk, max_state_dim=d.max_state,
+                          max_action_dim=d.max_action, image_resolution=(d.image_size, d.image_size), dtype="float32",
+                          device="cpu")
+    with _tiny_lerobot(module, d):
         model = module.PI0Pytorch(config)
     _randomize(model, seed)
     return model.eval()
 
 
-def sample_inputs(batch_size: int = 2, num_cameras: int = 2, seq_len: int = 7, seed: int = 1):
+def sample_inputs(batch_size: int = 2, num_cameras: int = 2, seq_len: int = 7, seed: int = 1, d: Dims | None = None):
     """Identical raw inputs for both implementations: images in [-1, 1], right-padded tokens, a missing camera."""
+    d = d or Dims()
+    CHUNK, MAX_ACTION, MAX_STATE = d.chunk, d.max_action, d.max_state  # noqa: N806
     generator = torch.Generator().manual_seed(seed)
-    images = torch.rand(batch_size, num_cameras, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator) * 2 - 1
+    images = torch.rand(batch_size, num_cameras, 3, d.image_size, d.image_size, generator=generator) * 2 - 1
     camera_mask = torch.ones(batch_size, num_cameras, dtype=torch.bool)
     camera_mask[-1, -1] = False
     tokens = torch.randint(2, 1000, (batch_size, seq_len), generator=generator)

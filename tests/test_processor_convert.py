@@ -1,0 +1,162 @@
+"""PI05Processor (prompt, images, quantiles, round trip) and checkpoint conversion (function and CLI)."""
+
+import json
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from lerobot_oracle import EXPERT, IMAGE_SIZE, TEXT, VISION, build_lerobot_pi0, build_lerobot_pi05, sample_inputs
+from safetensors.torch import save_file
+from transformers import AutoModel, AutoModelForImageTextToText, AutoProcessor
+
+import hf_vla.convert as convert
+from hf_vla import PI05ForConditionalGeneration, PI05Processor
+from hf_vla.models.pi05.processing_pi05 import resize_with_pad
+from hf_vla.testing import tiny_pi05_config
+
+STATS = {
+    "arm::joint": {
+        "state": {"q01": [0.0, 1.0, -2.0], "q99": [1.0, 1.0, 2.0]},  # dim 1 is degenerate
+        "actions": {"q01": [0.0, -1.0], "q99": [2.0, 1.0]},
+    }
+}
+
+
+@pytest.fixture
+def processor(tiny_tokenizer):
+    return PI05Processor.from_config(tiny_pi05_config(), tiny_tokenizer, norm_stats=STATS)
+
+
+def test_quantile_normalization_and_degenerate_dims(processor):
+    state = torch.tensor([[0.5, 1.0, 2.0], [0.0, 1.3, -2.0]])
+    normalized = processor.normalize(state, "state")
+    torch.testing.assert_close(normalized, torch.tensor([[0.0, 0.0, 1.0], [-1.0, 0.0, -1.0]]))
+    assert normalized.abs().max() < 10  # a constant dim never explodes, even off its constant
+    actions = torch.tensor([[[1.0, 0.5]]])
+    roundtrip = processor.unnormalize_actions(processor.normalize(actions, "actions"))
+    torch.testing.assert_close(roundtrip, actions)
+
+
+def test_prompt_holds_task_and_discretized_state(processor):
+    out = processor(text="pick_up the cube\n", state=[[0.5, 1.0, 2.0]])
+    text = processor.tokenizer.decode(out["input_ids"][0][out["attention_mask"][0]])
+    # normalized state [0, 0, 1] -> bins of linspace(-1, 1, 257)[:-1]: 128, 128, 255
+    assert text == "Task: pick up the cube , State: 128 128 255;\nAction: ".replace(" ,", ",")
+    assert out["input_ids"].shape == (1, processor.prompt_max_length)
+    assert out["state"].shape == (1, processor.max_state_dim) and out["state"][0, 3:].abs().sum() == 0
+
+
+def test_discretization_matches_openpi(processor):
+    values = torch.linspace(-0.999, 0.999, 101)
+    ours = processor.discretize_state(values)
+    openpi = np.digitize(values.numpy(), bins=np.linspace(-1, 1, 257)[:-1]) - 1
+    np.testing.assert_array_equal(ours, openpi)
+    assert processor.discretize_state(torch.tensor([-5.0, 5.0])).tolist() == [0, 255]
+
+
+def test_images_resized_with_aspect_preserving_padding():
+    image = torch.full((1, 3, 48, 96), 255, dtype=torch.uint8)  # 2:1 -> 32x16 content, 8 rows of padding each side
+    out = resize_with_pad(image, 32)
+    assert out.shape == (1, 3, 32, 32)
+    assert torch.all(out[:, :, :8] == -1) and torch.all(out[:, :, -8:] == -1)
+    assert torch.allclose(out[:, :, 8:24], torch.ones(1)) and out.min() == -1
+
+
+def test_call_builds_the_batch_contract(processor):
+    images = torch.randint(0, 256, (2, 2, 3, 48, 64), dtype=torch.uint8)
+    out = processor(images=images, text=["a", "b"], state=torch.zeros(2, 3), actions=torch.zeros(2, 5, 2),
+                    camera_mask=[[True, False], [True, True]])
+    assert out["pixel_values"].shape == (2, 2, 3, 32, 32)
+    assert out["pixel_attention_mask"].tolist() == [[True, False], [True, True]]
+    assert out["actions"].shape == (2, 5, 6) and out["action_dim_mask"][0].tolist() == [True] * 2 + [False] * 4
+
+
+def test_processor_errors_name_the_problem(processor):
+    with pytest.raises(ValueError, match="state has 2 dims"):
+        processor(text="x", state=[[0.0, 1.0]])
+    with pytest.raises(KeyError, match="unknown normalization head 'nope'"):
+        processor(text="x", state=[[0.0, 1.0, 2.0]], head="nope")
+
+
+def test_processor_round_trip(tmp_path, processor):
+    processor.save_pretrained(tmp_path)
+    tiny_pi05_config().save_pretrained(tmp_path)
+    for loaded in (PI05Processor.from_pretrained(tmp_path), AutoProcessor.from_pretrained(tmp_path)):
+        assert isinstance(loaded, PI05Processor)
+        assert loaded.norm_stats == STATS and loaded.head_names == ["arm::joint"]
+        a = processor(text="go", state=[[0.2, 1.0, 0.0]])
+        b = loaded(text="go", state=[[0.2, 1.0, 0.0]])
+        assert torch.equal(a["input_ids"], b["input_ids"])
+
+
+def _write_lerobot_checkpoint(path, model, policy_type, tokenizer_dir):
+    path.mkdir()
+    # PI05Policy / PI0Policy hold the core model under `model.`; lm_head is stored, tied to embed_tokens.
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    embed = "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+    state["model.paligemma_with_expert.paligemma.lm_head.weight"] = state.pop(embed)
+    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
+    config = {"type": policy_type, "chunk_size": 5, "n_action_steps": 5, "max_state_dim": 8, "max_action_dim": 6,
+              "image_resolution": [IMAGE_SIZE, IMAGE_SIZE], "paligemma_variant": "gemma_2b",
+              "action_expert_variant": "gemma_300m"}
+    (path / "config.json").write_text(json.dumps(config))
+    stats = {"observation.state.q01": torch.zeros(3), "observation.state.q99": torch.ones(3),
+             "action.q01": torch.zeros(2), "action.q99": torch.ones(2),
+             "observation.state.mean": torch.zeros(3), "observation.state.std": torch.ones(3),
+             "action.mean": torch.zeros(2), "action.std": torch.ones(2)}
+    save_file(stats, path / "policy_preprocessor_step_3_normalizer_processor.safetensors")
+
+
+def _tiny_variants():
+    def dims(d):
+        return dict(hidden_size=d["width"], num_hidden_layers=d["depth"], intermediate_size=d["mlp_dim"],
+                    num_attention_heads=d["num_heads"], num_key_value_heads=d["num_kv_heads"], head_dim=d["head_dim"])
+
+    vision = {**VISION, "image_size": IMAGE_SIZE}
+    return mock.patch.multiple(convert, _GEMMA_VARIANTS={"gemma_2b": dims(TEXT), "gemma_300m": dims(EXPERT)},
+                               _VISION_DIMS=vision)
+
+
+def test_convert_cli_pi05(tmp_path, tiny_tokenizer_dir):
+    reference = build_lerobot_pi05(seed=5)
+    _write_lerobot_checkpoint(tmp_path / "lerobot", reference, "pi05", tiny_tokenizer_dir)
+    with _tiny_variants():
+        convert.main(["--input", str(tmp_path / "lerobot"), "--output", str(tmp_path / "hf"),
+                      "--tokenizer", str(tiny_tokenizer_dir), "--head", "arm::joint"])
+    model = AutoModel.from_pretrained(tmp_path / "hf").eval()
+    assert isinstance(model, PI05ForConditionalGeneration)
+    processor = AutoProcessor.from_pretrained(tmp_path / "hf")
+    assert processor.norm_stats["arm::joint"]["state"]["q99"] == [1.0, 1.0, 1.0]
+    x = sample_inputs()
+    cams = [x["images"][:, i] for i in range(2)]
+    masks = [x["camera_mask"][:, i] for i in range(2)]
+    with torch.no_grad():
+        expected = reference.sample_actions(cams, masks, x["tokens"], x["token_mask"], noise=x["noise"].clone())
+        ours = model.sample_actions(x["tokens"], x["images"], x["camera_mask"], x["token_mask"], noise=x["noise"].clone())
+    assert ((ours - expected).abs().max() / expected.abs().max()) < 5e-3
+
+
+def test_convert_cli_pi0(tmp_path, tiny_tokenizer_dir):
+    from transformers import PI0ForConditionalGeneration
+
+    _write_lerobot_checkpoint(tmp_path / "lerobot", build_lerobot_pi0(seed=6), "pi0", tiny_tokenizer_dir)
+    _write_lerobot_checkpoint(tmp_path / "lerobot_05", build_lerobot_pi05(seed=6), "pi05", tiny_tokenizer_dir)
+    with _tiny_variants():
+        for src, dst in (("lerobot", "hf"), ("lerobot_05", "hf_05")):
+            convert.main(["--input", str(tmp_path / src), "--output", str(tmp_path / dst),
+                          "--tokenizer", str(tiny_tokenizer_dir)])
+    # transformers maps pi0's policy class to AutoModelForImageTextToText (AutoModel is the headless PI0Model)
+    assert isinstance(AutoModelForImageTextToText.from_pretrained(tmp_path / "hf"), PI0ForConditionalGeneration)
+    assert isinstance(AutoModelForImageTextToText.from_pretrained(tmp_path / "hf_05"), PI05ForConditionalGeneration)
+
+
+def test_convert_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        convert.convert_checkpoint(tmp_path, tmp_path / "out")
+    config = tiny_pi05_config()
+    with pytest.raises(ValueError, match="no mapping"):
+        convert.convert_lerobot_state_dict({"something.else": torch.zeros(1)}, config)
+    with pytest.raises(ValueError, match="adaRMS"):
+        convert.convert_lerobot_state_dict(
+            {"paligemma_with_expert.gemma_expert.model.norm.weight": torch.zeros(1)}, config)
