@@ -1,0 +1,18 @@
+"""LeRobot data for VLA training: sources, the episode-shuffle stream, the weighted mixture, the collator."""
+
+from .collator import PI05Collator
+from .mixture import WeightedDatasetMixture
+from .sources import Block, DatasetConfig, LeRobotSource, VideoReader
+from .stream import EpisodeShuffleStream, ValidationStream, schedule
+
+__all__ = [
+    "Block",
+    "DatasetConfig",
+    "EpisodeShuffleStream",
+    "LeRobotSource",
+    "PI05Collator",
+    "ValidationStream",
+    "VideoReader",
+    "WeightedDatasetMixture",
+    "schedule",
+]

@@ -1,0 +1,109 @@
+"""Weighted mixture of LeRobot datasets: normalization heads, pooled stats, episode splits, streams."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from lerobot.datasets.compute_stats import aggregate_feature_stats
+
+from .sources import Block, DatasetConfig, LeRobotSource
+from .stream import EpisodeShuffleStream, ValidationStream
+
+
+class WeightedDatasetMixture:
+    """Datasets with weights, grouped into normalization heads keyed `robot_type::control_mode`.
+
+    - `dataset_index` of a sample is its head (which normalization it uses), `source_index` its dataset,
+      `episode_index` a global episode id (datasets' episodes offset one after another).
+    - A head's stats pool its members' stats by frame count (lerobot's `aggregate_feature_stats`); members of one
+      head must have the same state/action dims.
+    - The validation split is by episode: a seeded `validation_ratio` of each dataset's episodes.
+    """
+
+    def __init__(self, datasets: Sequence[DatasetConfig | dict], validation_ratio: float = 0.0, split_seed: int = 0):
+        configs = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
+        if not configs:
+            raise ValueError("the mixture needs at least one dataset")
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"dataset names must be unique, got {names}")
+        if not 0.0 <= validation_ratio < 1.0:
+            raise ValueError(f"validation_ratio must be in [0, 1), got {validation_ratio}")
+        self.sources: list[LeRobotSource] = []
+        offset = 0
+        for index, config in enumerate(configs):
+            source = LeRobotSource(config, index, episode_offset=offset)
+            offset += source.num_episodes
+            self.sources.append(source)
+        self.weights = [c.weight for c in configs]
+        self.head_names: list[str] = []
+        for source in self.sources:
+            if source.norm_key not in self.head_names:
+                self.head_names.append(source.norm_key)
+        self.head_of_source = [self.head_names.index(s.norm_key) for s in self.sources]
+        self.norm_stats = {head: self._pool(head) for head in self.head_names}
+        self.num_cameras = max(len(c.cameras) for c in configs)
+        self.max_state_dim = max(s.state_dim for s in self.sources)
+        self.max_action_dim = max(s.action_dim for s in self.sources)
+        self.train_blocks, self.validation_blocks = [], []
+        for source in self.sources:
+            train, validation = self._split(source, validation_ratio, split_seed)
+            self.train_blocks.append(source.blocks(train))
+            self.validation_blocks.append(source.blocks(validation))
+
+    def _pool(self, head: str) -> dict:
+        members = [s for s in self.sources if s.norm_key == head]
+        for key, dim in (("state", "state_dim"), ("actions", "action_dim")):
+            dims = {s.name: getattr(s, dim) for s in members}
+            if len(set(dims.values())) > 1:
+                raise ValueError(
+                    f"normalization head {head!r}: its datasets have different {key} dims {dims}; give them distinct "
+                    "robot_type/control_mode so each gets its own head"
+                )
+        pooled = {}
+        for key in ("state", "actions"):
+            stats = aggregate_feature_stats([s.stats[key] for s in members])
+            pooled[key] = {name: np.asarray(value).tolist() for name, value in stats.items()
+                           if name in ("q01", "q99", "mean", "std", "min", "max")}
+        return pooled
+
+    @staticmethod
+    def _split(source: LeRobotSource, ratio: float, seed: int) -> tuple[list[int], list[int]]:
+        episodes = source.usable_episodes()
+        if ratio == 0:
+            return episodes, []
+        order = np.random.default_rng([seed, source.source_index]).permutation(len(episodes))
+        count = max(1, int(round(ratio * len(episodes))))
+        if count >= len(episodes):
+            raise ValueError(
+                f"dataset {source.name!r}: validation_ratio={ratio} leaves no training episode ({len(episodes)} usable)"
+            )
+        validation = sorted(episodes[i] for i in order[:count])
+        return sorted(set(episodes) - set(validation)), validation
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    def num_train_frames(self) -> int:
+        return sum(b.length for blocks in self.train_blocks for b in blocks)
+
+    def train_stream(self, image_size: int, chunk_size: int, batch_size: int | None = None,
+                     collate_fn: Callable | None = None, seed: int = 0, open_blocks: int = 32, rank: int = 0,
+                     world_size: int = 1) -> EpisodeShuffleStream:
+        return EpisodeShuffleStream(
+            self.sources, self.train_blocks, self.weights, self.head_of_source, self.num_cameras, image_size,
+            chunk_size, seed=seed, open_blocks=open_blocks, batch_size=batch_size, collate_fn=collate_fn, rank=rank,
+            world_size=world_size,
+        )
+
+    def validation_stream(self, image_size: int, chunk_size: int, batch_size: int, collate_fn: Callable | None = None,
+                          rank: int = 0, world_size: int = 1) -> ValidationStream:
+        return ValidationStream(
+            self.sources, self.validation_blocks, self.head_of_source, self.num_cameras, image_size, chunk_size,
+            batch_size, collate_fn=collate_fn, rank=rank, world_size=world_size,
+        )
+
+    def blocks_of(self, split: str) -> list[list[Block]]:
+        return self.train_blocks if split == "train" else self.validation_blocks

@@ -1,0 +1,276 @@
+"""The episode-shuffle stream (training) and the deterministic validation stream.
+
+Map-style random access re-opens and seeks a video for every frame. Here an episode (or a kept segment) is a block:
+every dataset epoch has one seeded permutation of its blocks (identical on every rank); block i goes to shard
+`i % (world_size * num_workers)` with shard = `rank * num_workers + worker_id`. Inside a shard several blocks are open
+at once and visited in a shuffled round-robin, so a batch mixes episodes while each block is decoded sequentially,
+once. Datasets are drawn per frame in proportion to their mixture weight.
+
+The sample *schedule* (which block, which frame) is a cheap deterministic function of (seed, epoch, shard), computed
+apart from decoding. Each worker batches its own samples, so after B batches worker w has produced exactly
+ceil((B - w) / num_workers) of them: resuming fast-forwards the schedule and seeks once per open block, without
+decoding anything twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .sources import Block, LeRobotSource, VideoReader
+
+
+@dataclass
+class _Slot:
+    block: Block
+    frame: int  # next frame (episode frame index) to emit
+
+
+class _SourceQueue:
+    """One dataset's blocks for one shard, epoch after epoch (a new permutation each epoch)."""
+
+    def __init__(self, blocks: list[Block], seed: int, base_epoch: int, source: int, shard: int, num_shards: int):
+        self.blocks, self.seed, self.source = blocks, seed, source
+        self.shard, self.num_shards = shard, num_shards
+        self.epoch = base_epoch
+        self._queue: list[Block] = []
+        self._refill()
+
+    def _refill(self):
+        order = np.random.default_rng([self.seed, self.epoch, self.source]).permutation(len(self.blocks))
+        self._queue = [self.blocks[i] for i in order[self.shard :: self.num_shards]][::-1]
+        self.epoch += 1
+
+    def pop(self) -> Block:
+        if not self._queue:
+            self._refill()
+        return self._queue.pop()
+
+
+def schedule(
+    blocks: list[list[Block]], weights: np.ndarray, seed: int, epoch: int, shard: int, num_shards: int, open_blocks: int
+) -> Iterator[tuple[int, Block, int]]:
+    """The infinite, deterministic sample order of one shard: (source, block, frame) triples."""
+    rng = np.random.default_rng([seed, epoch, shard, 7])
+    queues = [_SourceQueue(b, seed, epoch, s, shard, num_shards) for s, b in enumerate(blocks)]
+    slots = [[_Slot(b, b.start) for b in (q.pop() for _ in range(min(open_blocks, len(blocks[s]))))]
+             for s, q in enumerate(queues)]
+    cycles: list[list[int]] = [[] for _ in blocks]
+    probabilities = weights / weights.sum()
+    while True:
+        source = int(rng.choice(len(blocks), p=probabilities)) if len(blocks) > 1 else 0
+        if not cycles[source]:  # shuffled round-robin over this source's open blocks
+            cycles[source] = list(rng.permutation(len(slots[source])))
+        index = cycles[source].pop()
+        slot = slots[source][index]
+        yield source, slot.block, slot.frame
+        slot.frame += 1
+        if slot.frame >= slot.block.end:
+            block = queues[source].pop()
+            slots[source][index] = _Slot(block, block.start)
+
+
+def _shard() -> tuple[int, int]:
+    info = get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+class FrameReader:
+    """Turns (source, block, frame) into a sample dict, keeping one decoder per open block and camera."""
+
+    def __init__(self, sources: list[LeRobotSource], head_of_source: list[int], num_cameras: int, image_size: int,
+                 chunk_size: int):
+        self.sources, self.head_of_source = sources, head_of_source
+        self.num_cameras, self.image_size, self.chunk_size = num_cameras, image_size, chunk_size
+        self._readers: dict[tuple, VideoReader] = {}
+        self._tables: dict[tuple, dict] = {}
+
+    def sample(self, source_index: int, block: Block, frame: int) -> dict:
+        source = self.sources[source_index]
+        key = (source_index, block)
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = source.episode_table(block.episode)
+        images = torch.zeros(self.num_cameras, 3, self.image_size, self.image_size, dtype=torch.uint8)
+        camera_mask = torch.zeros(self.num_cameras, dtype=torch.bool)
+        for slot, camera in enumerate(source.config.cameras[: self.num_cameras]):
+            if camera is None:
+                continue
+            reader = self._readers.get((key, camera))
+            if reader is None:
+                path, start = source.video_path(block.episode, camera)
+                reader = self._readers[(key, camera)] = VideoReader(path, start, source.fps, self.image_size)
+            reader.frame(frame, out=images[slot])
+            camera_mask[slot] = True
+        # action chunk [frame, frame + chunk) never crosses the block (episode or kept range) end
+        end = min(frame + self.chunk_size, block.end)
+        actions = np.zeros((self.chunk_size, source.action_dim), dtype=np.float32)
+        actions[: end - frame] = table["actions"][frame:end]
+        is_pad = np.ones(self.chunk_size, dtype=bool)
+        is_pad[: end - frame] = False
+        return {
+            "images": images,
+            "camera_mask": camera_mask,
+            "state": torch.from_numpy(table["state"][frame].copy()),
+            "actions": torch.from_numpy(actions),
+            "action_is_pad": torch.from_numpy(is_pad),
+            "task": source.task(table["task_index"][frame]),
+            "dataset_index": self.head_of_source[source_index],
+            "source_index": source_index,
+            "episode_index": source.episode_offset + block.episode,
+            "frame_index": frame,
+        }
+
+    def release(self, source_index: int, block: Block):
+        key = (source_index, block)
+        self._tables.pop(key, None)
+        for reader_key in [k for k in self._readers if k[0] == key]:
+            self._readers.pop(reader_key).close()
+
+    def close(self):
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self._tables.clear()
+
+
+class EpisodeShuffleStream(IterableDataset):
+    """Infinite training stream over a weighted mixture; yields collated batches (or samples without batch_size).
+
+    state_dict()/load_state_dict() hold the position (epoch, batches consumed on this rank); the trainer saves it
+    with each checkpoint.
+    """
+
+    def __init__(
+        self,
+        sources: list[LeRobotSource],
+        blocks: list[list[Block]],
+        weights: list[float],
+        head_of_source: list[int],
+        num_cameras: int,
+        image_size: int,
+        chunk_size: int,
+        seed: int = 0,
+        open_blocks: int = 32,
+        batch_size: int | None = None,
+        collate_fn: Callable | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        super().__init__()
+        self.sources, self.blocks = sources, blocks
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.head_of_source = head_of_source
+        self.num_cameras, self.image_size, self.chunk_size = num_cameras, image_size, chunk_size
+        self.seed, self.open_blocks = seed, open_blocks
+        self.batch_size, self.collate_fn = batch_size, collate_fn
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.batches_consumed = 0
+
+    # ---- position ------------------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int):
+        self.epoch = int(epoch)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed, "seed": self.seed,
+                "batch_size": self.batch_size, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict):
+        for key in ("seed", "batch_size", "world_size"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume the stream: checkpoint has {key}={state.get(key)}, this run {getattr(self, key)}"
+                )
+        self.epoch = int(state["epoch"])
+        self.batches_consumed = int(state["batches_consumed"])
+
+    # ---- iteration -----------------------------------------------------------------------------------------------
+    def shard_schedule(self, worker_id: int, num_workers: int) -> Iterator[tuple[int, Block, int]]:
+        num_shards = self.world_size * num_workers
+        for source, blocks in zip(self.sources, self.blocks):
+            if len(blocks) < num_shards:
+                raise ValueError(
+                    f"dataset {source.name!r} has {len(blocks)} blocks (episodes or kept ranges) for {num_shards} shards "
+                    f"(world_size {self.world_size} x num_workers {num_workers}); use fewer workers or processes"
+                )
+        shard = self.rank * num_workers + worker_id
+        return schedule(self.blocks, self.weights, self.seed, self.epoch, shard, num_shards, self.open_blocks)
+
+    def __iter__(self):
+        worker_id, num_workers = _shard()
+        samples = self.shard_schedule(worker_id, num_workers)
+        per_item = self.batch_size or 1
+        done = math.ceil(max(0, self.batches_consumed - worker_id) / num_workers) * per_item
+        for _ in range(done):  # fast-forward the schedule only: nothing is decoded, readers seek on first use
+            next(samples)
+        reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size)
+        try:
+            batch = []
+            for source, block, frame in samples:
+                batch.append(reader.sample(source, block, frame))
+                if frame + 1 >= block.end:
+                    reader.release(source, block)
+                if self.batch_size is None:
+                    yield batch.pop()
+                elif len(batch) == self.batch_size:
+                    yield self.collate_fn(batch) if self.collate_fn else batch
+                    batch = []
+        finally:
+            reader.close()
+
+
+class ValidationStream(IterableDataset):
+    """One deterministic pass over every validation frame of the mixture, each exactly once across ranks/workers.
+
+    Frames are ordered (source, episode, frame) and cut into equal contiguous slices per rank (then per worker), so
+    decoding stays sequential; the last slice is padded with copies whose `action_is_pad` is all True, which count
+    zero in every loss. Every rank runs the same number of batches.
+    """
+
+    def __init__(self, sources, blocks: list[list[Block]], head_of_source, num_cameras, image_size, chunk_size,
+                 batch_size: int, collate_fn: Callable | None = None, rank: int = 0, world_size: int = 1):
+        super().__init__()
+        self.sources, self.head_of_source = sources, head_of_source
+        self.num_cameras, self.image_size, self.chunk_size = num_cameras, image_size, chunk_size
+        self.batch_size, self.collate_fn, self.rank, self.world_size = batch_size, collate_fn, rank, world_size
+        self.frames = [(s, b, f) for s, source_blocks in enumerate(blocks) for b in source_blocks
+                       for f in range(b.start, b.end)]
+        if not self.frames:
+            raise ValueError("the validation split is empty: raise validation_ratio or add validation episodes")
+        self.per_rank = math.ceil(len(self.frames) / world_size)
+
+    def _rank_items(self) -> list[tuple[tuple, bool]]:
+        start = self.rank * self.per_rank
+        items = [(self.frames[i], True) for i in range(start, min(start + self.per_rank, len(self.frames)))]
+        return items + [(self.frames[0], False)] * (self.per_rank - len(items))
+
+    def __len__(self):
+        """Batches this rank yields with `num_workers` <= 1 (more workers can add one partial batch each)."""
+        return math.ceil(self.per_rank / self.batch_size)
+
+    def __iter__(self):
+        worker_id, num_workers = _shard()
+        items = self._rank_items()
+        per_worker = math.ceil(len(items) / num_workers)
+        items = items[worker_id * per_worker : (worker_id + 1) * per_worker]
+        reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size)
+        try:
+            batch = []
+            for index, ((source, block, frame), valid) in enumerate(items):
+                sample = reader.sample(source, block, frame)
+                if frame + 1 >= block.end:
+                    reader.release(source, block)
+                if not valid:
+                    sample["action_is_pad"][:] = True
+                batch.append(sample)
+                if len(batch) == self.batch_size or index == len(items) - 1:
+                    yield self.collate_fn(batch) if self.collate_fn else batch
+                    batch = []
+        finally:
+            reader.close()
