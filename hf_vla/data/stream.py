@@ -29,6 +29,7 @@ from .sources import Block, LeRobotSource, VideoReader
 class _Slot:
     block: Block
     frame: int  # next frame (episode frame index) to emit
+    token: int  # unique per opening: the same block may be open twice (across dataset epochs)
 
 
 class _SourceQueue:
@@ -54,12 +55,17 @@ class _SourceQueue:
 
 def schedule(
     blocks: list[list[Block]], weights: np.ndarray, seed: int, epoch: int, shard: int, num_shards: int, open_blocks: int
-) -> Iterator[tuple[int, Block, int]]:
-    """The infinite, deterministic sample order of one shard: (source, block, frame) triples."""
+) -> Iterator[tuple[int, Block, int, int]]:
+    """The infinite, deterministic sample order of one shard: (source, block, frame, slot token) tuples.
+
+    Each source keeps up to `open_blocks` blocks open (at most its blocks in this shard) and visits them in a
+    shuffled round-robin; a finished block is replaced by the next one of its queue.
+    """
     rng = np.random.default_rng([seed, epoch, shard, 7])
     queues = [_SourceQueue(b, seed, epoch, s, shard, num_shards) for s, b in enumerate(blocks)]
-    slots = [[_Slot(b, b.start) for b in (q.pop() for _ in range(min(open_blocks, len(blocks[s]))))]
-             for s, q in enumerate(queues)]
+    tokens = iter(range(1 << 62))
+    slots = [[_Slot(b, b.start, next(tokens)) for b in (q.pop() for _ in range(min(open_blocks, len(q._queue))))]
+             for q in queues]
     cycles: list[list[int]] = [[] for _ in blocks]
     probabilities = weights / weights.sum()
     while True:
@@ -68,11 +74,11 @@ def schedule(
             cycles[source] = list(rng.permutation(len(slots[source])))
         index = cycles[source].pop()
         slot = slots[source][index]
-        yield source, slot.block, slot.frame
+        yield source, slot.block, slot.frame, slot.token
         slot.frame += 1
         if slot.frame >= slot.block.end:
             block = queues[source].pop()
-            slots[source][index] = _Slot(block, block.start)
+            slots[source][index] = _Slot(block, block.start, next(tokens))
 
 
 def _shard() -> tuple[int, int]:
@@ -90,9 +96,10 @@ class FrameReader:
         self._readers: dict[tuple, VideoReader] = {}
         self._tables: dict[tuple, dict] = {}
 
-    def sample(self, source_index: int, block: Block, frame: int) -> dict:
+    def sample(self, source_index: int, block: Block, frame: int, token=None) -> dict:
+        """The sample at `frame` of `block`; `token` identifies the opening (decoders are kept per opening)."""
         source = self.sources[source_index]
-        key = (source_index, block)
+        key = (source_index, block, token)
         table = self._tables.get(key)
         if table is None:
             table = self._tables[key] = source.episode_table(block.episode)
@@ -126,8 +133,8 @@ class FrameReader:
             "frame_index": frame,
         }
 
-    def release(self, source_index: int, block: Block):
-        key = (source_index, block)
+    def release(self, source_index: int, block: Block, token=None):
+        key = (source_index, block, token)
         self._tables.pop(key, None)
         for reader_key in [k for k in self._readers if k[0] == key]:
             self._readers.pop(reader_key).close()
@@ -191,7 +198,7 @@ class EpisodeShuffleStream(IterableDataset):
         self.batches_consumed = int(state["batches_consumed"])
 
     # ---- iteration -----------------------------------------------------------------------------------------------
-    def shard_schedule(self, worker_id: int, num_workers: int) -> Iterator[tuple[int, Block, int]]:
+    def shard_schedule(self, worker_id: int, num_workers: int) -> Iterator[tuple[int, Block, int, int]]:
         num_shards = self.world_size * num_workers
         for source, blocks in zip(self.sources, self.blocks):
             if len(blocks) < num_shards:
@@ -204,18 +211,21 @@ class EpisodeShuffleStream(IterableDataset):
 
     def __iter__(self):
         worker_id, num_workers = _shard()
-        samples = self.shard_schedule(worker_id, num_workers)
+        # The DataLoader takes batches round-robin starting at worker 0; after B batches it is logical worker
+        # B % W's turn, so DataLoader worker i plays logical worker (i + B) % W (same blocks, same position).
+        logical = (worker_id + self.batches_consumed) % num_workers
+        samples = self.shard_schedule(logical, num_workers)
         per_item = self.batch_size or 1
-        done = math.ceil(max(0, self.batches_consumed - worker_id) / num_workers) * per_item
+        done = math.ceil(max(0, self.batches_consumed - logical) / num_workers) * per_item
         for _ in range(done):  # fast-forward the schedule only: nothing is decoded, readers seek on first use
             next(samples)
         reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size)
         try:
             batch = []
-            for source, block, frame in samples:
-                batch.append(reader.sample(source, block, frame))
+            for source, block, frame, token in samples:
+                batch.append(reader.sample(source, block, frame, token))
                 if frame + 1 >= block.end:
-                    reader.release(source, block)
+                    reader.release(source, block, token)
                 if self.batch_size is None:
                     yield batch.pop()
                 elif len(batch) == self.batch_size:

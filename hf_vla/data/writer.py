@@ -1,0 +1,52 @@
+"""Write LeRobot v3.0 datasets with lerobot's own writer (used by the demo generator and the tests)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+
+def write_lerobot_dataset(
+    root: str | Path,
+    episodes: Iterable[Iterator[dict]],
+    fps: int,
+    cameras: dict[str, tuple[int, int]],
+    state_dim: int,
+    action_dim: int,
+    robot_type: str | None = None,
+    state_key: str = "observation.state",
+    action_key: str = "action",
+    repo_id: str = "local/generated",
+    vcodec: str = "h264",
+):
+    """Write episodes (each an iterable of frames) as a LeRobot v3.0 dataset at `root`.
+
+    A frame is `{"images": {camera: uint8 HxWx3}, "state": [state_dim], "action": [action_dim], "task": str}`.
+    Returns lerobot's `LeRobotDatasetMetadata` of the finished dataset.
+    """
+    from lerobot.configs.video import RGBEncoderConfig
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset, LeRobotDatasetMetadata
+
+    features = {
+        state_key: {"dtype": "float32", "shape": (state_dim,), "names": [f"s{i}" for i in range(state_dim)]},
+        action_key: {"dtype": "float32", "shape": (action_dim,), "names": [f"a{i}" for i in range(action_dim)]},
+    }
+    for camera, (height, width) in cameras.items():
+        features[camera] = {"dtype": "video", "shape": (height, width, 3), "names": ["height", "width", "channels"]}
+    logging.getLogger("lerobot").setLevel(logging.WARNING)
+    dataset = LeRobotDataset.create(
+        repo_id, fps=fps, features=features, root=root, robot_type=robot_type, use_videos=True,
+        rgb_encoder=RGBEncoderConfig(vcodec=vcodec, pix_fmt="yuv420p"),
+    )
+    for frames in episodes:
+        for frame in frames:
+            row = {state_key: np.asarray(frame["state"], np.float32), action_key: np.asarray(frame["action"], np.float32),
+                   "task": frame["task"]}
+            row.update(frame["images"])
+            dataset.add_frame(row)
+        dataset.save_episode(parallel_encoding=False)
+    dataset.finalize()
+    return LeRobotDatasetMetadata(repo_id, root=root)

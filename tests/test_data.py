@@ -1,0 +1,309 @@
+"""LeRobot data pipeline: decoding, sharding, reseeding, resume, filters, mixture, provenance, validation, errors."""
+
+import json
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import HUMANOID
+from torch.utils.data import DataLoader
+
+from hf_vla import PI05Processor
+from hf_vla.data import PI05Collator, WeightedDatasetMixture, schedule
+from hf_vla.data.stream import _SourceQueue
+from hf_vla.data.writer import write_lerobot_dataset
+
+CAM = "observation.images.cam"
+
+
+def _episode(e, n, state_dim, action_dim, cameras, task):
+    for f in range(n):
+        images = {}
+        for camera, (h, w) in cameras.items():
+            img = np.zeros((h, w, 3), np.uint8)
+            img[..., 0] = (f * 8) % 256  # the frame index, readable after lossy encoding
+            img[..., 1] = e * 20
+            images[camera] = img
+        yield {"images": images, "state": np.full(state_dim, e + f / 100, np.float32),
+               "action": np.arange(action_dim, dtype=np.float32) + f, "task": task.format(e=e)}
+
+
+def make_dataset(root, episodes, state_dim=3, action_dim=2, cameras=None, robot_type="arm_a", lengths=None):
+    cameras = cameras or {CAM: (48, 64)}
+    lengths = lengths or [12 + e for e in range(episodes)]
+    write_lerobot_dataset(root, (_episode(e, lengths[e], state_dim, action_dim, cameras, "reach target {e}")
+                                 for e in range(episodes)),
+                          fps=10, cameras=cameras, state_dim=state_dim, action_dim=action_dim, robot_type=robot_type)
+    return root
+
+
+@pytest.fixture(scope="session")
+def datasets(tmp_path_factory):
+    base = tmp_path_factory.mktemp("lerobot")
+    a = make_dataset(base / "a", 10)
+    b = make_dataset(base / "b", 8, state_dim=4, action_dim=3, robot_type="arm_b",
+                     cameras={"wrist": (32, 32), "front": (48, 64)})
+    return {"a": a, "b": b, "base": base}
+
+
+def spec_a(root, **kw):
+    return dict(root=str(root), name="a", cameras=[CAM], control_mode="joint", **kw)
+
+
+def spec_b(root, **kw):
+    return dict(root=str(root), name="b", cameras=["front", None, "wrist"], control_mode="eef", **kw)
+
+
+def test_samples_decode_the_right_frames_and_chunks(datasets):
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"])])
+    stream = mixture.train_stream(image_size=32, chunk_size=4, open_blocks=3)
+    for sample, _ in zip(stream, range(200)):
+        frame, episode = sample["frame_index"], sample["episode_index"]
+        image = sample["images"][0].float()
+        # 64x48 -> 32x24 content centred in 32x32; channel 0 holds the frame, channel 1 the episode
+        assert abs(image[0, 8:24].mean().item() - (frame * 8) % 256) < 6
+        assert abs(image[1, 8:24].mean().item() - episode * 20) < 6
+        assert image[:, :4].abs().max() == 0  # black padding rows
+        assert torch.allclose(sample["state"], torch.full((3,), episode + frame / 100))
+        length = 12 + episode
+        valid = min(4, length - frame)
+        assert sample["action_is_pad"].tolist() == [False] * valid + [True] * (4 - valid)
+        expected = torch.arange(2).float() + torch.arange(frame, frame + valid).float()[:, None]
+        assert torch.equal(sample["actions"][:valid], expected)
+        assert sample["task"] == f"reach target {episode}"
+
+
+def test_blocks_partition_over_shards_every_epoch(datasets):
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"])])
+    blocks = mixture.train_blocks[0]
+    for epoch in (0, 1):
+        seen = []
+        for shard in range(4):  # 2 ranks x 2 workers
+            queue = _SourceQueue(blocks, seed=3, base_epoch=epoch, source=0, shard=shard, num_shards=4)
+            seen.append({queue.pop() for _ in range(len(queue._queue))})
+        assert set().union(*seen) == set(blocks)
+        assert sum(len(s) for s in seen) == len(blocks)
+
+
+def test_each_shard_emits_only_its_own_blocks(datasets):
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"])])
+    owned = {shard: set(_SourceQueue(mixture.train_blocks[0], 5, 0, 0, shard, 4)._queue) for shard in range(4)}
+    assert all(not (owned[i] & owned[j]) for i in range(4) for j in range(i + 1, 4))
+    for shard in range(4):
+        samples = _take(schedule([mixture.train_blocks[0]], np.ones(1), 5, 0, shard, 4, 8), 10)
+        # 10 samples cannot finish a block (>= 12 frames): everything is still first-epoch
+        assert {block for _, block, _, _ in samples} == owned[shard]  # all its blocks open at once, none else
+
+
+def test_a_block_open_twice_keeps_separate_decoders(datasets):
+    """With 1 shard and more open slots than blocks, the next epoch's copy of a block may be open already."""
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"], keep_ranges={"1": [[0, 6]], "2": [[0, 3]]})])
+    stream = mixture.train_stream(image_size=16, chunk_size=2, open_blocks=2)
+    for sample, _ in zip(stream, range(60)):
+        image = sample["images"][0].float()
+        assert abs(image[0, 5:11].mean().item() - sample["frame_index"] * 8) < 6
+
+
+def _take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def test_reseeds_per_epoch_and_is_reproducible(datasets):
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"])])
+    def order(epoch):
+        return [(b.episode, f) for _, b, f, _ in _take(schedule(mixture.train_blocks, np.ones(1), 0, epoch, 0, 1, 4), 60)]
+    assert order(0) == order(0)
+    assert order(0) != order(1)
+    stream = mixture.train_stream(image_size=16, chunk_size=2, open_blocks=4)
+    stream.set_epoch(1)
+    assert [(s["episode_index"], s["frame_index"]) for s, _ in zip(stream, range(60))] == order(1)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_continues_exactly_without_replaying(datasets, workers, monkeypatch, tiny_tokenizer):
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"]), spec_b(datasets["b"], weight=0.5)])
+    processor = PI05Processor(tokenizer=tiny_tokenizer, norm_stats=mixture.norm_stats, head_names=mixture.head_names,
+                              image_size=16, max_state_dim=8, max_action_dim=6, chunk_size=3, prompt_max_length=48)
+    def loader(state=None):
+        stream = mixture.train_stream(image_size=16, chunk_size=3, batch_size=4, collate_fn=PI05Collator(processor),
+                                      seed=11, open_blocks=3)
+        if state:
+            stream.load_state_dict(state)
+        return stream, DataLoader(stream, batch_size=None, num_workers=workers)
+    stream, full = loader()
+    reference = _take(iter(full), 7)
+    state = stream.state_dict() | {"batches_consumed": 3}
+    decoded = []
+    if workers == 0:
+        from hf_vla.data import sources
+        original = sources.VideoReader.frame
+        monkeypatch.setattr(sources.VideoReader, "frame", lambda self, *a, **k: decoded.append(1) or original(self, *a, **k))
+    _, resumed = loader(state)
+    continued = _take(iter(resumed), 4)
+    for got, want in zip(continued, reference[3:]):
+        assert got.keys() == want.keys()
+        for key in got:
+            assert torch.equal(got[key], want[key]), key
+    if workers == 0:  # only the 4 x 4 emitted samples were decoded (dataset b has 2 cameras)
+        assert len(decoded) <= 16 * 2
+    with pytest.raises(ValueError, match="batch_size"):
+        loader(state | {"batch_size": 8})
+
+
+def test_decorrelated_batches_on_real_data():
+    mixture = WeightedDatasetMixture([dict(root=str(HUMANOID), name="humanoid", cameras=["image"], state_key="state",
+                                           action_key="actions")])
+    stream = mixture.train_stream(image_size=32, chunk_size=50, batch_size=32, seed=0)
+    for batch, _ in zip(stream, range(3)):
+        assert len({s["episode_index"] for s in batch}) >= 16
+        assert all(s["images"].shape == (1, 3, 32, 32) for s in batch)
+
+
+def test_keep_ranges_filter(datasets, tmp_path):
+    ranges = {"0": [[2, 6], [8, 40]], "3": [[0, 5]], "99": [[0, 3]]}
+    path = tmp_path / "keep.json"
+    path.write_text(json.dumps(ranges))
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"], keep_ranges=str(path))])
+    blocks = mixture.train_blocks[0]
+    assert [(b.episode, b.start, b.end) for b in blocks] == [(0, 2, 6), (0, 8, 12), (3, 0, 5)]  # clipped to length 12
+    stream = mixture.train_stream(image_size=16, chunk_size=5, open_blocks=3)
+    for sample, _ in zip(stream, range(100)):
+        block = next(b for b in blocks if b.episode == sample["episode_index"] and b.start <= sample["frame_index"] < b.end)
+        valid = (~sample["action_is_pad"]).sum().item()
+        assert valid == min(5, block.end - sample["frame_index"])  # chunks never cross a kept range's end
+    # key derivation is configurable
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"], keep_ranges={"ep-3": [[1, 4]]},
+                                             keep_ranges_key="ep-{episode_index}")])
+    assert [(b.episode, b.start, b.end) for b in mixture.train_blocks[0]] == [(3, 1, 4)]
+    with pytest.raises(ValueError, match="matches no episode"):
+        WeightedDatasetMixture([spec_a(datasets["a"], keep_ranges={"nope": [[0, 3]]})])
+
+
+def test_mixture_frequencies_follow_weights(datasets):
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"], weight=3.0), spec_b(datasets["b"], weight=1.0)])
+    counts = Counter(source for source, _, _, _ in _take(schedule(mixture.train_blocks, np.array([3.0, 1.0]), 0, 0, 0, 1,
+                                                                    8), 4000))
+    assert abs(counts[0] / 4000 - 0.75) < 0.03
+
+
+def test_heads_stats_and_provenance(datasets, tmp_path):
+    a2 = tmp_path / "a2"
+    shutil.copytree(datasets["a"], a2)
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"]), spec_b(datasets["b"]),
+                                      dict(spec_a(a2), name="a2")])
+    assert mixture.head_names == ["arm_a::joint", "arm_b::eef"]
+    assert mixture.head_of_source == [0, 1, 0]
+    # pooled by frame count: identical copies pool to themselves
+    source = mixture.sources[0]
+    np.testing.assert_allclose(mixture.norm_stats["arm_a::joint"]["state"]["q01"], source.stats["state"]["q01"])
+    offsets = [s.episode_offset for s in mixture.sources]
+    assert offsets == [0, 10, 18]
+    stream = mixture.train_stream(image_size=16, chunk_size=2, open_blocks=2)
+    seen = set()
+    for sample, _ in zip(stream, range(300)):
+        s = sample["source_index"]
+        assert sample["dataset_index"] == mixture.head_of_source[s]
+        assert offsets[s] <= sample["episode_index"] < offsets[s] + mixture.sources[s].num_episodes
+        seen.add(s)
+        if s == 1:  # dataset b: slots [front, empty, wrist]
+            assert sample["camera_mask"].tolist() == [True, False, True]
+            assert sample["images"][1].abs().sum() == 0
+    assert seen == {0, 1, 2}
+    # no name fallback when control_mode is missing
+    mixture = WeightedDatasetMixture([dict(root=str(datasets["a"]), name="plain", cameras=[CAM])])
+    assert mixture.head_names == ["plain"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_validation_covers_each_frame_exactly_once(datasets, world_size):
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"]), spec_b(datasets["b"])], validation_ratio=0.3,
+                                     split_seed=1)
+    expected = {(s, b.episode, f) for s, blocks in enumerate(mixture.validation_blocks) for b in blocks
+                for f in range(b.start, b.end)}
+    assert expected
+    train = {(s, b.episode) for s, blocks in enumerate(mixture.train_blocks) for b in blocks}
+    assert not train & {(s, e) for s, e, _ in expected}
+    got, batches = Counter(), []
+    for rank in range(world_size):
+        stream = mixture.validation_stream(image_size=16, chunk_size=3, batch_size=5, rank=rank, world_size=world_size)
+        count = 0
+        for batch in DataLoader(stream, batch_size=None, num_workers=2):
+            count += 1
+            for sample in batch:
+                if not sample["action_is_pad"].all():
+                    got[(sample["source_index"], sample["episode_index"] - mixture.sources[sample["source_index"]]
+                         .episode_offset, sample["frame_index"])] += 1
+        batches.append(count)
+    assert set(got) == expected and set(got.values()) == {1}
+    assert len(set(batches)) == 1  # every rank runs the same number of batches
+
+
+def test_collator_builds_the_batch_contract(datasets, tiny_tokenizer):
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"]), spec_b(datasets["b"])])
+    processor = PI05Processor(tokenizer=tiny_tokenizer, norm_stats=mixture.norm_stats, head_names=mixture.head_names,
+                              image_size=16, max_state_dim=8, max_action_dim=6, chunk_size=3, prompt_max_length=48)
+    stream = mixture.train_stream(image_size=16, chunk_size=3, batch_size=16, collate_fn=PI05Collator(processor))
+    batch = next(iter(stream))
+    assert batch["pixel_values"].shape == (16, 3, 3, 16, 16) and batch["pixel_values"].dtype == torch.float32
+    assert -1 <= batch["pixel_values"].min() and batch["pixel_values"].max() <= 1
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (16, 48)
+    assert batch["state"].shape == (16, 8) and batch["actions"].shape == (16, 3, 6)
+    for i in range(16):
+        dims = 2 if batch["source_index"][i] == 0 else 3
+        assert batch["action_dim_mask"][i].tolist() == [True] * dims + [False] * (6 - dims)
+        assert batch["actions"][i, :, dims:].abs().sum() == 0
+        assert batch["actions"][i][batch["action_is_pad"][i]].abs().sum() == 0
+        prompt = processor.tokenizer.decode(batch["input_ids"][i][batch["attention_mask"][i]])
+        assert prompt.startswith("Task: reach target") and "State:" in prompt
+    for key in ("dataset_index", "source_index", "episode_index"):
+        assert batch[key].dtype == torch.long and batch[key].shape == (16,)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+def test_missing_video_file_is_named(datasets, tmp_path):
+    root = tmp_path / "broken"
+    shutil.copytree(datasets["a"], root)
+    video = next(root.glob("videos/**/*.mp4"))
+    video.unlink()
+    with pytest.raises(FileNotFoundError, match=video.name):
+        WeightedDatasetMixture([spec_a(root)])
+
+
+def test_unknown_feature_key_is_named(datasets):
+    with pytest.raises(KeyError, match="state_key 'observation.joints'.*available"):
+        WeightedDatasetMixture([spec_a(datasets["a"], state_key="observation.joints")])
+    with pytest.raises(KeyError, match="cameras 'observation.images.top'"):
+        WeightedDatasetMixture([dict(spec_a(datasets["a"]), cameras=["observation.images.top"])])
+
+
+def test_inconsistent_dims_in_one_head(datasets):
+    with pytest.raises(ValueError, match="normalization head 'arm_a::joint'.*different state dims"):
+        WeightedDatasetMixture([spec_a(datasets["a"]),
+                                dict(spec_b(datasets["b"]), robot_type="arm_a", control_mode="joint")])
+
+
+def test_empty_validation_split_and_bad_ratio(datasets):
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"])])
+    with pytest.raises(ValueError, match="validation split is empty"):
+        mixture.validation_stream(image_size=16, chunk_size=2, batch_size=2)
+    with pytest.raises(ValueError, match="leaves no training episode"):
+        WeightedDatasetMixture([spec_a(datasets["a"], keep_ranges={"1": [[0, 4]]})], validation_ratio=0.5)
+
+
+def test_older_codebase_version_is_refused(datasets, tmp_path):
+    root = tmp_path / "old"
+    shutil.copytree(datasets["a"], root)
+    info = json.loads((root / "meta/info.json").read_text())
+    info["codebase_version"] = "v2.1"
+    (root / "meta/info.json").write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="codebase_version 'v2.1'.*v3.0"):
+        WeightedDatasetMixture([spec_a(root)])
+
+
+def test_fewer_blocks_than_shards_fails_fast(datasets):
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"], keep_ranges={"1": [[0, 4]], "2": [[0, 4]]})])
+    stream = mixture.train_stream(image_size=16, chunk_size=2, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="2 blocks .* for 4 shards"):
+        next(iter(DataLoader(stream, batch_size=None, num_workers=2)))
