@@ -2,7 +2,9 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText, AutoProcessor
 
+from .losses import PerSampleLoss
 from .models.pi05 import PI05Config, PI05ForConditionalGeneration, PI05Model, PI05PreTrainedModel, PI05Processor
+from .optim import MasterWeightOptimizer
 
 __version__ = "0.1.0"
 
@@ -17,6 +19,10 @@ PI05Config.register_for_auto_class()
 PI05ForConditionalGeneration.register_for_auto_class("AutoModel")
 
 __all__ = [
+    "MasterWeightOptimizer",
+    "PerSampleLoss",
+    "VLATrainer",
+    "VLATrainingArguments",
     "PI05Config",
     "PI05ForConditionalGeneration",
     "PI05Model",
@@ -24,3 +30,12 @@ __all__ = [
     "PI05Processor",
     "__version__",
 ]
+
+
+def __getattr__(name):
+    # The trainer pulls in the data stack (lerobot, PyAV); load it on first use so `import hf_vla` stays light.
+    if name in ("VLATrainer", "VLATrainingArguments"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'hf_vla' has no attribute {name!r}")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-PROVENANCE = ("dataset_index", "source_index", "episode_index")
+# provenance of the batch contract, plus frame_index (the trainer seeds each sample's t and noise by identity)
+PROVENANCE = ("dataset_index", "source_index", "episode_index", "frame_index")
 
 
 class PI05Collator:

@@ -1,0 +1,111 @@
+"""The flow-matching objective owned by the trainer, per-sample losses and their aggregation modes.
+
+An element is one valid (chunk step, action dim) of one sample: not `action_is_pad` and inside `action_dim_mask`.
+`PerSampleLoss(sum[B], count[B])` is what the trainer reduces and gathers. Aggregation modes choose the denominator
+for one optimizer step (all micro-batches, all ranks), see `StepTotals` and `sample_weights`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from scipy.stats import beta as beta_distribution
+
+LOSS_AGGREGATIONS = ("sample_mean", "token_mean", "group_mean", "constant")
+GROUP_KEYS = {"episode": "episode_index", "dataset": "source_index"}
+
+
+@dataclass
+class PerSampleLoss:
+    """Masked squared-error sum and element count of each sample."""
+
+    sum: torch.Tensor  # [B]
+    count: torch.Tensor  # [B]
+
+
+def valid_elements(action_is_pad: torch.Tensor, action_dim_mask: torch.Tensor) -> torch.Tensor:
+    """[B, chunk, dim] bool: the elements that count."""
+    return (~action_is_pad.bool())[:, :, None] & action_dim_mask.bool()[:, None, :]
+
+
+def per_sample_flow_loss(velocity, noise, actions, action_is_pad, action_dim_mask) -> PerSampleLoss:
+    """(noise - actions - v)^2 summed over each sample's valid elements."""
+    mask = valid_elements(action_is_pad, action_dim_mask)
+    error = (noise.float() - actions.float() - velocity.float()).pow(2) * mask
+    return PerSampleLoss(error.sum(dim=(1, 2)), mask.sum(dim=(1, 2)).to(error.dtype))
+
+
+def _sample_seed(seed: int, step: int, source: int, episode: int, frame: int) -> int:
+    digest = hashlib.blake2b(np.array([seed, step, source, episode, frame], dtype=np.int64).tobytes(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def sample_noise_and_time(batch: dict, shape: Sequence[int], seed: int, step: int, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded noise [B, *shape] and t [B] per sample identity (step, source, episode, frame).
+
+    Keyed by what the sample *is*, not where it sits, so any split of a step into micro-batches and ranks draws the
+    same noise as one big batch (the exactness of gradient accumulation and data parallelism relies on it), and a
+    resumed run draws what the uninterrupted one drew. t ~ Beta(alpha, beta) * scale + offset by inverse CDF.
+    """
+    ids = [batch[k].tolist() for k in ("source_index", "episode_index")]
+    frames = batch["frame_index"].tolist() if "frame_index" in batch else [0] * len(ids[0])
+    noise, uniform = [], []
+    for source, episode, frame in zip(*ids, frames):
+        generator = torch.Generator().manual_seed(_sample_seed(seed, step, source, episode, frame))
+        noise.append(torch.randn(tuple(shape), generator=generator))
+        uniform.append(torch.rand((), generator=generator, dtype=torch.float64).item())
+    alpha, beta = config.time_sampling_beta_alpha, config.time_sampling_beta_beta
+    t = beta_distribution.ppf(np.asarray(uniform), alpha, beta)
+    t = torch.as_tensor(t, dtype=torch.float32) * config.time_sampling_scale + config.time_sampling_offset
+    return torch.stack(noise), t
+
+
+@dataclass
+class StepTotals:
+    """Denominators spanning one optimizer step, after a gather over ranks."""
+
+    num_samples: int  # samples with at least one valid element
+    num_elements: float
+    group_counts: dict = field(default_factory=dict)  # group id -> elements
+
+    @classmethod
+    def from_counts(cls, counts: Sequence[float], groups: Sequence[int] | None = None) -> StepTotals:
+        counts = [float(c) for c in counts]
+        group_counts: dict = {}
+        if groups is not None:
+            for group, count in zip(groups, counts):
+                group_counts[int(group)] = group_counts.get(int(group), 0.0) + count
+        return cls(sum(c > 0 for c in counts), sum(counts), {g: c for g, c in group_counts.items() if c > 0})
+
+
+def sample_weights(mode: str, per_sample: PerSampleLoss, totals: StepTotals, groups: torch.Tensor | None = None,
+                   divisor: float | None = None) -> torch.Tensor:
+    """w_i such that the step loss is sum_i w_i * sum_i over every sample of the step (fully padded samples: 0)."""
+    count = per_sample.count
+    present = count > 0
+    if mode == "token_mean":
+        weights = torch.full_like(count, 1.0 / max(totals.num_elements, 1.0))
+    elif mode == "sample_mean":
+        weights = 1.0 / (max(totals.num_samples, 1) * count.clamp(min=1.0))
+    elif mode == "constant":
+        weights = torch.full_like(count, 1.0 / (divisor * max(totals.num_samples, 1)))
+    elif mode == "group_mean":
+        if groups is None:
+            raise ValueError("group_mean needs group ids (episode_index or source_index) in the batch")
+        group_size = torch.tensor([totals.group_counts.get(int(g), 1.0) for g in groups.tolist()], dtype=count.dtype,
+                                  device=count.device)
+        weights = 1.0 / (max(len(totals.group_counts), 1) * group_size)
+    else:
+        raise ValueError(f"unknown loss_aggregation {mode!r}; choose one of {LOSS_AGGREGATIONS}")
+    return torch.where(present, weights, torch.zeros_like(weights))
+
+
+def aggregate(mode: str, per_sample: PerSampleLoss, groups: torch.Tensor | None = None,
+              divisor: float | None = None) -> torch.Tensor:
+    """The loss of a batch taken as a whole step (reference for the exactness tests, and for single batches)."""
+    totals = StepTotals.from_counts(per_sample.count.tolist(), groups.tolist() if groups is not None else None)
+    return (sample_weights(mode, per_sample, totals, groups, divisor) * per_sample.sum).sum()

@@ -1,0 +1,95 @@
+"""fp32 master weights for a bf16 model.
+
+With the model held in bf16, Adam must not keep bf16 state (updates below bf16 resolution vanish).
+`MasterWeightOptimizer` is a real `torch.optim.Optimizer` over the model's parameters (so accelerate wraps it, the
+Trainer's gradient accumulation and LR scheduler drive it); inside it keeps fp32 master copies and an fp32 inner
+optimizer. Per step: gradients are upcast into the masters (clipping happens there, in fp32), the inner optimizer
+steps with the outer param groups' hyper-parameters (the scheduler writes those), and the masters are rounded back
+into the bf16 parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, optimizer_cls=torch.optim.AdamW, **defaults):
+        super().__init__(params, defaults)
+        self.optimizer_cls = optimizer_cls
+        groups = []
+        for group in self.param_groups:
+            masters = [p.detach().to(torch.float32).clone().requires_grad_(p.requires_grad) for p in group["params"]]
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+        self.inner = optimizer_cls(groups, **defaults)
+        self._grads_ready = False
+        self.last_grad_norm: float | None = None
+
+    # ---- the mapping model param <-> master ----------------------------------------------------------------------
+    def _pairs(self):
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            yield from zip(outer["params"], inner["params"])
+
+    def _follow_device(self):
+        """Masters (and their state) live where the parameters live."""
+        for param, master in self._pairs():
+            if master.device != param.device:
+                state = self.inner.state.pop(master, None)
+                master.data = master.data.to(param.device)
+                if state is not None:
+                    self.inner.state[master] = {k: v.to(param.device) if torch.is_tensor(v) and v.dim() else v
+                                                for k, v in state.items()}
+
+    @torch.no_grad()
+    def upcast_grads(self):
+        self._follow_device()
+        for param, master in self._pairs():
+            master.grad = None if param.grad is None else param.grad.detach().to(torch.float32)
+        self._grads_ready = True
+
+    @torch.no_grad()
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Upcast, then clip on the fp32 master gradients; returns the pre-clip norm."""
+        self.upcast_grads()
+        masters = [m for _, m in self._pairs() if m.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type=norm_type)
+        self.last_grad_norm = float(norm)
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise NotImplementedError("MasterWeightOptimizer does not take a closure")
+        if not self._grads_ready:
+            self.upcast_grads()
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            for key, value in outer.items():  # the LR scheduler writes the outer groups
+                if key != "params":
+                    inner[key] = value
+        self.inner.step()
+        for param, master in self._pairs():
+            param.copy_(master)  # round-to-nearest into bf16
+        self._grads_ready = False
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none=set_to_none)
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    # ---- checkpoints: the fp32 masters themselves, not a re-cast of bf16 weights ------------------------------------
+    def state_dict(self):
+        return {
+            "outer": super().state_dict(),
+            "inner": self.inner.state_dict(),
+            "masters": [master.detach().clone() for _, master in self._pairs()],
+        }
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict["outer"])
+        pairs = list(self._pairs())
+        if len(pairs) != len(state_dict["masters"]):
+            raise ValueError(f"checkpoint holds {len(state_dict['masters'])} masters for {len(pairs)} parameters")
+        with torch.no_grad():
+            for (param, master), saved in zip(pairs, state_dict["masters"]):
+                master.copy_(saved.to(master.device))
+                param.copy_(master)
+        self.inner.load_state_dict(state_dict["inner"])

@@ -1,0 +1,361 @@
+"""VLATrainer: a `transformers.Trainer` that owns the flow-matching objective for any velocity-predicting policy.
+
+Written like TRL's trainers: one documented config dataclass (`VLATrainingArguments`), and each override short, with a
+comment saying why it exists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint
+
+from .data import PI05Collator, WeightedDatasetMixture
+from .losses import (
+    GROUP_KEYS,
+    LOSS_AGGREGATIONS,
+    PerSampleLoss,
+    StepTotals,
+    per_sample_flow_loss,
+    sample_noise_and_time,
+    sample_weights,
+    valid_elements,
+)
+from .optim import MasterWeightOptimizer
+
+STREAM_STATE = "stream_state.json"
+FREEZE_CHOICES = ("none", "vision_tower", "vlm", "expert_only")
+EVAL_NOISE_STEP = -1  # evaluation draws the same noise every time, so successive evals are comparable
+
+
+@dataclass
+class VLATrainingArguments(TrainingArguments):
+    r"""
+    Training arguments for [`VLATrainer`]. Defaults reproduce the published pi0.5 recipe: AdamW (lr 2.5e-5, betas
+    (0.9, 0.95), eps 1e-8, weight decay 0.01), grad clip 1.0, 1k warmup steps then cosine decay to 2.5e-6 with
+    transformers' own `cosine_with_min_lr` schedule.
+
+    loss_aggregation (`str`, defaults to `"sample_mean"`):
+        Denominator of the loss over one optimizer step (all micro-batches of gradient accumulation, all ranks):
+        `sample_mean` (every sample weighs the same), `token_mean` (every valid element weighs the same),
+        `group_mean` (every group weighs the same, see `loss_group_key`) or `constant` (sum / (divisor * samples)).
+    loss_divisor (`float`, *optional*): the fixed divisor of `constant`; refused by the other modes.
+    loss_group_key (`str`, defaults to `"episode"`): groups of `group_mean`: `episode` or `dataset`.
+    master_weights (`bool`, defaults to `True`): with a bf16 model, keep fp32 master weights and fp32 Adam state
+        (`MasterWeightOptimizer`); gradients are clipped in fp32. Ignored for fp32 models and under DeepSpeed
+        (which keeps its own); refused under FSDP.
+    freeze (`str`, defaults to `"none"`): `vision_tower` (SigLIP frozen), `vlm` (the whole PaliGemma frozen: the
+        expert and the action/time heads train) or `expert_only` (only the action expert's layers train).
+    stream_open_blocks (`int`, defaults to 32): episodes decoded concurrently per data worker (batch decorrelation).
+    action_metrics_batches (`int`, defaults to 0): on that many validation batches, also run `sample_actions` and
+        report the un-normalized action MSE per dataset (`eval_by_dataset/<name>/action_mse`).
+    """
+
+    loss_aggregation: str = field(default="sample_mean", metadata={"help": f"one of {LOSS_AGGREGATIONS}"})
+    loss_divisor: float | None = field(default=None, metadata={"help": "divisor of loss_aggregation=constant"})
+    loss_group_key: str = field(default="episode", metadata={"help": "group_mean groups: episode | dataset"})
+    master_weights: bool = field(default=True, metadata={"help": "fp32 master weights for a bf16 model"})
+    freeze: str = field(default="none", metadata={"help": f"one of {FREEZE_CHOICES}"})
+    stream_open_blocks: int = field(default=32, metadata={"help": "episodes open at once per data worker"})
+    action_metrics_batches: int = field(default=0, metadata={"help": "validation batches with sample_actions"})
+
+    # pi0.5's published optimizer and schedule
+    learning_rate: float = 2.5e-5
+    adam_beta2: float = 0.95
+    weight_decay: float = 0.01
+    lr_scheduler_type: str = "cosine_with_min_lr"
+    lr_scheduler_kwargs: dict | str | None = field(default_factory=lambda: {"min_lr": 2.5e-6})
+    warmup_steps: float = 1000
+    # The stream restores its own position from the checkpoint; letting the Trainer skip batches would decode them.
+    ignore_data_skip: bool = True
+    # The trainer reads masks and provenance that the model's forward does not take.
+    remove_unused_columns: bool = False
+    # An infinite stream has no length; the run is measured in optimizer steps.
+    max_steps: int = 30_000
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_aggregation={self.loss_aggregation!r}: choose one of {LOSS_AGGREGATIONS}")
+        if self.loss_aggregation == "constant":
+            if self.loss_divisor is None or not math.isfinite(self.loss_divisor) or self.loss_divisor <= 0:
+                raise ValueError(f"loss_aggregation='constant' needs a finite positive loss_divisor, got {self.loss_divisor}")
+        elif self.loss_divisor is not None:
+            raise ValueError(f"loss_divisor={self.loss_divisor} is only used by loss_aggregation='constant', "
+                             f"not {self.loss_aggregation!r}")
+        if self.loss_group_key not in GROUP_KEYS:
+            raise ValueError(f"loss_group_key={self.loss_group_key!r}: choose one of {sorted(GROUP_KEYS)}")
+        if self.freeze not in FREEZE_CHOICES:
+            raise ValueError(f"freeze={self.freeze!r}: choose one of {FREEZE_CHOICES}")
+        if self.max_steps is None or self.max_steps <= 0:
+            raise ValueError("max_steps must be positive: the training stream is infinite")
+
+
+class VLATrainer(Trainer):
+    """Trains any velocity-predicting policy (hf_vla's pi0.5, transformers' pi0, ...) on a LeRobot mixture.
+
+    The trainer owns the objective: it draws t and the noise (seeded per sample), builds x_t, asks the policy for the
+    velocity there and reduces the masked squared error into `PerSampleLoss`, aggregated over the whole optimizer
+    step. Evaluation is one deterministic pass over the validation mixture, bucketed by provenance.
+    """
+
+    def __init__(self, model, args: VLATrainingArguments, mixture: WeightedDatasetMixture, processing_class=None,
+                 data_collator=None, **kwargs):
+        if not isinstance(args, VLATrainingArguments):
+            raise TypeError("VLATrainer needs VLATrainingArguments")
+        self.mixture = mixture
+        config = model.config
+        collator = data_collator or PI05Collator(processing_class)
+        image_size = getattr(processing_class, "image_size", None) or config.vlm_config.vision_config.image_size
+        train = mixture.train_stream(image_size, config.chunk_size, batch_size=args.per_device_train_batch_size,
+                                     collate_fn=collator, seed=args.data_seed if args.data_seed is not None else args.seed,
+                                     open_blocks=args.stream_open_blocks, rank=args.process_index,
+                                     world_size=args.world_size)
+        evaluation = None
+        if any(mixture.validation_blocks):
+            evaluation = mixture.validation_stream(image_size, config.chunk_size, args.per_device_eval_batch_size,
+                                                   collate_fn=collator, rank=args.process_index,
+                                                   world_size=args.world_size)
+        elif args.eval_strategy != "no":
+            raise ValueError("eval_strategy is set but the mixture has no validation split (validation_ratio=0)")
+        _freeze(model, args.freeze)
+        super().__init__(model=model, args=args, data_collator=collator, train_dataset=train, eval_dataset=evaluation,
+                         processing_class=processing_class, **kwargs)
+        # We own the loss and normalise it by step-wide totals ourselves: the Trainer must not divide it again.
+        self.model_accepts_loss_kwargs = True
+
+    # ---- data ----------------------------------------------------------------------------------------------------
+    def _loader(self, dataset) -> DataLoader:
+        args = self.args
+        workers = args.dataloader_num_workers
+        return DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=args.dataloader_pin_memory,
+                          persistent_workers=workers > 0 and args.dataloader_persistent_workers,
+                          prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None)
+
+    def get_train_dataloader(self) -> DataLoader:
+        # The stream shards itself by (rank, worker); accelerate must neither dispatch nor re-shard it.
+        return self._loader(self.train_dataset)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        # Same: each rank's validation stream already holds exactly its slice.
+        return self._loader(eval_dataset if eval_dataset is not None else self.eval_dataset)
+
+    # ---- optimizer -----------------------------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        # AdamW without decay on norms, biases and embeddings; fp32 masters for a bf16 model; fused on CUDA.
+        if self.optimizer is not None:
+            return self.optimizer
+        model = model if model is not None else self.model
+        decay, no_decay = [], []
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                lowered = name.lower()
+                (no_decay if param.ndim < 2 or "norm" in lowered or "embed" in lowered or name.endswith(".bias")
+                 else decay).append(param)
+        groups = [{"params": decay, "weight_decay": self.args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        kwargs = {"lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
+                  "eps": self.args.adam_epsilon}
+        if self.args.device.type == "cuda":
+            kwargs["fused"] = True
+        bf16_params = any(p.dtype == torch.bfloat16 for g in groups for p in g["params"])
+        if self.args.master_weights and bf16_params and not self.is_deepspeed_enabled:
+            if self.is_fsdp_enabled:
+                raise ValueError("master_weights with FSDP is not supported: FSDP shards parameters and keeps its own "
+                                 "mixed precision; set master_weights=False and use FSDP's MixedPrecision instead")
+            self.optimizer = MasterWeightOptimizer(groups, optimizer_cls=torch.optim.AdamW, **kwargs)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, **kwargs)
+        return self.optimizer
+
+    def _master_optimizer(self) -> MasterWeightOptimizer | None:
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        return optimizer if isinstance(optimizer, MasterWeightOptimizer) else None
+
+    def _clip_grad_norm(self, model):
+        # With master weights, clip the upcast fp32 gradients, not the bf16 ones.
+        master = self._master_optimizer()
+        if master is not None:
+            return master.clip_master_grads(self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
+
+    # ---- the objective -------------------------------------------------------------------------------------------
+    def per_sample_loss(self, model, inputs: dict, step: int) -> tuple[PerSampleLoss, Any]:
+        """Seeded t and noise, x_t = t*noise + (1-t)*actions, velocity from the policy, masked per-sample sums."""
+        config = self.accelerator.unwrap_model(model).config
+        actions = inputs["actions"]
+        noise, t = sample_noise_and_time(inputs, actions.shape[1:], self.args.seed, step, config)
+        noise, t = noise.to(actions.device), t.to(actions.device)
+        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+        dtype = self.accelerator.unwrap_model(model).dtype
+        model_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask",
+                                               "state") if k in inputs}
+        outputs = model(noise=x_t.to(dtype), timestep=t, **model_inputs)
+        return per_sample_flow_loss(outputs.logits, noise, actions, inputs["action_is_pad"],
+                                    inputs["action_dim_mask"]), outputs
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        # The Trainer fetches all micro-batches of a step first: gather their element counts (and groups) over ranks so
+        # every aggregation mode divides by totals spanning the whole optimizer step.
+        group_key = GROUP_KEYS[self.args.loss_group_key]
+        counts, groups = [], []
+        for batch in batch_samples:
+            counts += valid_elements(batch["action_is_pad"], batch["action_dim_mask"]).sum(dim=(1, 2)).tolist()
+            groups += batch[group_key].tolist()
+        if self.accelerator.num_processes > 1:
+            gathered = gather_object([(counts, groups)])
+            counts = [c for rank_counts, _ in gathered for c in rank_counts]
+            groups = [g for _, rank_groups in gathered for g in rank_groups]
+        return StepTotals.from_counts(counts, groups)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # The trainer owns the objective (DESIGN): the model only predicts the velocity.
+        per_sample, outputs = self.per_sample_loss(model, inputs, self.state.global_step)
+        totals = num_items_in_batch if isinstance(num_items_in_batch, StepTotals) else None
+        groups = inputs[GROUP_KEYS[self.args.loss_group_key]]
+        if totals is None:  # a lone batch (outside the training loop) is its own step
+            totals = StepTotals.from_counts(per_sample.count.tolist(), groups.tolist())
+        weights = sample_weights(self.args.loss_aggregation, per_sample, totals, groups, self.args.loss_divisor)
+        loss = (weights * per_sample.sum).sum()
+        if model.training and self.accelerator.num_processes > 1:
+            loss = loss * self.accelerator.num_processes  # DDP/FSDP/DeepSpeed average gradients over ranks
+        return (loss, outputs) if return_outputs else loss
+
+    # ---- evaluation ----------------------------------------------------------------------------------------------
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval") -> EvalLoopOutput:
+        # One deterministic pass; one gather_for_metrics per batch carries sums, counts and provenance together;
+        # buckets are sum(sum) / sum(count), never a mean of means.
+        model = self._wrap_model(self.model, training=False, dataloader=dataloader)
+        model.eval()
+        keys = ("sum", "count", "dataset_index", "source_index", "episode_index")
+        collected: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+        action_errors: dict[int, list[float]] = {}
+        for batch_index, inputs in enumerate(dataloader):
+            inputs = self._prepare_inputs(inputs)
+            with torch.no_grad():
+                per_sample, _ = self.per_sample_loss(model, inputs, EVAL_NOISE_STEP)
+            values = {"sum": per_sample.sum, "count": per_sample.count,
+                      **{k: inputs[k] for k in ("dataset_index", "source_index", "episode_index")}}
+            gathered = self.accelerator.gather_for_metrics(values)
+            for key in keys:
+                collected[key].append(gathered[key].detach().cpu())
+            if batch_index < self.args.action_metrics_batches:
+                self._action_errors(model, inputs, action_errors)
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+        data = {k: torch.cat(v) for k, v in collected.items()}
+        metrics = self._provenance_metrics(data, metric_key_prefix)
+        if self.args.action_metrics_batches:
+            merged = gather_object([action_errors])
+            for source, name in enumerate(self.mixture.names):
+                errors = [e for part in merged for e in part.get(source, [])]
+                if errors:
+                    metrics[f"{metric_key_prefix}_by_dataset/{name}/action_mse"] = float(sum(errors) / len(errors))
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics,
+                              num_samples=int((data["count"] > 0).sum()))
+
+    def _provenance_metrics(self, data: dict, prefix: str) -> dict[str, float]:
+        total_sum, total_count = data["sum"].double(), data["count"].double()
+        present = total_count > 0
+        if not present.any():
+            raise ValueError("evaluation found no valid validation element")
+        metrics = {f"{prefix}_mse": float(total_sum.sum() / total_count.sum())}
+        per_sample = torch.where(present, total_sum / total_count.clamp(min=1), torch.zeros_like(total_sum))
+        if self.args.loss_aggregation == "token_mean":
+            metrics[f"{prefix}_loss"] = metrics[f"{prefix}_mse"]
+        elif self.args.loss_aggregation == "constant":
+            metrics[f"{prefix}_loss"] = float(total_sum.sum() / (self.args.loss_divisor * present.sum()))
+        elif self.args.loss_aggregation == "group_mean":
+            groups = data["episode_index" if self.args.loss_group_key == "episode" else "source_index"]
+            means = [total_sum[groups == g].sum() / total_count[groups == g].sum()
+                     for g in groups[present].unique() if total_count[groups == g].sum() > 0]
+            metrics[f"{prefix}_loss"] = float(torch.stack(means).mean())
+        else:
+            metrics[f"{prefix}_loss"] = float(per_sample[present].mean())
+        for head, name in enumerate(self.mixture.head_names):
+            rows = data["dataset_index"] == head
+            if total_count[rows].sum() > 0:
+                metrics[f"{prefix}_{name}/mse"] = float(total_sum[rows].sum() / total_count[rows].sum())
+        weighted, weight_total = 0.0, 0.0
+        for source, name in enumerate(self.mixture.names):
+            rows = data["source_index"] == source
+            if total_count[rows].sum() > 0:
+                mse = float(total_sum[rows].sum() / total_count[rows].sum())
+                metrics[f"{prefix}_by_dataset/{name}/mse"] = mse
+                weighted += self.mixture.weights[source] * mse
+                weight_total += self.mixture.weights[source]
+        metrics[f"{prefix}_mixture_mse"] = weighted / weight_total
+        return metrics
+
+    @torch.no_grad()
+    def _action_errors(self, model, inputs, errors: dict):
+        """Un-normalized action MSE of `sample_actions` per source (what robotics users read)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        if not hasattr(unwrapped, "sample_actions") or self.processing_class is None:
+            return
+        generator = torch.Generator().manual_seed(self.args.seed)
+        noise = torch.randn(inputs["actions"].shape, generator=generator).to(inputs["actions"].device)
+        kwargs = {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state")}
+        predicted = unwrapped.sample_actions(noise=noise, **kwargs)
+        for i in range(predicted.shape[0]):
+            if inputs["action_is_pad"][i].all():
+                continue
+            head, source = int(inputs["dataset_index"][i]), int(inputs["source_index"][i])
+            valid = ~inputs["action_is_pad"][i]
+            ours = self.processing_class.unnormalize_actions(predicted[i][valid].float().cpu(), head)
+            truth = self.processing_class.unnormalize_actions(inputs["actions"][i][valid].float().cpu(), head)
+            errors.setdefault(source, []).append(float((ours - truth).pow(2).mean()))
+
+    # ---- checkpoints and resume ----------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        # Besides model, processor, optimizer (with masters), scheduler and RNG: the stream position.
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        state = self.train_dataset.state_dict() | {
+            "batches_consumed": self.state.global_step * self.args.gradient_accumulation_steps
+        }
+        if self.args.should_save:
+            with open(os.path.join(folder, STREAM_STATE), "w") as handle:
+                json.dump(state, handle, indent=2)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        # Restore the stream position before the Trainer starts iterating (it would otherwise start from zero).
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no checkpoint found in output_dir {self.args.output_dir}")
+        if resume_from_checkpoint:
+            path = os.path.join(resume_from_checkpoint, STREAM_STATE)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path}: missing; cannot resume the data stream exactly")
+            with open(path) as handle:
+                self.train_dataset.load_state_dict(json.load(handle))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+
+def _freeze(model, mode: str):
+    """Freeze parts of a pi0 / pi0.5 policy (`model.model.vlm`, `model.model.expert` / `.dit`)."""
+    if mode == "none":
+        return
+    core = model.model
+    if mode == "vision_tower":
+        frozen = [core.vlm.vision_tower, core.vlm.multi_modal_projector]
+    elif mode == "vlm":
+        frozen = [core.vlm]
+    else:  # expert_only
+        expert = getattr(core, "expert", None) or core.dit
+        for param in model.parameters():
+            param.requires_grad_(False)
+        for param in expert.parameters():
+            param.requires_grad_(True)
+        return
+    for module in frozen:
+        for param in module.parameters():
+            param.requires_grad_(False)
