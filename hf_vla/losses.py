@@ -64,6 +64,25 @@ def sample_noise_and_time(batch: dict, shape: Sequence[int], seed: int, step: in
     return torch.stack(noise), t
 
 
+MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state")
+
+
+def policy_per_sample_loss(model, inputs: dict, seed: int, step: int) -> tuple[PerSampleLoss, object]:
+    """The trainer-owned objective for any velocity-predicting policy.
+
+    Seeded t and noise per sample, x_t = t*noise + (1-t)*actions, the policy's velocity at (x_t, t) (passed as
+    `noise`/`timestep`, without `actions`), masked per-sample sums and counts. Returns them and the model output.
+    """
+    unwrapped = getattr(model, "module", model)
+    actions = inputs["actions"]
+    noise, t = sample_noise_and_time(inputs, actions.shape[1:], seed, step, unwrapped.config)
+    noise, t = noise.to(actions.device), t.to(actions.device)
+    x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+    outputs = model(noise=x_t.to(unwrapped.dtype), timestep=t, **{k: inputs[k] for k in MODEL_INPUTS if k in inputs})
+    loss = per_sample_flow_loss(outputs.logits, noise, actions, inputs["action_is_pad"], inputs["action_dim_mask"])
+    return loss, outputs
+
+
 @dataclass
 class StepTotals:
     """Denominators spanning one optimizer step, after a gather over ranks."""

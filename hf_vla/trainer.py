@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint
 
 from .data import PI05Collator, WeightedDatasetMixture
@@ -24,8 +24,7 @@ from .losses import (
     LOSS_AGGREGATIONS,
     PerSampleLoss,
     StepTotals,
-    per_sample_flow_loss,
-    sample_noise_and_time,
+    policy_per_sample_loss,
     sample_weights,
     valid_elements,
 )
@@ -189,17 +188,7 @@ class VLATrainer(Trainer):
     # ---- the objective -------------------------------------------------------------------------------------------
     def per_sample_loss(self, model, inputs: dict, step: int) -> tuple[PerSampleLoss, Any]:
         """Seeded t and noise, x_t = t*noise + (1-t)*actions, velocity from the policy, masked per-sample sums."""
-        config = self.accelerator.unwrap_model(model).config
-        actions = inputs["actions"]
-        noise, t = sample_noise_and_time(inputs, actions.shape[1:], self.args.seed, step, config)
-        noise, t = noise.to(actions.device), t.to(actions.device)
-        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
-        dtype = self.accelerator.unwrap_model(model).dtype
-        model_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask",
-                                               "state") if k in inputs}
-        outputs = model(noise=x_t.to(dtype), timestep=t, **model_inputs)
-        return per_sample_flow_loss(outputs.logits, noise, actions, inputs["action_is_pad"],
-                                    inputs["action_dim_mask"]), outputs
+        return policy_per_sample_loss(model, inputs, self.args.seed, step)
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # The Trainer fetches all micro-batches of a step first: gather their element counts (and groups) over ranks so
@@ -219,7 +208,11 @@ class VLATrainer(Trainer):
         # The trainer owns the objective (DESIGN): the model only predicts the velocity.
         per_sample, outputs = self.per_sample_loss(model, inputs, self.state.global_step)
         totals = num_items_in_batch if isinstance(num_items_in_batch, StepTotals) else None
-        groups = inputs[GROUP_KEYS[self.args.loss_group_key]]
+        group_key = GROUP_KEYS[self.args.loss_group_key]
+        if group_key not in inputs:
+            raise ValueError(f"loss_group_key={self.args.loss_group_key!r} needs {group_key!r} in every batch (the "
+                             f"collator's provenance); this batch has only {sorted(inputs)}")
+        groups = inputs[group_key]
         if totals is None:  # a lone batch (outside the training loop) is its own step
             totals = StepTotals.from_counts(per_sample.count.tolist(), groups.tolist())
         weights = sample_weights(self.args.loss_aggregation, per_sample, totals, groups, self.args.loss_divisor)
@@ -324,6 +317,21 @@ class VLATrainer(Trainer):
         if self.args.should_save:
             with open(os.path.join(folder, STREAM_STATE), "w") as handle:
                 json.dump(state, handle, indent=2)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # save_pretrained writes PaliGemma's legacy key layout and only from_pretrained maps it back; the Trainer's raw
+        # load_state_dict would leave the VLM at its fresh weights with just a warning. Load through from_pretrained.
+        model = model if model is not None else self.model
+        unwrapped = self.accelerator.unwrap_model(model)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled or not isinstance(unwrapped, PreTrainedModel):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        loaded = type(unwrapped).from_pretrained(resume_from_checkpoint, dtype=unwrapped.dtype)
+        state = loaded.state_dict()
+        missing, unexpected = unwrapped.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k not in dict(unwrapped.named_buffers())]
+        if missing or unexpected:
+            raise ValueError(f"{resume_from_checkpoint}: checkpoint does not fit the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         # Restore the stream position before the Trainer starts iterating (it would otherwise start from zero).

@@ -1,0 +1,76 @@
+"""Run under `torchrun --nproc_per_node 2`: one optimizer step (per-device batch 2 x GA 4) per loss mode.
+
+Rank 0 writes, per mode, the gradient right before the optimizer step (after DDP's all-reduce) and every micro-batch
+of every rank, so the test can recompute the same 16 samples as one batch in one process.
+"""
+
+import sys
+
+import torch
+from accelerate.utils import gather_object
+from transformers import TrainerCallback
+
+from hf_vla import PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLATrainingArguments
+from hf_vla.data import WeightedDatasetMixture
+from hf_vla.testing import build_tiny_tokenizer, tiny_pi05_config
+
+MODES = [("sample_mean", None), ("token_mean", None), ("group_mean", None), ("constant", 7.0)]
+
+
+def make_model():
+    torch.manual_seed(0)
+    model = PI05ForConditionalGeneration(tiny_pi05_config(chunk_size=6))
+    with torch.no_grad():  # random adaRMS too, so every parameter gets a gradient
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.05)
+    return model
+
+
+def build(root_a, root_b):
+    mixture = WeightedDatasetMixture([
+        dict(root=root_a, name="a", cameras=["observation.images.cam"], control_mode="joint"),
+        dict(root=root_b, name="b", cameras=["front", None], control_mode="eef", weight=2.0),
+    ])
+    model = make_model()
+    config = model.config
+    processor = PI05Processor.from_config(config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
+                                          head_names=mixture.head_names)
+    return mixture, model, processor
+
+
+class Capture(TrainerCallback):
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+class Recording(VLATrainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.seen.append({k: v.detach().cpu() for k, v in inputs.items()})
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def main(root_a, root_b, out):
+    results = {}
+    for mode, divisor in MODES:
+        mixture, model, processor = build(root_a, root_b)
+        args = VLATrainingArguments(output_dir=f"{out}.{mode}", max_steps=1, per_device_train_batch_size=2,
+                                    gradient_accumulation_steps=4, loss_aggregation=mode, loss_divisor=divisor,
+                                    max_grad_norm=0.0, report_to=[], use_cpu=True, ddp_backend="gloo",
+                                    save_strategy="no", warmup_steps=0, seed=3, stream_open_blocks=2,
+                                    disable_tqdm=True)
+        capture = Capture(model)
+        trainer = Recording(model, args, mixture=mixture, processing_class=processor, callbacks=[capture])
+        trainer.seen = []
+        trainer.train()
+        batches = gather_object([trainer.seen])
+        results[mode] = {"grads": capture.grads, "batches": [b for rank in batches for b in rank],
+                         "world_size": trainer.accelerator.num_processes}
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

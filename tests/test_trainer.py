@@ -1,0 +1,313 @@
+"""VLATrainer: exact loss aggregation under GA x DP, master weights, checkpoints and resume, validation, eval."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_data import CAM, make_dataset
+from transformers import TrainerCallback, get_scheduler
+
+from hf_vla import MasterWeightOptimizer, PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLATrainingArguments
+from hf_vla.data import WeightedDatasetMixture
+from hf_vla.losses import (
+    GROUP_KEYS,
+    StepTotals,
+    aggregate,
+    per_sample_flow_loss,
+    policy_per_sample_loss,
+    sample_weights,
+)
+from hf_vla.testing import build_tiny_tokenizer, tiny_pi05_config
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="session")
+def two_datasets(tmp_path_factory):
+    base = tmp_path_factory.mktemp("trainer_data")
+    make_dataset(base / "a", 10, lengths=[7 + (e % 4) for e in range(10)])
+    make_dataset(base / "b", 8, state_dim=4, action_dim=3, robot_type="arm_b", cameras={"front": (48, 64)},
+                 lengths=[5 + e for e in range(8)])
+    return base
+
+
+# ---- loss aggregation ---------------------------------------------------------------------------------------------
+def test_aggregation_modes_on_one_batch():
+    count = torch.tensor([4.0, 2.0, 0.0, 2.0])
+    total = torch.tensor([8.0, 2.0, 0.0, 6.0])
+    per_sample = type("P", (), {"sum": total, "count": count})
+    groups = torch.tensor([1, 1, 2, 3])
+    assert aggregate("token_mean", per_sample, groups) == pytest.approx(16 / 8)
+    assert aggregate("sample_mean", per_sample, groups) == pytest.approx((2 + 1 + 3) / 3)  # padded sample counts zero
+    assert aggregate("group_mean", per_sample, groups) == pytest.approx((10 / 6 + 6 / 2) / 2)
+    assert aggregate("constant", per_sample, groups, divisor=5.0) == pytest.approx(16 / (5 * 3))
+
+
+def test_per_sample_flow_loss_masks_padding():
+    velocity = torch.zeros(2, 3, 4)
+    noise = torch.ones(2, 3, 4)
+    actions = torch.zeros(2, 3, 4)
+    is_pad = torch.tensor([[False, False, True], [True, True, True]])
+    dims = torch.tensor([[True, True, False, False], [True] * 4])
+    loss = per_sample_flow_loss(velocity, noise, actions, is_pad, dims)
+    assert loss.count.tolist() == [4.0, 0.0] and loss.sum.tolist() == [4.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def distributed_run(two_datasets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist") / "grads.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT="29517")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+         str(TESTS / "distributed_step.py"), str(two_datasets / "a"), str(two_datasets / "b"), str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("mode,divisor", [("sample_mean", None), ("token_mean", None), ("group_mean", None),
+                                          ("constant", 7.0)])
+def test_ga4_x_dp2_gradient_equals_one_batch_of_16(distributed_run, mode, divisor):
+    from distributed_step import make_model
+
+    run = distributed_run[mode]
+    assert run["world_size"] == 2 and len(run["batches"]) == 8
+    batch = {k: torch.cat([b[k] for b in run["batches"]]) for k in run["batches"][0]}
+    assert batch["actions"].shape[0] == 16
+    counts = per_sample_flow_loss(torch.zeros_like(batch["actions"]), batch["actions"], batch["actions"],
+                                  batch["action_is_pad"], batch["action_dim_mask"]).count
+    assert len(set(counts.tolist())) > 2  # heterogeneous lengths and dims: the modes really differ
+    model = make_model()
+    model.train()
+    per_sample, _ = policy_per_sample_loss(model, batch, seed=3, step=0)
+    groups = batch[GROUP_KEYS["episode"]]
+    loss = aggregate(mode, per_sample, groups, divisor)
+    loss.backward()
+    reference = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert reference.keys() == run["grads"].keys()
+    for name, grad in reference.items():
+        torch.testing.assert_close(run["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_step_totals_span_micro_batches():
+    totals = StepTotals.from_counts([4, 0, 2, 6], [1, 1, 2, 2])
+    assert (totals.num_samples, totals.num_elements, totals.group_counts) == (3, 12.0, {1: 4.0, 2: 8.0})
+    part = type("P", (), {"sum": torch.tensor([1.0, 1.0]), "count": torch.tensor([2.0, 6.0])})
+    weights = sample_weights("group_mean", part, totals, torch.tensor([2, 2]))
+    assert weights.tolist() == pytest.approx([1 / 16, 1 / 16])
+
+
+# ---- argument validation -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    ({"loss_aggregation": "median"}, "choose one of"),
+    ({"loss_aggregation": "constant"}, "finite positive loss_divisor"),
+    ({"loss_aggregation": "constant", "loss_divisor": float("inf")}, "finite positive"),
+    ({"loss_aggregation": "constant", "loss_divisor": -1.0}, "finite positive"),
+    ({"loss_divisor": 2.0}, "only used by loss_aggregation='constant'"),
+    ({"loss_group_key": "robot"}, "loss_group_key"),
+    ({"freeze": "everything"}, "freeze"),
+])
+def test_training_arguments_are_validated(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        VLATrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+
+
+def test_published_defaults(tmp_path):
+    args = VLATrainingArguments(output_dir=str(tmp_path), use_cpu=True)
+    assert (args.learning_rate, args.adam_beta1, args.adam_beta2, args.adam_epsilon) == (2.5e-5, 0.9, 0.95, 1e-8)
+    assert (args.weight_decay, args.max_grad_norm, args.warmup_steps) == (0.01, 1.0, 1000)
+    assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr": 2.5e-6}
+
+
+# ---- master weights ----------------------------------------------------------------------------------------------
+def _bf16_linear(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 4).to(torch.bfloat16)
+
+
+def test_master_weights_fp32_state_and_bitwise_writeback():
+    layer = _bf16_linear()
+    optimizer = MasterWeightOptimizer(layer.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01)
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    for _ in range(3):
+        optimizer.zero_grad()
+        layer(torch.randn(16, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        optimizer.step()
+        for param, master in optimizer._pairs():
+            assert master.dtype == torch.float32
+            assert torch.equal(param, master.to(torch.bfloat16))  # bf16 param == rounded master, bitwise
+    for state in optimizer.inner.state.values():
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+
+
+def test_master_weights_clip_on_fp32_and_scheduler_drives_it():
+    layer = _bf16_linear()
+    optimizer = MasterWeightOptimizer(layer.parameters(), lr=1.0)
+    layer(torch.randn(16, 8, dtype=torch.bfloat16)).float().pow(2).sum().mul(100).backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in layer.parameters()]))
+    norm = optimizer.clip_master_grads(0.5)
+    assert norm == pytest.approx(expected.item(), rel=1e-6)
+    masters = [m for _, m in optimizer._pairs()]
+    assert all(m.grad.dtype == torch.float32 for m in masters)
+    assert torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in masters])) == pytest.approx(0.5, rel=1e-5)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=4)
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.75)
+    layer(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+    optimizer.step()
+    assert optimizer.inner.param_groups[0]["lr"] == pytest.approx(0.75)  # the inner optimizer follows the scheduler
+
+
+def test_master_weights_state_dict_restores_masters_exactly():
+    layer = _bf16_linear()
+    optimizer = MasterWeightOptimizer(layer.parameters(), lr=1e-4)
+    for _ in range(5):
+        optimizer.zero_grad()
+        layer(torch.randn(16, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        optimizer.step()
+    masters = [m.clone() for _, m in optimizer._pairs()]
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)  # below bf16 resolution
+    state = optimizer.state_dict()
+    fresh_layer = _bf16_linear(seed=1)
+    fresh = MasterWeightOptimizer(fresh_layer.parameters(), lr=1e-4)
+    fresh.load_state_dict(state)
+    for (param, master), saved in zip(fresh._pairs(), masters):
+        assert torch.equal(master, saved)
+        assert torch.equal(param, saved.to(torch.bfloat16))
+
+
+def test_master_weights_converge_where_bf16_adamw_stalls():
+    torch.manual_seed(0)
+    x = torch.randn(256, 16)
+    target_w = torch.randn(16, 1)
+    target_w = target_w + 2.5 * target_w.sign()  # |w| >= 2.5: bf16's half-ulp (0.0078) dwarfs a 1e-3 Adam update
+    y = x @ target_w
+
+    def run(optimizer_factory):
+        torch.manual_seed(1)
+        weight = torch.nn.Parameter((target_w + 0.05 * torch.randn(16, 1)).to(torch.bfloat16))
+        optimizer = optimizer_factory([weight])
+        for _ in range(300):
+            optimizer.zero_grad()
+            ((x.to(torch.bfloat16) @ weight).float() - y).pow(2).mean().backward()
+            optimizer.step()
+        return ((x @ weight.float()) - y).pow(2).mean().item()
+
+    start = run(lambda p: torch.optim.SGD(p, lr=0.0))
+    plain = run(lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.0))
+    master = run(lambda p: MasterWeightOptimizer(p, lr=1e-3, weight_decay=0.0))
+    assert plain > 0.5 * start  # bf16 state: updates vanish below bf16 resolution
+    assert master < 0.1 * start
+
+
+# ---- trainer end to end ------------------------------------------------------------------------------------------
+def _trainer(root, out, max_steps=6, callbacks=(), **kwargs):
+    mixture = WeightedDatasetMixture([dict(root=str(root / "a"), name="a", cameras=[CAM], control_mode="joint"),
+                                      dict(root=str(root / "b"), name="b", cameras=["front"], control_mode="eef")],
+                                     validation_ratio=0.25)
+    torch.manual_seed(0)
+    config = tiny_pi05_config(chunk_size=6)
+    model = PI05ForConditionalGeneration(config)
+    processor = PI05Processor.from_config(config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
+                                          head_names=mixture.head_names)
+    defaults = dict(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
+                    per_device_eval_batch_size=8, gradient_accumulation_steps=2, logging_steps=1, save_steps=3,
+                    report_to=[], learning_rate=1e-3, warmup_steps=1, use_cpu=True, seed=7, disable_tqdm=True,
+                    stream_open_blocks=3)
+    defaults.update(kwargs)
+    return VLATrainer(model, VLATrainingArguments(**defaults), mixture=mixture, processing_class=processor,
+                      callbacks=list(callbacks))
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_kill_and_resume_equals_uninterrupted_run_bitwise(two_datasets, tmp_path):
+    full = _trainer(two_datasets, tmp_path / "full")
+    full.train()
+    expected = {n: p.detach().clone() for n, p in full.model.named_parameters()}
+    expected_losses = [(h["step"], h["loss"]) for h in full.state.log_history if "loss" in h]
+
+    first = _trainer(two_datasets, tmp_path / "killed", callbacks=[StopAt(3)])
+    first.train()
+    checkpoint = tmp_path / "killed" / "checkpoint-3"
+    saved = json.loads((checkpoint / "stream_state.json").read_text())
+    assert saved["batches_consumed"] == 6
+    assert (checkpoint / "processor_config.json").exists() and (checkpoint / "optimizer.pt").exists()
+    resumed = _trainer(two_datasets, tmp_path / "killed")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for name, param in resumed.model.named_parameters():
+        assert torch.equal(param, expected[name]), name
+    losses = [(h["step"], h["loss"]) for h in resumed.state.log_history if "loss" in h]
+    assert losses[-3:] == expected_losses[-3:]
+
+
+def test_master_weights_checkpoint_resume_bf16(two_datasets, tmp_path):
+    def bf16_trainer(out, callbacks=()):
+        trainer = _trainer(two_datasets, out, callbacks=callbacks)
+        trainer.model.to(torch.bfloat16)
+        return trainer
+
+    full = bf16_trainer(tmp_path / "full")
+    full.train()
+    assert isinstance(full._master_optimizer(), MasterWeightOptimizer)
+    expected = {n: p.detach().clone() for n, p in full.model.named_parameters()}
+    bf16_trainer(tmp_path / "killed", callbacks=[StopAt(3)]).train()
+    resumed = bf16_trainer(tmp_path / "killed")
+    resumed.train(resume_from_checkpoint=True)
+    for name, param in resumed.model.named_parameters():
+        assert torch.equal(param, expected[name]), name
+
+
+def test_evaluation_metrics_by_provenance(two_datasets, tmp_path):
+    trainer = _trainer(two_datasets, tmp_path / "eval", max_steps=1, action_metrics_batches=1)
+    metrics = trainer.evaluate()
+    for key in ("eval_loss", "eval_mse", "eval_arm_a::joint/mse", "eval_arm_b::eef/mse", "eval_by_dataset/a/mse",
+                "eval_by_dataset/b/mse", "eval_mixture_mse", "eval_by_dataset/a/action_mse"):
+        assert key in metrics and metrics[key] > 0, key
+    # Σsum/Σcount, not a mean of means: recompute from the validation stream
+    sums, counts = {}, {}
+    for batch in trainer.get_eval_dataloader():
+        with torch.no_grad():
+            trainer.model.eval()
+            per_sample, _ = trainer.per_sample_loss(trainer.model, batch, -1)
+        for s, total, count in zip(batch["source_index"].tolist(), per_sample.sum, per_sample.count):
+            sums[s] = sums.get(s, 0.0) + total.item()
+            counts[s] = counts.get(s, 0.0) + count.item()
+    assert metrics["eval_by_dataset/a/mse"] == pytest.approx(sums[0] / counts[0], rel=1e-5)
+    assert metrics["eval_mse"] == pytest.approx(sum(sums.values()) / sum(counts.values()), rel=1e-5)
+    assert metrics["eval_mixture_mse"] == pytest.approx((sums[0] / counts[0] + sums[1] / counts[1]) / 2, rel=1e-5)
+
+
+def test_freezing(two_datasets, tmp_path):
+    trainer = _trainer(two_datasets, tmp_path / "f", max_steps=1, freeze="vlm")
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and not any(".vlm." in n for n in trainable) and any("action_in_proj" in n for n in trainable)
+    trainer = _trainer(two_datasets, tmp_path / "g", max_steps=1, freeze="expert_only")
+    assert all(n.startswith("model.expert.") for n, p in trainer.model.named_parameters() if p.requires_grad)
+
+
+def test_wandb_offline_logging(two_datasets, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trainer = _trainer(two_datasets, tmp_path / "w", max_steps=2, report_to=["wandb"], run_name="hf-vla-test")
+    trainer.train()
+    import wandb
+
+    wandb.finish()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
