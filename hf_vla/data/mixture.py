@@ -66,6 +66,20 @@ class WeightedDatasetMixture:
             stats = aggregate_feature_stats([s.stats[key] for s in members])
             pooled[key] = {name: np.asarray(value).tolist() for name, value in stats.items()
                            if name in ("q01", "q99", "mean", "std", "min", "max")}
+        if all(s.config.quantile_stats == "exact" for s in members):
+            # Exact quantiles of the pooled frames: each member contributes in proportion to its frame count.
+            values = [s.column_values() for s in members]
+            total = sum(v["frames"] for v in values)
+            rng = np.random.default_rng(0)
+            for key in ("state", "actions"):
+                parts = []
+                for v in values:
+                    share = max(1, int(round(min(total, 2_000_000) * v["frames"] / total)))
+                    rows = rng.choice(len(v[key]), size=share, replace=share > len(v[key]))
+                    parts.append(v[key][rows] if len(values) > 1 else v[key])
+                data = np.concatenate(parts)
+                pooled[key]["q01"] = np.quantile(data, 0.01, axis=0).tolist()
+                pooled[key]["q99"] = np.quantile(data, 0.99, axis=0).tolist()
         return pooled
 
     @staticmethod

@@ -32,6 +32,11 @@ class DatasetConfig:
         used, each as its own block; episodes absent from it are dropped.
     keep_ranges_key: how an episode's key is derived: a format string over the episode's metadata columns plus
         `episode_index`, `repo_id` and `name` (default `"{episode_index}"`).
+    shuffle_tasks_seed: a language-blind control: every episode gets the task of another episode (a seeded
+        permutation), so instructions carry no information about the episode.
+    quantile_stats: `"exact"` (default) computes q01/q99 from the state/action columns (no video is read; at most
+        2M frames, subsampled with a fixed seed); `"metadata"` uses `meta/stats.json`, whose quantiles lerobot builds
+        as a frame-weighted mean of per-episode quantiles (too narrow when episodes cover different ranges).
     """
 
     repo_id: str | None = None
@@ -47,8 +52,13 @@ class DatasetConfig:
     task: str | None = None
     keep_ranges: str | dict | None = None
     keep_ranges_key: str = "{episode_index}"
+    shuffle_tasks_seed: int | None = None
+    quantile_stats: str = "exact"
 
     def __post_init__(self):
+        if self.quantile_stats not in ("exact", "metadata"):
+            raise ValueError(f"dataset {self.name or self.repo_id!r}: quantile_stats must be 'exact' or 'metadata', "
+                             f"got {self.quantile_stats!r}")
         if self.repo_id is None and self.root is None:
             raise ValueError("DatasetConfig needs repo_id or root")
         if self.name is None:
@@ -123,6 +133,11 @@ class LeRobotSource:
         self.num_episodes = len(self.episodes["episode_index"])
         self._row = {int(e): i for i, e in enumerate(self.episodes["episode_index"])}
         self.tasks = {int(i): str(t) for t, i in zip(self.meta.tasks.index, self.meta.tasks["task_index"])}
+        self._shuffled_tasks = None
+        if config.shuffle_tasks_seed is not None:
+            firsts = [str(tasks[0]) for tasks in episodes["tasks"]]
+            order = np.random.default_rng(config.shuffle_tasks_seed).permutation(len(firsts))
+            self._shuffled_tasks = {int(e): firsts[j] for e, j in zip(self.episodes["episode_index"], order)}
         self.stats = {
             "state": self._stat(config.state_key),
             "actions": self._stat(config.action_key),
@@ -156,6 +171,29 @@ class LeRobotSource:
         out = {k: np.asarray(v, dtype=np.float64) for k, v in stats.items()}
         out["count"] = np.asarray(stats.get("count", [self.meta.total_frames])).reshape(-1)[:1]
         return out
+
+    def column_values(self, max_frames: int = 2_000_000, seed: int = 0) -> dict[str, np.ndarray]:
+        """state / actions of (a seeded subsample of) the usable frames, read from parquet only."""
+        files = sorted({self.data_path(e) for e in self.usable_episodes()})
+        columns = [self.config.state_key, self.config.action_key, "episode_index", "frame_index"]
+        usable = set(self.usable_episodes())
+        states, actions = [], []
+        for path in files:
+            raw = pq.read_table(path, columns=columns)
+            keep = np.isin(raw["episode_index"].to_numpy(), list(usable))
+            if self.keep_ranges is not None:
+                episodes, frames = raw["episode_index"].to_numpy(), raw["frame_index"].to_numpy()
+                for i in np.flatnonzero(keep):
+                    keep[i] = any(s <= frames[i] < e for s, e in self.keep_ranges[int(episodes[i])])
+            states.append(np.stack(raw[self.config.state_key].to_numpy(zero_copy_only=False)[keep]))
+            actions.append(np.stack(raw[self.config.action_key].to_numpy(zero_copy_only=False)[keep]))
+        values = {"state": np.concatenate(states).astype(np.float64), "actions": np.concatenate(actions).astype(np.float64)}
+        count = len(values["state"])
+        if count > max_frames:
+            rows = np.sort(np.random.default_rng(seed).choice(count, size=max_frames, replace=False))
+            values = {k: v[rows] for k, v in values.items()}
+        values["frames"] = count
+        return values
 
     def episode_key(self, row: int) -> str:
         fields = {name: self._episode_meta[name][row] for name in self._episode_meta.column_names
@@ -264,8 +302,12 @@ class LeRobotSource:
         rows = table["episode_index"] == episode
         return {key: value[rows] for key, value in table.items() if key != "episode_index"}
 
-    def task(self, task_index: int) -> str:
-        return self.config.task if self.config.task is not None else self.tasks[int(task_index)]
+    def task(self, task_index: int, episode: int | None = None) -> str:
+        if self.config.task is not None:
+            return self.config.task
+        if self._shuffled_tasks is not None:
+            return self._shuffled_tasks[int(episode)]
+        return self.tasks[int(task_index)]
 
 
 class VideoReader:

@@ -126,7 +126,7 @@ class FrameReader:
             "state": torch.from_numpy(table["state"][frame].copy()),
             "actions": torch.from_numpy(actions),
             "action_is_pad": torch.from_numpy(is_pad),
-            "task": source.task(table["task_index"][frame]),
+            "task": source.task(table["task_index"][frame], block.episode),
             "dataset_index": self.head_of_source[source_index],
             "source_index": source_index,
             "episode_index": source.episode_offset + block.episode,

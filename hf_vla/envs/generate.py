@@ -1,0 +1,65 @@
+"""Scripted-expert demonstrations of ColorReach written as a LeRobot v3.0 dataset with lerobot's own writer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..data.writer import write_lerobot_dataset
+from .reach import ColorReachEnv, expert_action
+
+logger = logging.getLogger(__name__)
+CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
+ROBOT_TYPE = "color_reach"
+
+
+def _episodes(count: int, seed: int, env_kwargs: dict):
+    env = ColorReachEnv(**env_kwargs)
+    rng = np.random.default_rng(seed)
+    for episode in tqdm(range(count), desc="demo episodes", unit="ep"):
+        observation, info = env.reset(seed=seed * 100_003 + episode)
+        frames, done = [], False
+        while not done:
+            action = expert_action(env, rng)
+            frames.append({"images": {CAMERA: observation[CAMERA]}, "state": observation[STATE], "action": action,
+                           "task": info["task"]})
+            observation, _, terminated, truncated, info = env.step(action)
+            done = terminated or truncated
+        yield frames
+
+
+def generate_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: int = 0, **env_kwargs) -> Path:
+    root = Path(root)
+    if root.exists():
+        raise FileExistsError(f"{root} exists; delete it to regenerate")
+    start = time.perf_counter()
+    env = ColorReachEnv(**env_kwargs)
+    write_lerobot_dataset(root, _episodes(episodes, seed, env_kwargs), fps=env.metadata["render_fps"],
+                          cameras={CAMERA: (env.image_size, env.image_size)}, state_dim=2, action_dim=2,
+                          robot_type=ROBOT_TYPE, state_key=STATE, action_key=ACTION, repo_id="local/color_reach")
+    logger.info("wrote %d demo episodes to %s in %.1fs", episodes, root, time.perf_counter() - start)
+    return root
+
+
+def ensure_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: int = 0, main_process: bool = True) -> Path:
+    """Generate the demo dataset at `root` unless a complete one is there (a partial one is rebuilt)."""
+    root = Path(root)
+    marker = root / "meta" / "hf_vla_demo.json"
+    if marker.is_file():
+        return root
+    if not main_process:
+        while not marker.is_file():  # other ranks wait for rank 0
+            time.sleep(1)
+        return root
+    if root.exists():
+        shutil.rmtree(root)
+    generate_demo_dataset(root, episodes=episodes, seed=seed)
+    marker.write_text(json.dumps({"episodes": episodes, "seed": seed}))
+    return root

@@ -1,0 +1,104 @@
+"""ColorReach: the built-in language-conditioned visual task.
+
+A point agent (white square) and several coloured targets are drawn in a small RGB image; the instruction names
+one colour ("move to the red target"). Only the image tells where the targets are and only the instruction tells
+which one to reach, so a policy must use both. Observations are LeRobot-style: `observation.image` (HxWx3 uint8)
+and `observation.state` (the agent's xy in [-1, 1]); the task string is `env.unwrapped.task` and `info["task"]`.
+Actions are xy displacements, clipped to `step_size`.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+COLORS = {
+    "red": (220, 40, 40),
+    "green": (40, 190, 60),
+    "blue": (50, 90, 235),
+    "yellow": (235, 215, 40),
+}
+BACKGROUND = 90
+
+
+class ColorReachEnv(gym.Env):
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
+
+    def __init__(self, image_size: int = 64, num_targets: int = 3, max_steps: int = 40, step_size: float = 0.1,
+                 success_radius: float = 0.12, render_mode: str = "rgb_array"):
+        if num_targets > len(COLORS):
+            raise ValueError(f"num_targets={num_targets}: at most {len(COLORS)} colours")
+        self.image_size, self.num_targets, self.max_steps = image_size, num_targets, max_steps
+        self.step_size, self.success_radius, self.render_mode = step_size, success_radius, render_mode
+        self.observation_space = spaces.Dict({
+            "observation.image": spaces.Box(0, 255, (image_size, image_size, 3), np.uint8),
+            "observation.state": spaces.Box(-1.0, 1.0, (2,), np.float32),
+        })
+        self.action_space = spaces.Box(-step_size, step_size, (2,), np.float32)
+        self.task = ""
+
+    # ---- dynamics ------------------------------------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        rng = self.np_random
+        names = list(rng.choice(list(COLORS), size=self.num_targets, replace=False))
+        positions: list[np.ndarray] = []
+        while len(positions) < self.num_targets:
+            candidate = rng.uniform(-0.75, 0.75, size=2)
+            if all(np.linalg.norm(candidate - p) > 0.45 for p in positions):
+                positions.append(candidate)
+        self.targets = dict(zip(names, positions))
+        self.goal = str(names[rng.integers(self.num_targets)])
+        while True:
+            agent = rng.uniform(-0.85, 0.85, size=2)
+            if min(np.linalg.norm(agent - p) for p in positions) > 0.35:
+                break
+        self.agent = agent.astype(np.float32)
+        self.steps = 0
+        self.task = f"move to the {self.goal} target"
+        return self._observation(), {"task": self.task, "is_success": False}
+
+    def distance(self) -> float:
+        return float(np.linalg.norm(self.agent - self.targets[self.goal]))
+
+    def step(self, action):
+        action = np.asarray(action, dtype=np.float32).reshape(2)
+        norm = float(np.linalg.norm(action))
+        if norm > self.step_size:
+            action = action * (self.step_size / norm)
+        self.agent = np.clip(self.agent + action, -1.0, 1.0).astype(np.float32)
+        self.steps += 1
+        success = self.distance() < self.success_radius
+        truncated = self.steps >= self.max_steps and not success
+        info = {"task": self.task, "is_success": success}
+        return self._observation(), float(success), success, truncated, info
+
+    # ---- rendering -----------------------------------------------------------------------------------------------
+    def _pixel(self, xy) -> tuple[float, float]:
+        scale = (self.image_size - 1) / 2
+        return (xy[0] + 1) * scale, (1 - xy[1]) * scale  # column, row
+
+    def render(self) -> np.ndarray:
+        size = self.image_size
+        image = np.full((size, size, 3), BACKGROUND, dtype=np.uint8)
+        rows, cols = np.mgrid[0:size, 0:size]
+        radius = 0.09 * size
+        for name, position in self.targets.items():
+            col, row = self._pixel(position)
+            image[(rows - row) ** 2 + (cols - col) ** 2 <= radius**2] = COLORS[name]
+        col, row = self._pixel(self.agent)
+        half = max(1.5, 0.04 * size)
+        image[(np.abs(rows - row) <= half) & (np.abs(cols - col) <= half)] = 255
+        return image
+
+    def _observation(self) -> dict:
+        return {"observation.image": self.render(), "observation.state": self.agent.copy()}
+
+
+def expert_action(env: ColorReachEnv, rng: np.random.Generator, noise: float = 0.01) -> np.ndarray:
+    """Scripted expert: straight to the goal at full speed, slowing down on arrival, with a little noise."""
+    delta = env.targets[env.goal] - env.agent
+    distance = float(np.linalg.norm(delta))
+    action = delta / max(distance, 1e-8) * min(env.step_size, distance)
+    return (action + rng.normal(0, noise, size=2)).astype(np.float32)
