@@ -195,9 +195,15 @@ def test_heads_stats_and_provenance(datasets, tmp_path):
                                       dict(spec_a(a2), name="a2")])
     assert mixture.head_names == ["arm_a::joint", "arm_b::eef"]
     assert mixture.head_of_source == [0, 1, 0]
-    # pooled by frame count: identical copies pool to themselves
-    source = mixture.sources[0]
-    np.testing.assert_allclose(mixture.norm_stats["arm_a::joint"]["state"]["q01"], source.stats["state"]["q01"])
+    # exact quantiles, pooled by frame count: identical copies pool to themselves
+    values = mixture.sources[0].column_values()
+    np.testing.assert_allclose(mixture.norm_stats["arm_a::joint"]["state"]["q01"], np.quantile(values["state"], 0.01, 0))
+    np.testing.assert_allclose(mixture.norm_stats["arm_a::joint"]["actions"]["q99"],
+                               np.quantile(values["actions"], 0.99, 0))
+    # lerobot's metadata quantiles stay available on request
+    meta = WeightedDatasetMixture([spec_a(datasets["a"], quantile_stats="metadata")])
+    np.testing.assert_allclose(meta.norm_stats["arm_a::joint"]["state"]["q01"],
+                               mixture.sources[0].stats["state"]["q01"])
     offsets = [s.episode_offset for s in mixture.sources]
     assert offsets == [0, 10, 18]
     stream = mixture.train_stream(image_size=16, chunk_size=2, open_blocks=2)

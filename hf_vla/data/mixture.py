@@ -10,6 +10,8 @@ from lerobot.datasets.compute_stats import aggregate_feature_stats
 from .sources import Block, DatasetConfig, LeRobotSource
 from .stream import EpisodeShuffleStream, ValidationStream
 
+MAX_STATS_FRAMES = 2_000_000
+
 
 class WeightedDatasetMixture:
     """Datasets with weights, grouped into normalization heads keyed `robot_type::control_mode`.
@@ -74,9 +76,11 @@ class WeightedDatasetMixture:
             for key in ("state", "actions"):
                 parts = []
                 for v in values:
-                    share = max(1, int(round(min(total, 2_000_000) * v["frames"] / total)))
-                    rows = rng.choice(len(v[key]), size=share, replace=share > len(v[key]))
-                    parts.append(v[key][rows] if len(values) > 1 else v[key])
+                    if total <= MAX_STATS_FRAMES:  # every frame of every member: weighting by frame count is exact
+                        parts.append(v[key])
+                        continue
+                    share = max(1, int(round(MAX_STATS_FRAMES * v["frames"] / total)))
+                    parts.append(v[key][rng.choice(len(v[key]), size=share, replace=share > len(v[key]))])
                 data = np.concatenate(parts)
                 pooled[key]["q01"] = np.quantile(data, 0.01, axis=0).tolist()
                 pooled[key]["q99"] = np.quantile(data, 0.99, axis=0).tolist()
