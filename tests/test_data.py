@@ -195,11 +195,12 @@ def test_heads_stats_and_provenance(datasets, tmp_path):
                                       dict(spec_a(a2), name="a2")])
     assert mixture.head_names == ["arm_a::joint", "arm_b::eef"]
     assert mixture.head_of_source == [0, 1, 0]
-    # exact quantiles, pooled by frame count: identical copies pool to themselves
+    # exact quantiles of the head's pooled frames (a and its copy a2)
     values = mixture.sources[0].column_values()
-    np.testing.assert_allclose(mixture.norm_stats["arm_a::joint"]["state"]["q01"], np.quantile(values["state"], 0.01, 0))
+    pooled = {k: np.concatenate([values[k], values[k]]) for k in ("state", "actions")}
+    np.testing.assert_allclose(mixture.norm_stats["arm_a::joint"]["state"]["q01"], np.quantile(pooled["state"], 0.01, 0))
     np.testing.assert_allclose(mixture.norm_stats["arm_a::joint"]["actions"]["q99"],
-                               np.quantile(values["actions"], 0.99, 0))
+                               np.quantile(pooled["actions"], 0.99, 0))
     # lerobot's metadata quantiles stay available on request
     meta = WeightedDatasetMixture([spec_a(datasets["a"], quantile_stats="metadata")])
     np.testing.assert_allclose(meta.norm_stats["arm_a::joint"]["state"]["q01"],
