@@ -190,25 +190,34 @@ def main(argv: list[str] | None = None):
 
     mixture = WeightedDatasetMixture(data_args.datasets, validation_ratio=data_args.validation_ratio,
                                      split_seed=data_args.split_seed)
-    if model_args.policy != "pi05":
-        raise NotImplementedError("the CLI trains pi0.5; train transformers' pi0 with VLATrainer and a pi0 collator")
     model = build_model(model_args)
-    processor = PI05Processor.from_config(model.config, build_tokenizer(model_args.tokenizer),
-                                          norm_stats=mixture.norm_stats, head_names=mixture.head_names)
+    tokenizer = build_tokenizer(model_args.tokenizer)
     for head in mixture.head_names:
         for key, dim in (("state", model.config.max_state_dim), ("actions", model.config.max_action_dim)):
             if len(mixture.norm_stats[head][key]["q01"]) > dim:
                 raise ValueError(f"head {head!r}: {key} has {len(mixture.norm_stats[head][key]['q01'])} dims, more "
                                  f"than the model's max_{'state' if key == 'state' else 'action'}_dim={dim}")
+    if model_args.policy == "pi05":
+        processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
+                                              head_names=mixture.head_names)
+        collator = None  # the trainer's default: PI05Collator(processor)
+    else:  # transformers' pi0: mean/std normalization, image placeholders in the prompt
+        from .data import PI0Collator
+
+        processor = tokenizer
+        collator = PI0Collator(tokenizer, mixture.norm_stats, mixture.head_names, model.config)
     if model_args.lora_preset:
         from peft import get_peft_model
 
         from .lora import lora_config
 
         model = get_peft_model(model, lora_config(model_args.lora_preset, r=model_args.lora_r, alpha=model_args.lora_alpha))
-    trainer = VLATrainer(model, training_args, mixture=mixture, processing_class=processor)
+    trainer = VLATrainer(model, training_args, mixture=mixture, processing_class=processor, data_collator=collator)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
+    if training_args.should_save:  # the normalization of every head, next to the weights
+        stats = {"head_names": mixture.head_names, "norm_stats": mixture.norm_stats}
+        (Path(training_args.output_dir) / "norm_stats.json").write_text(json.dumps(stats, indent=2))
     trainer.log_metrics("train", result.metrics)
     if trainer.eval_dataset is not None:
         metrics = trainer.evaluate()

@@ -10,6 +10,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -306,6 +307,15 @@ class VLATrainer(Trainer):
             truth = self.processing_class.unnormalize_actions(inputs["actions"][i][valid].float().cpu(), head)
             errors.setdefault(source, []).append(float((ours - truth).pow(2).mean()))
 
+    # ---- Hub ------------------------------------------------------------------------------------------------------
+    def create_model_card(self, model_name: str | None = None, base_model: str | None = None, **kwargs):
+        # hf_vla's card (datasets, per-dataset eval table, training arguments, LoRA) instead of the text-model summary.
+        if not self.is_world_process_zero():
+            return None
+        card = render_model_card(self, model_name=model_name, base_model=base_model)
+        card.save(os.path.join(self.args.output_dir, "README.md"))
+        return card
+
     # ---- checkpoints and resume ----------------------------------------------------------------------------------
     def _save_checkpoint(self, model, trial):
         # Besides model, processor, optimizer (with masters), scheduler and RNG: the stream position.
@@ -346,6 +356,63 @@ class VLATrainer(Trainer):
             with open(path) as handle:
                 self.train_dataset.load_state_dict(json.load(handle))
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "vla_model_card.md"
+CARD_ARGS = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "learning_rate",
+             "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "loss_aggregation", "master_weights",
+             "freeze", "bf16", "seed")
+
+
+def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_model: str | None = None):
+    """The Hub model card of a trainer's model, from `model_cards/vla_model_card.md`."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    if not MODEL_CARD_TEMPLATE.is_file():
+        raise FileNotFoundError(f"model card template {MODEL_CARD_TEMPLATE} not found")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    peft_config = getattr(model, "peft_config", None)
+    core = model.get_base_model() if peft_config else model
+    config = core.config
+    base_model = base_model or getattr(config, "_name_or_path", None) or None
+    if base_model and (os.path.isdir(base_model) or base_model.startswith((".", "/"))):
+        base_model = None  # a local path is not a Hub reference
+    mixture = trainer.mixture
+    datasets = [{"name": s.name, "source": s.config.repo_id or "local", "weight": s.config.weight,
+                 "head": s.norm_key, "cameras": ", ".join(c or "(empty)" for c in s.config.cameras)}
+                for s in mixture.sources]
+    metrics = {}
+    for entry in trainer.state.log_history:
+        metrics.update({k: v for k, v in entry.items() if k.startswith("eval_")})
+
+    def fmt(value):
+        return f"{value:.4g}" if isinstance(value, float) else "–"
+
+    eval_rows = [{"name": name, "mse": fmt(metrics.get(f"eval_by_dataset/{name}/mse")),
+                  "action_mse": fmt(metrics.get(f"eval_by_dataset/{name}/action_mse"))}
+                 for name in mixture.names if f"eval_by_dataset/{name}/mse" in metrics]
+    repo_id = trainer.args.hub_model_id or model_name or Path(trainer.args.output_dir).name
+    card_data = ModelCardData(
+        library_name="transformers", license="apache-2.0", pipeline_tag="robotics",
+        tags=["robotics", "vla", "lerobot", "hf_vla", config.model_type],
+        datasets=[s.config.repo_id for s in mixture.sources if s.config.repo_id] or None,
+        base_model=base_model,
+    )
+    lora = None
+    if peft_config:
+        adapter = next(iter(peft_config.values()))
+        lora = f"rank {adapter.r}, alpha {adapter.lora_alpha}, targets `{adapter.target_modules}`"
+    first = mixture.sources[0]
+    return ModelCard.from_template(
+        card_data, template_path=str(MODEL_CARD_TEMPLATE), model_name=model_name or Path(trainer.args.output_dir).name,
+        policy_name={"pi05": "pi0.5", "pi0": "pi0"}.get(config.model_type, config.model_type), base_model=base_model,
+        chunk_size=config.chunk_size, num_inference_steps=config.num_inference_steps, repo_id=repo_id,
+        example_task=first.task(next(iter(first.tasks)), first.usable_episodes()[0]) if first.tasks else "...",
+        example_head=first.norm_key, datasets=datasets, eval_rows=eval_rows,
+        eval_loss=fmt(metrics["eval_loss"]) if "eval_loss" in metrics else None,
+        mixture_mse=fmt(metrics.get("eval_mixture_mse")),
+        training_args=[(k, getattr(trainer.args, k)) for k in CARD_ARGS], lora=lora,
+    )
 
 
 def _freeze(model, mode: str):

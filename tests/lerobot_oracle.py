@@ -111,32 +111,30 @@ def _randomize(model: torch.nn.Module, seed: int):
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
 
 
-def build_lerobot_pi05(seed: int = 0, d: Dims | None = None):
-    from lerobot.policies.pi05 import modeling_pi05 as module
-    from lerobot.policies.pi05.configuration_pi05 import PI05Config as LePI05Config
+def _build_lerobot(policy: str, seed: int, d: Dims | None):
+    import importlib
 
+    module = importlib.import_module(f"lerobot.policies.{policy}.modeling_{policy}")
+    prefix = policy.upper()
+    config_class = getattr(importlib.import_module(f"lerobot.policies.{policy}.configuration_{policy}"), f"{prefix}Config")
     d = d or Dims()
-    config = LePI05Config(chunk_size=d.chunk, n_action_steps=d.chunk, max_state_dim=d.max_state,
+    config = config_class(chunk_size=d.chunk, n_action_steps=d.chunk, max_state_dim=d.max_state,
                           max_action_dim=d.max_action, image_resolution=(d.image_size, d.image_size), dtype="float32",
                           device="cpu")
     with _tiny_lerobot(module, d):
-        model = module.PI05Pytorch(config)
+        model = getattr(module, f"{prefix}Pytorch")(config)
     _randomize(model, seed)
     return model.eval()
+
+
+def build_lerobot_pi05(seed: int = 0, d: Dims | None = None):
+    """lerobot's PI05Pytorch at tiny dims, random weights."""
+    return _build_lerobot("pi05", seed, d)
 
 
 def build_lerobot_pi0(seed: int = 0, d: Dims | None = None):
-    from lerobot.policies.pi0 import modeling_pi0 as module
-    from lerobot.policies.pi0.configuration_pi0 import PI0Config as LePI0Config
-
-    d = d or Dims()
-    config = LePI0Config(chunk_size=d.chunk, n_action_steps=d.chunk, max_state_dim=d.max_state,
-                          max_action_dim=d.max_action, image_resolution=(d.image_size, d.image_size), dtype="float32",
-                          device="cpu")
-    with _tiny_lerobot(module, d):
-        model = module.PI0Pytorch(config)
-    _randomize(model, seed)
-    return model.eval()
+    """lerobot's PI0Pytorch at tiny dims, random weights."""
+    return _build_lerobot("pi0", seed, d)
 
 
 def sample_inputs(batch_size: int = 2, num_cameras: int = 2, seq_len: int = 7, seed: int = 1, d: Dims | None = None):

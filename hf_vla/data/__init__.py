@@ -1,6 +1,6 @@
 """LeRobot data for VLA training: sources, the episode-shuffle stream, the weighted mixture, the collator."""
 
-from .collator import PI05Collator
+from .collator import PI0Collator, PI05Collator
 from .mixture import WeightedDatasetMixture
 from .sources import Block, DatasetConfig, LeRobotSource, VideoReader
 from .stream import EpisodeShuffleStream, ValidationStream, schedule
@@ -10,6 +10,7 @@ __all__ = [
     "DatasetConfig",
     "EpisodeShuffleStream",
     "LeRobotSource",
+    "PI0Collator",
     "PI05Collator",
     "ValidationStream",
     "VideoReader",

@@ -51,3 +51,60 @@ class PI05Collator:
             "action_dim_mask": dim_mask,
             **{key: torch.tensor([int(s[key]) for s in samples], dtype=torch.long) for key in PROVENANCE},
         }
+
+
+class PI0Collator:
+    """Batch contract for transformers' pi0: mean/std-normalized state and actions per head, prompt = image
+    placeholder tokens for each present camera (absent ones are dropped, as `PI0Model.embed_prefix` expects), then
+    BOS + task + "\\n", right-padded."""
+
+    def __init__(self, tokenizer, norm_stats: dict, head_names: list[str], config, prompt_max_length: int = 48):
+        self.tokenizer, self.norm_stats, self.head_names, self.config = tokenizer, norm_stats, head_names, config
+        vision = config.vlm_config.vision_config
+        self.image_tokens = (vision.image_size // vision.patch_size) ** 2
+        self.image_token_id = config.vlm_config.image_token_id
+        self.prompt_max_length = prompt_max_length
+
+    def _normalize(self, values: torch.Tensor, key: str, head: int) -> torch.Tensor:
+        stats = self.norm_stats[self.head_names[head]][key]
+        mean, std = torch.tensor(stats["mean"], dtype=torch.float32), torch.tensor(stats["std"], dtype=torch.float32)
+        degenerate = std < 1e-6
+        return torch.where(degenerate, torch.zeros_like(values), (values - mean) / torch.where(degenerate, 1.0, std))
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        config = self.config
+        batch = len(samples)
+        chunk = samples[0]["action_is_pad"].shape[0]
+        states = torch.zeros(batch, config.max_state_dim)
+        actions = torch.zeros(batch, chunk, config.max_action_dim)
+        dim_mask = torch.zeros(batch, config.max_action_dim, dtype=torch.bool)
+        texts = self.tokenizer([(self.tokenizer.bos_token or "") + s["task"] + "\n" for s in samples],
+                               add_special_tokens=False, truncation=True, max_length=self.prompt_max_length)["input_ids"]
+        rows = []
+        for i, sample in enumerate(samples):
+            head = int(sample["dataset_index"])
+            state = self._normalize(sample["state"], "state", head)
+            chunk_values = self._normalize(sample["actions"], "actions", head)
+            states[i, : state.shape[-1]] = state
+            actions[i, :, : chunk_values.shape[-1]] = chunk_values
+            dim_mask[i, : chunk_values.shape[-1]] = True
+            cameras = int(sample["camera_mask"].sum())
+            rows.append([self.image_token_id] * (self.image_tokens * cameras) + texts[i])
+        is_pad = torch.stack([s["action_is_pad"] for s in samples])
+        actions[is_pad] = 0.0
+        length = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows], dtype=torch.long)
+        attention = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in rows], dtype=torch.long)
+        images = torch.stack([s["images"] for s in samples])
+        return {
+            "pixel_values": images.to(torch.float32).mul_(2.0 / 255.0).sub_(1.0),
+            "pixel_attention_mask": torch.stack([s["camera_mask"] for s in samples]),
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "state": states,
+            "actions": actions,
+            "action_is_pad": is_pad,
+            "action_dim_mask": dim_mask,
+            **{key: torch.tensor([int(s[key]) for s in samples], dtype=torch.long) for key in PROVENANCE},
+        }

@@ -5,6 +5,12 @@ one colour ("move to the red target"). Only the image tells where the targets ar
 which one to reach, so a policy must use both. Observations are LeRobot-style: `observation.image` (HxWx3 uint8)
 and `observation.state` (the agent's xy in [-1, 1]); the task string is `env.unwrapped.task` and `info["task"]`.
 Actions are xy displacements, clipped to `step_size`.
+
+`layout="corners"` (the default) places the targets on 3 of 4 fixed corner spots with random colours, so finding a
+target is easy for a small vision tower while choosing it still needs the instruction; `layout="random"` scatters
+them anywhere. `start="center"` (the default) starts the agent at the centre, `start="random"` anywhere. (A start
+jitter would make the prompt's discretized state nearly unique per episode, a shortcut a policy can memorise instead
+of reading the instruction and the image.)
 """
 
 from __future__ import annotations
@@ -20,15 +26,22 @@ COLORS = {
     "yellow": (235, 215, 40),
 }
 BACKGROUND = 90
+CORNERS = np.array([[-0.6, 0.6], [0.6, 0.6], [-0.6, -0.6], [0.6, -0.6]])
 
 
 class ColorReachEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
 
-    def __init__(self, image_size: int = 64, num_targets: int = 3, max_steps: int = 40, step_size: float = 0.1,
-                 success_radius: float = 0.12, render_mode: str = "rgb_array"):
+    def __init__(self, image_size: int = 32, num_targets: int = 3, max_steps: int = 40, step_size: float = 0.1,
+                 success_radius: float = 0.18, layout: str = "corners", start: str = "center",
+                 render_mode: str = "rgb_array"):
         if num_targets > len(COLORS):
             raise ValueError(f"num_targets={num_targets}: at most {len(COLORS)} colours")
+        if layout not in ("corners", "random"):
+            raise ValueError(f"layout={layout!r}: 'corners' or 'random'")
+        if start not in ("center", "random"):
+            raise ValueError(f"start={start!r}: 'center' or 'random'")
+        self.layout, self.start = layout, start
         self.image_size, self.num_targets, self.max_steps = image_size, num_targets, max_steps
         self.step_size, self.success_radius, self.render_mode = step_size, success_radius, render_mode
         self.observation_space = spaces.Dict({
@@ -44,6 +57,8 @@ class ColorReachEnv(gym.Env):
         rng = self.np_random
         names = list(rng.choice(list(COLORS), size=self.num_targets, replace=False))
         positions: list[np.ndarray] = []
+        if self.layout == "corners":
+            positions = [CORNERS[i].copy() for i in rng.choice(len(CORNERS), size=self.num_targets, replace=False)]
         while len(positions) < self.num_targets:
             candidate = rng.uniform(-0.75, 0.75, size=2)
             if all(np.linalg.norm(candidate - p) > 0.45 for p in positions):
@@ -51,7 +66,7 @@ class ColorReachEnv(gym.Env):
         self.targets = dict(zip(names, positions))
         self.goal = str(names[rng.integers(self.num_targets)])
         while True:
-            agent = rng.uniform(-0.85, 0.85, size=2)
+            agent = np.zeros(2) if self.start == "center" else rng.uniform(-0.85, 0.85, size=2)
             if min(np.linalg.norm(agent - p) for p in positions) > 0.35:
                 break
         self.agent = agent.astype(np.float32)

@@ -1,0 +1,127 @@
+"""CLI and configs: every config validates offline; overrides; errors naming the key; the demo env and main job."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO
+
+from hf_vla.train import main, parse_config
+
+CONFIGS = sorted((REPO / "configs").glob("*.json"))
+RUNNABLE = [c for c in CONFIGS if c.name != "droid_keep_ranges.json"]
+
+
+@pytest.mark.parametrize("config", RUNNABLE, ids=lambda p: p.name)
+def test_every_config_validates_without_downloading(config):
+    model_args, data_args, training_args = parse_config(config)
+    assert data_args.datasets and training_args.max_steps > 0
+    assert model_args.policy in ("pi0", "pi05")
+
+
+def test_droid_recipe_is_the_published_one():
+    model_args, data_args, args = parse_config(REPO / "configs/pi05_droid.json")
+    droid = data_args.datasets[0]
+    assert len(droid["cameras"]) == 3 and droid["fps"] == 15 and droid["keep_ranges"]
+    assert droid["keep_ranges_key"] == "{recording_folderpath}--{file_path}"
+    assert model_args.dtype == "bfloat16" and args.master_weights and args.push_to_hub
+    assert (args.learning_rate, args.adam_beta2, args.warmup_steps) == (2.5e-5, 0.95, 1000)
+
+
+def test_overrides_on_top_of_the_json(tmp_path):
+    model_args, data_args, args = parse_config(
+        REPO / "configs/demo.json",
+        ["--max_steps", "7", "--learning_rate=3e-4", "--model_config.chunk_size", "4", "--output_dir", str(tmp_path),
+         "--bf16"],
+    )
+    assert args.max_steps == 7 and args.learning_rate == 3e-4 and args.output_dir == str(tmp_path)
+    assert model_args.model_config["chunk_size"] == 4 and model_args.model_config["max_action_dim"] == 8
+    assert args.bf16 is True
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["--max_stepz", "3"], r"unknown key\(s\) \['max_stepz'\]"),
+    (["--loss_aggregation", "median"], "loss_aggregation='median'"),
+    (["--policy", "pi9"], "policy='pi9'"),
+    (["--datasets", '[{"root": "x", "cameras": ["c"], "camera": 1}]'], r"datasets\[0\]: unknown key\(s\) \['camera'\]"),
+    (["--datasets", "[]"], "at least one LeRobot dataset"),
+    (["--validation_ratio", "1.5"], "validation_ratio=1.5"),
+])
+def test_bad_configuration_names_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        parse_config(REPO / "configs/demo.json", overrides)
+
+
+def test_missing_config_file_and_bad_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        parse_config(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+        parse_config(bad)
+
+
+def test_color_reach_expert_succeeds_and_language_matters():
+    from hf_vla.envs import COLORS, ColorReachEnv, expert_action
+
+    env = ColorReachEnv()
+    rng = np.random.default_rng(0)
+    for episode in range(20):
+        observation, info = env.reset(seed=episode)
+        assert observation["observation.image"].shape == (32, 32, 3) and observation["observation.state"].shape == (2,)
+        assert info["task"].startswith("move to the ") and env.goal in info["task"] and env.goal in COLORS
+        assert len(env.targets) == 3 and env.goal in env.targets
+        for _ in range(env.max_steps):
+            observation, reward, terminated, truncated, info = env.step(expert_action(env, rng))
+            if terminated or truncated:
+                break
+        assert terminated and info["is_success"] and reward == 1.0
+    # the goal colour is drawn in the image
+    observation, _ = env.reset(seed=3)
+    colors = {tuple(c) for c in observation["observation.image"].reshape(-1, 3)}
+    assert tuple(COLORS[env.goal]) in colors
+
+
+@pytest.mark.slow
+def test_demo_main_job_end_to_end(tmp_path):
+    """The README's main job at smoke size: generate data, train, evaluate closed-loop, load with AutoModel."""
+    from hf_vla.demo import main as demo_main
+
+    datasets = json.loads((REPO / "configs/demo.json").read_text())["datasets"]
+    datasets[0]["root"] = str(tmp_path / "data")
+    summaries = demo_main(["--episodes", "3", "--max_steps", "20", "--demo_episodes", "12", "--validation_ratio", "0.1",
+                           "--output_dir", str(tmp_path / "out"), "--datasets", json.dumps(datasets),
+                           "--disable_tqdm", "true"])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary == summaries[0] and summary["episodes"] == 3 and 0.0 <= summary["success_rate"] <= 1.0
+    assert (tmp_path / "data" / "meta" / "hf_vla_demo.json").exists()
+    assert list((tmp_path / "out" / "rollouts").glob("*.gif"))
+    from transformers import AutoModel
+
+    assert type(AutoModel.from_pretrained(tmp_path / "out")).__name__ == "PI05ForConditionalGeneration"
+
+
+def test_cli_trains_pi0_and_pi05(tmp_path):
+    from test_data import CAM, make_dataset
+
+    make_dataset(tmp_path / "data", 6)
+    config = {
+        "tokenizer": "tiny",
+        "datasets": [{"root": str(tmp_path / "data"), "name": "toy", "cameras": [CAM], "control_mode": "joint"}],
+        "max_steps": 3, "per_device_train_batch_size": 4, "report_to": [], "use_cpu": True, "save_strategy": "no",
+        "disable_tqdm": True, "stream_open_blocks": 2,
+    }
+    from hf_vla.testing import tiny_dit_config, tiny_vlm_config
+
+    dims = {"vlm_config": tiny_vlm_config(), "dit_config": tiny_dit_config(), "chunk_size": 4, "max_state_dim": 8,
+            "max_action_dim": 6}
+    for policy in ("pi05", "pi0"):
+        path = tmp_path / f"{policy}.json"
+        path.write_text(json.dumps(config | {"policy": policy, "model_config": dims,
+                                             "output_dir": str(tmp_path / policy)}))
+        trainer = main([str(path)])
+        assert trainer.state.global_step == 3
+        stats = json.loads((tmp_path / policy / "norm_stats.json").read_text())
+        assert stats["head_names"] == ["arm_a::joint"]
+        assert torch.isfinite(torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])).all()
