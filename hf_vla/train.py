@@ -113,13 +113,14 @@ def parse_config(path: str | Path, overrides: list[str] | None = None):
         key = overrides.pop(0)
         if not key.startswith("--"):
             raise ValueError(f"override {key!r}: expected --key value")
-        key = key[2:].replace("-", "_")
+        key = key[2:]
         if "=" in key:
             key, value = key.split("=", 1)
         elif overrides and not overrides[0].startswith("--"):
             value = overrides.pop(0)
         else:
             value = "true"  # a bare flag
+        key = key.replace("-", "_")
         target, *path_keys = key.split(".")
         if path_keys:
             node = config.setdefault(target, {})

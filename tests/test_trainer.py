@@ -368,13 +368,14 @@ def test_model_card_and_pushed_folder(two_datasets, tmp_path, monkeypatch):
     # the pushed folder: what push_to_hub would upload, captured offline
     uploaded = {}
 
-    def fake_upload_folder(self, **kwargs):
+    def fake_upload_folder(**kwargs):
         uploaded.update(kwargs)
         uploaded["files"] = sorted(p.name for p in Path(kwargs["folder_path"]).iterdir())
         return None
 
-    monkeypatch.setattr("huggingface_hub.HfApi.create_repo", lambda self, *a, **k: type("R", (), {"repo_id": "org/pi05-toy"})())
-    monkeypatch.setattr("huggingface_hub.HfApi.upload_folder", fake_upload_folder)
+    # transformers binds these names at import: replace them where the Trainer looks them up (no network)
+    monkeypatch.setattr("transformers.trainer.create_repo", lambda *a, **k: type("R", (), {"repo_id": "org/pi05-toy"})())
+    monkeypatch.setattr("transformers.trainer.upload_folder", fake_upload_folder)
     trainer.hub_model_id = "org/pi05-toy"
     trainer.push_to_hub(token="offline")
     files = set(uploaded["files"])
