@@ -4,6 +4,7 @@ Rank 0 writes, per mode, the gradient right before the optimizer step (after DDP
 of every rank, so the test can recompute the same 16 samples as one batch in one process.
 """
 
+import os
 import sys
 
 import torch
@@ -52,8 +53,25 @@ class Recording(VLATrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+def evaluate_split(root_a, root_b, out_dir, **extra):
+    """Evaluation metrics of a fixed model on a split mixture (run with any number of processes)."""
+    mixture = WeightedDatasetMixture([
+        dict(root=root_a, name="a", cameras=["observation.images.cam"], control_mode="joint"),
+        dict(root=root_b, name="b", cameras=["front", None], control_mode="eef", weight=2.0),
+    ], validation_ratio=0.3, split_seed=2)
+    model = make_model()
+    processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
+                                          head_names=mixture.head_names)
+    distributed = "WORLD_SIZE" in os.environ  # under torchrun; the test calls this in one plain process too
+    args = VLATrainingArguments(output_dir=out_dir, max_steps=1, per_device_eval_batch_size=3, report_to=[],
+                                use_cpu=True, ddp_backend="gloo" if distributed else None, save_strategy="no", seed=3,
+                                disable_tqdm=True, **extra)
+    trainer = VLATrainer(model, args, mixture=mixture, processing_class=processor)
+    return trainer.evaluate()
+
+
 def main(root_a, root_b, out):
-    results = {}
+    results = {"eval": evaluate_split(root_a, root_b, f"{out}.eval")}
     for mode, divisor in MODES:
         mixture, model, processor = build(root_a, root_b)
         args = VLATrainingArguments(output_dir=f"{out}.{mode}", max_steps=1, per_device_train_batch_size=2,

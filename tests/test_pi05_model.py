@@ -229,6 +229,11 @@ def test_auto_classes_and_save_load(tmp_path, tiny_model):
     assert isinstance(AutoConfig.from_pretrained(tmp_path), PI05Config)
     loaded = AutoModel.from_pretrained(tmp_path).eval()
     assert isinstance(loaded, PI05ForConditionalGeneration)
+    # the attention backend chosen at load time reaches both towers (and the vision tower)
+    for backend in ("eager", "flex_attention"):
+        chosen = AutoModel.from_pretrained(tmp_path, attn_implementation=backend)
+        modules = (chosen.model.vlm.language_model.layers[0].self_attn, chosen.model.expert.layers[0].self_attn)
+        assert {m.config._attn_implementation for m in modules} == {backend}
     inputs = tiny_inputs(tiny_model.config)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, tiny_model(**inputs).logits)

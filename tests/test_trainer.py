@@ -94,6 +94,24 @@ def test_ga4_x_dp2_gradient_equals_one_batch_of_16(distributed_run, mode, diviso
         torch.testing.assert_close(run["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_evaluation_identical_with_1_and_2_processes(distributed_run, two_datasets, tmp_path):
+    from distributed_step import evaluate_split
+
+    single = evaluate_split(str(two_datasets / "a"), str(two_datasets / "b"), str(tmp_path))
+    double = distributed_run["eval"]
+    keys = [k for k in single if k.startswith("eval_") and "runtime" not in k and "per_second" not in k]
+    assert {"eval_loss", "eval_mse", "eval_by_dataset/a/mse", "eval_arm_b::eef/mse", "eval_mixture_mse"} <= set(keys)
+    for key in keys:
+        assert double[key] == pytest.approx(single[key], rel=1e-6, abs=1e-9), key
+
+
+def test_gradient_checkpointing_through_training_arguments(two_datasets, tmp_path):
+    trainer = _trainer(two_datasets, tmp_path / "gc", max_steps=2, gradient_checkpointing=True)
+    trainer.train()
+    assert trainer.model.model.gradient_checkpointing and trainer.model.is_gradient_checkpointing
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
 def test_step_totals_span_micro_batches():
     totals = StepTotals.from_counts([4, 0, 2, 6], [1, 1, 2, 2])
     assert (totals.num_samples, totals.num_elements, totals.group_counts) == (3, 12.0, {1: 4.0, 2: 8.0})
