@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from lerobot.datasets.compute_stats import aggregate_feature_stats
 
-from .sources import Block, DatasetConfig, LeRobotSource
+from .sources import DatasetConfig, LeRobotSource
 from .stream import EpisodeShuffleStream, ValidationStream
 
 MAX_STATS_FRAMES = 2_000_000
@@ -104,9 +104,6 @@ class WeightedDatasetMixture:
     def names(self) -> list[str]:
         return [s.name for s in self.sources]
 
-    def num_train_frames(self) -> int:
-        return sum(b.length for blocks in self.train_blocks for b in blocks)
-
     def train_stream(self, image_size: int, chunk_size: int, batch_size: int | None = None,
                      collate_fn: Callable | None = None, seed: int = 0, open_blocks: int = 32, rank: int = 0,
                      world_size: int = 1) -> EpisodeShuffleStream:
@@ -122,6 +119,3 @@ class WeightedDatasetMixture:
             self.sources, self.validation_blocks, self.head_of_source, self.num_cameras, image_size, chunk_size,
             batch_size, collate_fn=collate_fn, rank=rank, world_size=world_size,
         )
-
-    def blocks_of(self, split: str) -> list[list[Block]]:
-        return self.train_blocks if split == "train" else self.validation_blocks
