@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -315,6 +316,16 @@ class VLATrainer(Trainer):
         card = render_model_card(self, model_name=model_name, base_model=base_model)
         card.save(os.path.join(self.args.output_dir, "README.md"))
         return card
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The Trainer's checkpoint push copies only config and weights: add the auto_map code files (so the Hub repo
+        # loads with trust_remote_code at every step) and the model card.
+        if self.is_world_process_zero() and self.args.hub_strategy != "end":
+            for name in os.listdir(checkpoint_folder):
+                if name.endswith(".py"):
+                    shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(self.args.output_dir, name))
+            self.create_model_card(model_name=self.hub_model_id)
+        return super()._push_from_checkpoint(checkpoint_folder)
 
     # ---- checkpoints and resume ----------------------------------------------------------------------------------
     def _save_checkpoint(self, model, trial):

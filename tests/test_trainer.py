@@ -402,6 +402,23 @@ def test_model_card_and_pushed_folder(two_datasets, tmp_path, monkeypatch):
     assert uploaded["repo_id"] == "org/pi05-toy"
 
 
+def test_checkpoint_pushes_carry_code_and_card(two_datasets, tmp_path, monkeypatch):
+    pushed = []
+
+    def fake_upload_folder(**kwargs):
+        if "path_in_repo" not in kwargs:  # the model folder (not the checkpoint-folder copy)
+            pushed.append(sorted(p.name for p in Path(kwargs["folder_path"]).iterdir()))
+        return type("Job", (), {"is_done": lambda self: True, "done": lambda self: True})()
+
+    monkeypatch.setattr("transformers.trainer.create_repo", lambda *a, **k: type("R", (), {"repo_id": "org/x"})())
+    monkeypatch.setattr("transformers.trainer.upload_folder", fake_upload_folder)
+    trainer = _trainer(two_datasets, tmp_path / "hub", max_steps=3, save_steps=3, push_to_hub=True,
+                       hub_model_id="org/x", hub_strategy="checkpoint", hub_token="offline")
+    trainer.train()
+    assert pushed, "no checkpoint push happened"
+    assert {"README.md", "modeling_pi05.py", "configuration_pi05.py", "model.safetensors"} <= set(pushed[0])
+
+
 @pytest.mark.skipif(os.environ.get("HF_HUB_OFFLINE") == "1", reason="needs the network (HF_HUB_OFFLINE=1)")
 def test_push_to_hub_network(two_datasets, tmp_path):
     token = os.environ.get("HF_TOKEN")
