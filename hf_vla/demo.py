@@ -16,7 +16,7 @@ from pathlib import Path
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.json"
 
 
-def run(config: Path, overrides: list[str], episodes: int, tag: str) -> dict:
+def run(config: Path, overrides: list[str], episodes: int, tag: str, n_action_steps: int | None = None) -> dict:
     from transformers import AutoModel
 
     from .evaluate import evaluate_checkpoint
@@ -28,7 +28,8 @@ def run(config: Path, overrides: list[str], episodes: int, tag: str) -> dict:
     output_dir = Path(trainer.args.output_dir)
     model = AutoModel.from_pretrained(output_dir)  # the saved checkpoint is a plain transformers model
     assert type(model).__name__ == "PI05ForConditionalGeneration"
-    result = evaluate_checkpoint(output_dir, episodes=episodes, output_dir=output_dir / "rollouts")
+    result = evaluate_checkpoint(output_dir, episodes=episodes, output_dir=output_dir / "rollouts",
+                                 n_action_steps=n_action_steps)
     summary = {"run": tag, "checkpoint": str(output_dir), "success_rate": result.success_rate,
                "episodes": result.episodes, "train_seconds": round(train_seconds, 1),
                "total_seconds": round(time.perf_counter() - start, 1), "videos": result.videos}
@@ -41,13 +42,14 @@ def main(argv=None):
     parser.add_argument("--config", default=str(CONFIG))
     parser.add_argument("--episodes", type=int, default=50, help="closed-loop evaluation episodes")
     parser.add_argument("--blind", action="store_true", help="also train the language-blind control")
+    parser.add_argument("--n_action_steps", type=int, default=None, help="actions executed per chunk (default: half)")
     args, overrides = parser.parse_known_args(argv)
-    summaries = [run(Path(args.config), overrides, args.episodes, "demo")]
+    summaries = [run(Path(args.config), overrides, args.episodes, "demo", args.n_action_steps)]
     if args.blind:
         datasets = json.loads(Path(args.config).read_text())["datasets"]
         datasets[0]["shuffle_tasks_seed"] = 0
         blind = ["--datasets", json.dumps(datasets), "--output_dir", "outputs/demo_blind", *overrides]
-        summaries.append(run(Path(args.config), blind, args.episodes, "language_blind"))
+        summaries.append(run(Path(args.config), blind, args.episodes, "language_blind", args.n_action_steps))
     print(json.dumps(summaries, indent=2))
     return summaries
 
