@@ -129,7 +129,7 @@ class LeRobotSource:
                 columns += [f"videos/{key}/chunk_index", f"videos/{key}/file_index", f"videos/{key}/from_timestamp"]
         episodes = self.meta.episodes
         self.episodes = {name: np.asarray(episodes[name]) for name in columns}
-        self._episode_meta = episodes
+        self._key_fields = None  # episode metadata columns for keep_ranges_key, materialised once on first use
         self.num_episodes = len(self.episodes["episode_index"])
         self._row = {int(e): i for i, e in enumerate(self.episodes["episode_index"])}
         self.tasks = {int(i): str(t) for t, i in zip(self.meta.tasks.index, self.meta.tasks["task_index"])}
@@ -181,10 +181,14 @@ class LeRobotSource:
         for path in files:
             raw = pq.read_table(path, columns=columns)
             keep = np.isin(raw["episode_index"].to_numpy(), list(usable))
-            if self.keep_ranges is not None:
+            if self.keep_ranges is not None:  # vectorised per kept range, not a Python loop over rows
                 episodes, frames = raw["episode_index"].to_numpy(), raw["frame_index"].to_numpy()
-                for i in np.flatnonzero(keep):
-                    keep[i] = any(s <= frames[i] < e for s, e in self.keep_ranges[int(episodes[i])])
+                in_range = np.zeros_like(keep)
+                for episode in np.unique(episodes[keep]):
+                    rows = episodes == episode
+                    for start, end in self.keep_ranges[int(episode)]:
+                        in_range |= rows & (frames >= start) & (frames < end)
+                keep &= in_range
             states.append(np.stack(raw[self.config.state_key].to_numpy(zero_copy_only=False)[keep]))
             actions.append(np.stack(raw[self.config.action_key].to_numpy(zero_copy_only=False)[keep]))
         values = {"state": np.concatenate(states).astype(np.float64), "actions": np.concatenate(actions).astype(np.float64)}
@@ -196,8 +200,11 @@ class LeRobotSource:
         return values
 
     def episode_key(self, row: int) -> str:
-        fields = {name: self._episode_meta[name][row] for name in self._episode_meta.column_names
-                  if not name.startswith(("stats/", "meta/"))}
+        if self._key_fields is None:  # indexing a datasets column copies all of it: do that once, not per episode
+            meta = self.meta.episodes
+            self._key_fields = {name: meta[name] for name in meta.column_names
+                                if not name.startswith(("stats/", "meta/"))}
+        fields = {name: column[row] for name, column in self._key_fields.items()}
         fields.update(episode_index=int(self.episodes["episode_index"][row]), repo_id=self.config.repo_id,
                       name=self.name)
         try:
