@@ -306,6 +306,17 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
     def set_input_embeddings(self, value):
         self.model.set_input_embeddings(value)
 
+    @staticmethod
+    def _default_masks(input_ids, pixel_values, attention_mask, pixel_attention_mask):
+        """All prompt tokens and all camera slots present unless masks say otherwise."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        if pixel_attention_mask is None:
+            if pixel_values is None:
+                raise ValueError("Pass pixel_values, or pixel_attention_mask together with past_key_values.")
+            pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=input_ids.device)
+        return attention_mask, pixel_attention_mask
+
     def embed_suffix(self, noise: torch.Tensor, timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Action tokens from x_t, and the adaRMS condition from the time embedding."""
         expert_dtype = self.model.expert.layers[0].mlp.up_proj.weight.dtype
@@ -352,12 +363,9 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         if input_ids is None:
             raise ValueError("PI05ForConditionalGeneration.forward needs input_ids (and attention_mask).")
         batch_size = input_ids.shape[0]
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        if pixel_attention_mask is None:
-            if pixel_values is None:
-                raise ValueError("Pass pixel_values, or pixel_attention_mask together with past_key_values.")
-            pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=input_ids.device)
+        attention_mask, pixel_attention_mask = self._default_masks(
+            input_ids, pixel_values, attention_mask, pixel_attention_mask
+        )
         shape = (batch_size, self.config.chunk_size, self.config.max_action_dim)
         if actions is not None:
             if timestep is None:
@@ -395,10 +403,9 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
     @torch.no_grad()
     def prefix_cache(self, input_ids, pixel_values, pixel_attention_mask=None, attention_mask=None) -> DynamicCache:
         """Run the VLM once over the prefix and return its per-layer keys/values."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        if pixel_attention_mask is None:
-            pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=input_ids.device)
+        attention_mask, pixel_attention_mask = self._default_masks(
+            input_ids, pixel_values, attention_mask, pixel_attention_mask
+        )
         prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
         _, cache = self.model(
             None,
@@ -424,10 +431,9 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         """Integrate the velocity from t=1 (noise) to t=0 with `num_inference_steps` Euler steps; prefix run once."""
         num_steps = num_steps or self.config.num_inference_steps
         batch_size, device = input_ids.shape[0], input_ids.device
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        if pixel_attention_mask is None:
-            pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=device)
+        attention_mask, pixel_attention_mask = self._default_masks(
+            input_ids, pixel_values, attention_mask, pixel_attention_mask
+        )
         if noise is None:
             noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
         cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask)
