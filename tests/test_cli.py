@@ -83,6 +83,53 @@ def test_color_reach_expert_succeeds_and_language_matters():
     assert tuple(COLORS[env.goal]) in colors
 
 
+def test_color_reach_random_starts_keep_clear_of_targets():
+    from hf_vla.envs import ColorReachEnv
+
+    env = ColorReachEnv()
+    starts = []
+    for episode in range(30):
+        observation, _ = env.reset(seed=episode)
+        starts.append(observation["observation.state"])
+        assert min(np.linalg.norm(env.agent - p) for p in env.targets.values()) > 0.35
+    # not a fixed start: the state alone must not tell how far the agent has gone toward its goal
+    assert np.std(np.stack(starts), axis=0).min() > 0.3
+    env = ColorReachEnv(start="center")
+    assert np.array_equal(env.reset(seed=1)[0]["observation.state"], np.zeros(2, np.float32))
+
+
+def test_demo_dataset_frames_match_env_renders_and_stale_data_is_rebuilt(tmp_path):
+    """The demo video is lossless: decoded training frames equal what the env renders at evaluation."""
+    from hf_vla.data.sources import DatasetConfig, LeRobotSource, VideoReader
+    from hf_vla.envs import ColorReachEnv
+    from hf_vla.envs.generate import ensure_demo_dataset
+
+    root = ensure_demo_dataset(tmp_path / "data", episodes=2, seed=5)
+    marker = root / "meta" / "hf_vla_demo.json"
+    source = LeRobotSource(DatasetConfig(root=str(root), name="demo", cameras=["observation.image"],
+                                         state_key="observation.state", action_key="action"), 0)
+    env = ColorReachEnv()
+    for episode in range(2):
+        observation, _ = env.reset(seed=5 * 100_003 + episode)
+        reader = VideoReader(*source.video_path(episode, "observation.image"), fps=10, image_size=32)
+        for index in range(3):
+            decoded = reader.frame(index).permute(1, 2, 0).numpy().astype(int)
+            assert np.abs(decoded - observation["observation.image"].astype(int)).max() <= 2, (episode, index)
+            assert np.allclose(source.episode_table(episode)["state"][index], observation["observation.state"])
+            observation, *_ = env.step(source.episode_table(episode)["actions"][index])
+        reader.close()
+    stamp = marker.stat().st_mtime_ns
+    assert ensure_demo_dataset(root, episodes=2, seed=5) == root and marker.stat().st_mtime_ns == stamp  # reused
+    marker.write_text(json.dumps({"episodes": 2, "seed": 5}))  # written by an older generator
+    ensure_demo_dataset(root, episodes=2, seed=5)
+    assert json.loads(marker.read_text())["version"] >= 2
+    foreign = tmp_path / "mine"
+    (foreign / "notes").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="not a demo dataset"):
+        ensure_demo_dataset(foreign, episodes=2)
+    assert (foreign / "notes").is_dir()
+
+
 @pytest.mark.slow
 def test_demo_main_job_end_to_end(tmp_path):
     """The README's main job at smoke size: generate data, train, evaluate closed-loop, load with AutoModel."""

@@ -21,11 +21,14 @@ def write_lerobot_dataset(
     action_key: str = "action",
     repo_id: str = "local/generated",
     vcodec: str = "h264",
+    pix_fmt: str = "yuv420p",
+    crf: int | None = None,
 ):
     """Write episodes (each an iterable of frames) as a LeRobot v3.0 dataset at `root`.
 
     A frame is `{"images": {camera: uint8 HxWx3}, "state": [state_dim], "action": [action_dim], "task": str}`.
-    Returns lerobot's `LeRobotDatasetMetadata` of the finished dataset.
+    `vcodec`, `pix_fmt` and `crf` go to lerobot's video encoder (`crf=None`: lerobot's default). Returns lerobot's
+    `LeRobotDatasetMetadata` of the finished dataset.
     """
     from lerobot.configs.video import RGBEncoderConfig
     from lerobot.datasets.lerobot_dataset import LeRobotDataset, LeRobotDatasetMetadata
@@ -39,7 +42,7 @@ def write_lerobot_dataset(
     logging.getLogger("lerobot").setLevel(logging.WARNING)
     dataset = LeRobotDataset.create(
         repo_id, fps=fps, features=features, root=root, robot_type=robot_type, use_videos=True,
-        rgb_encoder=RGBEncoderConfig(vcodec=vcodec, pix_fmt="yuv420p"),
+        rgb_encoder=RGBEncoderConfig(vcodec=vcodec, pix_fmt=pix_fmt, **({} if crf is None else {"crf": crf})),
     )
     for frames in episodes:
         for frame in frames:

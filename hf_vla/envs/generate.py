@@ -18,6 +18,8 @@ from .reach import ColorReachEnv, expert_action
 logger = logging.getLogger(__name__)
 CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
 ROBOT_TYPE = "color_reach"
+# Bumped whenever the env or the recording changes, so `ensure_demo_dataset` rebuilds stale data.
+DEMO_DATA_VERSION = 2
 
 
 def _episodes(count: int, seed: int, env_kwargs: dict):
@@ -41,25 +43,43 @@ def generate_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: in
         raise FileExistsError(f"{root} exists; delete it to regenerate")
     start = time.perf_counter()
     env = ColorReachEnv(**env_kwargs)
+    # Lossless video (full-resolution chroma, crf 0): at 32 px, lerobot's default yuv420p/crf 30 shifts the small
+    # targets' colours by 6 levels on average and up to 149, so training frames would differ from the env's renders.
     write_lerobot_dataset(root, _episodes(episodes, seed, env_kwargs), fps=env.metadata["render_fps"],
                           cameras={CAMERA: (env.image_size, env.image_size)}, state_dim=2, action_dim=2,
-                          robot_type=ROBOT_TYPE, state_key=STATE, action_key=ACTION, repo_id="local/color_reach")
+                          robot_type=ROBOT_TYPE, state_key=STATE, action_key=ACTION, repo_id="local/color_reach",
+                          pix_fmt="yuv444p", crf=0)
     logger.info("wrote %d demo episodes to %s in %.1fs", episodes, root, time.perf_counter() - start)
     return root
 
 
 def ensure_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: int = 0, main_process: bool = True) -> Path:
-    """Generate the demo dataset at `root` unless a complete one is there (a partial one is rebuilt)."""
+    """Generate the demo dataset at `root` unless a complete, current one is there.
+
+    A partial dataset, or one written with other settings or by an older version of the generator, is rebuilt.
+    """
     root = Path(root)
     marker = root / "meta" / "hf_vla_demo.json"
-    if marker.is_file():
+    expected = {"episodes": episodes, "seed": seed, "version": DEMO_DATA_VERSION}
+
+    def current() -> bool:
+        try:
+            return json.loads(marker.read_text()) == expected
+        except (OSError, ValueError):
+            return False
+
+    if current():
         return root
     if not main_process:
-        while not marker.is_file():  # other ranks wait for rank 0
+        while not current():  # other ranks wait for rank 0
             time.sleep(1)
         return root
     if root.exists():
+        foreign = sorted(p.name for p in root.iterdir() if p.name not in ("meta", "data", "videos", "images"))
+        if foreign:  # never delete a folder that is not a (partial) LeRobot dataset
+            raise FileExistsError(f"{root} is not a demo dataset (it holds {foreign}); pick another demo data root")
+        logger.info("rebuilding the demo dataset at %s (missing, partial or stale)", root)
         shutil.rmtree(root)
     generate_demo_dataset(root, episodes=episodes, seed=seed)
-    marker.write_text(json.dumps({"episodes": episodes, "seed": seed}))
+    marker.write_text(json.dumps(expected))
     return root
