@@ -198,6 +198,13 @@ def main(argv: list[str] | None = None):
             if len(mixture.norm_stats[head][key]["q01"]) > dim:
                 raise ValueError(f"head {head!r}: {key} has {len(mixture.norm_stats[head][key]['q01'])} dims, more "
                                  f"than the model's max_{'state' if key == 'state' else 'action'}_dim={dim}")
+    widest = max(len(mixture.norm_stats[head]["actions"]["q01"]) for head in mixture.head_names)
+    if model_args.model_name_or_path is None and widest < model.config.max_action_dim:
+        # Measured on the demo: with 6 padded dims a from-scratch model stayed at chance on the colour choice.
+        logger.warning(
+            "training from scratch with max_action_dim=%d but at most %d real action dims: the padded dims of x_t are "
+            "pure noise the masked loss never supervises, which slows learning; consider max_action_dim=%d",
+            model.config.max_action_dim, widest, widest)
     if model_args.policy == "pi05":
         processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
                                               head_names=mixture.head_names)

@@ -36,7 +36,7 @@ def test_overrides_on_top_of_the_json(tmp_path):
          "--bf16"],
     )
     assert args.max_steps == 7 and args.learning_rate == 3e-4 and args.output_dir == str(tmp_path)
-    assert model_args.model_config["chunk_size"] == 4 and model_args.model_config["max_action_dim"] == 8
+    assert model_args.model_config["chunk_size"] == 4 and model_args.model_config["max_action_dim"] == 2
     assert args.bf16 is True
 
 
@@ -149,7 +149,7 @@ def test_demo_main_job_end_to_end(tmp_path):
     assert type(AutoModel.from_pretrained(tmp_path / "out")).__name__ == "PI05ForConditionalGeneration"
 
 
-def test_cli_trains_pi0_and_pi05(tmp_path):
+def test_cli_trains_pi0_and_pi05(tmp_path, caplog):
     from test_data import CAM, make_dataset
 
     make_dataset(tmp_path / "data", 6)
@@ -167,8 +167,12 @@ def test_cli_trains_pi0_and_pi05(tmp_path):
         path = tmp_path / f"{policy}.json"
         path.write_text(json.dumps(config | {"policy": policy, "model_config": dims,
                                              "output_dir": str(tmp_path / policy)}))
-        trainer = main([str(path)])
+        with caplog.at_level("WARNING", logger="hf_vla.train"):
+            trainer = main([str(path)])
         assert trainer.state.global_step == 3
+        # 2 real action dims under max_action_dim=6, from scratch: the user is told to shrink it
+        assert "consider max_action_dim=2" in caplog.text
+        caplog.clear()
         stats = json.loads((tmp_path / policy / "norm_stats.json").read_text())
         assert stats["head_names"] == ["arm_a::joint"]
         assert torch.isfinite(torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])).all()
