@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None):
                                  f"than the model's max_{'state' if key == 'state' else 'action'}_dim={dim}")
     widest = max(len(mixture.norm_stats[head]["actions"]["q01"]) for head in mixture.head_names)
     if model_args.model_name_or_path is None and widest < model.config.max_action_dim:
-        # Measured on the demo: with 6 padded dims a from-scratch model stayed at chance on the colour choice.
+        # Measured on the demo: with 6 padded dims 93% of first moves chose the named target after 5,000 steps, 45%
+        # after 3,000; with none 99% (README, 'The built-in demo').
         logger.warning(
             "training from scratch with max_action_dim=%d but at most %d real action dims: the padded dims of x_t are "
             "pure noise the masked loss never supervises, which slows learning; consider max_action_dim=%d",

@@ -147,6 +147,18 @@ def test_demo_main_job_end_to_end(tmp_path):
     from transformers import AutoModel
 
     assert type(AutoModel.from_pretrained(tmp_path / "out")).__name__ == "PI05ForConditionalGeneration"
+    # the first-move benchmark runs on the checkpoint and reads headings the way the env's geometry says
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_decision", REPO / "benchmarks" / "demo_decision.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main([str(tmp_path / "out"), "--starts", "6"])
+    assert result["starts"] == 6 and 0 <= result["first_move_accuracy"] <= 1 and result["chance"] == 1 / 3
+    start = {"agent": np.zeros(2), "targets": {"red": np.array([-0.6, 0.6]), "blue": np.array([0.6, -0.6]),
+                                               "green": np.array([0.6, 0.6])}}
+    headings = np.array([[-0.1, 0.12], [0.3, -0.2], [0.2, 0.25]])
+    assert bench.chosen_targets(headings, [start] * 3) == ["red", "blue", "green"]
 
 
 def test_cli_trains_pi0_and_pi05(tmp_path, caplog):

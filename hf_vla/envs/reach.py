@@ -12,10 +12,8 @@ them anywhere. `start="random"` (the default) starts the agent anywhere at least
 `start="center"` always at the centre.
 
 Why random starts: from a fixed start, every frame after the first shows how far the agent has already moved, and
-the state alone then tells which way to keep going. Only first frames would need the instruction, and a policy
-trained from scratch learns to ignore it (with the demo config, 31% of a tiny pi0.5's first moves headed to the
-named target after 2,500 steps; chance is 33%).
-With random starts every frame needs both the instruction and the image.
+the state alone then tells which way to keep going. Only first frames would need the instruction, a small share of
+the training signal. With random starts every frame needs both the instruction and the image.
 """
 
 from __future__ import annotations
