@@ -27,36 +27,30 @@ from transformers import AutoModel
 
 import hf_vla  # noqa: F401  (registers pi05)
 from hf_vla.envs.reach import ColorReachEnv
+from hf_vla.evaluate import PolicyRunner
 from hf_vla.models.pi05 import PI05Processor
 
 HEADING_ACTIONS = 4
 
 
-@torch.no_grad()
-def headings(model, processor, images, states, tasks, seed: int, batch_size: int = 100) -> np.ndarray:
-    generator = torch.Generator().manual_seed(seed)
+def headings(runner: PolicyRunner, images, states, tasks, batch_size: int = 100) -> np.ndarray:
+    """Sum of the first HEADING_ACTIONS predicted actions (xy) per start."""
     out = []
     for i in range(0, len(tasks), batch_size):
         sl = slice(i, i + batch_size)
-        n = len(tasks[sl])
-        inputs = processor(images=images[sl], text=tasks[sl], state=states[sl],
-                           camera_mask=torch.ones(n, images.shape[1], dtype=torch.bool))
-        noise = torch.randn(n, model.config.chunk_size, model.config.max_action_dim, generator=generator)
-        chunk = model.sample_actions(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                     pixel_values=inputs["pixel_values"],
-                                     pixel_attention_mask=inputs["pixel_attention_mask"], noise=noise)
-        actions = processor.unnormalize_actions(chunk.float(), None).numpy()
-        out.append(actions[:, :HEADING_ACTIONS, :2].sum(axis=1))
+        chunks = runner.predict(images[sl], states[sl], tasks[sl], torch.ones(len(tasks[sl]), 1, dtype=torch.bool))
+        out.append(chunks[:, :HEADING_ACTIONS, :2].sum(axis=1))
     return np.concatenate(out)
 
 
 def chosen_targets(heading: np.ndarray, starts: list[dict]) -> list[str]:
+    """Per start, the target whose unit direction from the agent has the largest dot product with the heading."""
     chosen = []
     for h, start in zip(heading, starts):
-        def alignment(name):
-            direction = start["targets"][name] - start["agent"]
-            return float(np.dot(h, direction / np.linalg.norm(direction)))
-        chosen.append(max(start["targets"], key=alignment))
+        names = list(start["targets"])
+        directions = np.stack([start["targets"][name] - start["agent"] for name in names])
+        alignment = directions @ h / np.linalg.norm(directions, axis=1)
+        chosen.append(names[int(np.argmax(alignment))])
     return chosen
 
 
@@ -85,7 +79,8 @@ def main(argv=None):
     result = {"checkpoint": str(args.checkpoint), "starts": args.starts, "chance": 1 / env.num_targets}
     for key, goal_key in (("first_move_accuracy", "goal"), ("follows_swapped_instruction", "swapped")):
         tasks = [f"move to the {start[goal_key]} target" for start in starts]
-        chosen = chosen_targets(headings(model, processor, images, states, tasks, seed=0), starts)
+        runner = PolicyRunner(model, processor, seed=0)  # the same noise for both instructions
+        chosen = chosen_targets(headings(runner, images, states, tasks), starts)
         result[key] = float(np.mean([c == start[goal_key] for c, start in zip(chosen, starts)]))
     result["seconds"] = round(time.perf_counter() - begin, 1)
     print(json.dumps(result, indent=2))

@@ -55,7 +55,6 @@ class PolicyRunner:
         self.state_key, self.device = state_key, device
         self.generator = torch.Generator().manual_seed(seed)
 
-    @torch.no_grad()
     def __call__(self, observation: dict, task: str) -> np.ndarray:
         cameras = _camera_keys(observation, self.cameras)
         images = torch.stack([torch.from_numpy(np.ascontiguousarray(observation[c])).permute(2, 0, 1) for c in cameras])
@@ -64,16 +63,21 @@ class PolicyRunner:
         mask[: len(cameras)] = True
         if slots > len(cameras):
             images = torch.cat([images, torch.zeros(slots - len(cameras), *images.shape[1:], dtype=images.dtype)])
-        inputs = self.processor(images=images[None], text=[task], state=np.asarray(observation[self.state_key])[None],
-                                head=self.head, camera_mask=mask[None])
+        return self.predict(images[None], np.asarray(observation[self.state_key])[None], [task], mask[None])[0]
+
+    @torch.no_grad()
+    def predict(self, images: torch.Tensor, states: np.ndarray, tasks: list[str], camera_mask: torch.Tensor) -> np.ndarray:
+        """A batch: uint8 images [B, cams, 3, H, W], raw states [B, d], tasks, camera_mask [B, cams] -> chunks
+        [B, chunk, max_action_dim], un-normalized."""
+        inputs = self.processor(images=images, text=tasks, state=states, head=self.head, camera_mask=camera_mask)
         config = self.model.config
-        noise = torch.randn(1, config.chunk_size, config.max_action_dim, generator=self.generator)
+        noise = torch.randn(len(tasks), config.chunk_size, config.max_action_dim, generator=self.generator)
         chunk = self.model.sample_actions(
             input_ids=inputs["input_ids"].to(self.device), attention_mask=inputs["attention_mask"].to(self.device),
             pixel_values=inputs["pixel_values"].to(self.device),
             pixel_attention_mask=inputs["pixel_attention_mask"].to(self.device), noise=noise.to(self.device),
         )
-        return self.processor.unnormalize_actions(chunk[0].float().cpu(), self.head).numpy()
+        return self.processor.unnormalize_actions(chunk.float().cpu(), self.head).numpy()
 
 
 def run_episodes(env: gym.Env, policy: PolicyRunner, episodes: int, n_action_steps: int, seed: int = 0,
