@@ -128,7 +128,7 @@ def config_from_lerobot(lerobot_config: dict):
     vocab = 257152
     vlm_config = {
         "model_type": "paligemma",
-        "text_config": {"model_type": "gemma", "vocab_size": vocab, "hidden_activation": "gelu_pytorch_tanh", **text},
+        "text_config": {"model_type": "gemma", "vocab_size": vocab, "hidden_act": "gelu_pytorch_tanh", **text},
         "vision_config": {
             "model_type": "siglip_vision_model", **_VISION_DIMS, "image_size": image_size, "vision_use_head": False,
             "projection_dim": text["hidden_size"],
@@ -136,7 +136,7 @@ def config_from_lerobot(lerobot_config: dict):
         "projection_dim": text["hidden_size"],
         "image_token_id": vocab,
     }
-    dit_config = {"model_type": "gemma", "vocab_size": vocab, "hidden_activation": "gelu_pytorch_tanh", **expert}
+    dit_config = {"model_type": "gemma", "vocab_size": vocab, "hidden_act": "gelu_pytorch_tanh", **expert}
     common = {
         key: lerobot_config[key]
         for key in ("chunk_size", "max_state_dim", "max_action_dim", "num_inference_steps", "time_sampling_beta_alpha",

@@ -64,7 +64,7 @@ def tiny_vlm_config(
             "num_key_value_heads": 1,
             "head_dim": head_dim,
             "vocab_size": TINY_VOCAB_SIZE,
-            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_act": "gelu_pytorch_tanh",
         },
         "vision_config": {
             "model_type": "siglip_vision_model",
@@ -92,7 +92,7 @@ def tiny_dit_config(width: int = 32, depth: int = 2, heads: int = 4, head_dim: i
         "num_key_value_heads": 1,
         "head_dim": head_dim,
         "vocab_size": TINY_VOCAB_SIZE,
-        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
     }
 
 

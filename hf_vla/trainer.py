@@ -7,6 +7,7 @@ comment saying why it exists.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -18,9 +19,11 @@ import torch
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
+from . import checkpoints
 from .data import PI05Collator, WeightedDatasetMixture
+from .errors import CheckpointError, ConfigError, NonFiniteError
 from .losses import (
     GROUP_KEYS,
     LOSS_AGGREGATIONS,
@@ -32,7 +35,9 @@ from .losses import (
 )
 from .optim import MasterWeightOptimizer
 
-STREAM_STATE = "stream_state.json"
+logger = logging.getLogger("hf_vla.trainer")
+STREAM_STATE = checkpoints.STREAM_STATE
+NONFINITE_CHOICES = ("stop", "skip")
 FREEZE_CHOICES = ("none", "vision_tower", "vlm", "expert_only")
 EVAL_NOISE_STEP = -1  # evaluation draws the same noise every time, so successive evals are comparable
 
@@ -58,6 +63,9 @@ class VLATrainingArguments(TrainingArguments):
     stream_open_blocks (`int`, defaults to 32): episodes decoded concurrently per data worker (batch decorrelation).
     action_metrics_batches (`int`, defaults to 0): on that many validation batches, also run `sample_actions` and
         report the un-normalized action MSE per dataset (`eval_by_dataset/<name>/action_mse`).
+    on_nonfinite (`str`, defaults to `"stop"`): what a NaN/inf loss or gradient norm does. `stop` raises an error
+        naming the step and the batch's provenance before the optimizer steps (so no NaN reaches the weights or a
+        checkpoint); `skip` drops that optimizer step, counts it (`nonfinite_skipped` in the logs) and goes on.
     """
 
     loss_aggregation: str = field(default="sample_mean", metadata={"help": f"one of {LOSS_AGGREGATIONS}"})
@@ -67,6 +75,7 @@ class VLATrainingArguments(TrainingArguments):
     freeze: str = field(default="none", metadata={"help": f"one of {FREEZE_CHOICES}"})
     stream_open_blocks: int = field(default=32, metadata={"help": "episodes open at once per data worker"})
     action_metrics_batches: int = field(default=0, metadata={"help": "validation batches with sample_actions"})
+    on_nonfinite: str = field(default="stop", metadata={"help": f"one of {NONFINITE_CHOICES}"})
 
     # pi0.5's published optimizer and schedule
     learning_rate: float = 2.5e-5
@@ -81,23 +90,44 @@ class VLATrainingArguments(TrainingArguments):
     remove_unused_columns: bool = False
     # An infinite stream has no length; the run is measured in optimizer steps.
     max_steps: int = 30_000
+    # A NaN loss is an error (or a counted skip, see `on_nonfinite`), never averaged away into the logged loss.
+    logging_nan_inf_filter: bool = False
 
     def __post_init__(self):
-        super().__post_init__()
+        if self.max_steps is None or self.max_steps <= 0:  # before super(), which reads it
+            raise ConfigError(f"max_steps={self.max_steps}: must be positive (the training stream is infinite)")
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                     "stream_open_blocks"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
+        for name in ("dataloader_num_workers", "action_metrics_batches"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
+        if not self.learning_rate >= 0 or not math.isfinite(self.learning_rate):
+            raise ConfigError(f"learning_rate={self.learning_rate}: must be a finite number >= 0")
+        try:
+            super().__post_init__()
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
         if self.loss_aggregation not in LOSS_AGGREGATIONS:
-            raise ValueError(f"loss_aggregation={self.loss_aggregation!r}: choose one of {LOSS_AGGREGATIONS}")
+            raise ConfigError(f"loss_aggregation={self.loss_aggregation!r}: choose one of {LOSS_AGGREGATIONS}")
         if self.loss_aggregation == "constant":
             if self.loss_divisor is None or not math.isfinite(self.loss_divisor) or self.loss_divisor <= 0:
-                raise ValueError(f"loss_aggregation='constant' needs a finite positive loss_divisor, got {self.loss_divisor}")
+                raise ConfigError(f"loss_aggregation='constant' needs a finite positive loss_divisor, got {self.loss_divisor}")
         elif self.loss_divisor is not None:
-            raise ValueError(f"loss_divisor={self.loss_divisor} is only used by loss_aggregation='constant', "
-                             f"not {self.loss_aggregation!r}")
+            raise ConfigError(f"loss_divisor={self.loss_divisor} is only used by loss_aggregation='constant', "
+                              f"not {self.loss_aggregation!r}")
         if self.loss_group_key not in GROUP_KEYS:
-            raise ValueError(f"loss_group_key={self.loss_group_key!r}: choose one of {sorted(GROUP_KEYS)}")
+            raise ConfigError(f"loss_group_key={self.loss_group_key!r}: choose one of {sorted(GROUP_KEYS)}")
         if self.freeze not in FREEZE_CHOICES:
-            raise ValueError(f"freeze={self.freeze!r}: choose one of {FREEZE_CHOICES}")
-        if self.max_steps is None or self.max_steps <= 0:
-            raise ValueError("max_steps must be positive: the training stream is infinite")
+            raise ConfigError(f"freeze={self.freeze!r}: choose one of {FREEZE_CHOICES}")
+        if self.on_nonfinite not in NONFINITE_CHOICES:
+            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: choose one of {NONFINITE_CHOICES}")
+        if self.on_nonfinite == "skip" and self.deepspeed:
+            raise ConfigError("on_nonfinite='skip' is not supported under DeepSpeed, which steps the optimizer inside "
+                              "backward; use 'stop'")
 
 
 class VLATrainer(Trainer):
@@ -128,10 +158,22 @@ class VLATrainer(Trainer):
         elif args.eval_strategy != "no":
             raise ValueError("eval_strategy is set but the mixture has no validation split (validation_ratio=0)")
         _freeze(model, args.freeze)
+        # What a checkpoint of this run is (compared on resume): recorded before accelerate wraps or upcasts anything.
+        core = model.get_base_model() if hasattr(model, "peft_config") else model
+        self._run_info = {
+            "model_type": getattr(core.config, "model_type", type(core).__name__),
+            "lora": hasattr(model, "peft_config"),
+            "dtype": "bfloat16" if any(p.dtype == torch.bfloat16 for p in model.parameters()) else "float32",
+        }
         super().__init__(model=model, args=args, data_collator=collator, train_dataset=train, eval_dataset=evaluation,
                          processing_class=processing_class, **kwargs)
         # We own the loss and normalise it by step-wide totals ourselves: the Trainer must not divide it again.
         self.model_accepts_loss_kwargs = True
+        self._step_losses: list[torch.Tensor] = []  # this optimizer step's micro-batch losses (for on_nonfinite=skip)
+        self._nonfinite_batches: list[str] = []  # provenance of this step's non-finite micro-batches
+        self._nonfinite_skipped = 0
+        self._skipped_since_log = 0
+        self._defer_push = False
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def _loader(self, dataset) -> DataLoader:
@@ -219,9 +261,97 @@ class VLATrainer(Trainer):
             totals = StepTotals.from_counts(per_sample.count.tolist(), groups.tolist())
         weights = sample_weights(self.args.loss_aggregation, per_sample, totals, groups, self.args.loss_divisor)
         loss = (weights * per_sample.sum).sum()
+        if model.training and not torch.isfinite(loss):
+            self._on_nonfinite_loss(loss, per_sample, inputs)
         if model.training and self.accelerator.num_processes > 1:
             loss = loss * self.accelerator.num_processes  # DDP/FSDP/DeepSpeed average gradients over ranks
         return (loss, outputs) if return_outputs else loss
+
+    # ---- non-finite guard ----------------------------------------------------------------------------------------
+    def _describe_samples(self, inputs: dict, rows: list[int]) -> str:
+        names = self.mixture.names
+        by_source: dict[str, list[str]] = {}
+        for row in rows:
+            source = int(inputs["source_index"][row])
+            episode = int(inputs["episode_index"][row]) - self.mixture.sources[source].episode_offset
+            frame = f" frame {int(inputs['frame_index'][row])}" if "frame_index" in inputs else ""
+            by_source.setdefault(names[source] if source < len(names) else str(source), []).append(
+                f"episode {episode}{frame}")
+        return "; ".join(f"dataset {name!r}: {', '.join(items[:6])}{' ...' if len(items) > 6 else ''}"
+                         for name, items in by_source.items())
+
+    def _on_nonfinite_loss(self, loss: torch.Tensor, per_sample: PerSampleLoss, inputs: dict):
+        bad = (~torch.isfinite(per_sample.sum)).nonzero().flatten().tolist() or list(range(len(per_sample.sum)))
+        where = self._describe_samples(inputs, bad)
+        text = (f"non-finite training loss ({float(loss)}) at step {self.state.global_step + 1} (rank "
+                f"{self.args.process_index}), from {len(bad)} of {len(per_sample.sum)} samples: {where}")
+        if self.args.on_nonfinite == "stop":
+            raise NonFiniteError(text + ". No weights were updated with it and no checkpoint was written; check these "
+                                 "samples' data, lower learning_rate, or set on_nonfinite='skip'.")
+        self._nonfinite_batches.append(where)
+        logger.warning("%s: this optimizer step will be skipped (on_nonfinite='skip')", text)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # Remember this step's micro-batch losses, so a skipped step can be taken out of the logged loss exactly.
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not torch.isfinite(loss):  # only reached with on_nonfinite='skip'
+            loss = torch.zeros_like(loss)
+        self._step_losses.append(loss)
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Runs once per optimizer step on every rank, after gradients are reduced and before the optimizer steps.
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        step_losses, self._step_losses = self._step_losses, []
+        nonfinite_batches, self._nonfinite_batches = self._nonfinite_batches, []
+        if grad_norm is None or math.isfinite(float(grad_norm)):
+            return grad_norm
+        step = self.state.global_step + 1
+        if self.accelerator.num_processes > 1:  # every rank is here: say which rank's data did it
+            nonfinite_batches = [f"rank {rank}: {item}" for rank, items in enumerate(gather_object([nonfinite_batches]))
+                                 for item in items]
+        source = f"non-finite loss in {'; '.join(nonfinite_batches)}" if nonfinite_batches else "the loss was finite"
+        if self.args.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite gradient norm ({float(grad_norm)}) at step {step} ({source}); the optimizer did not step "
+                "and no checkpoint was written. Lower learning_rate or max_grad_norm, or set on_nonfinite='skip'.")
+        # skip: drop the whole optimizer step on every rank (the reduced gradient is non-finite everywhere)
+        self.optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        for loss in step_losses:
+            self._tr_loss -= loss.to(self._tr_loss.device)
+        self._nonfinite_skipped += 1
+        self._skipped_since_log += 1
+        logger.warning("skipped optimizer step %d: non-finite gradient norm (%s); %d skipped so far", step, source,
+                       self._nonfinite_skipped)
+        return grad_norm
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # The Trainer divides the window's loss by all its steps; skipped steps contributed nothing to it.
+        if "loss" in logs and self._skipped_since_log:
+            window = self.state.global_step - self._globalstep_last_logged + self._skipped_since_log
+            kept = window - self._skipped_since_log
+            logs["loss"] = logs["loss"] * window / kept if kept > 0 else float("nan")
+        if "loss" in logs:
+            self._skipped_since_log = 0
+        if self.args.on_nonfinite == "skip" and ("loss" in logs or "train_loss" in logs):
+            logs["nonfinite_skipped"] = self._nonfinite_skipped
+        super().log(logs, start_time)
+
+    def _check_finite_weights(self, model=None):
+        """No checkpoint of NaN/inf weights: checked on every rank's (local) parameters before anything is written."""
+        model = model if model is not None else self.model
+        bad = []
+        for name, param in model.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if local.numel() and not torch.isfinite(local).all():
+                bad.append(name)
+        flag = torch.tensor([len(bad)], dtype=torch.float32, device=self.args.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, reduction="sum")
+        if flag.item() > 0:
+            raise NonFiniteError(f"refusing to save a checkpoint at step {self.state.global_step}: non-finite weights in "
+                                 f"{bad[:5] or 'another rank'}{' ...' if len(bad) > 5 else ''}")
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
@@ -319,7 +449,9 @@ class VLATrainer(Trainer):
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         # The Trainer's checkpoint push copies only config and weights: add the auto_map code files (so the Hub repo
-        # loads with trust_remote_code at every step) and the model card.
+        # loads with trust_remote_code at every step) and the model card. Pushed only once the checkpoint is complete.
+        if self._defer_push:
+            return None
         if self.is_world_process_zero() and self.args.hub_strategy != "end":
             for name in os.listdir(checkpoint_folder):
                 if name.endswith(".py"):
@@ -329,15 +461,50 @@ class VLATrainer(Trainer):
 
     # ---- checkpoints and resume ----------------------------------------------------------------------------------
     def _save_checkpoint(self, model, trial):
-        # Besides model, processor, optimizer (with masters), scheduler and RNG: the stream position.
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        state = self.train_dataset.state_dict() | {
-            "batches_consumed": self.state.global_step * self.args.gradient_accumulation_steps
-        }
+        # Complete or absent: everything (model, processor, optimizer with masters, scheduler, RNG, trainer state, stream
+        # position) is written and flushed, then the completion marker; only then are older checkpoints rotated out
+        # and the checkpoint pushed. A failed save (disk full) names the path and the cause and leaves the previous
+        # checkpoint intact.
+        self._check_finite_weights(model)
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder):  # left by an interrupted save of this same step
+            checkpoints.remove_checkpoint(folder)
+        self.accelerator.wait_for_everyone()
+        limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation before completion
+        self._defer_push = True
+        try:
+            super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                state = self.train_dataset.state_dict() | {
+                    "batches_consumed": self.state.global_step * self.args.gradient_accumulation_steps
+                }
+                checkpoints.write_json_atomic(os.path.join(folder, STREAM_STATE), state)
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                checkpoints.mark_complete(folder, self._run_info | {
+                    "step": self.state.global_step, "world_size": self.args.world_size,
+                    "master_weights": self._master_optimizer() is not None})
+        except Exception as error:
+            if self.args.should_save and os.path.isdir(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+            raise CheckpointError(checkpoints.describe_save_error(folder, error) + self._previous_checkpoint_note(
+                run_dir)) from error
+        finally:
+            self.args.save_total_limit = limit
+            self._defer_push = False
+        self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            with open(os.path.join(folder, STREAM_STATE), "w") as handle:
-                json.dump(state, handle, indent=2)
+            checkpoints.rotate(run_dir, limit, protect={self.state.best_model_checkpoint, folder})
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(folder)
+
+    @staticmethod
+    def _previous_checkpoint_note(run_dir: str) -> str:
+        previous, _ = checkpoints.last_complete_checkpoint(run_dir)
+        if previous is None:
+            return "; there is no earlier complete checkpoint"
+        return f"; the previous checkpoint {previous} is intact (free space, then --resume_from_checkpoint true)"
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # save_pretrained writes PaliGemma's legacy key layout and only from_pretrained maps it back; the Trainer's raw
@@ -355,18 +522,29 @@ class VLATrainer(Trainer):
                              f"unexpected {unexpected[:5]}")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        # Restore the stream position before the Trainer starts iterating (it would otherwise start from zero).
+        # Resume only from a complete checkpoint of the same model and precision, and restore the stream position
+        # before the Trainer starts iterating (it would otherwise start from zero).
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false"):
+            resume_from_checkpoint = resume_from_checkpoint.lower() == "true"
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"no checkpoint found in output_dir {self.args.output_dir}")
+            resume_from_checkpoint = str(checkpoints.resolve_resume(self.args.output_dir))
         if resume_from_checkpoint:
-            path = os.path.join(resume_from_checkpoint, STREAM_STATE)
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path}: missing; cannot resume the data stream exactly")
-            with open(path) as handle:
+            folder = checkpoints.check_resumable(resume_from_checkpoint)
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            core = unwrapped.get_base_model() if hasattr(unwrapped, "peft_config") else unwrapped
+            # compared as save_pretrained writes it (the diff against the config class defaults, JSON keys)
+            config = None if self._run_info["lora"] or not hasattr(core, "config") else json.loads(
+                core.config.to_json_string(use_diff=True))
+            checkpoints.check_compatible(folder, self._run_info | {"master_weights": self._wants_master_weights()},
+                                         config)
+            with open(folder / STREAM_STATE) as handle:
                 self.train_dataset.load_state_dict(json.load(handle))
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            resume_from_checkpoint = str(folder)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    def _wants_master_weights(self) -> bool:
+        return bool(self.args.master_weights and self._run_info["dtype"] == "bfloat16"
+                    and not self.is_deepspeed_enabled and not self.is_fsdp_enabled)
 
 
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "vla_model_card.md"

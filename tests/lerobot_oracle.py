@@ -42,7 +42,7 @@ def _vlm_config(d: Dims):
             "model_type": "gemma", "hidden_size": TEXT["width"], "num_hidden_layers": TEXT["depth"],
             "intermediate_size": TEXT["mlp_dim"], "num_attention_heads": TEXT["num_heads"],
             "num_key_value_heads": TEXT["num_kv_heads"], "head_dim": TEXT["head_dim"], "vocab_size": VOCAB,
-            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_act": "gelu_pytorch_tanh",
         },
         "vision_config": {
             "model_type": "siglip_vision_model", **VISION, "image_size": IMAGE_SIZE, "vision_use_head": False,
@@ -59,7 +59,7 @@ def _dit_config(d: Dims):
         "model_type": "gemma", "hidden_size": EXPERT["width"], "num_hidden_layers": EXPERT["depth"],
         "intermediate_size": EXPERT["mlp_dim"], "num_attention_heads": EXPERT["num_heads"],
         "num_key_value_heads": EXPERT["num_kv_heads"], "head_dim": EXPERT["head_dim"], "vocab_size": VOCAB,
-        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
     }
 
 

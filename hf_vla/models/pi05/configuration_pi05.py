@@ -62,7 +62,7 @@ class PI05Config(PreTrainedConfig):
                     "num_attention_heads": 8,
                     "num_key_value_heads": 1,
                     "head_dim": 256,
-                    "hidden_activation": "gelu_pytorch_tanh",
+                    "hidden_act": "gelu_pytorch_tanh",
                     "vocab_size": PALIGEMMA_VOCAB_SIZE,
                 },
                 vision_config={
@@ -89,7 +89,7 @@ class PI05Config(PreTrainedConfig):
                 num_attention_heads=8,
                 num_key_value_heads=1,
                 head_dim=256,
-                hidden_activation="gelu_pytorch_tanh",
+                hidden_act="gelu_pytorch_tanh",
                 vocab_size=self.vlm_config.text_config.vocab_size,
             )
         # Both towers are bidirectional; the block structure is expressed by which keys each call sees.
