@@ -61,6 +61,8 @@ class VLATrainingArguments(TrainingArguments):
     freeze (`str`, defaults to `"none"`): `vision_tower` (SigLIP frozen), `vlm` (the whole PaliGemma frozen: the
         expert and the action/time heads train) or `expert_only` (only the action expert's layers train).
     stream_open_blocks (`int`, defaults to 32): episodes decoded concurrently per data worker (batch decorrelation).
+    decoder_threads (`int`, *optional*): threads per video decoder; by default the CPUs per DataLoader worker on the
+        node, at most 2 (each worker keeps `stream_open_blocks` x cameras decoders open).
     action_metrics_batches (`int`, defaults to 0): on that many validation batches, also run `sample_actions` and
         report the un-normalized action MSE per dataset (`eval_by_dataset/<name>/action_mse`).
     on_nonfinite (`str`, defaults to `"stop"`): what a NaN/inf loss or gradient norm does. `stop` raises an error
@@ -74,6 +76,7 @@ class VLATrainingArguments(TrainingArguments):
     master_weights: bool = field(default=True, metadata={"help": "fp32 master weights for a bf16 model"})
     freeze: str = field(default="none", metadata={"help": f"one of {FREEZE_CHOICES}"})
     stream_open_blocks: int = field(default=32, metadata={"help": "episodes open at once per data worker"})
+    decoder_threads: int | None = field(default=None, metadata={"help": "threads per video decoder (default: auto)"})
     action_metrics_batches: int = field(default=0, metadata={"help": "validation batches with sample_actions"})
     on_nonfinite: str = field(default="stop", metadata={"help": f"one of {NONFINITE_CHOICES}"})
 
@@ -100,6 +103,8 @@ class VLATrainingArguments(TrainingArguments):
                      "stream_open_blocks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
+        if self.decoder_threads is not None and self.decoder_threads <= 0:
+            raise ConfigError(f"decoder_threads={self.decoder_threads}: must be positive (or unset for automatic)")
         for name in ("dataloader_num_workers", "action_metrics_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
@@ -149,12 +154,12 @@ class VLATrainer(Trainer):
         train = mixture.train_stream(image_size, config.chunk_size, batch_size=args.per_device_train_batch_size,
                                      collate_fn=collator, seed=args.data_seed if args.data_seed is not None else args.seed,
                                      open_blocks=args.stream_open_blocks, rank=args.process_index,
-                                     world_size=args.world_size)
+                                     world_size=args.world_size, decoder_threads=args.decoder_threads)
         evaluation = None
         if any(mixture.validation_blocks):
             evaluation = mixture.validation_stream(image_size, config.chunk_size, args.per_device_eval_batch_size,
                                                    collate_fn=collator, rank=args.process_index,
-                                                   world_size=args.world_size)
+                                                   world_size=args.world_size, decoder_threads=args.decoder_threads)
         elif args.eval_strategy != "no":
             raise ValueError("eval_strategy is set but the mixture has no validation split (validation_ratio=0)")
         _freeze(model, args.freeze)

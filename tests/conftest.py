@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The statistics/check cache of every test session starts empty (and never touches the user's cache).
+os.environ.setdefault("HF_VLA_CACHE", tempfile.mkdtemp(prefix="hf_vla_test_cache_"))
 
 sys.path.insert(0, str(Path(__file__).parent))
 

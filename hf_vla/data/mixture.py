@@ -7,10 +7,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from lerobot.datasets.compute_stats import aggregate_feature_stats
 
-from .sources import DatasetConfig, LeRobotSource
+from ..errors import ConfigError, DataError
+from .scan import MAX_STATS_FRAMES, scan_source
+from .sources import BlockList, DatasetConfig, LeRobotSource
 from .stream import EpisodeShuffleStream, ValidationStream
-
-MAX_STATS_FRAMES = 2_000_000
 
 
 class WeightedDatasetMixture:
@@ -26,12 +26,12 @@ class WeightedDatasetMixture:
     def __init__(self, datasets: Sequence[DatasetConfig | dict], validation_ratio: float = 0.0, split_seed: int = 0):
         configs = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
         if not configs:
-            raise ValueError("the mixture needs at least one dataset")
+            raise ConfigError("the mixture needs at least one dataset")
         names = [c.name for c in configs]
         if len(set(names)) != len(names):
-            raise ValueError(f"dataset names must be unique, got {names}")
+            raise ConfigError(f"dataset names must be unique, got {names}")
         if not 0.0 <= validation_ratio < 1.0:
-            raise ValueError(f"validation_ratio must be in [0, 1), got {validation_ratio}")
+            raise ConfigError(f"validation_ratio must be in [0, 1), got {validation_ratio}")
         self.sources: list[LeRobotSource] = []
         offset = 0
         for index, config in enumerate(configs):
@@ -48,18 +48,20 @@ class WeightedDatasetMixture:
         self.num_cameras = max(len(c.cameras) for c in configs)
         self.max_state_dim = max(s.state_dim for s in self.sources)
         self.max_action_dim = max(s.action_dim for s in self.sources)
-        self.train_blocks, self.validation_blocks = [], []
+        self.train_blocks: list[BlockList] = []
+        self.validation_blocks: list[BlockList] = []
         for source in self.sources:
             train, validation = self._split(source, validation_ratio, split_seed)
             self.train_blocks.append(source.blocks(train))
             self.validation_blocks.append(source.blocks(validation))
+        _release_build_memory()
 
     def _pool(self, head: str) -> dict:
         members = [s for s in self.sources if s.norm_key == head]
         for key, dim in (("state", "state_dim"), ("actions", "action_dim")):
             dims = {s.name: getattr(s, dim) for s in members}
             if len(set(dims.values())) > 1:
-                raise ValueError(
+                raise ConfigError(
                     f"normalization head {head!r}: its datasets have different {key} dims {dims}; give them distinct "
                     "robot_type/control_mode so each gets its own head"
                 )
@@ -68,37 +70,39 @@ class WeightedDatasetMixture:
             stats = aggregate_feature_stats([s.stats[key] for s in members])
             pooled[key] = {name: np.asarray(value).tolist() for name, value in stats.items()
                            if name in ("q01", "q99", "mean", "std", "min", "max")}
+        # The scan checks every member's data (NaN/inf, layout, tasks, videos) whichever quantiles are used; cached.
+        scans = [scan_source(s) for s in members]
         if all(s.config.quantile_stats == "exact" for s in members):
             # Exact quantiles of the pooled frames: each member contributes in proportion to its frame count.
-            values = [s.column_values() for s in members]
-            total = sum(v["frames"] for v in values)
+            total = sum(v.frames for v in scans)
             rng = np.random.default_rng(0)
             for key in ("state", "actions"):
                 parts = []
-                for v in values:
+                for v in scans:
+                    values = getattr(v, key)
                     if total <= MAX_STATS_FRAMES:  # every frame of every member: weighting by frame count is exact
-                        parts.append(v[key])
+                        parts.append(values)
                         continue
-                    share = max(1, int(round(MAX_STATS_FRAMES * v["frames"] / total)))
-                    parts.append(v[key][rng.choice(len(v[key]), size=share, replace=share > len(v[key]))])
+                    share = max(1, int(round(MAX_STATS_FRAMES * v.frames / total)))
+                    parts.append(values[rng.choice(len(values), size=share, replace=share > len(values))])
                 data = np.concatenate(parts)
                 pooled[key]["q01"] = np.quantile(data, 0.01, axis=0).tolist()
                 pooled[key]["q99"] = np.quantile(data, 0.99, axis=0).tolist()
         return pooled
 
     @staticmethod
-    def _split(source: LeRobotSource, ratio: float, seed: int) -> tuple[list[int], list[int]]:
-        episodes = source.usable_episodes()
+    def _split(source: LeRobotSource, ratio: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        episodes = np.asarray(source.usable_episodes(), dtype=np.int64)
         if ratio == 0:
-            return episodes, []
+            return episodes, episodes[:0]
         order = np.random.default_rng([seed, source.source_index]).permutation(len(episodes))
         count = max(1, int(round(ratio * len(episodes))))
         if count >= len(episodes):
-            raise ValueError(
+            raise DataError(
                 f"dataset {source.name!r}: validation_ratio={ratio} leaves no training episode ({len(episodes)} usable)"
             )
-        validation = sorted(episodes[i] for i in order[:count])
-        return sorted(set(episodes) - set(validation)), validation
+        validation = np.sort(episodes[order[:count]])
+        return np.setdiff1d(episodes, validation), validation
 
     @property
     def names(self) -> list[str]:
@@ -106,16 +110,32 @@ class WeightedDatasetMixture:
 
     def train_stream(self, image_size: int, chunk_size: int, batch_size: int | None = None,
                      collate_fn: Callable | None = None, seed: int = 0, open_blocks: int = 32, rank: int = 0,
-                     world_size: int = 1) -> EpisodeShuffleStream:
+                     world_size: int = 1, decoder_threads: int | None = None) -> EpisodeShuffleStream:
         return EpisodeShuffleStream(
             self.sources, self.train_blocks, self.weights, self.head_of_source, self.num_cameras, image_size,
             chunk_size, seed=seed, open_blocks=open_blocks, batch_size=batch_size, collate_fn=collate_fn, rank=rank,
-            world_size=world_size,
+            world_size=world_size, decoder_threads=decoder_threads,
         )
 
     def validation_stream(self, image_size: int, chunk_size: int, batch_size: int, collate_fn: Callable | None = None,
-                          rank: int = 0, world_size: int = 1) -> ValidationStream:
+                          rank: int = 0, world_size: int = 1, decoder_threads: int | None = None) -> ValidationStream:
         return ValidationStream(
             self.sources, self.validation_blocks, self.head_of_source, self.num_cameras, image_size, chunk_size,
-            batch_size, collate_fn=collate_fn, rank=rank, world_size=world_size,
+            batch_size, collate_fn=collate_fn, rank=rank, world_size=world_size, decoder_threads=decoder_threads,
         )
+
+
+def _release_build_memory():
+    """Give the statistics scan's freed heap back to the OS before DataLoader workers fork from this process."""
+    try:
+        import pyarrow as pa
+
+        pa.default_memory_pool().release_unused()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -1,17 +1,35 @@
-"""One LeRobot v3.0 dataset as a source of episode blocks, read through lerobot's own metadata."""
+"""One LeRobot v3.0 dataset as a source of episode blocks.
+
+lerobot's own metadata class reads `meta/info.json`, the tasks and `meta/stats.json`. The per-episode table is read
+with pyarrow, only the columns used, into numpy arrays: no per-episode Python objects, nothing formatted row by row,
+so start-up is linear in episodes and forked DataLoader workers share the arrays copy-on-write.
+
+Checks that need no decoding run at construction (layout, features, keep-ranges, files present); the checks that read
+every state/action row and every video's container (`hf_vla.data.scan`) run once per dataset version and are cached.
+Every error names the dataset and the file, episode or key at fault.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import string
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import av
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+
+from ..errors import ConfigError, DataError, FeatureKeyError, MissingFileError
+
+logger = logging.getLogger("hf_vla.data")
+NUMERIC_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
 
 
 @dataclass
@@ -23,20 +41,24 @@ class DatasetConfig:
     weight: mixture weight (relative frequency of its frames in training batches).
     cameras: source camera key for each model camera slot, in slot order; `null` leaves a slot empty
         (`pixel_attention_mask=False`).
-    state_key / action_key: the dataset's state and action features.
+    state_key / action_key: the dataset's state and action features (numeric vectors).
     robot_type / control_mode: the normalization head is `robot_type::control_mode` (robot_type defaults to the
         dataset's metadata). Without both, the head is the dataset name.
     fps: expected frame rate; a mismatch with the metadata is an error (chunks are in dataset frames).
     task: override the task string of every frame.
-    keep_ranges: `{"<episode key>": [[start, end], ...]}` (a dict or a JSON file path): only these frame ranges are
-        used, each as its own block; episodes absent from it are dropped.
+    keep_ranges: `{"<episode key>": [[start, end], ...]}` (a dict or a JSON file path): only these frame ranges
+        (`start` inclusive, `end` exclusive) are used, each as its own block; episodes absent from it are dropped.
+        Reversed, empty and out-of-episode ranges and malformed entries are reported (a warning naming counts and
+        examples while some ranges survive; an error when none does); ranges reaching past an episode's end are
+        clipped to it.
     keep_ranges_key: how an episode's key is derived: a format string over the episode's metadata columns plus
         `episode_index`, `repo_id` and `name` (default `"{episode_index}"`).
     shuffle_tasks_seed: a language-blind control: every episode gets the task of another episode (a seeded
         permutation), so instructions carry no information about the episode.
     quantile_stats: `"exact"` (default) computes q01/q99 from the state/action columns (no video is read; at most
         2M frames, subsampled with a fixed seed); `"metadata"` uses `meta/stats.json`, whose quantiles lerobot builds
-        as a frame-weighted mean of per-episode quantiles (too narrow when episodes cover different ranges).
+        as a frame-weighted mean of per-episode quantiles (too narrow when episodes cover different ranges). Either
+        way the start-up scan checks every state/action value for NaN/inf.
     """
 
     repo_id: str | None = None
@@ -57,16 +79,16 @@ class DatasetConfig:
 
     def __post_init__(self):
         if self.quantile_stats not in ("exact", "metadata"):
-            raise ValueError(f"dataset {self.name or self.repo_id!r}: quantile_stats must be 'exact' or 'metadata', "
-                             f"got {self.quantile_stats!r}")
+            raise ConfigError(f"dataset {self.name or self.repo_id!r}: quantile_stats must be 'exact' or 'metadata', "
+                              f"got {self.quantile_stats!r}")
         if self.repo_id is None and self.root is None:
-            raise ValueError("DatasetConfig needs repo_id or root")
+            raise ConfigError("DatasetConfig needs repo_id or root")
         if self.name is None:
             self.name = self.repo_id or Path(self.root).name
         if not self.weight > 0:
-            raise ValueError(f"dataset {self.name!r}: weight must be > 0, got {self.weight}")
-        if not self.cameras or not any(self.cameras):
-            raise ValueError(f"dataset {self.name!r}: `cameras` must map at least one model camera slot to a camera key")
+            raise ConfigError(f"dataset {self.name!r}: weight must be > 0, got {self.weight}")
+        if not isinstance(self.cameras, list) or not self.cameras or not any(self.cameras):
+            raise ConfigError(f"dataset {self.name!r}: `cameras` must map at least one model camera slot to a camera key")
 
 
 @dataclass(frozen=True)
@@ -83,38 +105,112 @@ class Block:
         return self.end - self.start
 
 
+class BlockList(Sequence):
+    """Blocks of one source held as an int64 array `[n, 3]` (episode, start, end); items are `Block`s on access.
+
+    92k episodes cost 2 MB here instead of 92k Python objects in every rank and DataLoader worker.
+    """
+
+    def __init__(self, source: int, ranges: np.ndarray):
+        self.source = source
+        self.ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return BlockList(self.source, self.ranges[index])
+        episode, start, end = self.ranges[index]
+        return Block(self.source, int(episode), int(start), int(end))
+
+    def __iter__(self) -> Iterator[Block]:
+        for episode, start, end in self.ranges.tolist():
+            yield Block(self.source, episode, start, end)
+
+    @property
+    def frames(self) -> int:
+        return int((self.ranges[:, 2] - self.ranges[:, 1]).sum())
+
+
+def _lerobot_metadata_class():
+    import lerobot.datasets.dataset_metadata as dm
+
+    class Metadata(dm.LeRobotDatasetMetadata):
+        """lerobot's metadata (info, tasks, stats, path templates) without its episodes table: that one goes through
+        `datasets` (an Arrow cache conversion and per-row formatting, minutes at DROID's size); hf_vla reads the
+        columns it needs with pyarrow instead."""
+
+        def _load_metadata(self):
+            self.info = dm.load_info(self.root)
+            dm.check_version_compatibility(self.repo_id, self._version, dm.CODEBASE_VERSION)
+            self.tasks = dm.load_tasks(self.root) if self.total_tasks > 0 else None
+            self.episodes = None
+            self.stats = dm.load_stats(self.root)
+
+        def __del__(self):  # read-only: nothing to flush (lerobot's flush fails noisily at interpreter exit)
+            pass
+
+    return Metadata
+
+
+def vector_column(column: pa.ChunkedArray | pa.Array, dim: int, what: str) -> np.ndarray:
+    """A list column of `dim` numbers per row as a `[rows, dim]` array; a DataError naming `what` otherwise."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    kind = array.type
+    if not (pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        raise DataError(f"{what} is a scalar column ({kind}), not a vector: state and actions must be numeric vectors")
+    if not (pa.types.is_floating(kind.value_type) or pa.types.is_integer(kind.value_type)):
+        raise DataError(f"{what} holds {kind.value_type} values, not numbers")
+    if array.null_count:
+        raise DataError(f"{what} has {array.null_count} null rows")
+    if not pa.types.is_fixed_size_list(kind):
+        import pyarrow.compute as pc
+
+        lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
+        if len(lengths) and (lengths != dim).any():
+            row = int(np.flatnonzero(lengths != dim)[0])
+            raise DataError(f"{what}: row {row} has {lengths[row]} values, the feature has {dim}")
+    elif kind.list_size != dim:
+        raise DataError(f"{what} has {kind.list_size} values per row, meta/info.json says {dim}")
+    return array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), dim)
+
+
 class LeRobotSource:
     """Metadata, blocks and frame reading for one dataset (`source_index` = its position in the mixture)."""
 
     def __init__(self, config: DatasetConfig, source_index: int, episode_offset: int = 0):
-        from lerobot.datasets.lerobot_dataset import LeRobotDatasetMetadata
-
         self.config = config
         self.name = config.name
         self.source_index = source_index
         self.episode_offset = episode_offset
-        self._check_version(config)
+        self._check_local_root(config)
         try:
-            self.meta = LeRobotDatasetMetadata(config.repo_id or config.name, root=config.root)
+            self.meta = _lerobot_metadata_class()(config.repo_id or config.name, root=config.root)
         except FileNotFoundError as error:
-            raise FileNotFoundError(f"dataset {self.name!r}: cannot read LeRobot metadata ({error})") from error
+            raise MissingFileError(f"dataset {self.name!r}: cannot read LeRobot metadata ({error})") from error
         self.root = Path(self.meta.root)
         features = self.meta.features
         for role, key in [("state_key", config.state_key), ("action_key", config.action_key)] + [
             ("cameras", key) for key in config.cameras if key is not None
         ]:
             if key not in features:
-                raise KeyError(
+                raise FeatureKeyError(
                     f"dataset {self.name!r} ({self.root / 'meta/info.json'}): {role} {key!r} is not a feature; "
                     f"available: {sorted(features)}"
                 )
+        for role, key in (("state_key", config.state_key), ("action_key", config.action_key)):
+            feature = features[key]
+            if feature["dtype"] not in NUMERIC_DTYPES or len(feature["shape"]) != 1:
+                raise DataError(f"dataset {self.name!r}: {role} {key!r} is {feature['dtype']} of shape "
+                                f"{feature['shape']}; state and actions must be numeric vectors")
         for key in config.cameras:
             if key is not None and features[key]["dtype"] not in ("video", "image"):
-                raise ValueError(f"dataset {self.name!r}: camera {key!r} has dtype {features[key]['dtype']!r}")
+                raise DataError(f"dataset {self.name!r}: camera {key!r} has dtype {features[key]['dtype']!r}")
             if key is not None and features[key]["dtype"] == "image":
                 raise NotImplementedError(f"dataset {self.name!r}: camera {key!r} stores images, only video is supported")
         if config.fps is not None and abs(config.fps - self.meta.fps) > 1e-6:
-            raise ValueError(f"dataset {self.name!r}: config fps={config.fps} but the dataset records {self.meta.fps} fps")
+            raise ConfigError(f"dataset {self.name!r}: config fps={config.fps} but the dataset records {self.meta.fps} fps")
         self.fps = float(self.meta.fps)
         self.state_dim = int(features[config.state_key]["shape"][0])
         self.action_dim = int(features[config.action_key]["shape"][0])
@@ -123,48 +219,106 @@ class LeRobotSource:
             self.norm_key = f"{self.robot_type}::{config.control_mode}"
         else:
             self.norm_key = self.name
-        columns = ["episode_index", "length", "data/chunk_index", "data/file_index", "dataset_from_index"]
-        for key in config.cameras:
-            if key is not None:
-                columns += [f"videos/{key}/chunk_index", f"videos/{key}/file_index", f"videos/{key}/from_timestamp"]
-        episodes = self.meta.episodes
-        self.episodes = {name: np.asarray(episodes[name]) for name in columns}
-        self._key_fields = None  # episode metadata columns for keep_ranges_key, materialised once on first use
-        self.num_episodes = len(self.episodes["episode_index"])
-        self._row = {int(e): i for i, e in enumerate(self.episodes["episode_index"])}
-        self.tasks = {int(i): str(t) for t, i in zip(self.meta.tasks.index, self.meta.tasks["task_index"])}
-        self._shuffled_tasks = None
-        if config.shuffle_tasks_seed is not None:
-            firsts = [str(tasks[0]) for tasks in episodes["tasks"]]
-            order = np.random.default_rng(config.shuffle_tasks_seed).permutation(len(firsts))
-            self._shuffled_tasks = {int(e): firsts[j] for e, j in zip(self.episodes["episode_index"], order)}
-        self.stats = {
-            "state": self._stat(config.state_key),
-            "actions": self._stat(config.action_key),
-        }
-        self.keep_ranges = self._load_keep_ranges()
+        self.tasks = {}
+        if self.meta.tasks is not None:
+            self.tasks = {int(i): str(t) for t, i in zip(self.meta.tasks.index, self.meta.tasks["task_index"])}
+        self._read_episodes()
+        self.stats = {"state": self._stat(config.state_key), "actions": self._stat(config.action_key)}
+        self.keep_ranges = None  # True when a keep_ranges filter selects the blocks
+        self.ranges = self._block_ranges()
         self._check_files()
-        self._tables: OrderedDict[Path, dict] = OrderedDict()
+        self._row_groups: OrderedDict[Path, np.ndarray] = OrderedDict()
 
     # ---- metadata ------------------------------------------------------------------------------------------------
     @staticmethod
-    def _check_version(config: DatasetConfig):
+    def _check_local_root(config: DatasetConfig):
         if config.root is None:
             return
-        info_file = Path(config.root) / "meta" / "info.json"
+        root = Path(config.root)
+        info_file = root / "meta" / "info.json"
         if not info_file.is_file():
-            raise FileNotFoundError(f"dataset {config.name!r}: {info_file} not found (is root a LeRobot dataset?)")
-        version = json.loads(info_file.read_text()).get("codebase_version")
+            raise MissingFileError(f"dataset {config.name!r}: {info_file} not found (is root a LeRobot dataset?)")
+        try:
+            info = json.loads(info_file.read_text())
+        except json.JSONDecodeError as error:
+            raise DataError(f"dataset {config.name!r}: {info_file} is not valid JSON ({error})") from error
+        version = info.get("codebase_version")
         if version != "v3.0":
-            raise ValueError(
+            raise DataError(
                 f"dataset {config.name!r} ({info_file}): codebase_version {version!r}; hf_vla reads LeRobot v3.0 "
                 "datasets. Convert it with lerobot's `convert_dataset_v21_to_v30` first."
             )
+        episodes_dir = root / "meta" / "episodes"
+        if not episodes_dir.is_dir() or not any(episodes_dir.glob("*/*.parquet")):
+            raise MissingFileError(f"dataset {config.name!r}: {episodes_dir} is missing or holds no parquet file: root "
+                                   "is not a complete LeRobot v3.0 dataset (the episode table is needed)")
+        if info.get("total_tasks", 0) > 0 and not (root / "meta" / "tasks.parquet").is_file():
+            raise MissingFileError(f"dataset {config.name!r}: {root / 'meta' / 'tasks.parquet'} not found")
+
+    def _episode_columns(self) -> list[str]:
+        columns = ["episode_index", "length", "data/chunk_index", "data/file_index", "dataset_from_index",
+                   "dataset_to_index"]
+        for key in self.config.cameras:
+            if key is not None:
+                columns += [f"videos/{key}/{name}" for name in ("chunk_index", "file_index", "from_timestamp",
+                                                                 "to_timestamp")]
+        return columns
+
+    def _episode_files(self) -> list[Path]:
+        return sorted((self.root / "meta" / "episodes").glob("*/*.parquet"))
+
+    def _read_episode_table(self, columns: list[str], required: bool = True) -> pa.Table:
+        tables = []
+        for path in self._episode_files():
+            try:
+                present = pq.read_schema(path).names
+                missing = [c for c in columns if c not in present]
+                if missing and required:
+                    raise DataError(f"dataset {self.name!r}: {path} lacks the episode column(s) {missing}")
+                tables.append(pq.read_table(path, columns=[c for c in columns if c in present]))
+            except (pa.ArrowException, OSError) as error:
+                raise DataError(f"dataset {self.name!r}: {path} is not a readable parquet file ({error})") from error
+        if not tables:
+            raise MissingFileError(f"dataset {self.name!r}: no episode metadata under {self.root / 'meta/episodes'}")
+        return pa.concat_tables(tables)
+
+    def _read_episodes(self):
+        table = self._read_episode_table(self._episode_columns())
+        self.episodes = {name: table[name].to_numpy() for name in table.column_names}
+        self.num_episodes = len(self.episodes["episode_index"])
+        order = np.argsort(self.episodes["episode_index"], kind="stable")
+        if (order != np.arange(self.num_episodes)).any():
+            self.episodes = {k: v[order] for k, v in self.episodes.items()}
+        index = self.episodes["episode_index"]
+        if self.num_episodes and len(np.unique(index)) != self.num_episodes:
+            raise DataError(f"dataset {self.name!r}: meta/episodes lists an episode index more than once")
+        # each episode's first row inside its data file (rows of a file are its episodes in order)
+        file_id = self.episodes["data/chunk_index"].astype(np.int64) * (1 << 32) + self.episodes["data/file_index"]
+        files, inverse = np.unique(file_id, return_inverse=True)
+        first = np.full(len(files), np.iinfo(np.int64).max)
+        np.minimum.at(first, inverse, self.episodes["dataset_from_index"])
+        self.episodes["file_row"] = self.episodes["dataset_from_index"] - first[inverse]
+        self._file_of_row = inverse
+        self._shuffled_tasks = None
+        if self.config.shuffle_tasks_seed is not None:
+            tasks = self._read_episode_table(["tasks"])["tasks"].to_pylist()
+            firsts = [str(t[0]) if t else "" for t in tasks]
+            firsts = [firsts[i] for i in order]
+            self._shuffled_tasks = np.asarray(firsts, dtype=object)[
+                np.random.default_rng(self.config.shuffle_tasks_seed).permutation(len(firsts))]
+
+    def row(self, episode: int) -> int:
+        """Row of `episode` in the episode arrays."""
+        index = self.episodes["episode_index"]
+        row = int(np.searchsorted(index, episode))
+        if row >= len(index) or index[row] != episode:
+            raise DataError(f"dataset {self.name!r}: episode {episode} is not in meta/episodes")
+        return row
 
     def _stat(self, key: str) -> dict:
         stats = self.meta.stats.get(key) if self.meta.stats else None
         if not stats or "q01" not in stats or "q99" not in stats:
-            raise KeyError(
+            raise DataError(
                 f"dataset {self.name!r}: meta/stats.json has no q01/q99 for {key!r} (pi0.5 normalizes with quantiles); "
                 "compute them with lerobot's `augment_dataset_quantile_stats`"
             )
@@ -172,168 +326,286 @@ class LeRobotSource:
         out["count"] = np.asarray(stats.get("count", [self.meta.total_frames])).reshape(-1)[:1]
         return out
 
-    def column_values(self, max_frames: int = 2_000_000, seed: int = 0) -> dict[str, np.ndarray]:
-        """state / actions of (a seeded subsample of) the usable frames, read from parquet only."""
-        files = sorted({self.data_path(e) for e in self.usable_episodes()})
-        columns = [self.config.state_key, self.config.action_key, "episode_index", "frame_index"]
-        usable = set(self.usable_episodes())
-        states, actions = [], []
-        for path in files:
-            raw = pq.read_table(path, columns=columns)
-            keep = np.isin(raw["episode_index"].to_numpy(), list(usable))
-            if self.keep_ranges is not None:  # vectorised per kept range, not a Python loop over rows
-                episodes, frames = raw["episode_index"].to_numpy(), raw["frame_index"].to_numpy()
-                in_range = np.zeros_like(keep)
-                for episode in np.unique(episodes[keep]):
-                    rows = episodes == episode
-                    for start, end in self.keep_ranges[int(episode)]:
-                        in_range |= rows & (frames >= start) & (frames < end)
-                keep &= in_range
-            states.append(np.stack(raw[self.config.state_key].to_numpy(zero_copy_only=False)[keep]))
-            actions.append(np.stack(raw[self.config.action_key].to_numpy(zero_copy_only=False)[keep]))
-        values = {"state": np.concatenate(states).astype(np.float64), "actions": np.concatenate(actions).astype(np.float64)}
-        count = len(values["state"])
-        if count > max_frames:
-            rows = np.sort(np.random.default_rng(seed).choice(count, size=max_frames, replace=False))
-            values = {k: v[rows] for k, v in values.items()}
-        values["frames"] = count
-        return values
-
-    def episode_key(self, row: int) -> str:
-        if self._key_fields is None:  # indexing a datasets column copies all of it: do that once, not per episode
-            meta = self.meta.episodes
-            self._key_fields = {name: meta[name] for name in meta.column_names
-                                if not name.startswith(("stats/", "meta/"))}
-        fields = {name: column[row] for name, column in self._key_fields.items()}
-        fields.update(episode_index=int(self.episodes["episode_index"][row]), repo_id=self.config.repo_id,
-                      name=self.name)
+    # ---- keep ranges ---------------------------------------------------------------------------------------------
+    def episode_keys(self) -> list[str]:
+        """The keep-ranges key of every episode (row order), from `keep_ranges_key`."""
+        fmt = self.config.keep_ranges_key
         try:
-            return self.config.keep_ranges_key.format(**fields)
-        except KeyError as error:
-            raise KeyError(
-                f"dataset {self.name!r}: keep_ranges_key {self.config.keep_ranges_key!r} uses {error}, which is not an "
-                f"episode metadata column; available: {sorted(fields)}"
-            ) from error
+            fields = {f for _, f, _, _ in string.Formatter().parse(fmt) if f}
+        except ValueError as error:
+            raise ConfigError(f"dataset {self.name!r}: keep_ranges_key {fmt!r} is not a format string ({error})") \
+                from error
+        available = set(pq.read_schema(self._episode_files()[0]).names) - {"tasks"}
+        available = {c for c in available if not c.startswith(("stats/", "meta/"))} | {"episode_index", "repo_id",
+                                                                                        "name"}
+        unknown = sorted(fields - available)
+        if unknown:
+            raise FeatureKeyError(
+                f"dataset {self.name!r}: keep_ranges_key {fmt!r} uses {unknown}, which is not an episode metadata "
+                f"column; available: {sorted(available)}"
+            )
+        columns = sorted(fields - {"episode_index", "repo_id", "name"})
+        values = {}
+        if columns:
+            table = self._read_episode_table(["episode_index", *columns])
+            order = np.argsort(table["episode_index"].to_numpy(), kind="stable")
+            values = {c: [table[c].to_pylist()[i] for i in order] for c in columns}
+        constants = {"repo_id": self.config.repo_id, "name": self.name}
+        episodes = self.episodes["episode_index"].tolist()
+        keys = []
+        for row, episode in enumerate(episodes):  # one format call per episode: linear, on plain lists
+            keys.append(fmt.format(episode_index=episode, **constants, **{c: values[c][row] for c in columns}))
+        return keys
 
-    def _load_keep_ranges(self) -> dict | None:
+    def _load_keep_ranges_spec(self) -> dict:
         spec = self.config.keep_ranges
-        if spec is None:
-            return None
         if isinstance(spec, str | os.PathLike):
             path = Path(spec)
             if not path.is_file():
-                raise FileNotFoundError(f"dataset {self.name!r}: keep_ranges file {path} not found")
-            spec = json.loads(path.read_text())
-        ranges: dict[int, list[tuple[int, int]]] = {}
-        for row in range(self.num_episodes):
-            key = self.episode_key(row)
-            if key in spec:
-                length = int(self.episodes["length"][row])
-                kept = []
-                for start, end in spec[key]:
-                    start, end = max(0, int(start)), min(length, int(end))
-                    if end > start:
-                        kept.append((start, end))
-                if kept:
-                    ranges[int(self.episodes["episode_index"][row])] = kept
-        if not ranges:
-            sample = list(spec)[:3]
-            raise ValueError(
-                f"dataset {self.name!r}: the keep_ranges filter matches no episode (filter keys like {sample}, "
-                f"episode keys like {[self.episode_key(r) for r in range(min(3, self.num_episodes))]}); check "
-                "keep_ranges_key"
-            )
-        return ranges
+                raise MissingFileError(f"dataset {self.name!r}: keep_ranges file {path} not found")
+            try:
+                spec = json.loads(path.read_text())
+            except json.JSONDecodeError as error:
+                raise DataError(f"dataset {self.name!r}: keep_ranges file {path} is not valid JSON ({error})") from error
+        if not isinstance(spec, dict):
+            raise DataError(f"dataset {self.name!r}: keep_ranges must map episode keys to [[start, end], ...] lists, "
+                            f"got {type(spec).__name__}")
+        return spec
 
+    def _block_ranges(self) -> np.ndarray:
+        """`[n, 3]` (episode, start, end) of the blocks: whole episodes, or the kept ranges (validated)."""
+        lengths = self.episodes["length"].astype(np.int64)
+        if self.config.keep_ranges is None:
+            return np.stack([self.episodes["episode_index"].astype(np.int64), np.zeros_like(lengths), lengths], axis=1)
+        self.keep_ranges = True
+        spec = self._load_keep_ranges_spec()
+        keys = self.episode_keys()
+        row_of_key = {key: row for row, key in enumerate(keys)}
+        rows, starts, ends, malformed, unmatched = [], [], [], [], []
+        for key, ranges in spec.items():
+            row = row_of_key.get(key)
+            if row is None:
+                unmatched.append(key)
+                continue
+            if not isinstance(ranges, list):
+                malformed.append(f"{key}: {ranges!r}")
+                continue
+            for item in ranges:
+                if (isinstance(item, list | tuple) and len(item) == 2
+                        and all(isinstance(v, int) and not isinstance(v, bool) for v in item)):
+                    rows.append(row)
+                    starts.append(item[0])
+                    ends.append(item[1])
+                else:
+                    malformed.append(f"{key}: {item!r}")
+        rows, starts, ends = (np.asarray(v, dtype=np.int64) for v in (rows, starts, ends))
+        length = lengths[rows]
+        reversed_ = ends < starts
+        empty = ends == starts
+        outside = ~reversed_ & ~empty & ((starts >= length) | (ends <= 0))
+        valid = ~(reversed_ | empty | outside)
+        clipped = valid & ((starts < 0) | (ends > length))
+        problems = []
+
+        def examples(mask):
+            picked = np.flatnonzero(mask)[:3]
+            return ", ".join(f"{keys[rows[i]]} [{starts[i]}, {ends[i]}] (length {length[i]})" for i in picked)
+
+        for label, mask in (("reversed (end < start)", reversed_), ("empty (end == start)", empty),
+                            ("outside their episode", outside), ("clipped to their episode", clipped)):
+            if mask.any():
+                problems.append(f"{int(mask.sum())} {label}, e.g. {examples(mask)}")
+        if malformed:
+            problems.append(f"{len(malformed)} malformed entries (not [start, end] integer pairs), e.g. "
+                            f"{'; '.join(malformed[:3])}")
+        total = len(rows) + len(malformed)
+        kept_rows, kept_starts = rows[valid], np.maximum(starts[valid], 0)
+        kept_ends = np.minimum(ends[valid], length[valid])
+        if not len(kept_rows):
+            if not len(rows) and not malformed:
+                raise DataError(
+                    f"dataset {self.name!r}: the keep_ranges filter matches no episode: none of its "
+                    f"{len(spec)} keys equals an episode key (filter keys like {list(spec)[:3]}, episode keys like "
+                    f"{keys[:3]}); check keep_ranges_key ({self.config.keep_ranges_key!r})"
+                )
+            raise DataError(
+                f"dataset {self.name!r}: the keep_ranges filter keeps no frame: its keys match "
+                f"{len(set(rows.tolist()))} episodes, but all {total} of their ranges are invalid: {'; '.join(problems)}"
+            )
+        order = np.lexsort((kept_starts, kept_rows))
+        kept_rows, kept_starts, kept_ends = kept_rows[order], kept_starts[order], kept_ends[order]
+        overlap = (kept_rows[1:] == kept_rows[:-1]) & (kept_starts[1:] < kept_ends[:-1])
+        if overlap.any():
+            problems.append(f"{int(overlap.sum())} overlapping another range of the same episode (their frames are "
+                            "used twice)")
+        if unmatched:
+            problems.append(f"{len(unmatched)} filter keys match no episode (e.g. {unmatched[:3]})")
+        if problems:
+            logger.warning("dataset %r: keep_ranges: %d of %d ranges kept; %s", self.name, len(kept_rows), total,
+                           "; ".join(problems))
+        self.keep_range_report = {"kept": int(len(kept_rows)), "total": int(total), "problems": problems}
+        episodes = self.episodes["episode_index"].astype(np.int64)[kept_rows]
+        return np.stack([episodes, kept_starts, kept_ends], axis=1)
+
+    # ---- files ---------------------------------------------------------------------------------------------------
     def data_path(self, episode: int) -> Path:
-        row = self._row[episode]
+        return self._data_path_of_row(self.row(episode))
+
+    def _data_path_of_row(self, row: int) -> Path:
         return self.root / self.meta.data_path.format(
             chunk_index=int(self.episodes["data/chunk_index"][row]), file_index=int(self.episodes["data/file_index"][row])
         )
 
     def video_path(self, episode: int, camera: str) -> tuple[Path, float]:
-        row = self._row[episode]
-        path = self.root / self.meta.video_path.format(
+        row = self.row(episode)
+        return self._video_path_of_row(row, camera), float(self.episodes[f"videos/{camera}/from_timestamp"][row])
+
+    def _video_path_of_row(self, row: int, camera: str) -> Path:
+        return self.root / self.meta.video_path.format(
             video_key=camera,
             chunk_index=int(self.episodes[f"videos/{camera}/chunk_index"][row]),
             file_index=int(self.episodes[f"videos/{camera}/file_index"][row]),
         )
-        return path, float(self.episodes[f"videos/{camera}/from_timestamp"][row])
+
+    def used_rows(self) -> np.ndarray:
+        """Rows (episode-table order) of the episodes that have at least one block."""
+        return np.unique(np.searchsorted(self.episodes["episode_index"], self.ranges[:, 0]))
+
+    def data_files(self) -> dict[Path, np.ndarray]:
+        """Data file -> rows of the used episodes it holds (one path format per file, not per episode)."""
+        rows = self.used_rows()
+        files = {}
+        _, first, inverse = np.unique(self._file_of_row[rows], return_index=True, return_inverse=True)
+        for group, row in enumerate(rows[first]):
+            files[self._data_path_of_row(int(row))] = rows[inverse == group]
+        return files
+
+    def video_files(self, camera: str) -> dict[Path, np.ndarray]:
+        rows = self.used_rows()
+        ids = self.episodes[f"videos/{camera}/chunk_index"][rows].astype(np.int64) * (1 << 32) + self.episodes[
+            f"videos/{camera}/file_index"][rows]
+        _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        return {self._video_path_of_row(int(row), camera): rows[inverse == group]
+                for group, row in enumerate(rows[first])}
 
     def _check_files(self):
-        missing = set()
-        for episode in self.episodes["episode_index"]:
-            episode = int(episode)
-            if self.keep_ranges is not None and episode not in self.keep_ranges:
-                continue
-            paths = [self.data_path(episode)] + [self.video_path(episode, c)[0] for c in self.config.cameras if c]
-            missing.update(str(p) for p in paths if not p.is_file())
+        paths = list(self.data_files())
+        for camera in self.config.cameras:
+            if camera:
+                paths += list(self.video_files(camera))
+        missing = sorted(str(p) for p in paths if not p.is_file())
         if missing:
-            raise FileNotFoundError(
-                f"dataset {self.name!r}: {len(missing)} data/video files are missing, e.g. {sorted(missing)[:3]}"
+            hint = ""
+            if self.config.repo_id and self.config.root is None:
+                hint = (f"; only the metadata is fetched from the Hub: download the dataset (`hf download "
+                        f"{self.config.repo_id} --repo-type dataset --local-dir DIR`) and set root")
+            raise MissingFileError(
+                f"dataset {self.name!r}: {len(missing)} data/video files are missing, e.g. {missing[:3]}{hint}"
             )
 
     # ---- blocks --------------------------------------------------------------------------------------------------
-    def blocks(self, episodes) -> list[Block]:
+    def blocks(self, episodes) -> BlockList:
         """Blocks of the given episodes: whole episodes, or each kept range when a keep_ranges filter is set."""
-        out = []
-        for episode in sorted(int(e) for e in episodes):
-            if self.keep_ranges is not None:
-                out += [Block(self.source_index, episode, s, e) for s, e in self.keep_ranges.get(episode, [])]
-            else:
-                out.append(Block(self.source_index, episode, 0, int(self.episodes["length"][self._row[episode]])))
-        return out
+        episodes = np.unique(np.asarray(list(episodes) if not isinstance(episodes, np.ndarray) else episodes,
+                                        dtype=np.int64))
+        return BlockList(self.source_index, self.ranges[np.isin(self.ranges[:, 0], episodes)])
 
     def usable_episodes(self) -> list[int]:
-        if self.keep_ranges is not None:
-            return sorted(self.keep_ranges)
-        return [int(e) for e in self.episodes["episode_index"]]
+        return np.unique(self.ranges[:, 0]).tolist()
 
     # ---- reading -------------------------------------------------------------------------------------------------
+    def _row_group_starts(self, path: Path) -> np.ndarray:
+        starts = self._row_groups.get(path)
+        if starts is None:
+            metadata = pq.read_metadata(path)
+            sizes = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+            starts = self._row_groups[path] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            while len(self._row_groups) > 8:
+                self._row_groups.popitem(last=False)
+        return starts
+
     def episode_table(self, episode: int) -> dict:
-        """state [n, ds], actions [n, da], task_index [n] of one episode (parquet files are cached, 2 at a time)."""
-        path = self.data_path(episode)
-        table = self._tables.get(path)
-        if table is None:
-            columns = [self.config.state_key, self.config.action_key, "episode_index", "task_index"]
-            raw = pq.read_table(path, columns=columns)
-            table = {
-                "episode_index": raw["episode_index"].to_numpy(),
-                "task_index": raw["task_index"].to_numpy(),
-                "state": np.stack(raw[self.config.state_key].to_numpy(zero_copy_only=False)).astype(np.float32),
-                "actions": np.stack(raw[self.config.action_key].to_numpy(zero_copy_only=False)).astype(np.float32),
-            }
-            self._tables[path] = table
-            while len(self._tables) > 2:
-                self._tables.popitem(last=False)
-        rows = table["episode_index"] == episode
-        return {key: value[rows] for key, value in table.items() if key != "episode_index"}
+        """state [n, ds], actions [n, da], task_index [n] of one episode: only the parquet row groups holding its rows
+        are read (lerobot writes one row group per episode), not the whole data file."""
+        row = self.row(episode)
+        path = self._data_path_of_row(row)
+        first, length = int(self.episodes["file_row"][row]), int(self.episodes["length"][row])
+        columns = [self.config.state_key, self.config.action_key, "task_index", "episode_index"]
+        try:
+            starts = self._row_group_starts(path)
+            if first + length > starts[-1]:
+                raise DataError(f"dataset {self.name!r}: {path} has {starts[-1]} rows, but episode {episode} needs rows "
+                                f"{first}..{first + length - 1} (meta/episodes)")
+            groups = list(range(int(np.searchsorted(starts, first, "right")) - 1,
+                                int(np.searchsorted(starts, first + length, "left"))))
+            table = pq.ParquetFile(path).read_row_groups(groups, columns=columns)
+            table = table.slice(first - int(starts[groups[0]]), length)
+        except (pa.ArrowException, OSError) as error:
+            raise DataError(f"dataset {self.name!r}: cannot read episode {episode} from {path}: {error}") from error
+        episodes = table["episode_index"].to_numpy()
+        if len(episodes) != length or (episodes != episode).any():
+            raise DataError(f"dataset {self.name!r}: {path} rows {first}..{first + length - 1} do not hold episode "
+                            f"{episode} as meta/episodes says")
+        where = f"dataset {self.name!r}: {path} episode {episode}"
+        return {
+            "task_index": table["task_index"].to_numpy(),
+            "state": vector_column(table[self.config.state_key], self.state_dim,
+                                   f"{where} column {self.config.state_key!r}").astype(np.float32),
+            "actions": vector_column(table[self.config.action_key], self.action_dim,
+                                     f"{where} column {self.config.action_key!r}").astype(np.float32),
+        }
 
     def task(self, task_index: int, episode: int | None = None) -> str:
         if self.config.task is not None:
             return self.config.task
         if self._shuffled_tasks is not None:
-            return self._shuffled_tasks[int(episode)]
-        return self.tasks[int(task_index)]
+            return str(self._shuffled_tasks[self.row(int(episode))])
+        try:
+            return self.tasks[int(task_index)]
+        except KeyError:
+            raise DataError(f"dataset {self.name!r}: task_index {int(task_index)} (episode {episode}) is not in "
+                            f"{self.root / 'meta/tasks.parquet'}") from None
+
+    # ---- statistics ----------------------------------------------------------------------------------------------
+    def column_values(self, max_frames: int = 2_000_000, seed: int = 0) -> dict[str, np.ndarray]:
+        """state / actions of (a seeded subsample of) the used frames, read from parquet only (see `scan`)."""
+        from .scan import scan_source
+
+        result = scan_source(self, max_frames=max_frames, seed=seed)
+        return {"state": result.state, "actions": result.actions, "frames": result.frames}
 
 
 class VideoReader:
     """Sequential decoding of one camera of one block, resized with aspect-preserving padding while decoding."""
 
-    def __init__(self, path: Path, start_time: float, fps: float, image_size: int):
+    def __init__(self, path: Path, start_time: float, fps: float, image_size: int, episode: int | None = None,
+                 threads: int = 0):
         self.path = path
         self.fps = fps
         self.image_size = image_size
+        self.episode = episode
         try:
             self.container = av.open(str(path))
         except (FileNotFoundError, av.error.FileNotFoundError) as error:
-            raise FileNotFoundError(f"video file {path} is missing") from error
+            raise MissingFileError(f"video file {path} is missing") from error
+        except av.FFmpegError as error:
+            raise DataError(f"{self._where()}: cannot open the video ({error})") from error
         self.stream = self.container.streams.video[0]
-        self.stream.thread_type = "AUTO"
+        if threads < 0:  # FFmpeg's choice (one thread per core, per decoder)
+            self.stream.thread_type = "AUTO"
+        elif threads > 1:
+            self.stream.thread_type = "AUTO"  # frame and slice threads, at most `threads`
+            self.stream.codec_context.thread_count = threads
+        else:
+            self.stream.thread_type = "SLICE"  # no frame threads: one decoder per open block, dozens per worker
+            self.stream.codec_context.thread_count = 1
         self.start_time = start_time
         self._frames = None
         self._last = None
         self._scaled = None
+
+    def _where(self) -> str:
+        return f"{self.path}" + (f" (episode {self.episode})" if self.episode is not None else "")
 
     def _seek(self, timestamp: float):
         self.container.seek(int(max(0.0, timestamp - 0.5) / self.stream.time_base), stream=self.stream, backward=True)
@@ -355,17 +627,23 @@ class VideoReader:
         corrupts colour at sharp edges even without scaling: errors up to 160 levels on the 32 px demo frames.)
         """
         target = self.start_time + index / self.fps
-        if self._frames is None or (self._last is not None and target < self._last[0] - 1e-6):
-            self._seek(target)
-        tolerance = 0.5 / self.fps
-        while self._last is None or self._last[0] < target - tolerance:
-            try:
-                decoded = next(self._frames)
-            except StopIteration:
-                if self._last is not None and abs(self._last[0] - target) < 2 * tolerance:
-                    break
-                raise RuntimeError(f"{self.path}: no frame at {target:.3f}s (video ends at {self._last and self._last[0]})") from None
-            self._last = (float(decoded.time), decoded)
+        try:
+            if self._frames is None or (self._last is not None and target < self._last[0] - 1e-6):
+                self._seek(target)
+            tolerance = 0.5 / self.fps
+            while self._last is None or self._last[0] < target - tolerance:
+                try:
+                    decoded = next(self._frames)
+                except StopIteration:
+                    if self._last is not None and abs(self._last[0] - target) < 2 * tolerance:
+                        break
+                    end = f"{self._last[0]:.3f}s" if self._last else "its start"
+                    raise DataError(f"{self._where()}: no frame at {target:.3f}s (frame {index}); the video ends at "
+                                    f"{end}: truncated, or shorter than meta/episodes says") from None
+                self._last = (float(decoded.time), decoded)
+        except av.FFmpegError as error:
+            raise DataError(f"{self._where()}: cannot decode frame {index} at {target:.3f}s ({error}); the file is "
+                            "corrupt or truncated") from error
         decoded = self._last[1]
         height, width = self._scale(decoded.height, decoded.width)
         array = decoded.to_ndarray(format="rgb24", width=width, height=height, interpolation="AREA")

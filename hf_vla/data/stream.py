@@ -15,6 +15,7 @@ decoding anything twice.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .sources import Block, LeRobotSource, VideoReader
+from ..errors import ConfigError
+from .sources import Block, BlockList, LeRobotSource, VideoReader
 
 
 @dataclass
@@ -86,13 +88,25 @@ def _shard() -> tuple[int, int]:
     return (info.id, info.num_workers) if info is not None else (0, 1)
 
 
+def resolve_decoder_threads(setting: int | None) -> int:
+    """Threads per video decoder: `setting`, or by default the CPUs left per DataLoader worker on this node, at most 2
+    (frame threads help a lone worker; with many workers and dozens of open decoders each they only oversubscribe)."""
+    if setting is not None:
+        return setting
+    _, workers = _shard()
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(2, cpus // max(1, workers * local_processes)))
+
+
 class FrameReader:
     """Turns (source, block, frame) into a sample dict, keeping one decoder per open block and camera."""
 
     def __init__(self, sources: list[LeRobotSource], head_of_source: list[int], num_cameras: int, image_size: int,
-                 chunk_size: int):
+                 chunk_size: int, decoder_threads: int | None = None):
         self.sources, self.head_of_source = sources, head_of_source
         self.num_cameras, self.image_size, self.chunk_size = num_cameras, image_size, chunk_size
+        self.decoder_threads = resolve_decoder_threads(decoder_threads)
         self._readers: dict[tuple, VideoReader] = {}
         self._tables: dict[tuple, dict] = {}
 
@@ -111,7 +125,9 @@ class FrameReader:
             reader = self._readers.get((key, camera))
             if reader is None:
                 path, start = source.video_path(block.episode, camera)
-                reader = self._readers[(key, camera)] = VideoReader(path, start, source.fps, self.image_size)
+                reader = self._readers[(key, camera)] = VideoReader(path, start, source.fps, self.image_size,
+                                                                    episode=block.episode,
+                                                                    threads=self.decoder_threads)
             reader.frame(frame, out=images[slot])
             camera_mask[slot] = True
         # action chunk [frame, frame + chunk) never crosses the block (episode or kept range) end
@@ -168,8 +184,14 @@ class EpisodeShuffleStream(IterableDataset):
         collate_fn: Callable | None = None,
         rank: int = 0,
         world_size: int = 1,
+        decoder_threads: int | None = None,
     ):
         super().__init__()
+        if open_blocks <= 0:
+            raise ConfigError(f"open_blocks (stream_open_blocks) must be positive, got {open_blocks}")
+        if batch_size is not None and batch_size <= 0:
+            raise ConfigError(f"batch_size must be positive, got {batch_size}")
+        self.decoder_threads = decoder_threads
         self.sources, self.blocks = sources, blocks
         self.weights = np.asarray(weights, dtype=np.float64)
         self.head_of_source = head_of_source
@@ -202,7 +224,7 @@ class EpisodeShuffleStream(IterableDataset):
         num_shards = self.world_size * num_workers
         for source, blocks in zip(self.sources, self.blocks):
             if len(blocks) < num_shards:
-                raise ValueError(
+                raise ConfigError(
                     f"dataset {source.name!r} has {len(blocks)} blocks (episodes or kept ranges) for {num_shards} shards "
                     f"(world_size {self.world_size} x num_workers {num_workers}); use fewer workers or processes"
                 )
@@ -219,7 +241,8 @@ class EpisodeShuffleStream(IterableDataset):
         done = math.ceil(max(0, self.batches_consumed - logical) / num_workers) * per_item
         for _ in range(done):  # fast-forward the schedule only: nothing is decoded, readers seek on first use
             next(samples)
-        reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size)
+        reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size,
+                             self.decoder_threads)
         try:
             batch = []
             for source, block, frame, token in samples:
@@ -238,27 +261,36 @@ class EpisodeShuffleStream(IterableDataset):
 class ValidationStream(IterableDataset):
     """One deterministic pass over every validation frame of the mixture, each exactly once across ranks/workers.
 
-    Frames are ordered (source, episode, frame) and cut into equal contiguous slices per rank (then per worker), so
+    Frames are ordered (source, block, frame) and cut into equal contiguous slices per rank (then per worker), so
     decoding stays sequential; the last slice is padded with copies whose `action_is_pad` is all True, which count
-    zero in every loss. Every rank runs the same number of batches.
+    zero in every loss. Every rank runs the same number of batches. Positions are computed from cumulative block
+    lengths: nothing is held per frame.
     """
 
-    def __init__(self, sources, blocks: list[list[Block]], head_of_source, num_cameras, image_size, chunk_size,
-                 batch_size: int, collate_fn: Callable | None = None, rank: int = 0, world_size: int = 1):
+    def __init__(self, sources, blocks: list[BlockList], head_of_source, num_cameras, image_size, chunk_size,
+                 batch_size: int, collate_fn: Callable | None = None, rank: int = 0, world_size: int = 1,
+                 decoder_threads: int | None = None):
         super().__init__()
+        if batch_size <= 0:
+            raise ConfigError(f"batch_size must be positive, got {batch_size}")
         self.sources, self.head_of_source = sources, head_of_source
         self.num_cameras, self.image_size, self.chunk_size = num_cameras, image_size, chunk_size
         self.batch_size, self.collate_fn, self.rank, self.world_size = batch_size, collate_fn, rank, world_size
-        self.frames = [(s, b, f) for s, source_blocks in enumerate(blocks) for b in source_blocks
-                       for f in range(b.start, b.end)]
-        if not self.frames:
+        self.decoder_threads = decoder_threads
+        parts = [np.column_stack([np.full(len(b), s, dtype=np.int64), np.asarray(b.ranges if isinstance(b, BlockList)
+                                  else [(x.episode, x.start, x.end) for x in b], dtype=np.int64).reshape(-1, 3)])
+                 for s, b in enumerate(blocks)]
+        self._blocks = np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)  # source, episode, start, end
+        self._offsets = np.concatenate([[0], np.cumsum(self._blocks[:, 3] - self._blocks[:, 2])]).astype(np.int64)
+        self.total = int(self._offsets[-1])
+        if not self.total:
             raise ValueError("the validation split is empty: raise validation_ratio or add validation episodes")
-        self.per_rank = math.ceil(len(self.frames) / world_size)
+        self.per_rank = math.ceil(self.total / world_size)
 
-    def _rank_items(self) -> list[tuple[tuple, bool]]:
-        start = self.rank * self.per_rank
-        items = [(self.frames[i], True) for i in range(start, min(start + self.per_rank, len(self.frames)))]
-        return items + [(self.frames[0], False)] * (self.per_rank - len(items))
+    def _position(self, index: int) -> tuple[int, Block, int]:
+        row = int(np.searchsorted(self._offsets, index, side="right")) - 1
+        source, episode, start, end = (int(v) for v in self._blocks[row])
+        return source, Block(source, episode, start, end), start + index - int(self._offsets[row])
 
     def __len__(self):
         """Batches this rank yields with `num_workers` <= 1 (more workers can add one partial batch each)."""
@@ -266,20 +298,24 @@ class ValidationStream(IterableDataset):
 
     def __iter__(self):
         worker_id, num_workers = _shard()
-        items = self._rank_items()
-        per_worker = math.ceil(len(items) / num_workers)
-        items = items[worker_id * per_worker : (worker_id + 1) * per_worker]
-        reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size)
+        first = self.rank * self.per_rank
+        real = max(0, min(self.per_rank, self.total - first))  # this rank's frames; the rest are padding
+        per_worker = math.ceil(self.per_rank / num_workers)
+        lo, hi = worker_id * per_worker, min((worker_id + 1) * per_worker, self.per_rank)
+        reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size,
+                             self.decoder_threads)
         try:
             batch = []
-            for index, ((source, block, frame), valid) in enumerate(items):
+            for local in range(lo, hi):
+                valid = local < real
+                source, block, frame = self._position(first + local if valid else 0)
                 sample = reader.sample(source, block, frame)
                 if frame + 1 >= block.end:
                     reader.release(source, block)
                 if not valid:
                     sample["action_is_pad"][:] = True
                 batch.append(sample)
-                if len(batch) == self.batch_size or index == len(items) - 1:
+                if len(batch) == self.batch_size or local == hi - 1:
                     yield self.collate_fn(batch) if self.collate_fn else batch
                     batch = []
         finally:

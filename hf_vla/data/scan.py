@@ -1,0 +1,298 @@
+"""The start-up scan of one dataset: every check that reads data, and the sample the exact quantiles come from.
+
+It reads the state, action and index columns of every data file the run uses (no video frame is decoded) and the
+container of every video file, and checks:
+
+- each data file holds exactly its episodes' rows, in order, with frame indices 0..length-1 (what meta/episodes says;
+  per-episode reads rely on it);
+- every used state/action value is finite (a NaN/inf is reported with dataset, file, episode, frame, column, dim);
+- every used task index is in meta/tasks.parquet;
+- every video reaches the end of the last episode that uses it (container duration, and the tail is demuxed, which
+  finds truncated files without decoding).
+
+The result (frame count and a seeded sample of at most `max_frames` rows for the quantiles) is cached on disk under
+`$HF_VLA_CACHE` (default `$HF_HOME/hf_vla/scan`), keyed by a fingerprint of the dataset's files (names, sizes,
+modification times), the keep-ranges selection and the feature mapping: later runs and other ranks read it instead of
+scanning, and a dataset that changed gets a new fingerprint and is scanned again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import DataError
+from .sources import LeRobotSource, vector_column
+
+logger = logging.getLogger("hf_vla.data")
+SCAN_VERSION = 1
+MAX_STATS_FRAMES = 2_000_000
+
+
+@dataclass
+class ScanResult:
+    frames: int  # used frames (rows inside the kept ranges)
+    state: np.ndarray  # [m, state_dim] sample (all rows when frames <= max_frames), float64
+    actions: np.ndarray  # [m, action_dim]
+    cached: bool = False
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("HF_VLA_CACHE")
+    if configured:
+        return Path(configured) / "scan"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "hf_vla" / "scan"
+
+
+def _stat(path: Path) -> list:
+    info = path.stat()
+    return [info.st_size, info.st_mtime_ns]
+
+
+def fingerprint(source: LeRobotSource, max_frames: int, seed: int) -> str:
+    """Changes when any file the scan reads changes, or the selection / feature mapping / sampling does."""
+    config = source.config
+    digest = hashlib.sha256()
+    digest.update(json.dumps({
+        "version": SCAN_VERSION, "state_key": config.state_key, "action_key": config.action_key,
+        "cameras": [c for c in config.cameras if c], "max_frames": max_frames, "seed": seed,
+        "check_tasks": config.task is None and config.shuffle_tasks_seed is None,
+    }, sort_keys=True).encode())
+    digest.update(np.ascontiguousarray(source.ranges).tobytes())
+    root = source.root
+    files = [root / "meta" / "info.json", root / "meta" / "tasks.parquet", *source._episode_files(),
+             *sorted(source.data_files())]
+    for camera in config.cameras:
+        if camera:
+            files += sorted(source.video_files(camera))
+    for path in files:
+        if path.exists():
+            digest.update(json.dumps([str(path.relative_to(root)), *_stat(path)]).encode())
+    return digest.hexdigest()[:32]
+
+
+def merged_ranges(ranges: np.ndarray) -> np.ndarray:
+    """Union of (episode, start, end) ranges, per episode, as non-overlapping ranges sorted by episode and start."""
+    if not len(ranges):
+        return ranges
+    ranges = ranges[np.lexsort((ranges[:, 1], ranges[:, 0]))]
+    out = [list(ranges[0])]
+    for episode, start, end in ranges[1:].tolist():
+        last = out[-1]
+        if episode == last[0] and start <= last[2]:
+            last[2] = max(last[2], end)
+        else:
+            out.append([episode, start, end])
+    return np.asarray(out, dtype=np.int64)
+
+
+def kept_mask(episodes: np.ndarray, frames: np.ndarray, merged: np.ndarray) -> np.ndarray:
+    """Rows (episode, frame) inside one of the `merged` ranges, vectorised."""
+    keys = episodes.astype(np.int64) * (1 << 32) + frames
+    starts = merged[:, 0] * (1 << 32) + merged[:, 1]
+    index = np.searchsorted(starts, keys, side="right") - 1
+    valid = index >= 0
+    index = np.clip(index, 0, None)
+    return valid & (merged[index, 0] == episodes) & (frames < merged[index, 2])
+
+
+def _read_file(source: LeRobotSource, path: Path) -> pa.Table:
+    config = source.config
+    columns = [config.state_key, config.action_key, "episode_index", "frame_index", "task_index"]
+    try:
+        present = pq.read_schema(path).names
+        missing = [c for c in columns if c not in present]
+        if missing:
+            raise DataError(f"dataset {source.name!r}: {path} lacks the column(s) {missing}")
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowException, OSError) as error:
+        raise DataError(f"dataset {source.name!r}: {path} is not a readable parquet file ({error})") from error
+
+
+def _check_layout(source: LeRobotSource, path: Path, table: pa.Table, file_rows: np.ndarray):
+    """The file holds exactly the episodes meta/episodes places in it, contiguous, frames 0..length-1."""
+    episodes_meta = source.episodes["episode_index"][file_rows]
+    lengths = source.episodes["length"][file_rows].astype(np.int64)
+    order = np.argsort(source.episodes["file_row"][file_rows], kind="stable")
+    episodes_meta, lengths = episodes_meta[order], lengths[order]
+    expected = int(lengths.sum())
+    if table.num_rows != expected:
+        raise DataError(f"dataset {source.name!r}: {path} has {table.num_rows} rows, but meta/episodes places "
+                        f"{expected} rows of episodes {episodes_meta[0]}..{episodes_meta[-1]} in it (truncated or "
+                        "rewritten file, or stale metadata)")
+    episodes = table["episode_index"].to_numpy()
+    frames = table["frame_index"].to_numpy()
+    expected_episodes = np.repeat(episodes_meta, lengths)
+    expected_frames = np.arange(expected) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    bad = (episodes != expected_episodes) | (frames != expected_frames)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise DataError(f"dataset {source.name!r}: {path} row {row} holds episode {episodes[row]} frame {frames[row]}, "
+                        f"meta/episodes says episode {expected_episodes[row]} frame {expected_frames[row]}")
+    return episodes, frames
+
+
+def _check_finite(source: LeRobotSource, path: Path, name: str, values: np.ndarray, episodes, frames):
+    finite = np.isfinite(values)
+    if finite.all():
+        return
+    rows, dims = np.nonzero(~finite)
+    raise DataError(
+        f"dataset {source.name!r}: {len(rows)} non-finite value(s) in column {name!r} of {path}; first at episode "
+        f"{episodes[rows[0]]}, frame {frames[rows[0]]}, dim {dims[0]} ({values[rows[0], dims[0]]}); "
+        f"episodes affected: {sorted(set(episodes[rows].tolist()))[:10]}"
+    )
+
+
+def check_videos(source: LeRobotSource) -> int:
+    """Every used video file reaches the end of the episodes that use it. Returns the number of files checked."""
+    checked = 0
+    fps = source.fps
+    for camera in source.config.cameras:
+        if not camera:
+            continue
+        start = source.episodes[f"videos/{camera}/from_timestamp"]
+        end = source.episodes[f"videos/{camera}/to_timestamp"]
+        lengths = source.episodes["length"]
+        # lerobot 0.6 writes to_timestamp = from + length/fps; older conversions wrote the last frame's time
+        span = (end - start) * fps
+        mismatch = (span < lengths - 1.5) | (span > lengths + 0.5)
+        last_frame = start + (lengths - 1) / fps
+        rows = source.used_rows()
+        if mismatch[rows].any():
+            row = rows[mismatch[rows]][0]
+            raise DataError(f"dataset {source.name!r}: camera {camera!r} episode {source.episodes['episode_index'][row]}"
+                            f" spans {start[row]:.3f}..{end[row]:.3f}s of video for {lengths[row]} frames at {fps} fps"
+                            " (meta/episodes is inconsistent)")
+        for path, file_rows in source.video_files(camera).items():
+            last = file_rows[np.argmax(last_frame[file_rows])]
+            needed = float(last_frame[last])
+            reached = _video_reach(path, needed, fps)
+            if reached is None or reached < needed - 0.5 / fps:
+                found = "no frame near the end" if reached is None else f"its last frame is at {reached:.3f}s"
+                raise DataError(
+                    f"dataset {source.name!r}: video {path} ({camera!r}) is truncated or too short: episode "
+                    f"{int(source.episodes['episode_index'][last])} needs a frame at {needed:.3f}s, {found}")
+            checked += 1
+    return checked
+
+
+def _video_reach(path: Path, needed: float, fps: float) -> float | None:
+    """Timestamp of the last packet at or before `needed` (demuxed after a seek near it; nothing decoded)."""
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            container.seek(int(max(0.0, needed - 1.0) / stream.time_base), stream=stream, backward=True)
+            reached = None
+            for packet in container.demux(stream):
+                if packet.pts is None:
+                    continue
+                reached = float(packet.pts * stream.time_base)
+                if reached >= needed - 0.5 / fps:
+                    break
+            return reached
+    except av.FFmpegError as error:
+        raise DataError(f"video {path} cannot be read ({error})") from error
+
+
+def _scan(source: LeRobotSource, max_frames: int, seed: int) -> ScanResult:
+    config = source.config
+    merged = merged_ranges(source.ranges)
+    total = int((merged[:, 2] - merged[:, 1]).sum())
+    chosen = None
+    if total > max_frames:
+        chosen = np.sort(np.random.default_rng(seed).choice(total, size=max_frames, replace=False))
+    check_tasks = config.task is None and config.shuffle_tasks_seed is None
+    known_tasks = np.asarray(sorted(source.tasks), dtype=np.int64)
+    states, actions = [], []
+    offset = 0
+    used_files = source.data_files()
+    # every episode of a file (also the unused ones) is checked against the file's layout
+    order = np.argsort(source._file_of_row, kind="stable")
+    bounds = np.searchsorted(source._file_of_row[order], np.arange(source._file_of_row.max() + 2))
+    for path in sorted(used_files):
+        file_id = source._file_of_row[used_files[path][0]]
+        file_rows = order[bounds[file_id] : bounds[file_id + 1]]
+        table = _read_file(source, path)
+        episodes, frames = _check_layout(source, path, table, file_rows)
+        keep = kept_mask(episodes, frames, merged)
+        where = f"dataset {source.name!r}: {path} column"
+        state = vector_column(table[config.state_key], source.state_dim, f"{where} {config.state_key!r}")[keep]
+        action = vector_column(table[config.action_key], source.action_dim, f"{where} {config.action_key!r}")[keep]
+        kept_episodes, kept_frames = episodes[keep], frames[keep]
+        _check_finite(source, path, config.state_key, state, kept_episodes, kept_frames)
+        _check_finite(source, path, config.action_key, action, kept_episodes, kept_frames)
+        if check_tasks:
+            tasks = table["task_index"].to_numpy()[keep]
+            unknown = ~np.isin(tasks, known_tasks)
+            if unknown.any():
+                row = int(np.flatnonzero(unknown)[0])
+                raise DataError(f"dataset {source.name!r}: {path} episode {kept_episodes[row]} frame {kept_frames[row]} "
+                                f"has task_index {tasks[row]}, which is not in {source.root / 'meta/tasks.parquet'} "
+                                f"(known: {known_tasks.tolist()[:10]})")
+        count = len(state)
+        if chosen is None:
+            states.append(state)
+            actions.append(action)
+        else:
+            lo, hi = np.searchsorted(chosen, [offset, offset + count])
+            picked = chosen[lo:hi] - offset
+            states.append(state[picked])
+            actions.append(action[picked])
+        offset += count
+        del table
+    if offset != total:
+        raise DataError(f"dataset {source.name!r}: the data files hold {offset} frames in the kept ranges, "
+                        f"meta/episodes and keep_ranges say {total}")
+    check_videos(source)
+    return ScanResult(total, np.concatenate(states).astype(np.float64), np.concatenate(actions).astype(np.float64))
+
+
+def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed: int = 0,
+                use_cache: bool = True) -> ScanResult:
+    """The checked frame count and quantile sample of `source`, from the cache when the dataset is unchanged."""
+    key = fingerprint(source, max_frames, seed)
+    path = cache_dir() / f"{key}.npz"
+    if use_cache and path.is_file():
+        try:
+            with np.load(path) as data:
+                result = ScanResult(int(data["frames"]), data["state"].astype(np.float64),
+                                    data["actions"].astype(np.float64), cached=True)
+            logger.info("dataset %r: statistics and checks from the cache %s", source.name, path)
+            return result
+        except (OSError, ValueError, KeyError) as error:  # a damaged cache entry is recomputed
+            logger.warning("dataset %r: ignoring unreadable cache %s (%s)", source.name, path, error)
+    started = time.perf_counter()
+    result = _scan(source, max_frames, seed)
+    logger.info("dataset %r: scanned %d frames in %.1f s", source.name, result.frames, time.perf_counter() - started)
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            with open(temporary, "wb") as handle:
+                np.savez(handle, frames=result.frames, state=result.state.astype(np.float32)
+                         if _lossless32(result.state) else result.state,
+                         actions=result.actions.astype(np.float32) if _lossless32(result.actions) else result.actions)
+            os.replace(temporary, path)
+        except OSError as error:
+            logger.warning("dataset %r: could not write the statistics cache %s (%s)", source.name, path, error)
+    return result
+
+
+def _lossless32(values: np.ndarray) -> bool:
+    return bool(np.array_equal(values.astype(np.float32).astype(np.float64), values))
+
+
+__all__ = ["MAX_STATS_FRAMES", "ScanResult", "cache_dir", "check_videos", "fingerprint", "scan_source"]
