@@ -84,10 +84,13 @@ class ModelArguments:
             config_class = policy_config_class(self.policy)
             check_model_config(self.model_config, config_class,
                                default_sub_types={"vlm_config": "paligemma", "dit_config": "gemma"})
+            from huggingface_hub.errors import StrictDataclassError
+
             try:  # builds only the config (no weights): catches wrong types and incompatible tower shapes now
                 config_class(**self.model_config)
-            except (ValueError, TypeError) as error:
-                raise ConfigError(f"model_config: {error}") from error
+            except (ValueError, TypeError, StrictDataclassError) as error:
+                cause = error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ else error
+                raise ConfigError(f"model_config: {cause}") from error
 
 
 def policy_config_class(policy: str):
@@ -310,8 +313,11 @@ def main(argv: list[str] | None = None):
     from .models.pi05 import PI05Processor
     from .trainer import VLATrainer
 
-    mixture = WeightedDatasetMixture(data_args.datasets, validation_ratio=data_args.validation_ratio,
-                                     split_seed=data_args.split_seed)
+    # The data checks and exact statistics scan run once per node (the local main process first); the other ranks
+    # read its cache. An error there reaches every rank.
+    with training_args.main_process_first(local=True, desc="dataset checks and statistics"):
+        mixture = WeightedDatasetMixture(data_args.datasets, validation_ratio=data_args.validation_ratio,
+                                         split_seed=data_args.split_seed)
     _check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None)
     model = build_model(model_args, config, seed=training_args.seed, full_determinism=training_args.full_determinism)
     if model_args.policy == "pi05":
@@ -358,7 +364,8 @@ def cli(argv: list[str] | None = None):
     except VLAError as error:
         if os.environ.get("HF_VLA_TRACEBACK"):
             raise
-        print(f"hf_vla.train: error: {error}", file=sys.stderr, flush=True)
+        message = " ".join(str(error).split())  # one line, whatever the message's own layout
+        print(f"hf_vla.train: error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(error.exit_code) from None
 
 

@@ -288,7 +288,7 @@ class VLATrainer(Trainer):
     def _on_nonfinite_loss(self, loss: torch.Tensor, per_sample: PerSampleLoss, inputs: dict):
         bad = (~torch.isfinite(per_sample.sum)).nonzero().flatten().tolist() or list(range(len(per_sample.sum)))
         where = self._describe_samples(inputs, bad)
-        text = (f"non-finite training loss ({float(loss)}) at step {self.state.global_step + 1} (rank "
+        text = (f"non-finite training loss ({loss.item()}) at step {self.state.global_step + 1} (rank "
                 f"{self.args.process_index}), from {len(bad)} of {len(per_sample.sum)} samples: {where}")
         if self.args.on_nonfinite == "stop":
             raise NonFiniteError(text + ". No weights were updated with it and no checkpoint was written; check these "
@@ -309,7 +309,11 @@ class VLATrainer(Trainer):
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         step_losses, self._step_losses = self._step_losses, []
         nonfinite_batches, self._nonfinite_batches = self._nonfinite_batches, []
-        if grad_norm is None or math.isfinite(float(grad_norm)):
+        bad_loss = bool(nonfinite_batches)  # only with on_nonfinite='skip': 'stop' raised at the loss already
+        if self.args.on_nonfinite == "skip" and self.accelerator.num_processes > 1:  # skip on every rank, or none
+            flag = torch.tensor([float(bad_loss)], device=self.args.device)
+            bad_loss = bool(self.accelerator.reduce(flag, reduction="sum").item())
+        if not bad_loss and (grad_norm is None or math.isfinite(float(grad_norm))):
             return grad_norm
         step = self.state.global_step + 1
         if self.accelerator.num_processes > 1:  # every rank is here: say which rank's data did it
@@ -327,14 +331,18 @@ class VLATrainer(Trainer):
             self._tr_loss -= loss.to(self._tr_loss.device)
         self._nonfinite_skipped += 1
         self._skipped_since_log += 1
-        logger.warning("skipped optimizer step %d: non-finite gradient norm (%s); %d skipped so far", step, source,
+        logger.warning("skipped optimizer step %d (gradient norm %s; %s); %d skipped so far", step, float(grad_norm), source,
                        self._nonfinite_skipped)
         return grad_norm
+
+    def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
+        self._window_start = self._globalstep_last_logged  # the Trainer moves it before calling log()
+        return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # The Trainer divides the window's loss by all its steps; skipped steps contributed nothing to it.
         if "loss" in logs and self._skipped_since_log:
-            window = self.state.global_step - self._globalstep_last_logged + self._skipped_since_log
+            window = self.state.global_step - getattr(self, "_window_start", 0)
             kept = window - self._skipped_since_log
             logs["loss"] = logs["loss"] * window / kept if kept > 0 else float("nan")
         if "loss" in logs:

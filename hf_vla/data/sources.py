@@ -382,11 +382,13 @@ class LeRobotSource:
         keys = self.episode_keys()
         row_of_key = {key: row for row, key in enumerate(keys)}
         rows, starts, ends, malformed, unmatched = [], [], [], [], []
+        matched = 0
         for key, ranges in spec.items():
             row = row_of_key.get(key)
             if row is None:
                 unmatched.append(key)
                 continue
+            matched += 1
             if not isinstance(ranges, list):
                 malformed.append(f"{key}: {ranges!r}")
                 continue
@@ -422,15 +424,15 @@ class LeRobotSource:
         kept_rows, kept_starts = rows[valid], np.maximum(starts[valid], 0)
         kept_ends = np.minimum(ends[valid], length[valid])
         if not len(kept_rows):
-            if not len(rows) and not malformed:
+            if not matched:
                 raise DataError(
                     f"dataset {self.name!r}: the keep_ranges filter matches no episode: none of its "
                     f"{len(spec)} keys equals an episode key (filter keys like {list(spec)[:3]}, episode keys like "
                     f"{keys[:3]}); check keep_ranges_key ({self.config.keep_ranges_key!r})"
                 )
             raise DataError(
-                f"dataset {self.name!r}: the keep_ranges filter keeps no frame: its keys match "
-                f"{len(set(rows.tolist()))} episodes, but all {total} of their ranges are invalid: {'; '.join(problems)}"
+                f"dataset {self.name!r}: the keep_ranges filter keeps no frame: its keys match {matched} episodes, "
+                f"but all {total} of their ranges are invalid: {'; '.join(problems)}"
             )
         order = np.lexsort((kept_starts, kept_rows))
         kept_rows, kept_starts, kept_ends = kept_rows[order], kept_starts[order], kept_ends[order]

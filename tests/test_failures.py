@@ -1,0 +1,530 @@
+"""Bad input and faults through `python -m hf_vla.train`: every case exits non-zero with one line naming the culprit,
+and leaves no partial or NaN output behind. Plus kill -9 during checkpoint saves and seeded builds."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_data import CAM, make_dataset
+
+from hf_vla import checkpoints
+from hf_vla.testing import tiny_dit_config, tiny_vlm_config
+from hf_vla.train import cli, main, parse_config
+
+TESTS = Path(__file__).parent
+LENGTHS = [12 + e for e in range(6)]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("failures") / "toy", 6)
+
+
+@pytest.fixture
+def data(pristine, tmp_path):
+    """A private copy of the dataset, free to corrupt."""
+    root = tmp_path / "toy"
+    shutil.copytree(pristine, root)
+    return root
+
+
+def base_config(root, out, **overrides):
+    config = {
+        "tokenizer": "tiny", "policy": "pi05",
+        "model_config": {"vlm_config": tiny_vlm_config(), "dit_config": tiny_dit_config(), "chunk_size": 4,
+                         "max_state_dim": 4, "max_action_dim": 2},
+        "datasets": [{"root": str(root), "name": "toy", "cameras": [CAM], "control_mode": "joint"}],
+        "output_dir": str(out), "max_steps": 2, "per_device_train_batch_size": 4, "report_to": [], "use_cpu": True,
+        "save_strategy": "no", "disable_tqdm": True, "stream_open_blocks": 2, "seed": 0, "learning_rate": 1e-3,
+        "warmup_steps": 0, "logging_steps": 1,
+    }
+    config.update(overrides)
+    return config
+
+
+def write_config(tmp_path, config, name="config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return path
+
+
+def run_fails(capsys, path, *overrides, code=None):
+    """Run the CLI expecting failure; returns (exit code, the one-line message)."""
+    with pytest.raises(SystemExit) as exited:
+        cli([str(path), *overrides])
+    err = capsys.readouterr().err.strip().splitlines()
+    message = next(line for line in reversed(err) if line.startswith("hf_vla.train: error: "))
+    assert exited.value.code != 0
+    if code is not None:
+        assert exited.value.code == code, message
+    return exited.value.code, message
+
+
+def assert_no_output(out: Path):
+    if not out.exists():
+        return
+    left = sorted(p.name for p in out.iterdir())
+    assert not any(name.startswith("checkpoint-") or name in ("model.safetensors", "config.json") for name in left), left
+
+
+def assert_finite_outputs(out: Path):
+    for weights in out.rglob("model.safetensors"):
+        for name, tensor in load_file(weights).items():
+            assert torch.isfinite(tensor).all(), (weights, name)
+
+
+# ---- configuration: exit 2, nothing loaded or created --------------------------------------------------------------
+CONFIG_FAULTS = [
+    ({"max_steps": "abc"}, [], "max_steps: expected an integer, got 'abc'"),
+    ({}, ["--max_steps"], "--max_steps needs a value"),
+    ({}, ["--model_config.chunk_sise", "4"], "model_config: unknown key(s) ['chunk_sise'] for PI05Config"),
+    ({"per_device_train_batch_size": 0}, [], "per_device_train_batch_size=0: must be positive"),
+    ({"stream_open_blocks": 0}, [], "stream_open_blocks=0: must be positive"),
+    ({"attn_implementation": "fast"}, [], "attn_implementation='fast'"),
+    ({"eval_strategy": "steps", "eval_steps": 1}, [], "needs a validation split"),
+    ({"bf16": "maybe"}, [], "bf16: expected a boolean, got 'maybe'"),
+    ({"lora_r": 1.5}, [], "lora_r: expected an integer, got 1.5"),
+    ({"decoder_threads": 0}, [], "decoder_threads=0"),
+    ({"report_to": 5}, [], "report_to: expected"),
+    ({"learning_rate": -1}, [], "learning_rate=-1"),
+    ({"on_nonfinite": "ignore"}, [], "on_nonfinite='ignore'"),
+    ({"policy": "pi0", "model_config": {"chunk_size": 4, "state_bins": 8}}, [],
+     "model_config: unknown key(s) ['state_bins'] for PI0Config"),
+]
+
+
+@pytest.mark.parametrize("overrides,flags,culprit", CONFIG_FAULTS, ids=lambda v: str(v)[:40])
+def test_bad_configuration_exits_2_naming_the_key(pristine, tmp_path, capsys, overrides, flags, culprit):
+    out = tmp_path / "out"
+    path = write_config(tmp_path, base_config(pristine, out, **overrides))
+    _, message = run_fails(capsys, path, *flags, code=2)
+    assert culprit in message
+    assert not out.exists()
+
+
+def test_bad_values_inside_datasets_and_nested_model_config(pristine, tmp_path, capsys):
+    out = tmp_path / "out"
+    cases = [
+        ({"datasets": [{"root": str(pristine), "cameras": [CAM], "weight": "heavy"}]}, "datasets[0].weight: expected a number"),
+        ({"datasets": [{"root": str(pristine), "cameras": CAM}]}, "datasets[0].cameras: expected a list"),
+        ({"model_config": {"vlm_config": {**tiny_vlm_config(), "text_config": {
+            **tiny_vlm_config()["text_config"], "num_hidden_layer": 2}}, "dit_config": tiny_dit_config()}},
+         "model_config.vlm_config.text_config: unknown key(s) ['num_hidden_layer'] for GemmaConfig"),
+        ({"model_config": {"vlm_config": tiny_vlm_config(), "dit_config": {**tiny_dit_config(), "num_hidden_layers": 3}}},
+         "dit_config.num_hidden_layers=3; the expert attends"),
+    ]
+    for overrides, culprit in cases:
+        _, message = run_fails(capsys, write_config(tmp_path, base_config(pristine, out, **overrides)), code=2)
+        assert culprit in message, message
+    assert not out.exists()
+
+
+def test_output_dir_must_be_writable(pristine, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    _, message = run_fails(capsys, write_config(tmp_path, base_config(pristine, blocker / "out")), code=2)
+    assert f"output_dir='{blocker / 'out'}'" in message and "is a file, not a directory" in message
+
+
+def test_strings_are_decoded_like_the_command_line(pristine, tmp_path):
+    """A number given as a JSON string means what `--learning_rate 1e-3` means: coerced, not refused."""
+    path = write_config(tmp_path, base_config(pristine, tmp_path / "out", learning_rate="1e-3", max_steps="7",
+                                               bf16="false"))
+    _, _, args = parse_config(path)
+    assert (args.learning_rate, args.max_steps, args.bf16) == (1e-3, 7, False)
+    _, _, args = parse_config(path, ["--learning_rate", "2e-4", "--bf16"])  # a bare flag sets a boolean
+    assert args.learning_rate == 2e-4 and args.bf16 is True
+
+
+def test_missing_inputs_are_named(pristine, tmp_path, capsys):
+    out = tmp_path / "out"
+    cases = [
+        ({"tokenizer": str(tmp_path / "no_tokenizer")}, "tokenizer="),
+        ({"model_name_or_path": str(tmp_path / "no_model"), "model_config": None}, "model_name_or_path="),
+        ({"resume_from_checkpoint": str(tmp_path / "no_ckpt")}, "no such directory"),
+        ({"datasets": [{"root": str(tmp_path / "nowhere"), "cameras": [CAM]}]}, "meta/info.json not found"),
+    ]
+    for overrides, culprit in cases:
+        _, message = run_fails(capsys, write_config(tmp_path, base_config(pristine, out, **overrides)))
+        assert culprit in message, message
+    assert_no_output(out)
+
+
+# ---- data faults: found at start-up, before the model is built ------------------------------------------------------
+def _data_file(root: Path) -> Path:
+    return next((root / "data").glob("*/*.parquet"))
+
+
+def _set_vector(root: Path, column: str, cells: list[tuple[int, int, int]], value: float):
+    """Write `value` at (episode, frame, dim) cells of a vector column."""
+    path = _data_file(root)
+    table = pq.read_table(path)
+    array = table[column].combine_chunks()
+    dim = array.type.list_size
+    values = array.flatten().to_numpy().reshape(-1, dim).copy()
+    for episode, frame, d in cells:
+        values[sum(LENGTHS[:episode]) + frame, d] = value
+    new = pa.FixedSizeListArray.from_arrays(pa.array(values.ravel(), array.type.value_type), dim)
+    pq.write_table(table.set_column(table.schema.get_field_index(column), column, new), path)
+
+
+def _expect_data_error(capsys, root, tmp_path, *culprits, **overrides):
+    out = tmp_path / "out"
+    code, message = run_fails(capsys, write_config(tmp_path, base_config(root, out, **overrides)))
+    for culprit in culprits:
+        assert culprit in message, message
+    assert_no_output(out)
+    return code, message
+
+
+def test_nan_in_actions_named_with_file_episode_frame_column(data, tmp_path, capsys):
+    _set_vector(data, "action", [(2, 3, 1), (2, 5, 0)], float("nan"))
+    _expect_data_error(capsys, data, tmp_path, "2 non-finite value(s) in column 'action'", str(_data_file(data)),
+                       "episode 2, frame 3, dim 1", "dataset 'toy'")
+
+
+def test_inf_in_first_frames_of_state(data, tmp_path, capsys):
+    _set_vector(data, "observation.state", [(0, 0, 0), (1, 0, 2), (3, 0, 1)], float("inf"))
+    _expect_data_error(capsys, data, tmp_path, "3 non-finite value(s) in column 'observation.state'",
+                       "episode 0, frame 0", "episodes affected: [0, 1, 3]")
+
+
+def test_parquet_shorter_than_its_metadata(data, tmp_path, capsys):
+    path = _data_file(data)
+    table = pq.read_table(path)
+    pq.write_table(table.slice(0, table.num_rows - 3), path)
+    _expect_data_error(capsys, data, tmp_path, f"{path} has {table.num_rows - 3} rows", "meta/episodes places")
+
+
+def test_task_index_missing_from_tasks_parquet(data, tmp_path, capsys):
+    path = _data_file(data)
+    table = pq.read_table(path)
+    tasks = table["task_index"].to_numpy().copy()
+    tasks[sum(LENGTHS[:4]) + 2] = 99
+    pq.write_table(table.set_column(table.schema.get_field_index("task_index"), "task_index", pa.array(tasks)), path)
+    _expect_data_error(capsys, data, tmp_path, "episode 4 frame 2 has task_index 99", "tasks.parquet")
+
+
+def test_corrupt_parquet_pages_and_non_parquet_file(data, tmp_path, capsys):
+    path = _data_file(data)
+    raw = bytearray(path.read_bytes())
+    raw[200:1200] = os.urandom(1000)  # data pages; the footer stays readable
+    path.write_bytes(bytes(raw))
+    _expect_data_error(capsys, data, tmp_path, str(path), "dataset 'toy'")
+    path.write_bytes(b"not a parquet file at all")
+    _expect_data_error(capsys, data, tmp_path, str(path), "not a readable parquet file")
+
+
+def test_local_root_without_episode_metadata(data, tmp_path, capsys):
+    shutil.rmtree(data / "meta" / "episodes")
+    _expect_data_error(capsys, data, tmp_path, str(data / "meta" / "episodes"), "not a complete LeRobot v3.0 dataset")
+
+
+def test_state_key_naming_a_scalar_column(data, tmp_path, capsys):
+    datasets = [{"root": str(data), "name": "toy", "cameras": [CAM], "control_mode": "joint", "state_key": "timestamp"}]
+    _expect_data_error(capsys, data, tmp_path, "'timestamp' is a scalar column", datasets=datasets)
+
+
+def test_truncated_video(data, tmp_path, capsys):
+    video = next((data / "videos").rglob("*.mp4"))
+    video.write_bytes(video.read_bytes()[: int(video.stat().st_size * 0.6)])
+    _expect_data_error(capsys, data, tmp_path, f"video {video}", "truncated or too short", "episode 5")
+
+
+def test_decode_error_at_training_time_names_file_and_episode(pristine, tmp_path):
+    """A video that breaks after start-up (replaced mid-run) fails naming file and episode, not a bare PyAV error."""
+    from hf_vla.data.sources import DatasetConfig, LeRobotSource, VideoReader
+    from hf_vla.errors import DataError
+
+    source = LeRobotSource(DatasetConfig(root=str(pristine), name="toy", cameras=[CAM]), 0)
+    path, start = source.video_path(5, CAM)
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(path.read_bytes()[: int(path.stat().st_size * 0.6)])
+    reader = VideoReader(broken, start, source.fps, 16, episode=5)
+    with pytest.raises(DataError, match=rf"{broken} \(episode 5\).*truncated"):
+        for index in range(LENGTHS[5]):
+            reader.frame(index)
+
+
+def test_inconsistent_video_timestamps_in_metadata(data, tmp_path, capsys):
+    path = next((data / "meta" / "episodes").glob("*/*.parquet"))
+    table = pq.read_table(path)
+    column = f"videos/{CAM}/to_timestamp"
+    values = table[column].to_numpy().copy()
+    values[1] += 3.0
+    pq.write_table(table.set_column(table.schema.get_field_index(column), column, pa.array(values)), path)
+    _expect_data_error(capsys, data, tmp_path, "episode 1 spans", "meta/episodes is inconsistent")
+
+
+def test_keep_ranges_faults(data, tmp_path, capsys, caplog):
+    def spec(ranges):
+        return [{"root": str(data), "name": "toy", "cameras": [CAM], "control_mode": "joint", "keep_ranges": ranges}]
+
+    # every range invalid: told apart from a key mismatch
+    _, message = _expect_data_error(capsys, data, tmp_path, "keeps no frame", "2 reversed", "1 outside their episode",
+                                    datasets=spec({"0": [[8, 2], [5, 1]], "1": [[40, 50]]}))
+    assert "matches no episode" not in message
+    _expect_data_error(capsys, data, tmp_path, "matches no episode", "check keep_ranges_key",
+                       datasets=spec({"episode-0": [[0, 5]]}))
+    _expect_data_error(capsys, data, tmp_path, "keys match 2 episodes", "2 malformed entries", "0: [0, 'x']",
+                       datasets=spec({"0": [[0, "x"]], "1": [3]}))
+    bad_file = tmp_path / "keep.json"
+    bad_file.write_text("{not json")
+    _expect_data_error(capsys, data, tmp_path, f"keep_ranges file {bad_file} is not valid JSON",
+                       datasets=spec(str(bad_file)))
+    # some ranges survive: a warning with counts and examples, and the run goes on
+    from hf_vla.data import WeightedDatasetMixture
+
+    with caplog.at_level("WARNING", logger="hf_vla.data"):
+        mixture = WeightedDatasetMixture(spec({"0": [[0, 5], [9, 3]], "2": [[10, 99]], "7": [[0, 2]]}))
+    assert [(b.episode, b.start, b.end) for b in mixture.train_blocks[0]] == [(0, 0, 5), (2, 10, 14)]
+    assert "2 of 3 ranges kept" in caplog.text and "1 reversed" in caplog.text and "1 clipped" in caplog.text
+    assert "1 filter keys match no episode" in caplog.text
+
+
+def test_dataset_mapping_faults(data, tmp_path, capsys):
+    def spec(**kw):
+        return [{"root": str(data), "name": "toy", "cameras": [CAM], "control_mode": "joint", **kw}]
+
+    _expect_data_error(capsys, data, tmp_path, "config fps=30", datasets=spec(fps=30))
+    _expect_data_error(capsys, data, tmp_path, "cameras 'observation.images.top' is not a feature",
+                       datasets=spec(cameras=["observation.images.top"]))
+    model_config = base_config(data, tmp_path)["model_config"] | {"max_state_dim": 2}
+    _expect_data_error(capsys, data, tmp_path, "state has 3 dims, more than the model's max_state_dim=2",
+                       model_config=model_config)
+    video = next((data / "videos").rglob("*.mp4"))
+    video.unlink()
+    _expect_data_error(capsys, data, tmp_path, "data/video files are missing", video.name)
+
+
+# ---- training faults -------------------------------------------------------------------------------------------------
+def test_diverging_learning_rate_stops_with_step_and_provenance(pristine, tmp_path, capsys):
+    out = tmp_path / "out"
+    config = base_config(pristine, out, learning_rate=1e6, max_steps=30, save_strategy="steps", save_steps=1,
+                         max_grad_norm=0.0)
+    _, message = run_fails(capsys, write_config(tmp_path, config), code=1)
+    assert "non-finite" in message and "at step" in message
+    assert "dataset 'toy': episode" in message or "the loss was finite" in message
+    assert not (out / "model.safetensors").exists()
+    assert_finite_outputs(out)  # checkpoints written before the divergence hold finite weights only
+
+
+def test_skip_mode_drops_the_step_counts_it_and_keeps_the_loss_honest(pristine, tmp_path):
+    from test_trainer import StopAt  # noqa: F401  (shared helpers live there)
+    from transformers import TrainerCallback
+
+    from hf_vla import PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLATrainingArguments
+    from hf_vla.data import WeightedDatasetMixture
+    from hf_vla.testing import build_tiny_tokenizer, tiny_pi05_config
+
+    class Poisoned(VLATrainer):
+        def per_sample_loss(self, model, inputs, step):
+            per_sample, outputs = super().per_sample_loss(model, inputs, step)
+            if model.training and self.state.global_step == 1:  # the second optimizer step sees a NaN
+                per_sample.sum = per_sample.sum.clone()
+                per_sample.sum[1] = float("nan")
+            return per_sample, outputs
+
+    snapshots = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            snapshots[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    mixture = WeightedDatasetMixture([dict(root=str(pristine), name="toy", cameras=[CAM], control_mode="joint")])
+    torch.manual_seed(0)
+    config = tiny_pi05_config(chunk_size=4)
+    model = PI05ForConditionalGeneration(config)
+    processor = PI05Processor.from_config(config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
+                                          head_names=mixture.head_names)
+    args = VLATrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=2,
+                                report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, learning_rate=1e-3,
+                                warmup_steps=0, stream_open_blocks=2, on_nonfinite="skip")
+    trainer = Poisoned(model, args, mixture=mixture, processing_class=processor, callbacks=[Snapshot()])
+    trainer.train()
+    for name, param in snapshots[2].items():  # step 2 was dropped: the weights are those after step 1
+        assert torch.equal(param, snapshots[1][name]), name
+    assert any(not torch.equal(p, snapshots[2][n]) for n, p in snapshots[3].items())  # training went on
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["nonfinite_skipped"] for h in logs] == [1, 1]
+    assert all(np.isfinite(h["loss"]) and h["loss"] > 0 for h in logs)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_disk_full_during_a_save_names_path_and_cause_and_keeps_the_previous(pristine, tmp_path, capsys, monkeypatch):
+    import errno
+
+    out = tmp_path / "out"
+    original = torch.save
+    calls = {"optimizer": 0}
+
+    def save(obj, f, *args, **kwargs):
+        if str(f).endswith("optimizer.pt"):
+            calls["optimizer"] += 1
+            if calls["optimizer"] == 2:  # the second checkpoint's optimizer: the disk fills up half way
+                with open(f, "wb") as handle:
+                    handle.write(b"\0" * 100)
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return original(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    config = base_config(pristine, out, max_steps=4, save_strategy="steps", save_steps=2, save_total_limit=1)
+    _, message = run_fails(capsys, write_config(tmp_path, config), code=1)
+    assert f"saving checkpoint {out / 'checkpoint-4'} failed: no space left on the device" in message
+    assert f"the previous checkpoint {out / 'checkpoint-2'} is intact" in message
+    assert not (out / "checkpoint-4").exists()
+    assert checkpoints.incomplete_reason(out / "checkpoint-2") is None
+
+
+# ---- resume faults ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(pristine, tmp_path_factory):
+    """A finished 4-step run with checkpoints at steps 2 and 4 (fp32)."""
+    base = tmp_path_factory.mktemp("trained")
+    config = base_config(pristine, base / "out", max_steps=4, save_strategy="steps", save_steps=2)
+    main([str(write_config(base, config))])
+    return base / "out", config
+
+
+def _resume_fails(capsys, tmp_path, config, resume, culprits, **overrides):
+    out = Path(config["output_dir"])
+    before = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    path = write_config(tmp_path, config | overrides | {"resume_from_checkpoint": resume}, "resume.json")
+    _, message = run_fails(capsys, path, code=1)
+    for culprit in culprits:
+        assert culprit in message, message
+    assert (sorted(p.name for p in out.iterdir()) if out.exists() else []) == before
+
+
+def test_resume_faults_say_what_is_wrong(trained, tmp_path, capsys):
+    out, config = trained
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _resume_fails(capsys, tmp_path, config, str(empty), [f"resume_from_checkpoint='{empty}'", "not a checkpoint"])
+    _resume_fails(capsys, tmp_path, config, str(out), ["not a checkpoint", "it holds checkpoints, e.g.",
+                                                       "checkpoint-4"])
+    # another model: a different chunk size
+    other = config | {"model_config": config["model_config"] | {"chunk_size": 5}}
+    _resume_fails(capsys, tmp_path, other, str(out / "checkpoint-2"), ["another model configuration",
+                                                                       "chunk_size: checkpoint 4, this run 5"])
+    # a float32 checkpoint resumed into a bfloat16 run
+    _resume_fails(capsys, tmp_path, config, str(out / "checkpoint-2"), ["parameter dtype is 'float32' in the "
+                                                                        "checkpoint but 'bfloat16'"], dtype="bfloat16")
+    # nothing complete to resume from
+    fresh = config | {"output_dir": str(tmp_path / "fresh")}
+    _resume_fails(capsys, tmp_path, fresh, True, ["no complete checkpoint in output_dir"])
+
+
+def test_resume_true_skips_incomplete_checkpoints_and_an_explicit_one_is_refused(trained, tmp_path, capsys, caplog):
+    out, config = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / "checkpoint-4" / checkpoints.MARKER).unlink()  # as if killed before the marker
+    config = config | {"output_dir": str(copy)}
+    _resume_fails(capsys, tmp_path, config, str(copy / "checkpoint-4"),
+                  ["is incomplete", "the newest complete one is", "checkpoint-2"])
+    assert checkpoints.resolve_resume(copy) == copy / "checkpoint-2"
+    with caplog.at_level("WARNING", logger="hf_vla.checkpoints"):
+        trainer = main([str(write_config(tmp_path, config | {"resume_from_checkpoint": True}, "again.json"))])
+    assert "skipping incomplete checkpoint" in caplog.text and "checkpoint-4" in caplog.text
+    assert trainer.state.global_step == 4
+    expected = load_file(out / "model.safetensors")
+    for name, tensor in load_file(copy / "model.safetensors").items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_a_bf16_checkpoint_into_a_float32_run(pristine, tmp_path, capsys):
+    out = tmp_path / "bf16"
+    config = base_config(pristine, out, max_steps=2, save_strategy="steps", save_steps=2, dtype="bfloat16")
+    main([str(write_config(tmp_path, config))])
+    _resume_fails(capsys, tmp_path, config, str(out / "checkpoint-2"),
+                  ["'bfloat16' in the checkpoint but 'float32'", "resume with --dtype bfloat16"], dtype="float32")
+
+
+# ---- kill -9 during checkpoint saves -------------------------------------------------------------------------------
+MOMENTS = ["after_weights", "mid_optimizer", "before_marker", "mid_rotation"]
+
+
+@pytest.fixture(scope="module")
+def kill_setup(pristine, tmp_path_factory):
+    base = tmp_path_factory.mktemp("kill")
+    config = base_config(pristine, base / "unused", max_steps=6, save_strategy="steps", save_steps=2,
+                         save_total_limit=1)
+    reference = base / "reference"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    path = write_config(base, config | {"output_dir": str(reference)})
+    subprocess.run([sys.executable, "-m", "hf_vla.train", str(path)], env=env, check=True, capture_output=True,
+                   timeout=600)
+    return base, config, env, reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", MOMENTS)
+def test_kill_during_a_checkpoint_save_then_resume_is_bitwise_exact(kill_setup, moment):
+    base, config, env, reference = kill_setup
+    out = base / moment
+    path = write_config(base, config | {"output_dir": str(out)}, f"{moment}.json")
+    killed = subprocess.run([sys.executable, str(TESTS / "kill_during_save.py"), str(path), moment, "4"], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    complete, skipped = checkpoints.last_complete_checkpoint(out)
+    assert complete is not None and complete.name in ("checkpoint-2", "checkpoint-4"), (complete, skipped)
+    if moment != "mid_rotation":
+        assert complete.name == "checkpoint-2" and skipped and skipped[0][0].name == "checkpoint-4"
+    resumed = subprocess.run([sys.executable, "-m", "hf_vla.train", str(path), "--resume_from_checkpoint", "true"],
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected = load_file(reference / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+    reference_state = json.loads((reference / "checkpoint-6" / "trainer_state.json").read_text())
+    losses = [(h["step"], h["loss"]) for h in state["log_history"] if "loss" in h]
+    reference_losses = [(h["step"], h["loss"]) for h in reference_state["log_history"] if "loss" in h]
+    assert losses[-2:] == reference_losses[-2:]
+    assert [p.name for p in checkpoints.checkpoint_dirs(out)] == ["checkpoint-6"]  # rotation cleaned up
+    assert not list(out.glob(".deleting-*"))
+
+
+# ---- seeded builds -----------------------------------------------------------------------------------------------------
+def test_same_seed_builds_the_same_model_bitwise(pristine, tmp_path):
+    from hf_vla.train import ModelArguments, build_model
+
+    args = ModelArguments(tokenizer="tiny", model_config=base_config(pristine, tmp_path)["model_config"])
+    first, second = build_model(args, seed=3), build_model(args, seed=3)
+    other = build_model(args, seed=4)
+    for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters()):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, c) for a, c in zip(first.parameters(), other.parameters()))
+
+
+def test_two_from_scratch_runs_with_the_same_seed_are_bitwise_equal(pristine, tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        config = base_config(pristine, tmp_path / name, max_steps=1, full_determinism=True, lora_preset=None)
+        main([str(write_config(tmp_path, config, f"{name}.json"))])
+        runs.append(load_file(tmp_path / name / "model.safetensors"))
+    assert runs[0].keys() == runs[1].keys()
+    for key in runs[0]:
+        assert torch.equal(runs[0][key], runs[1][key]), key
+
+
+def test_the_module_entry_point_exits_with_the_code_and_one_line(pristine, tmp_path):
+    path = write_config(tmp_path, base_config(pristine, tmp_path / "out", max_steps="abc"))
+    result = subprocess.run([sys.executable, "-m", "hf_vla.train", str(path)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == \
+        "hf_vla.train: error: max_steps: expected an integer, got 'abc' (str)"
+    assert "Traceback" not in result.stderr
