@@ -193,7 +193,10 @@ def parse_config(path: str | Path, overrides: list[str] | None = None):
         config["resume_from_checkpoint"] = "true" if config["resume_from_checkpoint"] else None
     unknown = sorted(set(config) - set(annotations))
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {unknown} (not a model, data or training argument)")
+        from .validation import _suggest
+
+        raise ConfigError(f"{path}: unknown key(s) {unknown}{_suggest(unknown, annotations)} (not a model, data or "
+                          "training argument)")
     config = check_fields(config, parser.dataclass_types)
     try:
         model_args, data_args, training_args = parser.parse_dict(config, allow_extra_keys=False)

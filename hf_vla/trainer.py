@@ -291,8 +291,9 @@ class VLATrainer(Trainer):
         text = (f"non-finite training loss ({loss.item()}) at step {self.state.global_step + 1} (rank "
                 f"{self.args.process_index}), from {len(bad)} of {len(per_sample.sum)} samples: {where}")
         if self.args.on_nonfinite == "stop":
-            raise NonFiniteError(text + ". No weights were updated with it and no checkpoint was written; check these "
-                                 "samples' data, lower learning_rate, or set on_nonfinite='skip'.")
+            raise NonFiniteError(text + ". No weights were updated with it and no checkpoint was written. The data "
+                                 "passed the start-up check for NaN/inf, so the model has most likely diverged: lower "
+                                 "learning_rate or max_grad_norm, or set on_nonfinite='skip'.")
         self._nonfinite_batches.append(where)
         logger.warning("%s: this optimizer step will be skipped (on_nonfinite='skip')", text)
 

@@ -90,6 +90,14 @@ def _convert(value, annotation):
     return value  # an annotation we do not model: the dataclass validates it
 
 
+def _suggest(unknown: list[str], known) -> str:
+    import difflib
+
+    hints = [f"{key!r} -> {match[0]!r}" for key in unknown
+             if (match := difflib.get_close_matches(key, list(known), n=1, cutoff=0.75))]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
 def _accepts_str(annotation) -> bool:
     return _convert("", annotation) is not _MISSING or (
         typing.get_origin(annotation) in (typing.Union, types.UnionType)
@@ -125,7 +133,8 @@ def check_fields(values: dict, dataclass_types, where: str = "") -> dict:
         annotations.update(field_annotations(dataclass_type))
     unknown = sorted(set(values) - set(annotations))
     if unknown:
-        raise ConfigError(f"{where + ': ' if where else ''}unknown key(s) {unknown}; known: {sorted(annotations)}")
+        raise ConfigError(f"{where + ': ' if where else ''}unknown key(s) {unknown}{_suggest(unknown, annotations)}; "
+                          f"known: {sorted(annotations)}")
     return {key: check_value(key, value, annotations[key], where) for key, value in values.items()}
 
 
@@ -157,9 +166,9 @@ def check_model_config(values: dict, config_class, path: str = "model_config", d
     known = _config_fields(config_class) | _LEGACY_CONFIG_ATTRIBUTES.get(getattr(config_class, "model_type", ""), set())
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(
-            f"{path}: unknown key(s) {unknown} for {config_class.__name__}; known: {sorted(k for k in known if not k.startswith('_'))}"
-        )
+        public = sorted(k for k in known if not k.startswith("_"))
+        raise ConfigError(f"{path}: unknown key(s) {unknown} for {config_class.__name__}{_suggest(unknown, public)}; "
+                          f"known: {public}")
     default_sub_types = default_sub_types or {}
     for key in getattr(config_class, "sub_configs", {}):
         value = values.get(key)

@@ -370,6 +370,9 @@ class LeRobotSource:
         if not isinstance(spec, dict):
             raise DataError(f"dataset {self.name!r}: keep_ranges must map episode keys to [[start, end], ...] lists, "
                             f"got {type(spec).__name__}")
+        if not spec:
+            where = f" ({self.config.keep_ranges})" if isinstance(self.config.keep_ranges, str) else ""
+            raise DataError(f"dataset {self.name!r}: the keep_ranges filter{where} is empty: it would keep no frame")
         return spec
 
     def _block_ranges(self) -> np.ndarray:
