@@ -277,6 +277,10 @@ def test_keep_ranges_faults(data, tmp_path, capsys, caplog):
                        datasets=spec({"episode-0": [[0, 5]]}))
     _expect_data_error(capsys, data, tmp_path, "keys match 2 episodes", "2 malformed entries", "0: [0, 'x']",
                        datasets=spec({"0": [[0, "x"]], "1": [3]}))
+    empty_file = tmp_path / "empty_keep.json"
+    empty_file.write_text("{}")  # the DROID config's placeholder
+    _expect_data_error(capsys, data, tmp_path, f"the keep_ranges filter ({empty_file}) is empty",
+                       datasets=spec(str(empty_file)))
     bad_file = tmp_path / "keep.json"
     bad_file.write_text("{not json")
     _expect_data_error(capsys, data, tmp_path, f"keep_ranges file {bad_file} is not valid JSON",
