@@ -13,15 +13,17 @@ attends to the suffix, this is the same computation as one joint attention with 
 prefix K/V can be cached (`sample_actions` runs the prefix once). Attention goes through `ALL_ATTENTION_FUNCTIONS`,
 so eager, sdpa, flex_attention and flash_attention_2 all compute it; each call needs only a key-padding mask.
 
-We run the layers ourselves instead of calling `GemmaModel.forward` twice because transformers'
-`GradientCheckpointingLayer` drops `past_key_values` under gradient checkpointing, which would cut the expert off
-from the prefix during training.
+We step the two towers layer by layer ourselves instead of calling `GemmaModel.forward` twice, because transformers'
+`GradientCheckpointingLayer` drops `past_key_values` under gradient checkpointing, which would cut the expert off from
+the prefix during training. Each step still goes through its layer module's `forward` (the VLM layers are
+`PI05VLMDecoderLayer`, a `GemmaDecoderLayer` with the same parameters whose forward can also return its keys/values),
+so per-layer FSDP units gather their shards, ZeRO-3 hooks see every parameter use, and gradient checkpointing wraps
+whole layers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +31,12 @@ from torch import nn
 from transformers import AutoModel, DynamicCache, PreTrainedModel
 from transformers import initialization as init
 from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma.modeling_gemma import (
     GemmaAttention,
+    GemmaDecoderLayer,
     GemmaMLP,
     GemmaPreTrainedModel,
     apply_rotary_pos_emb,
@@ -66,8 +70,9 @@ class PI05AdaRMS(nn.Module):
         return normed.to(hidden_states.dtype), gate.to(hidden_states.dtype)
 
 
-class PI05ExpertDecoderLayer(nn.Module):
-    """A Gemma decoder layer whose two norms are adaRMS and whose residuals are gated."""
+class PI05ExpertDecoderLayer(GradientCheckpointingLayer):
+    """A Gemma decoder layer whose two norms are adaRMS and whose residuals are gated; it attends over the VLM's
+    prefix keys/values of the same layer and its own suffix keys/values."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -75,6 +80,37 @@ class PI05ExpertDecoderLayer(nn.Module):
         self.mlp = GemmaMLP(config)
         self.input_layernorm = PI05AdaRMS(config.hidden_size, config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = PI05AdaRMS(config.hidden_size, config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, cond, prefix_key, prefix_value, attention_mask=None, position_embeddings=None):
+        hidden_states = hidden_states.to(self.mlp.up_proj.weight.dtype)  # the residual stream in the expert's dtype
+        cos, sin = (t.to(hidden_states.dtype) for t in position_embeddings)
+        normed, gate = self.input_layernorm(hidden_states, cond)
+        query, key, value = _project_qkv(self.self_attn, normed, cos, sin)
+        key = torch.cat([prefix_key.to(key.dtype), key], dim=2)
+        value = torch.cat([prefix_value.to(value.dtype), value], dim=2)
+        hidden_states = hidden_states + gate * _attend(self.self_attn, query, key, value, attention_mask)
+        normed, gate = self.post_attention_layernorm(hidden_states, cond)
+        return hidden_states + gate * self.mlp(normed)
+
+
+class PI05VLMDecoderLayer(GemmaDecoderLayer):
+    """The VLM's Gemma layer (same parameters and names). Called with `return_kv=True` it runs pi0.5's prefix step:
+    attention over the prefix with its padding mask, returning the hidden states and this layer's prefix keys/values
+    for the expert (with `kv_only`, the last layer, only the keys/values: nothing reads its prefix output). Otherwise
+    it is exactly `GemmaDecoderLayer`."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, return_kv: bool = False, kv_only: bool = False, **kwargs):
+        if not return_kv:
+            return super().forward(hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                                   position_embeddings, **kwargs)
+        cos, sin = (t.to(hidden_states.dtype) for t in position_embeddings)
+        query, key, value = _project_qkv(self.self_attn, self.input_layernorm(hidden_states), cos, sin)
+        if kv_only:
+            return hidden_states, key, value
+        hidden_states = hidden_states + _attend(self.self_attn, query, key, value, attention_mask)
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states, key, value
 
 
 class PI05ActionExpert(GemmaPreTrainedModel):
@@ -110,30 +146,6 @@ def _attend(attn: GemmaAttention, query, key, value, mask) -> torch.Tensor:
     return attn.o_proj(out)
 
 
-def _vlm_layer(layer, hidden, mask, cos, sin, kv_only=False):
-    """One VLM (Gemma) layer over the prefix; also returns this layer's prefix keys/values.
-
-    With `kv_only` (the last layer: nothing reads its prefix output) only the keys/values are computed.
-    """
-    query, key, value = _project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin)
-    if kv_only:
-        return hidden, key, value
-    hidden = hidden + _attend(layer.self_attn, query, key, value, mask)
-    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return hidden, key, value
-
-
-def _expert_layer(layer, hidden, cond, prefix_key, prefix_value, mask, cos, sin):
-    """One expert layer over the suffix, attending to the prefix keys/values of the same layer."""
-    normed, gate = layer.input_layernorm(hidden, cond)
-    query, key, value = _project_qkv(layer.self_attn, normed, cos, sin)
-    key = torch.cat([prefix_key.to(key.dtype), key], dim=2)
-    value = torch.cat([prefix_value.to(value.dtype), value], dim=2)
-    hidden = hidden + gate * _attend(layer.self_attn, query, key, value, mask)
-    normed, gate = layer.post_attention_layernorm(hidden, cond)
-    return hidden + gate * layer.mlp(normed)
-
-
 class PI05PreTrainedModel(PreTrainedModel):
     config: PI05Config
     config_class = PI05Config
@@ -145,7 +157,8 @@ class PI05PreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _no_split_modules = ["GemmaDecoderLayer", "PI05ExpertDecoderLayer", "SiglipEncoderLayer"]
+    # the per-layer FSDP units / ZeRO-3 modules: every layer of the VLM, the expert and the vision tower
+    _no_split_modules = ["PI05VLMDecoderLayer", "PI05ExpertDecoderLayer", "SiglipEncoderLayer"]
     input_modalities = ("image", "text")
     # As the reference does in bf16: the vision path, every (ada)RMS norm and the action/time heads stay fp32.
     _keep_in_fp32_modules_strict = [
@@ -179,6 +192,8 @@ class PI05Model(PI05PreTrainedModel):
     def __init__(self, config: PI05Config):
         super().__init__(config)
         self.vlm = AutoModel.from_config(config.vlm_config)
+        text = self.vlm.language_model
+        text.layers = nn.ModuleList(PI05VLMDecoderLayer(text.config, i) for i in range(len(text.layers)))
         self.expert = PI05ActionExpert(config.dit_config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -233,11 +248,6 @@ class PI05Model(PI05PreTrainedModel):
             )
         return prefix_mask, suffix_mask
 
-    def _checkpointed(self, fn):
-        if self.gradient_checkpointing and self.training:
-            return partial(self._gradient_checkpointing_func, fn)
-        return fn
-
     def forward(
         self,
         suffix_embeds: torch.Tensor | None,
@@ -269,18 +279,18 @@ class PI05Model(PI05PreTrainedModel):
         hidden_prefix, hidden_suffix = prefix_embeds, suffix_embeds
         last = len(text.layers) - 1
         for index, (vlm_layer, expert_layer) in enumerate(zip(text.layers, self.expert.layers)):
+            # each step through the layer module's forward: FSDP/ZeRO-3 hooks and gradient checkpointing see it
             if hidden_prefix is not None:
-                step = partial(
-                    _vlm_layer, vlm_layer, mask=prefix_mask, cos=prefix_cos, sin=prefix_sin, kv_only=index == last
-                )
-                hidden_prefix, key, value = self._checkpointed(step)(hidden_prefix)
+                hidden_prefix, key, value = vlm_layer(
+                    hidden_prefix, attention_mask=prefix_mask, position_embeddings=(prefix_cos, prefix_sin),
+                    return_kv=True, kv_only=index == last)
                 if use_cache:
                     past_key_values.update(key, value, index)
             else:
                 key, value = past_key_values.layers[index].keys, past_key_values.layers[index].values
             if hidden_suffix is not None:
-                step = partial(_expert_layer, expert_layer, mask=suffix_mask, cos=suffix_cos, sin=suffix_sin)
-                hidden_suffix = self._checkpointed(step)(hidden_suffix, adarms_cond, key, value)
+                hidden_suffix = expert_layer(hidden_suffix, adarms_cond, key, value, attention_mask=suffix_mask,
+                                             position_embeddings=(suffix_cos, suffix_sin))
         if hidden_suffix is not None:
             hidden_suffix, _ = self.expert.norm(hidden_suffix, adarms_cond)
         return hidden_suffix, past_key_values
@@ -318,9 +328,9 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         return attention_mask, pixel_attention_mask
 
     def embed_suffix(self, noise: torch.Tensor, timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Action tokens from x_t, and the adaRMS condition from the time embedding."""
-        expert_dtype = self.model.expert.layers[0].mlp.up_proj.weight.dtype
-        action_embeds = self.action_in_proj(noise.to(self.action_in_proj.weight.dtype)).to(expert_dtype)
+        """Action tokens from x_t (each expert layer casts them to its dtype), and the adaRMS condition from the time
+        embedding."""
+        action_embeds = self.action_in_proj(noise.to(self.action_in_proj.weight.dtype))
         time_embeds = self.time_embed(timestep.float()).to(self.time_mlp_in.weight.dtype)
         cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_embeds))))
         return action_embeds, cond
