@@ -3,9 +3,15 @@
 With the model held in bf16, Adam must not keep bf16 state (updates below bf16 resolution vanish).
 `MasterWeightOptimizer` is a real `torch.optim.Optimizer` over the model's parameters (so accelerate wraps it, the
 Trainer's gradient accumulation and LR scheduler drive it); inside it keeps fp32 master copies and an fp32 inner
-optimizer. Per step: gradients are upcast into the masters (clipping happens there, in fp32), the inner optimizer
-steps with the outer param groups' hyper-parameters (the scheduler writes those), and the masters are rounded back
-into the bf16 parameters.
+optimizer. Per step: gradients are upcast into the masters and the bf16 gradients freed (clipping happens on the fp32
+ones), the inner optimizer steps with the outer param groups' hyper-parameters (the scheduler writes those), and the
+masters are rounded back into the bf16 parameters.
+
+The masters are taken from the parameters at the first step, not when the optimizer is built: wrapping (DDP's
+broadcast from rank 0) may change the parameters in between, and accelerate round-trips the optimizer through
+`state_dict`/`load_state_dict` while wrapping it. Until then `state_dict()` carries no masters, and loading one without
+masters leaves the parameters alone; only a checkpoint's masters are ever written into the parameters (on resume, where
+every rank loads the same ones). Memory: 2 (bf16 param) + 4 (master) + 4 (fp32 grad) + 8 (Adam) = 18 bytes/parameter.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             masters = [p.detach().to(torch.float32).clone().requires_grad_(p.requires_grad) for p in group["params"]]
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
         self.inner = optimizer_cls(groups, **defaults)
+        self._masters_synced = False
         self._grads_ready = False
         self.last_grad_norm: float | None = None
 
@@ -41,10 +48,22 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                                                 for k, v in state.items()}
 
     @torch.no_grad()
+    def sync_masters(self):
+        """Take the masters from the parameters as they are now (after any wrapping or broadcast)."""
+        self._follow_device()
+        for param, master in self._pairs():
+            master.copy_(param)
+        self._masters_synced = True
+
+    @torch.no_grad()
     def upcast_grads(self):
+        """fp32 copies of the gradients into the masters; the bf16 gradients are freed."""
+        if not self._masters_synced:
+            self.sync_masters()
         self._follow_device()
         for param, master in self._pairs():
             master.grad = None if param.grad is None else param.grad.detach().to(torch.float32)
+            param.grad = None
         self._grads_ready = True
 
     @torch.no_grad()
@@ -77,19 +96,22 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints: the fp32 masters themselves, not a re-cast of bf16 weights ------------------------------------
     def state_dict(self):
-        return {
-            "outer": super().state_dict(),
-            "inner": self.inner.state_dict(),
-            "masters": [master.detach().clone() for _, master in self._pairs()],
-        }
+        masters = [master.detach().clone() for _, master in self._pairs()] if self._masters_synced else None
+        return {"outer": super().state_dict(), "inner": self.inner.state_dict(), "masters": masters}
 
     def load_state_dict(self, state_dict):
+        if not isinstance(state_dict, dict) or "masters" not in state_dict:
+            raise ValueError("this optimizer state was not written by MasterWeightOptimizer (a run without fp32 master "
+                             "weights, or another precision): resume with the dtype/master_weights it was saved with")
         super().load_state_dict(state_dict["outer"])
-        pairs = list(self._pairs())
-        if len(pairs) != len(state_dict["masters"]):
-            raise ValueError(f"checkpoint holds {len(state_dict['masters'])} masters for {len(pairs)} parameters")
-        with torch.no_grad():
-            for (param, master), saved in zip(pairs, state_dict["masters"]):
-                master.copy_(saved.to(master.device))
-                param.copy_(master)
+        masters = state_dict["masters"]
+        if masters is not None:
+            pairs = list(self._pairs())
+            if len(pairs) != len(masters):
+                raise ValueError(f"checkpoint holds {len(masters)} masters for {len(pairs)} parameters")
+            with torch.no_grad():
+                for (param, master), saved in zip(pairs, masters):
+                    master.copy_(saved.to(master.device))
+                    param.copy_(master)
+            self._masters_synced = True
         self.inner.load_state_dict(state_dict["inner"])

@@ -55,9 +55,10 @@ class VLATrainingArguments(TrainingArguments):
         `group_mean` (every group weighs the same, see `loss_group_key`) or `constant` (sum / (divisor * samples)).
     loss_divisor (`float`, *optional*): the fixed divisor of `constant`; refused by the other modes.
     loss_group_key (`str`, defaults to `"episode"`): groups of `group_mean`: `episode` or `dataset`.
-    master_weights (`bool`, defaults to `True`): with a bf16 model, keep fp32 master weights and fp32 Adam state
-        (`MasterWeightOptimizer`); gradients are clipped in fp32. Ignored for fp32 models and under DeepSpeed
-        (which keeps its own); refused under FSDP.
+    master_weights (`bool`, defaults to `True`): with a bf16 model, keep fp32 master weights and fp32 Adam state;
+        gradients are clipped in fp32. Under DDP (and in one process) `MasterWeightOptimizer` holds them; under FSDP2
+        the sharded fp32 parameters are the masters (bf16 mixed precision); DeepSpeed's bf16 mode keeps its own.
+        Ignored for fp32 models.
     freeze (`str`, defaults to `"none"`): `vision_tower` (SigLIP frozen), `vlm` (the whole PaliGemma frozen: the
         expert and the action/time heads train) or `expert_only` (only the action expert's layers train).
     stream_open_blocks (`int`, defaults to 32): episodes decoded concurrently per data worker (batch decorrelation).
@@ -147,6 +148,7 @@ class VLATrainer(Trainer):
                  data_collator=None, **kwargs):
         if not isinstance(args, VLATrainingArguments):
             raise TypeError("VLATrainer needs VLATrainingArguments")
+        _configure_engine(model, args)
         self.mixture = mixture
         config = model.config
         collator = data_collator or PI05Collator(processing_class)
@@ -214,14 +216,26 @@ class VLATrainer(Trainer):
         if self.args.device.type == "cuda":
             kwargs["fused"] = True
         bf16_params = any(p.dtype == torch.bfloat16 for g in groups for p in g["params"])
-        if self.args.master_weights and bf16_params and not self.is_deepspeed_enabled:
-            if self.is_fsdp_enabled:
-                raise ValueError("master_weights with FSDP is not supported: FSDP shards parameters and keeps its own "
-                                 "mixed precision; set master_weights=False and use FSDP's MixedPrecision instead")
+        # Under FSDP2 the sharded fp32 parameters are the masters (see `_configure_engine`); DeepSpeed keeps its own.
+        if self.args.master_weights and bf16_params and not self.is_deepspeed_enabled and not self.is_fsdp_enabled:
             self.optimizer = MasterWeightOptimizer(groups, optimizer_cls=torch.optim.AdamW, **kwargs)
         else:
             self.optimizer = torch.optim.AdamW(groups, **kwargs)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        # transformers' cosine_with_min_lr turns `min_lr` into a rate with `optimizer.defaults["lr"]`, which DeepSpeed's
+        # ZeRO optimizers do not have: give it the same rate from the learning rate directly.
+        kwargs = self.args.lr_scheduler_kwargs
+        if (self.lr_scheduler is None and self.args.lr_scheduler_type == "cosine_with_min_lr"
+                and isinstance(kwargs, dict) and "min_lr" in kwargs and self.args.learning_rate > 0):
+            rate = kwargs["min_lr"] / self.args.learning_rate
+            self.args.lr_scheduler_kwargs = {k: v for k, v in kwargs.items() if k != "min_lr"} | {"min_lr_rate": rate}
+            try:
+                return super().create_scheduler(num_training_steps, optimizer)
+            finally:
+                self.args.lr_scheduler_kwargs = kwargs
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def _master_optimizer(self) -> MasterWeightOptimizer | None:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
@@ -341,6 +355,12 @@ class VLATrainer(Trainer):
         return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # The stream is infinite: an "epoch" is the share of max_steps done, which also survives a resume (the
+        # Trainer counts it from the micro-batches of the current session and restarts it at 0 after a resume).
+        if self.state.max_steps:
+            self.state.epoch = self.state.global_step / self.state.max_steps
+        if "train_loss" in logs:
+            logs["train_loss"] = self._run_train_loss()
         # The Trainer divides the window's loss by all its steps; skipped steps contributed nothing to it.
         if "loss" in logs and self._skipped_since_log:
             window = self.state.global_step - getattr(self, "_window_start", 0)
@@ -351,6 +371,23 @@ class VLATrainer(Trainer):
         if self.args.on_nonfinite == "skip" and ("loss" in logs or "train_loss" in logs):
             logs["nonfinite_skipped"] = self._nonfinite_skipped
         super().log(logs, start_time)
+
+    def _run_train_loss(self) -> float:
+        """Mean training loss over every step of the run, resumed sessions included: the logged windows (mean x steps,
+        from the log history a checkpoint carries) plus the steps logged in no window, averaged over the ranks (the
+        Trainer adds rank 0's unlogged share as if it were everyone's, and divides a resumed session by all steps)."""
+        total, last, skipped = 0.0, 0, 0
+        for entry in self.state.log_history:
+            if "loss" in entry and "step" in entry:
+                window_skipped = entry.get("nonfinite_skipped", skipped) - skipped  # skipped steps are not in the mean
+                total += entry["loss"] * (entry["step"] - last - window_skipped)
+                last, skipped = entry["step"], entry.get("nonfinite_skipped", skipped)
+        tail = self._tr_loss.detach().float().reshape(1)
+        if self.accelerator.num_processes > 1:
+            tail = self.accelerator.gather(tail).mean()  # each rank holds its share x world size (see compute_loss)
+        total += float(tail)
+        steps = self.state.global_step - self._nonfinite_skipped
+        return total / steps if steps > 0 else float("nan")
 
     def _check_finite_weights(self, model=None):
         """No checkpoint of NaN/inf weights: checked on every rank's (local) parameters before anything is written."""
@@ -535,6 +572,16 @@ class VLATrainer(Trainer):
             raise ValueError(f"{resume_from_checkpoint}: checkpoint does not fit the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
 
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # The Trainer maps the optimizer state to args.device, which is "cpu:0" in a multi-process CPU run, and
+        # torch.load cannot restore that location: on CPU, load it as "cpu".
+        if (checkpoint is None or self.is_deepspeed_enabled or self.is_fsdp_enabled or self.args.device.type != "cpu"
+                or self.args.world_size == 1):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.optimizer.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), map_location="cpu",
+                                                  weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         # Resume only from a complete checkpoint of the same model and precision, and restore the stream position
         # before the Trainer starts iterating (it would otherwise start from zero).
@@ -616,6 +663,57 @@ def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_m
         mixture_mse=fmt(metrics.get("eval_mixture_mse")),
         training_args=[(k, getattr(trainer.args, k)) for k in CARD_ARGS], lora=lora,
     )
+
+
+def requested_engine(args: TrainingArguments) -> str:
+    """`deepspeed`, `fsdp1`, `fsdp2` or `ddp` (also one process), from the arguments or `accelerate launch`'s env."""
+    if args.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    if args.fsdp_plugin_args is not None:
+        return f"fsdp{int(args.fsdp_plugin_args.get('fsdp_version', 1))}"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return f"fsdp{int(os.environ.get('FSDP_VERSION', '1'))}"
+    return "ddp"
+
+
+def _configure_engine(model, args: VLATrainingArguments):
+    """Engine rules, applied before the Accelerator is built from `args`.
+
+    - FSDP1 is refused: FSDP2 is its successor, shards pi0.5 per layer and keeps fp32 masters through its mixed
+      precision; FSDP1 cannot start without an accelerator, so no CPU test covers it here.
+    - FSDP2 with a bf16 model and `master_weights`: bf16 mixed precision, so accelerate upcasts the trainable
+      parameters to fp32 before sharding them (the sharded fp32 parameters are the masters, with fp32 Adam state)
+      and the layers compute in bf16; reductions are fp32.
+    - DeepSpeed with a bf16 model needs DeepSpeed's bf16 mode (it keeps fp32 master partitions itself).
+    """
+    engine = requested_engine(args)
+    bf16_model = any(p.dtype == torch.bfloat16 for p in model.parameters())
+    if engine == "fsdp1":
+        raise ConfigError("FSDP version 1 is not supported: use fsdp_version 2 (configs/accelerate/fsdp2.yaml). FSDP2 "
+                          "shards pi0.5 per layer and keeps the fp32 masters sharded; FSDP1 (flat parameters) is not "
+                          "tested here, as it needs an accelerator device even to start")
+    if engine == "fsdp2":
+        # per-layer units by class name: keep only the names this model has (transformers' pi0 lists SigLIP's pooling
+        # head and text embeddings, which it does not contain, and accelerate refuses unknown names)
+        from .models.pi05.modeling_pi05 import present_module_classes
+
+        core = model.get_base_model() if hasattr(model, "peft_config") else model
+        core._no_split_modules = present_module_classes(core, getattr(core, "_no_split_modules", None))
+    if engine == "fsdp2" and bf16_model:
+        if args.master_weights:
+            if args.mixed_precision == "fp16":
+                raise ConfigError("a bfloat16 model under FSDP2 with master_weights trains in bf16 mixed precision; "
+                                  "mixed_precision is fp16: use bf16 (or dtype float32)")
+            if args.mixed_precision != "bf16":
+                logger.info("FSDP2 with a bfloat16 model and master_weights: bf16 mixed precision, fp32 sharded "
+                            "parameters as the masters")
+                args.mixed_precision, args.bf16 = "bf16", True
+        else:
+            logger.warning("FSDP2 with a bfloat16 model and master_weights=False: parameters and Adam state stay bf16")
+    if engine == "deepspeed" and bf16_model and args.mixed_precision != "bf16":
+        raise ConfigError("a bfloat16 model under DeepSpeed needs DeepSpeed's bf16 mode, which keeps fp32 master "
+                          "partitions: set mixed_precision bf16 in the accelerate config (bf16.enabled in the DeepSpeed "
+                          "config), or use dtype float32")
 
 
 def _freeze(model, mode: str):

@@ -200,6 +200,32 @@ def test_master_weights_state_dict_restores_masters_exactly():
         assert torch.equal(param, saved.to(torch.bfloat16))
 
 
+def test_master_weights_are_taken_after_wrapping_and_never_overwrite_parameters():
+    """What DDP + accelerate do: the optimizer is built, DDP broadcasts rank 0's weights into the parameters, then
+    accelerate round-trips the optimizer through state_dict/load_state_dict. The masters must follow the broadcast
+    weights, not overwrite them with the values snapshotted at construction."""
+    import copy
+
+    layer = _bf16_linear(seed=0)
+    optimizer = MasterWeightOptimizer(layer.parameters(), lr=1e-2)
+    broadcast = _bf16_linear(seed=5)
+    with torch.no_grad():  # the "broadcast"
+        for param, source in zip(layer.parameters(), broadcast.parameters()):
+            param.copy_(source)
+    optimizer.load_state_dict(optimizer.state_dict())  # accelerate's device-placement round trip
+    for param, source in zip(layer.parameters(), broadcast.parameters()):
+        assert torch.equal(param, source)
+    reference = copy.deepcopy(broadcast)
+    reference_optimizer = MasterWeightOptimizer(reference.parameters(), lr=1e-2)  # built after the broadcast
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    for module, opt in ((layer, optimizer), (reference, reference_optimizer)):
+        module(x).float().sum().backward()
+        opt.step()
+    for (param, master), (ref_param, ref_master) in zip(optimizer._pairs(), reference_optimizer._pairs()):
+        assert torch.equal(param, ref_param) and torch.equal(master, ref_master)
+    assert all(p.grad is None for p in layer.parameters())  # the bf16 gradients are freed once upcast
+
+
 def test_master_weights_converge_where_bf16_adamw_stalls():
     torch.manual_seed(0)
     x = torch.randn(256, 16)

@@ -146,6 +146,12 @@ def _attend(attn: GemmaAttention, query, key, value, mask) -> torch.Tensor:
     return attn.o_proj(out)
 
 
+def present_module_classes(model: nn.Module, names) -> set[str]:
+    """The class names in `names` that some submodule of `model` has."""
+    present = {type(module).__name__ for module in model.modules()}
+    return {name for name in (names or ()) if name in present}
+
+
 class PI05PreTrainedModel(PreTrainedModel):
     config: PI05Config
     config_class = PI05Config
@@ -172,6 +178,22 @@ class PI05PreTrainedModel(PreTrainedModel):
         "time_mlp_out",
     ]
 
+    def post_init(self):
+        super().post_init()
+        # transformers unions the sub-models' `_no_split_modules`, naming classes this model does not contain (SigLIP's
+        # pooling head, the Gemma layer class pi0.5 replaces); FSDP's per-layer wrapping refuses unknown class names.
+        self._no_split_modules = present_module_classes(self, self._no_split_modules)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        # Loading creates new Parameters: freeze the modules pi0.5 never runs again (see `PI05Model.unused_modules`).
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        for module in model.modules():
+            if isinstance(module, PI05Model):
+                module.freeze_unused()
+        return loaded
+
     def set_attn_implementation(self, attn_implementation, **kwargs):
         # transformers marks every sub-model config it switched with `_attn_was_changed` but clears the mark only on
         # the direct sub-configs; PaliGemma's nested text/vision configs would keep it and ignore every later switch.
@@ -197,6 +219,20 @@ class PI05Model(PI05PreTrainedModel):
         self.expert = PI05ActionExpert(config.dit_config)
         self.gradient_checkpointing = False
         self.post_init()
+        self.freeze_unused()
+
+    def freeze_unused(self):
+        for module in self.unused_modules():
+            module.requires_grad_(False)
+
+    def unused_modules(self) -> list[nn.Module]:
+        """Modules pi0.5 never runs: the last VLM layer only provides its keys/values to the expert, so its query and
+        output projections, its MLP and post-attention norm, and the VLM's final norm take no part. They stay in the
+        checkpoint (the published layout has them) but are frozen: no optimizer state, no masters, no unused-parameter
+        errors in DDP, and FSDP's strict optimizer-state loading finds state for every trainable parameter."""
+        text = self.vlm.language_model
+        last = text.layers[-1]
+        return [last.self_attn.q_proj, last.self_attn.o_proj, last.mlp, last.post_attention_layernorm, text.norm]
 
     def get_input_embeddings(self):
         return self.vlm.get_input_embeddings()

@@ -1,0 +1,133 @@
+"""Every distributed engine, run with `accelerate launch` and the ready-made configs under configs/accelerate/, two
+processes over gloo on CPU, `VLATrainer` unchanged (tests/engine_patch.py only lets accelerate's FSDP/DeepSpeed
+plugins through on CPU, as it does on GPUs):
+
+- the gradient of one optimizer step (per-device batch 2 x GA 2 x 2 processes) equals the one-batch gradient of the
+  same 8 samples in one process, for DDP, FSDP2 (per layer), ZeRO-2 and ZeRO-3; sharding engines hold half the model;
+- kill-and-resume equals the uninterrupted run bitwise (weights, logged losses, epochs, train_loss) for DDP, FSDP2 and
+  ZeRO-2 in fp32, and DDP / FSDP2 with a bfloat16 model and fp32 master weights;
+- a bf16 run from scratch keeps every rank's parameters and masters identical at every step, with and without LoRA,
+  also when the ranks start from different weights.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_trainer import two_datasets  # noqa: F401  (session fixture: two small LeRobot datasets)
+
+from hf_vla.errors import ConfigError
+from hf_vla.losses import GROUP_KEYS, aggregate, policy_per_sample_loss
+
+TESTS = Path(__file__).parent
+REPO = TESTS.parent
+pytest.importorskip("deepspeed")
+
+LAUNCHES = {  # name: (accelerate config, engine, mixed precision override or None, scenarios)
+    "ddp": ("ddp.yaml", "ddp", "no", ["grad", "resume"]),
+    "ddp_bf16": ("ddp.yaml", "ddp", None, ["resume_bf16", "same"]),
+    "fsdp2": ("fsdp2.yaml", "fsdp2", "no", ["grad", "resume"]),
+    # a bfloat16 model with master_weights and mixed precision "no": the trainer switches FSDP2 to bf16 mixed precision
+    "fsdp2_bf16": ("fsdp2.yaml", "fsdp2", "no", ["resume_bf16"]),
+    "zero2": ("zero2.yaml", "zero2", "no", ["grad", "resume"]),
+    "zero3": ("zero3.yaml", "zero3", "no", ["grad"]),
+}
+_results: dict = {}
+
+
+def launched(name, two_datasets, tmp_path_factory):  # noqa: F811
+    if name not in _results:
+        config, engine, precision, scenarios = LAUNCHES[name]
+        out = tmp_path_factory.mktemp(f"engine_{name}")
+        port = str(29650 + list(LAUNCHES).index(name))
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(REPO / "configs" / "accelerate" / config), "--num_processes", "2", "--main_process_port", port]
+        if precision is not None:
+            command += ["--mixed_precision", precision]
+        command += [str(TESTS / "engines.py"), engine, str(two_datasets / "a"), str(two_datasets / "b"), str(out),
+                    *scenarios]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(TESTS))
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+        assert result.returncode == 0, result.stderr[-5000:]
+        _results[name] = {s: torch.load(out / f"{s}.pt", weights_only=False) for s in scenarios}
+    return _results[name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero2", "zero3"])
+def test_one_step_gradient_equals_one_batch(name, two_datasets, tmp_path_factory):  # noqa: F811
+    from distributed_step import make_model
+
+    run = launched(name, two_datasets, tmp_path_factory)["grad"]
+    assert run["world_size"] == 2 and len(run["batches"]) == 4
+    expected_engine = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}[name]
+    assert run["engine"].endswith(expected_engine)
+    batch = {k: torch.cat([b[k] for b in run["batches"]]) for k in run["batches"][0]}
+    model = make_model()
+    model.train()
+    per_sample, _ = policy_per_sample_loss(model, batch, seed=3, step=0)
+    aggregate("sample_mean", per_sample, batch[GROUP_KEYS["episode"]]).backward()
+    reference = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    grads = {n.removeprefix("module."): g for n, g in run["grads"].items()}
+    assert grads.keys() == reference.keys()
+    for key, grad in reference.items():
+        torch.testing.assert_close(grads[key].float(), grad, atol=1e-6, rtol=1e-5, msg=key)
+    share = run["share"]
+    assert (0.45 < share < 0.55) if name in ("fsdp2", "zero3") else share == 1.0, share
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,scenario", [("ddp", "resume"), ("fsdp2", "resume"), ("zero2", "resume"),
+                                           ("ddp_bf16", "resume_bf16"), ("fsdp2_bf16", "resume_bf16")])
+def test_kill_and_resume_equals_the_uninterrupted_run(name, scenario, two_datasets, tmp_path_factory):  # noqa: F811
+    run = launched(name, two_datasets, tmp_path_factory)[scenario]
+    assert run["expected"].keys() == run["resumed"].keys()
+    for key, value in run["expected"].items():
+        assert torch.equal(run["resumed"][key], value), key
+    assert run["losses"] == run["expected_losses"] and len(run["losses"]) == 4
+    assert run["epochs"] == run["expected_epochs"] == [(1, 0.25), (2, 0.5), (3, 0.75), (4, 1.0)]
+    mean = float(np.mean([loss for _, loss in run["expected_losses"]]))
+    for which, value in run["train_loss"].items():  # also when the last steps were logged in no window
+        assert value == pytest.approx(mean, rel=1e-6), which
+    if name == "ddp_bf16":
+        assert run["master_optimizer"] == "MasterWeightOptimizer"
+    if name == "fsdp2_bf16":  # the sharded parameters are the fp32 masters; the layers compute in bf16
+        assert run["mixed_precision"] == "bf16" and run["param_dtypes"] == ["torch.float32"]
+        assert run["master_optimizer"] == "NoneType"
+
+
+@pytest.mark.slow
+def test_bf16_ranks_hold_identical_parameters_and_masters_every_step(two_datasets, tmp_path_factory):  # noqa: F811
+    runs = launched("ddp_bf16", two_datasets, tmp_path_factory)["same"]
+    assert set(runs) == {f"lora={lora},diverge={diverge}" for lora in (False, True) for diverge in (False, True)}
+    for case, (rank0, rank1) in runs.items():
+        assert len(rank0) == len(rank1) == 3, case
+        assert rank0 == rank1, case  # parameters and fp32 masters, after every step
+        assert all(uses_masters for _, _, uses_masters in rank0), case
+        assert len({params for params, _, _ in rank0}) == 3, case  # and training moved them
+
+
+def test_fsdp1_is_refused_with_the_reason(tmp_path):
+    from distributed_step import make_model
+
+    from hf_vla import VLATrainer, VLATrainingArguments
+
+    args = VLATrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp="full_shard auto_wrap",
+                                fsdp_config={"version": 1})
+    with pytest.raises(ConfigError, match="FSDP version 1 is not supported: use fsdp_version 2"):
+        VLATrainer(make_model(), args, mixture=None)
+
+
+def test_a_bf16_model_under_deepspeed_needs_its_bf16_mode(tmp_path):
+    from distributed_step import make_model
+
+    from hf_vla import VLATrainer, VLATrainingArguments
+
+    args = VLATrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                deepspeed=str(REPO / "configs" / "accelerate" / "ds_zero2.json"))
+    with pytest.raises(ConfigError, match="needs DeepSpeed's bf16 mode"):
+        VLATrainer(make_model().to(torch.bfloat16), args, mixture=None)
