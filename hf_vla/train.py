@@ -10,12 +10,16 @@ The whole configuration is validated before any model is built or any frame is r
 `model_config` and `datasets`), wrong types, bad values, an unwritable `output_dir`, evaluation without a validation
 split, a resume path that is not a complete checkpoint. Errors are printed as one line naming the key, file or value,
 and the process exits non-zero (2 for configuration errors, 1 for data and training faults).
+
+`HF_VLA_CPU_SHARDING=1` with `"use_cpu": true` dry-runs an FSDP2 or DeepSpeed launch config on CPU processes (gloo),
+e.g. `accelerate launch --config_file configs/accelerate/zero2.yaml --num_processes 2 -m hf_vla.train CONFIG.json`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +195,11 @@ def parse_config(path: str | Path, overrides: list[str] | None = None):
     _apply_overrides(config, overrides or [], annotations)
     if isinstance(config.get("resume_from_checkpoint"), bool):  # `--resume_from_checkpoint true`: newest complete
         config["resume_from_checkpoint"] = "true" if config["resume_from_checkpoint"] else None
+    deepspeed = config.get("deepspeed") or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed and config.get("dtype") == "bfloat16" and "bf16" not in config and not config.get("fp16"):
+        # a bfloat16 model under DeepSpeed trains in its bf16 mode (fp32 master partitions); the DeepSpeed plugin
+        # takes its precision when the training arguments are built, so it is set here
+        config["bf16"] = True
     unknown = sorted(set(config) - set(annotations))
     if unknown:
         from .validation import _suggest
@@ -301,6 +310,10 @@ def main(argv: list[str] | None = None):
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return None
+    if os.environ.get("HF_VLA_CPU_SHARDING") == "1":  # dry-run an FSDP/DeepSpeed launch config on CPU processes
+        from .engines import allow_sharding_on_cpu
+
+        allow_sharding_on_cpu()
     model_args, data_args, training_args = parse_config(argv[0], argv[1:])
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

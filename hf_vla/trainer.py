@@ -23,6 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from . import checkpoints
 from .data import PI05Collator, WeightedDatasetMixture
+from .engines import configure_engine
 from .errors import CheckpointError, ConfigError, NonFiniteError
 from .losses import (
     GROUP_KEYS,
@@ -148,7 +149,7 @@ class VLATrainer(Trainer):
                  data_collator=None, **kwargs):
         if not isinstance(args, VLATrainingArguments):
             raise TypeError("VLATrainer needs VLATrainingArguments")
-        _configure_engine(model, args)
+        configure_engine(model, args)
         self.mixture = mixture
         config = model.config
         collator = data_collator or PI05Collator(processing_class)
@@ -216,7 +217,8 @@ class VLATrainer(Trainer):
         if self.args.device.type == "cuda":
             kwargs["fused"] = True
         bf16_params = any(p.dtype == torch.bfloat16 for g in groups for p in g["params"])
-        # Under FSDP2 the sharded fp32 parameters are the masters (see `_configure_engine`); DeepSpeed keeps its own.
+        # Under FSDP2 the sharded fp32 parameters are the masters (see `engines.configure_engine`); DeepSpeed keeps its
+        # own.
         if self.args.master_weights and bf16_params and not self.is_deepspeed_enabled and not self.is_fsdp_enabled:
             self.optimizer = MasterWeightOptimizer(groups, optimizer_cls=torch.optim.AdamW, **kwargs)
         else:
@@ -663,57 +665,6 @@ def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_m
         mixture_mse=fmt(metrics.get("eval_mixture_mse")),
         training_args=[(k, getattr(trainer.args, k)) for k in CARD_ARGS], lora=lora,
     )
-
-
-def requested_engine(args: TrainingArguments) -> str:
-    """`deepspeed`, `fsdp1`, `fsdp2` or `ddp` (also one process), from the arguments or `accelerate launch`'s env."""
-    if args.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        return "deepspeed"
-    if args.fsdp_plugin_args is not None:
-        return f"fsdp{int(args.fsdp_plugin_args.get('fsdp_version', 1))}"
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return f"fsdp{int(os.environ.get('FSDP_VERSION', '1'))}"
-    return "ddp"
-
-
-def _configure_engine(model, args: VLATrainingArguments):
-    """Engine rules, applied before the Accelerator is built from `args`.
-
-    - FSDP1 is refused: FSDP2 is its successor, shards pi0.5 per layer and keeps fp32 masters through its mixed
-      precision; FSDP1 cannot start without an accelerator, so no CPU test covers it here.
-    - FSDP2 with a bf16 model and `master_weights`: bf16 mixed precision, so accelerate upcasts the trainable
-      parameters to fp32 before sharding them (the sharded fp32 parameters are the masters, with fp32 Adam state)
-      and the layers compute in bf16; reductions are fp32.
-    - DeepSpeed with a bf16 model needs DeepSpeed's bf16 mode (it keeps fp32 master partitions itself).
-    """
-    engine = requested_engine(args)
-    bf16_model = any(p.dtype == torch.bfloat16 for p in model.parameters())
-    if engine == "fsdp1":
-        raise ConfigError("FSDP version 1 is not supported: use fsdp_version 2 (configs/accelerate/fsdp2.yaml). FSDP2 "
-                          "shards pi0.5 per layer and keeps the fp32 masters sharded; FSDP1 (flat parameters) is not "
-                          "tested here, as it needs an accelerator device even to start")
-    if engine == "fsdp2":
-        # per-layer units by class name: keep only the names this model has (transformers' pi0 lists SigLIP's pooling
-        # head and text embeddings, which it does not contain, and accelerate refuses unknown names)
-        from .models.pi05.modeling_pi05 import present_module_classes
-
-        core = model.get_base_model() if hasattr(model, "peft_config") else model
-        core._no_split_modules = present_module_classes(core, getattr(core, "_no_split_modules", None))
-    if engine == "fsdp2" and bf16_model:
-        if args.master_weights:
-            if args.mixed_precision == "fp16":
-                raise ConfigError("a bfloat16 model under FSDP2 with master_weights trains in bf16 mixed precision; "
-                                  "mixed_precision is fp16: use bf16 (or dtype float32)")
-            if args.mixed_precision != "bf16":
-                logger.info("FSDP2 with a bfloat16 model and master_weights: bf16 mixed precision, fp32 sharded "
-                            "parameters as the masters")
-                args.mixed_precision, args.bf16 = "bf16", True
-        else:
-            logger.warning("FSDP2 with a bfloat16 model and master_weights=False: parameters and Adam state stay bf16")
-    if engine == "deepspeed" and bf16_model and args.mixed_precision != "bf16":
-        raise ConfigError("a bfloat16 model under DeepSpeed needs DeepSpeed's bf16 mode, which keeps fp32 master "
-                          "partitions: set mixed_precision bf16 in the accelerate config (bf16.enabled in the DeepSpeed "
-                          "config), or use dtype float32")
 
 
 def _freeze(model, mode: str):

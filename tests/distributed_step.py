@@ -92,3 +92,6 @@ def main(root_a, root_b, out):
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    from engines import leave
+
+    leave()

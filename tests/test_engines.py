@@ -30,7 +30,7 @@ pytest.importorskip("deepspeed")
 LAUNCHES = {  # name: (accelerate config, engine, mixed precision override or None, scenarios)
     "ddp": ("ddp.yaml", "ddp", "no", ["grad", "resume"]),
     "ddp_bf16": ("ddp.yaml", "ddp", None, ["resume_bf16", "same"]),
-    "fsdp2": ("fsdp2.yaml", "fsdp2", "no", ["grad", "resume"]),
+    "fsdp2": ("fsdp2.yaml", "fsdp2", "no", ["grad", "resume", "grad_pi0"]),
     # a bfloat16 model with master_weights and mixed precision "no": the trainer switches FSDP2 to bf16 mixed precision
     "fsdp2_bf16": ("fsdp2.yaml", "fsdp2", "no", ["resume_bf16"]),
     "zero2": ("zero2.yaml", "zero2", "no", ["grad", "resume"]),
@@ -81,6 +81,27 @@ def test_one_step_gradient_equals_one_batch(name, two_datasets, tmp_path_factory
 
 
 @pytest.mark.slow
+def test_transformers_pi0_per_layer_under_fsdp2(two_datasets, tmp_path_factory):  # noqa: F811
+    """transformers' pi0, unchanged, per-layer FSDP2 units: the same one-batch gradient, half the model per rank."""
+    from engines import make_pi0
+
+    from hf_vla.models.pi0_adapter import prepare_pi0
+
+    run = launched("fsdp2", two_datasets, tmp_path_factory)["grad_pi0"]
+    assert run["engine"].endswith("FSDP") and 0.45 < run["share"] < 0.55
+    batch = {k: torch.cat([b[k] for b in run["batches"]]) for k in run["batches"][0]}
+    model = make_pi0()
+    prepare_pi0(model, "ddp")  # the same frozen (never used) modules as in the run
+    model.train()
+    per_sample, _ = policy_per_sample_loss(model, batch, seed=3, step=0)
+    aggregate("sample_mean", per_sample, batch[GROUP_KEYS["episode"]]).backward()
+    reference = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert run["grads"].keys() == reference.keys()
+    for key, grad in reference.items():
+        torch.testing.assert_close(run["grads"][key], grad, atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name,scenario", [("ddp", "resume"), ("fsdp2", "resume"), ("zero2", "resume"),
                                            ("ddp_bf16", "resume_bf16"), ("fsdp2_bf16", "resume_bf16")])
 def test_kill_and_resume_equals_the_uninterrupted_run(name, scenario, two_datasets, tmp_path_factory):  # noqa: F811
@@ -109,6 +130,30 @@ def test_bf16_ranks_hold_identical_parameters_and_masters_every_step(two_dataset
         assert rank0 == rank1, case  # parameters and fp32 masters, after every step
         assert all(uses_masters for _, _, uses_masters in rank0), case
         assert len({params for params, _, _ in rank0}) == 3, case  # and training moved them
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["zero2.yaml", "fsdp2.yaml"])
+def test_the_cli_with_a_launch_config_and_a_bf16_model(config, two_datasets, tmp_path):  # noqa: F811
+    """What a user types, as is: the launch config, `-m hf_vla.train`, a bfloat16 model (on CPU processes)."""
+    import json
+
+    from test_failures import base_config
+
+    out = tmp_path / "out"
+    settings = base_config(two_datasets / "a", out, dtype="bfloat16", max_steps=2, per_device_train_batch_size=2)
+    settings["datasets"][0]["cameras"] = ["observation.images.cam"]
+    (tmp_path / "run.json").write_text(json.dumps(settings))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_VLA_CPU_SHARDING="1")
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                             str(REPO / "configs" / "accelerate" / config), "--num_processes", "2",
+                             "--main_process_port", "29671", "-m", "hf_vla.train", str(tmp_path / "run.json")],
+                            capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-5000:]
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(out)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_fsdp1_is_refused_with_the_reason(tmp_path):
