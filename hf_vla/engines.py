@@ -80,6 +80,25 @@ def configure_engine(model, args) -> str:
     return engine
 
 
+def finish_engine(accelerator) -> None:
+    """Rules applied once the Accelerator exists, before the model is wrapped.
+
+    FSDP2 in bf16 mixed precision reduces gradients in fp32: accelerate's default policy reduces them in bf16, which
+    rounds every reduced gradient before it reaches the fp32 masters. A policy set by the user is left alone.
+    """
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = plugin.mixed_precision_policy
+    if isinstance(policy, MixedPrecisionPolicy) and policy.param_dtype == torch.bfloat16 \
+            and policy.reduce_dtype == torch.bfloat16:
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs)
+
+
 def allow_sharding_on_cpu():
     """Let accelerate build FSDP and DeepSpeed on CPU processes (gloo), exactly as it does on GPUs.
 
@@ -120,4 +139,4 @@ def allow_sharding_on_cpu():
     AcceleratorState.__init__ = init
 
 
-__all__ = ["allow_sharding_on_cpu", "configure_engine", "requested_engine"]
+__all__ = ["allow_sharding_on_cpu", "configure_engine", "finish_engine", "requested_engine"]

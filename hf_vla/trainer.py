@@ -23,7 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from . import checkpoints
 from .data import PI05Collator, WeightedDatasetMixture
-from .engines import configure_engine
+from .engines import configure_engine, finish_engine
 from .errors import CheckpointError, ConfigError, NonFiniteError
 from .losses import (
     GROUP_KEYS,
@@ -175,6 +175,7 @@ class VLATrainer(Trainer):
         }
         super().__init__(model=model, args=args, data_collator=collator, train_dataset=train, eval_dataset=evaluation,
                          processing_class=processing_class, **kwargs)
+        finish_engine(self.accelerator)
         # We own the loss and normalise it by step-wide totals ourselves: the Trainer must not divide it again.
         self.model_accepts_loss_kwargs = True
         self._step_losses: list[torch.Tensor] = []  # this optimizer step's micro-batch losses (for on_nonfinite=skip)

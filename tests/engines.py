@@ -223,6 +223,8 @@ def scenario_resume(engine, roots, out, dtype=torch.float32):
             "train_loss": {"full": full.state.log_history[-1]["train_loss"], "resumed": result.metrics["train_loss"],
                            "sparse": sparse_result.metrics["train_loss"]},
             "engine": str(resumed.accelerator.distributed_type), "mixed_precision": resumed.accelerator.mixed_precision,
+            "reduce_dtype": str(getattr(getattr(resumed.accelerator.state, "fsdp_plugin", None), "mixed_precision_policy",
+                                        None) and resumed.accelerator.state.fsdp_plugin.mixed_precision_policy.reduce_dtype),
             "param_dtypes": sorted({str(p.dtype) for p in resumed.model_wrapped.parameters() if p.requires_grad}),
             "master_optimizer": type(resumed._master_optimizer()).__name__}
 

@@ -118,6 +118,7 @@ def test_kill_and_resume_equals_the_uninterrupted_run(name, scenario, two_datase
         assert run["master_optimizer"] == "MasterWeightOptimizer"
     if name == "fsdp2_bf16":  # the sharded parameters are the fp32 masters; the layers compute in bf16
         assert run["mixed_precision"] == "bf16" and run["param_dtypes"] == ["torch.float32"]
+        assert run["reduce_dtype"] == "torch.float32"  # gradients reach the fp32 masters unrounded
         assert run["master_optimizer"] == "NoneType"
 
 
