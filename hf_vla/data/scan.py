@@ -14,6 +14,11 @@ The result (frame count and a seeded sample of at most `max_frames` rows for the
 `$HF_VLA_CACHE` (default `$HF_HOME/hf_vla/scan`), keyed by a fingerprint of the dataset's files (names, sizes,
 modification times), the keep-ranges selection and the feature mapping: later runs and other ranks read it instead of
 scanning, and a dataset that changed gets a new fingerprint and is scanned again.
+
+The same pass writes every row of the used episodes (state, actions, task index; float32) into the cache entry as
+`.npy` files: a block opening then reads its episode with one positioned read, whatever the parquet row groups are
+(lerobot's converter, which published DROID, writes about a million rows per row group; a parquet read of one episode
+would decode all of them). That is 68 bytes per frame with DROID's 8-dim state and actions: 1.8 GB for 26.7M frames.
 """
 
 from __future__ import annotations
@@ -35,8 +40,60 @@ from ..errors import DataError
 from .sources import LeRobotSource, vector_column
 
 logger = logging.getLogger("hf_vla.data")
-SCAN_VERSION = 1
+SCAN_VERSION = 2
 MAX_STATS_FRAMES = 2_000_000
+
+
+class EpisodeRows:
+    """The scan's copy of every used episode's rows; `read` takes one episode with a positioned read per array."""
+
+    def __init__(self, directory: Path, state_dim: int, action_dim: int):
+        self.directory = Path(directory)
+        self.offsets = np.load(self.directory / "offsets.npy")  # first row of each episode-table row, -1 if unused
+        self.arrays = {}
+        for name, dim, dtype in (("state", state_dim, np.float32), ("actions", action_dim, np.float32),
+                                 ("task_index", 0, np.int64)):
+            path = self.directory / f"{name}.npy"
+            with open(path, "rb") as handle:
+                version = np.lib.format.read_magic(handle)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, file_dtype = read_header(handle)
+                start = handle.tell()
+            expected = start + int(np.prod(shape)) * np.dtype(file_dtype).itemsize
+            if np.dtype(file_dtype) != np.dtype(dtype) or (dim and shape[1:] != (dim,)) or \
+                    path.stat().st_size != expected:
+                raise ValueError(f"{path}: shape {shape} / dtype {file_dtype} / size {path.stat().st_size} do not fit")
+            self.arrays[name] = (path, start, np.dtype(dtype), dim)
+
+    def read(self, row: int, length: int) -> dict:
+        first = int(self.offsets[row])
+        if first < 0:
+            raise KeyError(f"episode row {row} was not scanned (not used by this run)")
+        out = {}
+        for name, (path, start, dtype, dim) in self.arrays.items():
+            width = max(dim, 1)
+            values = np.fromfile(path, dtype=dtype, count=length * width, offset=start + first * width * dtype.itemsize)
+            out[name] = values.reshape(length, dim) if dim else values
+        return out
+
+
+class _RowWriter:
+    """Appends rows to a `.npy` file of known final shape with plain writes (no memory map: nothing of it stays in
+    this process's memory)."""
+
+    def __init__(self, path: Path, rows: int, dim: int, dtype):
+        self.handle = open(path, "wb")
+        shape = (rows, dim) if dim else (rows,)
+        np.lib.format.write_array_header_1_0(self.handle, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                           "fortran_order": False, "shape": shape})
+        self.dtype = dtype
+
+    def append(self, values: np.ndarray):
+        self.handle.write(np.ascontiguousarray(values, dtype=self.dtype).tobytes())
+
+    def close(self):
+        self.handle.close()
 
 
 @dataclass
@@ -207,7 +264,7 @@ def _video_reach(path: Path, needed: float, fps: float) -> float | None:
         raise DataError(f"video {path} cannot be read ({error})") from error
 
 
-def _scan(source: LeRobotSource, max_frames: int, seed: int) -> ScanResult:
+def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | None = None) -> ScanResult:
     config = source.config
     merged = merged_ranges(source.ranges)
     total = int((merged[:, 2] - merged[:, 1]).sum())
@@ -219,6 +276,16 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int) -> ScanResult:
     states, actions = [], []
     offset = 0
     used_files = source.data_files()
+    writers, offsets, cursor = None, None, 0
+    if rows_dir is not None:
+        used = source.used_rows()
+        rows_total = int(source.episodes["length"][used].sum())
+        writers = {"state": _RowWriter(rows_dir / "state.npy", rows_total, source.state_dim, np.float32),
+                   "actions": _RowWriter(rows_dir / "actions.npy", rows_total, source.action_dim, np.float32),
+                   "task_index": _RowWriter(rows_dir / "task_index.npy", rows_total, 0, np.int64)}
+        offsets = np.full(source.num_episodes, -1, dtype=np.int64)
+        used_mask = np.zeros(source.num_episodes, dtype=bool)
+        used_mask[used] = True
     # every episode of a file (also the unused ones) is checked against the file's layout
     order = np.argsort(source._file_of_row, kind="stable")
     bounds = np.searchsorted(source._file_of_row[order], np.arange(source._file_of_row.max() + 2))
@@ -229,8 +296,19 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int) -> ScanResult:
         episodes, frames = _check_layout(source, path, table, file_rows)
         keep = kept_mask(episodes, frames, merged)
         where = f"dataset {source.name!r}: {path} column"
-        state = vector_column(table[config.state_key], source.state_dim, f"{where} {config.state_key!r}")[keep]
-        action = vector_column(table[config.action_key], source.action_dim, f"{where} {config.action_key!r}")[keep]
+        all_state = vector_column(table[config.state_key], source.state_dim, f"{where} {config.state_key!r}")
+        all_action = vector_column(table[config.action_key], source.action_dim, f"{where} {config.action_key!r}")
+        if writers is not None:  # every row of the used episodes of this file, in file order
+            ordered = file_rows[np.argsort(source.episodes["file_row"][file_rows], kind="stable")]
+            used_here = ordered[used_mask[ordered]]
+            lengths = source.episodes["length"][used_here]
+            offsets[used_here] = cursor + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            cursor += int(lengths.sum())
+            rows = used_mask[np.searchsorted(source.episodes["episode_index"], episodes)]
+            writers["state"].append(all_state[rows])
+            writers["actions"].append(all_action[rows])
+            writers["task_index"].append(table["task_index"].to_numpy()[rows])
+        state, action = all_state[keep], all_action[keep]
         kept_episodes, kept_frames = episodes[keep], frames[keep]
         _check_finite(source, path, config.state_key, state, kept_episodes, kept_frames)
         _check_finite(source, path, config.action_key, action, kept_episodes, kept_frames)
@@ -253,6 +331,10 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int) -> ScanResult:
             actions.append(action[picked])
         offset += count
         del table
+    if writers is not None:
+        for writer in writers.values():
+            writer.close()
+        np.save(rows_dir / "offsets.npy", offsets)
     if offset != total:
         raise DataError(f"dataset {source.name!r}: the data files hold {offset} frames in the kept ranges, "
                         f"meta/episodes and keep_ranges say {total}")
@@ -262,32 +344,54 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int) -> ScanResult:
 
 def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed: int = 0,
                 use_cache: bool = True) -> ScanResult:
-    """The checked frame count and quantile sample of `source`, from the cache when the dataset is unchanged."""
+    """The checked frame count and quantile sample of `source`, from the cache when the dataset is unchanged.
+
+    With the cache, the source also reads its episodes from the cached rows afterwards (`source.episode_rows`).
+    """
     key = fingerprint(source, max_frames, seed)
-    path = cache_dir() / f"{key}.npz"
-    if use_cache and path.is_file():
+    directory = cache_dir() / key
+    if use_cache and (directory / "scan.npz").is_file():
         try:
-            with np.load(path) as data:
+            with np.load(directory / "scan.npz") as data:
                 result = ScanResult(int(data["frames"]), data["state"].astype(np.float64),
                                     data["actions"].astype(np.float64), cached=True)
-            logger.info("dataset %r: statistics and checks from the cache %s", source.name, path)
+            source.episode_rows = EpisodeRows(directory, source.state_dim, source.action_dim)
+            logger.info("dataset %r: checks, statistics and episode rows from the cache %s", source.name, directory)
             return result
         except (OSError, ValueError, KeyError) as error:  # a damaged cache entry is recomputed
-            logger.warning("dataset %r: ignoring unreadable cache %s (%s)", source.name, path, error)
+            import shutil
+
+            logger.warning("dataset %r: recomputing the damaged cache %s (%s)", source.name, directory, error)
+            source.episode_rows = None
+            shutil.rmtree(directory, ignore_errors=True)
     started = time.perf_counter()
-    result = _scan(source, max_frames, seed)
+    if not use_cache:
+        result = _scan(source, max_frames, seed)
+        logger.info("dataset %r: scanned %d frames in %.1f s", source.name, result.frames, time.perf_counter() - started)
+        return result
+    import shutil
+
+    temporary = directory.with_name(f".{key}.{os.getpid()}.tmp")
+    try:
+        temporary.mkdir(parents=True, exist_ok=True)
+        result = _scan(source, max_frames, seed, rows_dir=temporary)
+        np.savez(temporary / "scan.npz", frames=result.frames,
+                 state=result.state.astype(np.float32) if _lossless32(result.state) else result.state,
+                 actions=result.actions.astype(np.float32) if _lossless32(result.actions) else result.actions)
+        if directory.exists():  # written meanwhile by another process: keep that one
+            shutil.rmtree(temporary, ignore_errors=True)
+        else:
+            os.replace(temporary, directory)
+        source.episode_rows = EpisodeRows(directory, source.state_dim, source.action_dim)
+    except OSError as error:  # no room or no permission for the cache: scan without it (parquet reads later)
+        shutil.rmtree(temporary, ignore_errors=True)
+        logger.warning("dataset %r: could not write the cache %s (%s); reading episodes from parquet", source.name,
+                       directory, error)
+        result = _scan(source, max_frames, seed)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     logger.info("dataset %r: scanned %d frames in %.1f s", source.name, result.frames, time.perf_counter() - started)
-    if use_cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            with open(temporary, "wb") as handle:
-                np.savez(handle, frames=result.frames, state=result.state.astype(np.float32)
-                         if _lossless32(result.state) else result.state,
-                         actions=result.actions.astype(np.float32) if _lossless32(result.actions) else result.actions)
-            os.replace(temporary, path)
-        except OSError as error:
-            logger.warning("dataset %r: could not write the statistics cache %s (%s)", source.name, path, error)
     return result
 
 
@@ -295,4 +399,4 @@ def _lossless32(values: np.ndarray) -> bool:
     return bool(np.array_equal(values.astype(np.float32).astype(np.float64), values))
 
 
-__all__ = ["MAX_STATS_FRAMES", "ScanResult", "cache_dir", "check_videos", "fingerprint", "scan_source"]
+__all__ = ["MAX_STATS_FRAMES", "EpisodeRows", "ScanResult", "cache_dir", "check_videos", "fingerprint", "scan_source"]

@@ -227,7 +227,8 @@ class LeRobotSource:
         self.keep_ranges = None  # True when a keep_ranges filter selects the blocks
         self.ranges = self._block_ranges()
         self._check_files()
-        self._row_groups: OrderedDict[Path, np.ndarray] = OrderedDict()
+        self._parquet_metadata: OrderedDict[Path, tuple] = OrderedDict()
+        self.episode_rows = None  # set by the start-up scan when its cache holds every used episode's rows
 
     # ---- metadata ------------------------------------------------------------------------------------------------
     @staticmethod
@@ -519,31 +520,44 @@ class LeRobotSource:
         return np.unique(self.ranges[:, 0]).tolist()
 
     # ---- reading -------------------------------------------------------------------------------------------------
-    def _row_group_starts(self, path: Path) -> np.ndarray:
-        starts = self._row_groups.get(path)
-        if starts is None:
+    def _parquet(self, path: Path) -> tuple:
+        """(footer metadata, first row of each row group) of a data file, kept for the last few files: a footer
+        with one row group per episode is large, and re-parsing it at every block opening would cost more than the
+        rows read."""
+        cached = self._parquet_metadata.get(path)
+        if cached is None:
             metadata = pq.read_metadata(path)
             sizes = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
-            starts = self._row_groups[path] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-            while len(self._row_groups) > 8:
-                self._row_groups.popitem(last=False)
-        return starts
+            cached = self._parquet_metadata[path] = (metadata, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+            while len(self._parquet_metadata) > 4:
+                self._parquet_metadata.popitem(last=False)
+        return cached
 
     def episode_table(self, episode: int) -> dict:
-        """state [n, ds], actions [n, da], task_index [n] of one episode: only the parquet row groups holding its rows
-        are read (lerobot writes one row group per episode), not the whole data file."""
+        """state [n, ds], actions [n, da], task_index [n] of one episode.
+
+        From the start-up scan's cached rows when there are (one positioned read); otherwise from parquet, reading only
+        the row groups that hold its rows (lerobot's recorder writes one row group per episode), not the whole file.
+        """
         row = self.row(episode)
+        length = int(self.episodes["length"][row])
+        if self.episode_rows is not None:
+            try:
+                return self.episode_rows.read(row, length)
+            except (OSError, ValueError) as error:
+                raise DataError(f"dataset {self.name!r}: cannot read episode {episode} from the scan cache "
+                                f"{self.episode_rows.directory}: {error}") from error
         path = self._data_path_of_row(row)
-        first, length = int(self.episodes["file_row"][row]), int(self.episodes["length"][row])
+        first = int(self.episodes["file_row"][row])
         columns = [self.config.state_key, self.config.action_key, "task_index", "episode_index"]
         try:
-            starts = self._row_group_starts(path)
+            metadata, starts = self._parquet(path)
             if first + length > starts[-1]:
                 raise DataError(f"dataset {self.name!r}: {path} has {starts[-1]} rows, but episode {episode} needs rows "
                                 f"{first}..{first + length - 1} (meta/episodes)")
             groups = list(range(int(np.searchsorted(starts, first, "right")) - 1,
                                 int(np.searchsorted(starts, first + length, "left"))))
-            table = pq.ParquetFile(path).read_row_groups(groups, columns=columns)
+            table = pq.ParquetFile(path, metadata=metadata).read_row_groups(groups, columns=columns)
             table = table.slice(first - int(starts[groups[0]]), length)
         except (pa.ArrowException, OSError) as error:
             raise DataError(f"dataset {self.name!r}: cannot read episode {episode} from {path}: {error}") from error
