@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from . import checkpoints
-from .data import PI05Collator, WeightedDatasetMixture
+from .data import ForkFriendlyDataLoader, PI05Collator, WeightedDatasetMixture
 from .engines import configure_engine, finish_engine
 from .errors import CheckpointError, ConfigError, NonFiniteError
 from .losses import (
@@ -188,9 +188,10 @@ class VLATrainer(Trainer):
     def _loader(self, dataset) -> DataLoader:
         args = self.args
         workers = args.dataloader_num_workers
-        return DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=args.dataloader_pin_memory,
-                          persistent_workers=workers > 0 and args.dataloader_persistent_workers,
-                          prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None)
+        return ForkFriendlyDataLoader(dataset, batch_size=None, num_workers=workers,
+                                      pin_memory=args.dataloader_pin_memory,
+                                      persistent_workers=workers > 0 and args.dataloader_persistent_workers,
+                                      prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None)
 
     def get_train_dataloader(self) -> DataLoader:
         # The stream shards itself by (rank, worker); accelerate must neither dispatch nor re-shard it.

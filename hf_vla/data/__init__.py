@@ -3,12 +3,13 @@
 from .collator import PI0Collator, PI05Collator
 from .mixture import WeightedDatasetMixture
 from .sources import Block, DatasetConfig, LeRobotSource, VideoReader
-from .stream import EpisodeShuffleStream, ValidationStream, schedule
+from .stream import EpisodeShuffleStream, ForkFriendlyDataLoader, ValidationStream, schedule
 
 __all__ = [
     "Block",
     "DatasetConfig",
     "EpisodeShuffleStream",
+    "ForkFriendlyDataLoader",
     "LeRobotSource",
     "PI0Collator",
     "PI05Collator",

@@ -85,9 +85,14 @@ class WeightedDatasetMixture:
                         continue
                     share = max(1, int(round(MAX_STATS_FRAMES * v.frames / total)))
                     parts.append(values[rng.choice(len(values), size=share, replace=share > len(values))])
-                data = np.concatenate(parts)
-                pooled[key]["q01"] = np.quantile(data, 0.01, axis=0).tolist()
-                pooled[key]["q99"] = np.quantile(data, 0.99, axis=0).tolist()
+                data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+                low, high = [], []
+                for column in range(data.shape[1]):  # one float64 column at a time, not a float64 copy of it all
+                    q01, q99 = np.quantile(data[:, column].astype(np.float64), [0.01, 0.99])
+                    low.append(float(q01))
+                    high.append(float(q99))
+                pooled[key]["q01"], pooled[key]["q99"] = low, high
+                del data
         return pooled
 
     @staticmethod

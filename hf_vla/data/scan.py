@@ -99,7 +99,7 @@ class _RowWriter:
 @dataclass
 class ScanResult:
     frames: int  # used frames (rows inside the kept ranges)
-    state: np.ndarray  # [m, state_dim] sample (all rows when frames <= max_frames), float64
+    state: np.ndarray  # [m, state_dim] sample (all rows when frames <= max_frames), in the data's dtype
     actions: np.ndarray  # [m, action_dim]
     cached: bool = False
 
@@ -293,6 +293,7 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
         file_id = source._file_of_row[used_files[path][0]]
         file_rows = order[bounds[file_id] : bounds[file_id + 1]]
         table = _read_file(source, path)
+        pa.default_memory_pool().release_unused()  # the previous file's buffers: keep the pool from growing
         episodes, frames = _check_layout(source, path, table, file_rows)
         keep = kept_mask(episodes, frames, merged)
         where = f"dataset {source.name!r}: {path} column"
@@ -339,7 +340,9 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
         raise DataError(f"dataset {source.name!r}: the data files hold {offset} frames in the kept ranges, "
                         f"meta/episodes and keep_ranges say {total}")
     check_videos(source)
-    return ScanResult(total, np.concatenate(states).astype(np.float64), np.concatenate(actions).astype(np.float64))
+    # the sample stays in the data's own dtype (float32 for lerobot's features): a float64 copy of 2M x dims x 2 would
+    # dominate the start-up's peak memory; quantiles are computed per column in float64
+    return ScanResult(total, np.concatenate(states), np.concatenate(actions))
 
 
 def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed: int = 0,
@@ -353,8 +356,7 @@ def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed:
     if use_cache and (directory / "scan.npz").is_file():
         try:
             with np.load(directory / "scan.npz") as data:
-                result = ScanResult(int(data["frames"]), data["state"].astype(np.float64),
-                                    data["actions"].astype(np.float64), cached=True)
+                result = ScanResult(int(data["frames"]), data["state"], data["actions"], cached=True)
             source.episode_rows = EpisodeRows(directory, source.state_dim, source.action_dim)
             logger.info("dataset %r: checks, statistics and episode rows from the cache %s", source.name, directory)
             return result
@@ -375,9 +377,7 @@ def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed:
     try:
         temporary.mkdir(parents=True, exist_ok=True)
         result = _scan(source, max_frames, seed, rows_dir=temporary)
-        np.savez(temporary / "scan.npz", frames=result.frames,
-                 state=result.state.astype(np.float32) if _lossless32(result.state) else result.state,
-                 actions=result.actions.astype(np.float32) if _lossless32(result.actions) else result.actions)
+        np.savez(temporary / "scan.npz", frames=result.frames, state=result.state, actions=result.actions)
         if directory.exists():  # written meanwhile by another process: keep that one
             shutil.rmtree(temporary, ignore_errors=True)
         else:
@@ -393,10 +393,6 @@ def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed:
         raise
     logger.info("dataset %r: scanned %d frames in %.1f s", source.name, result.frames, time.perf_counter() - started)
     return result
-
-
-def _lossless32(values: np.ndarray) -> bool:
-    return bool(np.array_equal(values.astype(np.float32).astype(np.float64), values))
 
 
 __all__ = ["MAX_STATS_FRAMES", "EpisodeRows", "ScanResult", "cache_dir", "check_videos", "fingerprint", "scan_source"]

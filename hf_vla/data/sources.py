@@ -349,8 +349,10 @@ class LeRobotSource:
         values = {}
         if columns:
             table = self._read_episode_table(["episode_index", *columns])
-            order = np.argsort(table["episode_index"].to_numpy(), kind="stable")
-            values = {c: [table[c].to_pylist()[i] for i in order] for c in columns}
+            order = np.argsort(table["episode_index"].to_numpy(), kind="stable").tolist()
+            for column in columns:
+                listed = table[column].to_pylist()  # once per column (not per episode)
+                values[column] = [listed[i] for i in order]
         constants = {"repo_id": self.config.repo_id, "name": self.name}
         episodes = self.episodes["episode_index"].tolist()
         keys = []
@@ -477,22 +479,23 @@ class LeRobotSource:
         """Rows (episode-table order) of the episodes that have at least one block."""
         return np.unique(np.searchsorted(self.episodes["episode_index"], self.ranges[:, 0]))
 
+    @staticmethod
+    def _group(rows: np.ndarray, ids: np.ndarray) -> list[np.ndarray]:
+        """`rows` split by `ids` (one sort, not one pass per group), groups in id order."""
+        order = np.argsort(ids, kind="stable")
+        bounds = np.flatnonzero(np.diff(ids[order])) + 1
+        return np.split(rows[order], bounds)
+
     def data_files(self) -> dict[Path, np.ndarray]:
         """Data file -> rows of the used episodes it holds (one path format per file, not per episode)."""
         rows = self.used_rows()
-        files = {}
-        _, first, inverse = np.unique(self._file_of_row[rows], return_index=True, return_inverse=True)
-        for group, row in enumerate(rows[first]):
-            files[self._data_path_of_row(int(row))] = rows[inverse == group]
-        return files
+        return {self._data_path_of_row(int(group[0])): group for group in self._group(rows, self._file_of_row[rows])}
 
     def video_files(self, camera: str) -> dict[Path, np.ndarray]:
         rows = self.used_rows()
         ids = self.episodes[f"videos/{camera}/chunk_index"][rows].astype(np.int64) * (1 << 32) + self.episodes[
             f"videos/{camera}/file_index"][rows]
-        _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-        return {self._video_path_of_row(int(row), camera): rows[inverse == group]
-                for group, row in enumerate(rows[first])}
+        return {self._video_path_of_row(int(group[0]), camera): group for group in self._group(rows, ids)}
 
     def _check_files(self):
         paths = list(self.data_files())
