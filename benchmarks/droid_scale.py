@@ -67,7 +67,7 @@ def measure_hf_vla(root: str, keep_ranges: bool, turnover_batches: int) -> dict:
     from hf_vla.data import ForkFriendlyDataLoader, PI05Collator, WeightedDatasetMixture
     from hf_vla.data.stream import FrameReader
     from hf_vla.data.synthetic import droid_dataset_config
-    from hf_vla.testing import build_tiny_tokenizer
+    from hf_vla.tiny import build_tiny_tokenizer
 
     started = time.perf_counter()
     mixture = WeightedDatasetMixture([droid_dataset_config(root, keep_ranges=keep_ranges)], validation_ratio=0.01)

@@ -54,7 +54,7 @@ def worker(engine: str, dataset: str, out: str):
 
     from hf_vla import PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLATrainingArguments
     from hf_vla.data import WeightedDatasetMixture
-    from hf_vla.testing import build_tiny_tokenizer, tiny_pi05_config
+    from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
 
     mixture = WeightedDatasetMixture([dict(root=dataset, name="bench", cameras=["image"], state_key="state",
                                            action_key="actions", control_mode="joint")])
@@ -68,7 +68,8 @@ def worker(engine: str, dataset: str, out: str):
     args = VLATrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=2, report_to=[], use_cpu=True,
                                 ddp_backend="gloo", save_strategy="no", disable_tqdm=True, stream_open_blocks=2,
                                 warmup_steps=0, learning_rate=1e-4, bf16=engine.startswith("zero"))
-    trainer = VLATrainer(model, args, mixture=mixture, processing_class=processor)
+    train, _ = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=config.chunk_size)
+    trainer = VLATrainer(model, args, train_dataset=train, processing_class=processor)
     measured = {}
 
     class Measure(TrainerCallback):

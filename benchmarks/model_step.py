@@ -11,18 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from lerobot_oracle import Dims, build_lerobot_pi05, hf_pi05_config, sample_inputs  # noqa: E402
-
-from hf_vla import PI05ForConditionalGeneration  # noqa: E402
-from hf_vla.convert import convert_lerobot_state_dict  # noqa: E402
+from hf_vla import PI05ForConditionalGeneration
+from hf_vla.convert import convert_lerobot_state_dict
+from hf_vla.reference import Dims, build_lerobot_pi05, hf_pi05_config, sample_inputs
 
 DIMS = Dims(
     text=dict(width=256, depth=4, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32),

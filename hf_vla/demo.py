@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.json"
+CONFIG = Path(__file__).resolve().parent / "configs" / "demo.json"  # inside the package (configs/demo.json links here)
 
 
 def run(config: Path, overrides: list[str], episodes: int, tag: str, n_action_steps: int | None = None) -> dict:

@@ -48,7 +48,7 @@ def configure_engine(model, args) -> str:
     bf16_model = any(p.dtype == torch.bfloat16 for p in model.parameters())
     from .models.pi0_adapter import is_pi0, prepare_pi0
 
-    core = model.get_base_model() if hasattr(model, "peft_config") else model
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
     if is_pi0(core):  # transformers' pi0: freeze what it never runs, FSDP2 unit layout (see pi0_adapter)
         prepare_pi0(core, engine)
     if engine == "fsdp1":
@@ -60,7 +60,7 @@ def configure_engine(model, args) -> str:
         # head and text embeddings, which it does not contain, and accelerate refuses unknown names)
         from .models.pi05.modeling_pi05 import present_module_classes
 
-        core = model.get_base_model() if hasattr(model, "peft_config") else model
+        core = model.get_base_model() if hasattr(model, "get_base_model") else model
         core._no_split_modules = present_module_classes(core, getattr(core, "_no_split_modules", None))
     if engine == "fsdp2" and bf16_model:
         if args.master_weights:

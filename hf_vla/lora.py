@@ -1,40 +1,39 @@
-"""LoRA presets for pi0 / pi0.5 through peft.
+"""LoRA presets for pi0 / pi0.5 through peft; the policy names its own targets.
 
     from peft import get_peft_model
-    model = get_peft_model(model, hf_vla.lora.lora_config("expert", r=16))
+    model = get_peft_model(model, hf_vla.lora.lora_config("expert", r=16, model=model))
 
-- "expert": LoRA on every linear layer of the action expert (attention, MLP and the adaRMS modulation); the VLM is
-  untouched. The small action/time heads are trained in full (`modules_to_save`).
-- "all_linear": LoRA on every linear layer of the VLM's language model and of the expert; the SigLIP tower stays
-  frozen. Heads trained in full.
+- "expert": LoRA on every linear layer of the action expert (attention, MLP and, for pi0.5, the adaRMS modulation);
+  the VLM is untouched.
+- "all_linear": LoRA on every linear layer the policy runs in the VLM's language model and in the expert; the SigLIP
+  tower stays frozen.
+The small action/time heads train in full (`modules_to_save`). Targets and heads come from the model itself
+(`lora_target_modules`, `trained_heads`: pi0.5's methods, or `hf_vla.models.pi0_adapter.PI0Structure` for pi0).
 """
 
 from __future__ import annotations
 
 from peft import LoraConfig
 
-_LINEAR = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
-_EXPERT = rf"model\.(expert|dit)\.layers\.\d+\.({_LINEAR}|(input|post_attention)_layernorm\.dense)"
-_VLM = rf"model\.vlm\.language_model\.layers\.\d+\.{_LINEAR}"
-# pi0.5 heads / transformers pi0 heads
-_HEADS = ["action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out", "embed_action_time"]
+from .models.pi0_adapter import policy_structure
 
-PRESETS = {
-    "expert": rf"^(base_model\.model\.)?{_EXPERT}$",
-    "all_linear": rf"^(base_model\.model\.)?({_EXPERT}|{_VLM})$",
-}
+PRESETS = ("expert", "all_linear")
 
 
-def lora_config(preset: str = "expert", r: int = 16, alpha: int | None = None, dropout: float = 0.0, **kwargs) -> LoraConfig:
-    """A `peft.LoraConfig` for one of `PRESETS` (task_type None: the policy is not a causal LM)."""
+def lora_config(preset: str = "expert", r: int = 16, alpha: int | None = None, dropout: float = 0.0, *,
+                model=None, **kwargs) -> LoraConfig:
+    """A `peft.LoraConfig` for one of `PRESETS` on `model` (task_type None: the policy is not a causal LM)."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown LoRA preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown LoRA preset {preset!r}; choose one of {list(PRESETS)}")
+    if model is None:
+        raise TypeError("lora_config needs the model: the policy names its own LoRA targets and heads")
+    policy = policy_structure(model)
     return LoraConfig(
         task_type=None,
         r=r,
         lora_alpha=alpha if alpha is not None else 2 * r,
         lora_dropout=dropout,
-        target_modules=PRESETS[preset],
-        modules_to_save=list(_HEADS),
+        target_modules=policy.lora_target_modules(preset),
+        modules_to_save=policy.trained_heads(),
         **kwargs,
     )

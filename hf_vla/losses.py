@@ -123,8 +123,22 @@ def sample_weights(mode: str, per_sample: PerSampleLoss, totals: StepTotals, gro
     return torch.where(present, weights, torch.zeros_like(weights))
 
 
+def bucket_mse(per_sample: PerSampleLoss, keys: torch.Tensor, names: Sequence[str] | None = None) -> dict[str, float]:
+    """Σsum / Σcount per bucket (`keys[i]` is sample i's bucket, e.g. its head or dataset), never a mean of means;
+    buckets without a valid element are left out. Named by `names[key]` (or the key itself)."""
+    out = {}
+    for key in sorted(set(keys.tolist())):
+        rows = keys == key
+        count = float(per_sample.count[rows].sum())
+        if count > 0:
+            name = names[key] if names is not None and key < len(names) else str(key)
+            out[name] = float(per_sample.sum[rows].sum()) / count
+    return out
+
+
 def aggregate(mode: str, per_sample: PerSampleLoss, groups: torch.Tensor | None = None,
               divisor: float | None = None) -> torch.Tensor:
-    """The loss of a batch taken as a whole step (reference for the exactness tests, and for single batches)."""
+    """The loss of a batch taken as a whole step: single batches, the exactness tests' reference, and evaluation's
+    `eval_loss` over the whole validation pass (the same weights as training)."""
     totals = StepTotals.from_counts(per_sample.count.tolist(), groups.tolist() if groups is not None else None)
     return (sample_weights(mode, per_sample, totals, groups, divisor) * per_sample.sum).sum()

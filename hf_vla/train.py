@@ -236,7 +236,7 @@ def build_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     if name == TINY_TOKENIZER:
-        from .testing import build_tiny_tokenizer
+        from .tiny import build_tiny_tokenizer
 
         return build_tiny_tokenizer()
     try:
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None):
 
         ensure_demo_dataset(data_args.datasets[0]["root"], episodes=data_args.demo_episodes,
                             main_process=training_args.process_index == 0)
-    from .data import WeightedDatasetMixture
+    from .data import PI0Collator, PI05Collator, WeightedDatasetMixture
     from .models.pi05 import PI05Processor
     from .trainer import VLATrainer
 
@@ -339,20 +339,23 @@ def main(argv: list[str] | None = None):
     if model_args.policy == "pi05":
         processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
                                               head_names=mixture.head_names)
-        collator = None  # the trainer's default: PI05Collator(processor)
-    else:  # transformers' pi0: mean/std normalization, image placeholders in the prompt
-        from .data import PI0Collator
+        collator = PI05Collator(processor)
+    else:  # transformers' pi0: its prompt layout (image placeholder tokens), mean/std normalization per head
+        from .models.pi0_adapter import PI0HeadProcessor
 
-        processor = tokenizer
-        collator = PI0Collator(tokenizer, mixture.norm_stats, mixture.head_names, model.config)
+        processor = PI0HeadProcessor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
+                                                 head_names=mixture.head_names)
+        collator = PI0Collator(processor)
+    train_dataset, eval_dataset = mixture.training_datasets(training_args, image_size=processor.image_size,
+                                                            chunk_size=model.config.chunk_size)
+    peft_config = None
     if model_args.lora_preset:
-        from peft import get_peft_model
-
         from .lora import lora_config
 
-        # seeded like the build (the RNG continues from it), so every rank draws the same adapters
-        model = get_peft_model(model, lora_config(model_args.lora_preset, r=model_args.lora_r, alpha=model_args.lora_alpha))
-    trainer = VLATrainer(model, training_args, mixture=mixture, processing_class=processor, data_collator=collator)
+        # the adapters are drawn from the RNG the seeded build left: every rank draws the same ones
+        peft_config = lora_config(model_args.lora_preset, r=model_args.lora_r, alpha=model_args.lora_alpha, model=model)
+    trainer = VLATrainer(model, training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         data_collator=collator, processing_class=processor, peft_config=peft_config)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
     if training_args.should_save:  # the normalization of every head, next to the weights

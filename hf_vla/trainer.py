@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from . import checkpoints
-from .data import ForkFriendlyDataLoader, PI05Collator, WeightedDatasetMixture
+from .data import ForkFriendlyDataLoader, PI05Collator
 from .engines import configure_engine, finish_engine
 from .errors import CheckpointError, ConfigError, NonFiniteError
 from .losses import (
@@ -30,16 +30,19 @@ from .losses import (
     LOSS_AGGREGATIONS,
     PerSampleLoss,
     StepTotals,
+    aggregate,
+    bucket_mse,
     policy_per_sample_loss,
     sample_weights,
     valid_elements,
 )
+from .models.pi0_adapter import policy_structure
 from .optim import MasterWeightOptimizer
 
 logger = logging.getLogger("hf_vla.trainer")
 STREAM_STATE = checkpoints.STREAM_STATE
 NONFINITE_CHOICES = ("stop", "skip")
-FREEZE_CHOICES = ("none", "vision_tower", "vlm", "expert_only")
+FREEZE_CHOICES = ("none", "vision_tower", "vlm", "expert_only")  # what every policy's `freeze` accepts
 EVAL_NOISE_STEP = -1  # evaluation draws the same noise every time, so successive evals are comparable
 
 
@@ -138,43 +141,52 @@ class VLATrainingArguments(TrainingArguments):
 
 
 class VLATrainer(Trainer):
-    """Trains any velocity-predicting policy (hf_vla's pi0.5, transformers' pi0, ...) on a LeRobot mixture.
+    """Trains any velocity-predicting policy (hf_vla's pi0.5, transformers' pi0, ...) on LeRobot data.
+
+    Built like TRL's trainers: the datasets, collator, processor and peft config come in from outside.
+
+        train, validation = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=...)
+        trainer = VLATrainer(model, args, train_dataset=train, eval_dataset=validation, data_collator=collator,
+                             processing_class=processor, peft_config=lora_config("expert", model=model))
+
+    `train_dataset` is an iterable dataset yielding one list of samples per batch that shards itself by rank and
+    DataLoader worker and can save and restore its position (`state_dict` / `load_state_dict`), like
+    `hf_vla.data.EpisodeShuffleStream`; `eval_dataset` yields each validation frame once across ranks. Their
+    `provenance` (`hf_vla.data.Provenance`) names the datasets and heads in metrics, errors and the model card.
 
     The trainer owns the objective: it draws t and the noise (seeded per sample), builds x_t, asks the policy for the
     velocity there and reduces the masked squared error into `PerSampleLoss`, aggregated over the whole optimizer
-    step. Evaluation is one deterministic pass over the validation mixture, bucketed by provenance.
+    step. Evaluation is one deterministic pass over the validation data, bucketed by provenance.
     """
 
-    def __init__(self, model, args: VLATrainingArguments, mixture: WeightedDatasetMixture, processing_class=None,
-                 data_collator=None, **kwargs):
+    def __init__(self, model, args: VLATrainingArguments, train_dataset=None, eval_dataset=None, data_collator=None,
+                 processing_class=None, peft_config=None, **kwargs):
         if not isinstance(args, VLATrainingArguments):
             raise TypeError("VLATrainer needs VLATrainingArguments")
         configure_engine(model, args)
-        self.mixture = mixture
-        config = model.config
-        collator = data_collator or PI05Collator(processing_class)
-        image_size = getattr(processing_class, "image_size", None) or config.vlm_config.vision_config.image_size
-        train = mixture.train_stream(image_size, config.chunk_size, batch_size=args.per_device_train_batch_size,
-                                     collate_fn=collator, seed=args.data_seed if args.data_seed is not None else args.seed,
-                                     open_blocks=args.stream_open_blocks, rank=args.process_index,
-                                     world_size=args.world_size, decoder_threads=args.decoder_threads)
-        evaluation = None
-        if any(mixture.validation_blocks):
-            evaluation = mixture.validation_stream(image_size, config.chunk_size, args.per_device_eval_batch_size,
-                                                   collate_fn=collator, rank=args.process_index,
-                                                   world_size=args.world_size, decoder_threads=args.decoder_threads)
-        elif args.eval_strategy != "no":
-            raise ValueError("eval_strategy is set but the mixture has no validation split (validation_ratio=0)")
-        _freeze(model, args.freeze)
+        if peft_config is not None:  # as TRL does: the trainer wraps the model
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        if data_collator is None:
+            from .models.pi05 import PI05Processor
+
+            if not isinstance(processing_class, PI05Processor):
+                raise ValueError("pass a data_collator (or a PI05Processor as processing_class for the default one)")
+            data_collator = PI05Collator(processing_class)
+        if args.eval_strategy != "no" and eval_dataset is None:
+            raise ConfigError(f"eval_strategy={args.eval_strategy.value!r} but there is no eval_dataset (no validation "
+                              "split: set validation_ratio > 0)")
+        policy_structure(model).freeze(args.freeze)
         # What a checkpoint of this run is (compared on resume): recorded before accelerate wraps or upcasts anything.
-        core = model.get_base_model() if hasattr(model, "peft_config") else model
+        core = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._run_info = {
             "model_type": getattr(core.config, "model_type", type(core).__name__),
-            "lora": hasattr(model, "peft_config"),
+            "lora": hasattr(model, "get_base_model"),  # a PeftModel (its base model gets a peft_config too)
             "dtype": "bfloat16" if any(p.dtype == torch.bfloat16 for p in model.parameters()) else "float32",
         }
-        super().__init__(model=model, args=args, data_collator=collator, train_dataset=train, eval_dataset=evaluation,
-                         processing_class=processing_class, **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         finish_engine(self.accelerator)
         # We own the loss and normalise it by step-wide totals ourselves: the Trainer must not divide it again.
         self.model_accepts_loss_kwargs = True
@@ -183,12 +195,24 @@ class VLATrainer(Trainer):
         self._nonfinite_skipped = 0
         self._skipped_since_log = 0
         self._defer_push = False
+        # Training metrics the TRL way, flushed in log(): per normalization head, the masked squared-error sum and
+        # element count since the last log, so a user sees which embodiment is not learning between evaluations.
+        self._metrics = {"train": {"head_sum": None, "head_count": None}}
+
+    @property
+    def provenance(self):
+        """The names behind the indices of the training (or else evaluation) data; None for datasets without one."""
+        for dataset in (self.train_dataset, self.eval_dataset):
+            if getattr(dataset, "provenance", None) is not None:
+                return dataset.provenance
+        return None
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def _loader(self, dataset) -> DataLoader:
+        # The datasets batch themselves (one list of samples per item); the collator runs in the workers.
         args = self.args
         workers = args.dataloader_num_workers
-        return ForkFriendlyDataLoader(dataset, batch_size=None, num_workers=workers,
+        return ForkFriendlyDataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=self.data_collator,
                                       pin_memory=args.dataloader_pin_memory,
                                       persistent_workers=workers > 0 and args.dataloader_persistent_workers,
                                       prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None)
@@ -202,29 +226,42 @@ class VLATrainer(Trainer):
         return self._loader(eval_dataset if eval_dataset is not None else self.eval_dataset)
 
     # ---- optimizer -----------------------------------------------------------------------------------------------
+    def get_decay_parameter_names(self, model) -> list[str]:
+        # The Trainer's rule (no decay on biases and norms, by type and name), and none on token embeddings either.
+        from transformers.trainer_pt_utils import get_parameter_names
+
+        return [name for name in get_parameter_names(model, [torch.nn.LayerNorm, torch.nn.Embedding])
+                if name in set(super().get_decay_parameter_names(model))]
+
     def create_optimizer(self, model=None):
-        # AdamW without decay on norms, biases and embeddings; fp32 masters for a bf16 model; fused on CUDA.
+        # The Trainer's own optimizer (`optim`, `optim_args`, its decay groups); with a bf16 model and master_weights
+        # (outside FSDP2/DeepSpeed, which keep their own masters) the same class runs over fp32 masters.
         if self.optimizer is not None:
             return self.optimizer
         model = model if model is not None else self.model
-        decay, no_decay = [], []
-        for name, param in model.named_parameters():
-            if param.requires_grad:
-                lowered = name.lower()
-                (no_decay if param.ndim < 2 or "norm" in lowered or "embed" in lowered or name.endswith(".bias")
-                 else decay).append(param)
-        groups = [{"params": decay, "weight_decay": self.args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        kwargs = {"lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
-                  "eps": self.args.adam_epsilon}
-        if self.args.device.type == "cuda":
-            kwargs["fused"] = True
-        bf16_params = any(p.dtype == torch.bfloat16 for g in groups for p in g["params"])
-        # Under FSDP2 the sharded fp32 parameters are the masters (see `engines.configure_engine`); DeepSpeed keeps its
-        # own.
-        if self.args.master_weights and bf16_params and not self.is_deepspeed_enabled and not self.is_fsdp_enabled:
-            self.optimizer = MasterWeightOptimizer(groups, optimizer_cls=torch.optim.AdamW, **kwargs)
+        bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad)
+        if not (self.args.master_weights and bf16 and not self.is_deepspeed_enabled and not self.is_fsdp_enabled):
+            return super().create_optimizer(model)
+        decay = set(self.get_decay_parameter_names(model))
+        groups = [
+            {"params": [p for n, p in model.named_parameters() if n in decay and p.requires_grad],
+             "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in model.named_parameters() if n not in decay and p.requires_grad],
+             "weight_decay": 0.0},
+        ]
+        if self.optimizer_cls_and_kwargs is not None:  # given to the Trainer, as its own create_optimizer honours
+            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
+            kwargs = dict(kwargs)
         else:
-            self.optimizer = torch.optim.AdamW(groups, **kwargs)
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+        reason = _master_weight_incompatibility(optimizer_cls, kwargs)
+        if reason:
+            optim = getattr(self.args.optim, "value", self.args.optim)
+            what = "the given optimizer" if self.optimizer_cls_and_kwargs is not None else f"optim={optim!r}"
+            raise ConfigError(f"{what} cannot run over fp32 master weights: {reason}. Set "
+                              "master_weights false (or dtype float32), or use an optimizer such as adamw_torch, "
+                              "adamw_torch_fused, adafactor or sgd")
+        self.optimizer = MasterWeightOptimizer(groups, optimizer_cls=optimizer_cls, **kwargs)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -286,20 +323,24 @@ class VLATrainer(Trainer):
         loss = (weights * per_sample.sum).sum()
         if model.training and not torch.isfinite(loss):
             self._on_nonfinite_loss(loss, per_sample, inputs)
+        if model.training and "dataset_index" in inputs:
+            self._record_head_errors(per_sample, inputs["dataset_index"])
         if model.training and self.accelerator.num_processes > 1:
             loss = loss * self.accelerator.num_processes  # DDP/FSDP/DeepSpeed average gradients over ranks
         return (loss, outputs) if return_outputs else loss
 
     # ---- non-finite guard ----------------------------------------------------------------------------------------
     def _describe_samples(self, inputs: dict, rows: list[int]) -> str:
-        names = self.mixture.names
+        provenance = self.provenance
         by_source: dict[str, list[str]] = {}
         for row in rows:
             source = int(inputs["source_index"][row])
-            episode = int(inputs["episode_index"][row]) - self.mixture.sources[source].episode_offset
+            episode = int(inputs["episode_index"][row])
+            name = str(source)
+            if provenance is not None and source < len(provenance.names):
+                name, episode = provenance.names[source], provenance.episode(source, episode)
             frame = f" frame {int(inputs['frame_index'][row])}" if "frame_index" in inputs else ""
-            by_source.setdefault(names[source] if source < len(names) else str(source), []).append(
-                f"episode {episode}{frame}")
+            by_source.setdefault(name, []).append(f"episode {episode}{frame}")
         return "; ".join(f"dataset {name!r}: {', '.join(items[:6])}{' ...' if len(items) > 6 else ''}"
                          for name, items in by_source.items())
 
@@ -314,6 +355,30 @@ class VLATrainer(Trainer):
                                  "learning_rate or max_grad_norm, or set on_nonfinite='skip'.")
         self._nonfinite_batches.append(where)
         logger.warning("%s: this optimizer step will be skipped (on_nonfinite='skip')", text)
+
+    def _record_head_errors(self, per_sample: PerSampleLoss, heads: torch.Tensor):
+        provenance = self.provenance
+        size = max(len(provenance.head_names) if provenance is not None else 0, int(heads.max()) + 1)
+        metrics = self._metrics["train"]
+        if metrics["head_sum"] is None or len(metrics["head_sum"]) < size:
+            grown = torch.zeros(size, dtype=torch.float64, device=per_sample.sum.device)
+            metrics["head_sum"], metrics["head_count"] = grown, grown.clone()
+        metrics["head_sum"].index_add_(0, heads.to(per_sample.sum.device), per_sample.sum.detach().double())
+        metrics["head_count"].index_add_(0, heads.to(per_sample.sum.device), per_sample.count.detach().double())
+
+    def _flush_head_errors(self, logs: dict):
+        metrics = self._metrics["train"]
+        sums, counts = metrics["head_sum"], metrics["head_count"]
+        if sums is None:
+            return
+        if self.accelerator.num_processes > 1:  # every rank logs here during training
+            sums, counts = self.accelerator.reduce(sums, reduction="sum"), self.accelerator.reduce(counts, "sum")
+        provenance = self.provenance
+        for head, (total, count) in enumerate(zip(sums.tolist(), counts.tolist())):
+            if count > 0:
+                name = provenance.head_names[head] if provenance is not None else str(head)
+                logs[f"{name}/mse"] = total / count
+        metrics["head_sum"], metrics["head_count"] = None, None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # Remember this step's micro-batch losses, so a skipped step can be taken out of the logged loss exactly.
@@ -372,6 +437,7 @@ class VLATrainer(Trainer):
             logs["loss"] = logs["loss"] * window / kept if kept > 0 else float("nan")
         if "loss" in logs:
             self._skipped_since_log = 0
+            self._flush_head_errors(logs)
         if self.args.on_nonfinite == "skip" and ("loss" in logs or "train_loss" in logs):
             logs["nonfinite_skipped"] = self._nonfinite_skipped
         super().log(logs, start_time)
@@ -434,44 +500,36 @@ class VLATrainer(Trainer):
         metrics = self._provenance_metrics(data, metric_key_prefix)
         if self.args.action_metrics_batches:
             merged = gather_object([action_errors])
-            for source, name in enumerate(self.mixture.names):
+            names = self.provenance.names if self.provenance is not None else []
+            for source in sorted({s for part in merged for s in part}):
                 errors = [e for part in merged for e in part.get(source, [])]
-                if errors:
-                    metrics[f"{metric_key_prefix}_by_dataset/{name}/action_mse"] = float(sum(errors) / len(errors))
+                name = names[source] if source < len(names) else str(source)
+                metrics[f"{metric_key_prefix}_by_dataset/{name}/action_mse"] = float(sum(errors) / len(errors))
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics,
                               num_samples=int((data["count"] > 0).sum()))
 
     def _provenance_metrics(self, data: dict, prefix: str) -> dict[str, float]:
-        total_sum, total_count = data["sum"].double(), data["count"].double()
-        present = total_count > 0
-        if not present.any():
+        # eval_loss is the training objective's own aggregation over the whole pass (losses.aggregate); the buckets
+        # are Σsum / Σcount per head and per dataset (losses.bucket_mse), never a mean of means.
+        per_sample = PerSampleLoss(data["sum"].double(), data["count"].double())
+        if not (per_sample.count > 0).any():
             raise ValueError("evaluation found no valid validation element")
-        metrics = {f"{prefix}_mse": float(total_sum.sum() / total_count.sum())}
-        per_sample = torch.where(present, total_sum / total_count.clamp(min=1), torch.zeros_like(total_sum))
-        if self.args.loss_aggregation == "token_mean":
-            metrics[f"{prefix}_loss"] = metrics[f"{prefix}_mse"]
-        elif self.args.loss_aggregation == "constant":
-            metrics[f"{prefix}_loss"] = float(total_sum.sum() / (self.args.loss_divisor * present.sum()))
-        elif self.args.loss_aggregation == "group_mean":
-            groups = data["episode_index" if self.args.loss_group_key == "episode" else "source_index"]
-            means = [total_sum[groups == g].sum() / total_count[groups == g].sum()
-                     for g in groups[present].unique() if total_count[groups == g].sum() > 0]
-            metrics[f"{prefix}_loss"] = float(torch.stack(means).mean())
-        else:
-            metrics[f"{prefix}_loss"] = float(per_sample[present].mean())
-        for head, name in enumerate(self.mixture.head_names):
-            rows = data["dataset_index"] == head
-            if total_count[rows].sum() > 0:
-                metrics[f"{prefix}_{name}/mse"] = float(total_sum[rows].sum() / total_count[rows].sum())
-        weighted, weight_total = 0.0, 0.0
-        for source, name in enumerate(self.mixture.names):
-            rows = data["source_index"] == source
-            if total_count[rows].sum() > 0:
-                mse = float(total_sum[rows].sum() / total_count[rows].sum())
-                metrics[f"{prefix}_by_dataset/{name}/mse"] = mse
-                weighted += self.mixture.weights[source] * mse
-                weight_total += self.mixture.weights[source]
-        metrics[f"{prefix}_mixture_mse"] = weighted / weight_total
+        groups = data[GROUP_KEYS[self.args.loss_group_key]]
+        metrics = {
+            f"{prefix}_loss": float(aggregate(self.args.loss_aggregation, per_sample, groups, self.args.loss_divisor)),
+            f"{prefix}_mse": float(per_sample.sum.sum() / per_sample.count.sum()),
+        }
+        provenance = self.provenance
+        heads = provenance.head_names if provenance is not None else None
+        names = provenance.names if provenance is not None else None
+        for name, mse in bucket_mse(per_sample, data["dataset_index"], heads).items():
+            metrics[f"{prefix}_{name}/mse"] = mse
+        by_dataset = bucket_mse(per_sample, data["source_index"], names)
+        weights = dict(zip(names, provenance.weights)) if provenance is not None else {}
+        for name, mse in by_dataset.items():
+            metrics[f"{prefix}_by_dataset/{name}/mse"] = mse
+        total = sum(weights.get(name, 1.0) for name in by_dataset)
+        metrics[f"{prefix}_mixture_mse"] = sum(weights.get(name, 1.0) * mse for name, mse in by_dataset.items()) / total
         return metrics
 
     @torch.no_grad()
@@ -596,7 +654,7 @@ class VLATrainer(Trainer):
         if resume_from_checkpoint:
             folder = checkpoints.check_resumable(resume_from_checkpoint)
             unwrapped = self.accelerator.unwrap_model(self.model)
-            core = unwrapped.get_base_model() if hasattr(unwrapped, "peft_config") else unwrapped
+            core = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
             # compared as save_pretrained writes it (the diff against the config class defaults, JSON keys)
             config = None if self._run_info["lora"] or not hasattr(core, "config") else json.loads(
                 core.config.to_json_string(use_diff=True))
@@ -612,79 +670,47 @@ class VLATrainer(Trainer):
                     and not self.is_deepspeed_enabled and not self.is_fsdp_enabled)
 
 
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "vla_model_card.md"
+def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_model: str | None = None):
+    """The Hub model card of a trainer's model (`hf_vla.card.model_card` with the trainer's state)."""
+    from .card import model_card
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    peft_config = getattr(model, "peft_config", None) if hasattr(model, "get_base_model") else None
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    metrics = {}
+    for entry in trainer.state.log_history:
+        metrics.update({k: v for k, v in entry.items() if k.startswith("eval_")})
+    provenance = trainer.provenance
+    return model_card(
+        core.config, datasets=provenance.datasets if provenance is not None else [], eval_metrics=metrics,
+        training_args={k: getattr(trainer.args, k) for k in CARD_ARGS},
+        model_name=model_name or Path(trainer.args.output_dir).name,
+        repo_id=trainer.args.hub_model_id or model_name or Path(trainer.args.output_dir).name, base_model=base_model,
+        lora=next(iter(peft_config.values())) if peft_config else None,
+    )
+
+
 CARD_ARGS = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "learning_rate",
              "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "loss_aggregation", "master_weights",
              "freeze", "bf16", "seed")
 
 
-def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_model: str | None = None):
-    """The Hub model card of a trainer's model, from `model_cards/vla_model_card.md`."""
-    from huggingface_hub import ModelCard, ModelCardData
+def _master_weight_incompatibility(optimizer_cls, kwargs: dict) -> str | None:
+    """Why an optimizer from `Trainer.get_optimizer_cls_and_kwargs` cannot be wrapped in `MasterWeightOptimizer`."""
+    from transformers.trainer_optimizer import is_optimizer_factory
 
-    if not MODEL_CARD_TEMPLATE.is_file():
-        raise FileNotFoundError(f"model card template {MODEL_CARD_TEMPLATE} not found")
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    peft_config = getattr(model, "peft_config", None)
-    core = model.get_base_model() if peft_config else model
-    config = core.config
-    base_model = base_model or getattr(config, "_name_or_path", None) or None
-    if base_model and (os.path.isdir(base_model) or base_model.startswith((".", "/"))):
-        base_model = None  # a local path is not a Hub reference
-    mixture = trainer.mixture
-    datasets = [{"name": s.name, "source": s.config.repo_id or "local", "weight": s.config.weight,
-                 "head": s.norm_key, "cameras": ", ".join(c or "(empty)" for c in s.config.cameras)}
-                for s in mixture.sources]
-    metrics = {}
-    for entry in trainer.state.log_history:
-        metrics.update({k: v for k, v in entry.items() if k.startswith("eval_")})
-
-    def fmt(value):
-        return f"{value:.4g}" if isinstance(value, float) else "–"
-
-    eval_rows = [{"name": name, "mse": fmt(metrics.get(f"eval_by_dataset/{name}/mse")),
-                  "action_mse": fmt(metrics.get(f"eval_by_dataset/{name}/action_mse"))}
-                 for name in mixture.names if f"eval_by_dataset/{name}/mse" in metrics]
-    repo_id = trainer.args.hub_model_id or model_name or Path(trainer.args.output_dir).name
-    card_data = ModelCardData(
-        library_name="transformers", license="apache-2.0", pipeline_tag="robotics",
-        tags=["robotics", "vla", "lerobot", "hf_vla", config.model_type],
-        datasets=[s.config.repo_id for s in mixture.sources if s.config.repo_id] or None,
-        base_model=base_model,
-    )
-    lora = None
-    if peft_config:
-        adapter = next(iter(peft_config.values()))
-        lora = f"rank {adapter.r}, alpha {adapter.lora_alpha}, targets `{adapter.target_modules}`"
-    first = mixture.sources[0]
-    return ModelCard.from_template(
-        card_data, template_path=str(MODEL_CARD_TEMPLATE), model_name=model_name or Path(trainer.args.output_dir).name,
-        policy_name={"pi05": "pi0.5", "pi0": "pi0"}.get(config.model_type, config.model_type), base_model=base_model,
-        chunk_size=config.chunk_size, num_inference_steps=config.num_inference_steps, repo_id=repo_id,
-        example_task=first.task(next(iter(first.tasks)), first.usable_episodes()[0]) if first.tasks else "...",
-        example_head=first.norm_key, datasets=datasets, eval_rows=eval_rows,
-        eval_loss=fmt(metrics["eval_loss"]) if "eval_loss" in metrics else None,
-        mixture_mse=fmt(metrics.get("eval_mixture_mse")),
-        training_args=[(k, getattr(trainer.args, k)) for k in CARD_ARGS], lora=lora,
-    )
-
-
-def _freeze(model, mode: str):
-    """Freeze parts of a pi0 / pi0.5 policy (`model.model.vlm`, `model.model.expert` / `.dit`)."""
-    if mode == "none":
-        return
-    core = model.model
-    if mode == "vision_tower":
-        frozen = [core.vlm.vision_tower, core.vlm.multi_modal_projector]
-    elif mode == "vlm":
-        frozen = [core.vlm]
-    else:  # expert_only
-        expert = getattr(core, "expert", None) or core.dit
-        for param in model.parameters():
-            param.requires_grad_(False)
-        for param in expert.parameters():
-            param.requires_grad_(True)
-        return
-    for module in frozen:
-        for param in module.parameters():
-            param.requires_grad_(False)
+    if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer):
+        pass
+    elif is_optimizer_factory(optimizer_cls) and getattr(optimizer_cls, "__module__", "").startswith("transformers"):
+        return "it is built from the model by a factory"
+    else:
+        return f"{getattr(optimizer_cls, '__name__', optimizer_cls)} is not a torch.optim.Optimizer"
+    for key, what in (("params", "its own parameter groups"), ("model", "the model itself"),
+                      ("optimizer_dict", "one optimizer per parameter")):
+        if key in kwargs:
+            return f"it takes {what}"
+    if "bitsandbytes" in getattr(optimizer_cls, "__module__", ""):
+        return "bitsandbytes optimizers keep quantized state of the parameters they are given"
+    if "schedulefree" in getattr(optimizer_cls, "__module__", "").lower():
+        return "schedule-free optimizers must switch the parameters between train and eval points"
+    return None

@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
-    from hf_vla.testing import build_tiny_tokenizer
+    from hf_vla.tiny import build_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     build_tiny_tokenizer(path)
@@ -44,7 +44,7 @@ def tiny_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
-    from hf_vla.testing import build_tiny_tokenizer
+    from hf_vla.tiny import build_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer_dir")
     build_tiny_tokenizer(path)

@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 
 from hf_vla import PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLATrainingArguments
 from hf_vla.data import WeightedDatasetMixture
-from hf_vla.testing import build_tiny_tokenizer, tiny_pi05_config
+from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
 
 MODES = [("sample_mean", None), ("token_mean", None), ("group_mean", None), ("constant", 7.0)]
 
@@ -66,7 +66,8 @@ def evaluate_split(root_a, root_b, out_dir, **extra):
     args = VLATrainingArguments(output_dir=out_dir, max_steps=1, per_device_eval_batch_size=3, report_to=[],
                                 use_cpu=True, ddp_backend="gloo" if distributed else None, save_strategy="no", seed=3,
                                 disable_tqdm=True, **extra)
-    trainer = VLATrainer(model, args, mixture=mixture, processing_class=processor)
+    _, validation = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=model.config.chunk_size)
+    trainer = VLATrainer(model, args, eval_dataset=validation, processing_class=processor)
     return trainer.evaluate()
 
 
@@ -80,7 +81,8 @@ def main(root_a, root_b, out):
                                     save_strategy="no", warmup_steps=0, seed=3, stream_open_blocks=2,
                                     disable_tqdm=True)
         capture = Capture(model)
-        trainer = Recording(model, args, mixture=mixture, processing_class=processor, callbacks=[capture])
+        train, _ = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=model.config.chunk_size)
+        trainer = Recording(model, args, train_dataset=train, processing_class=processor, callbacks=[capture])
         trainer.seen = []
         trainer.train()
         batches = gather_object([trainer.seen])

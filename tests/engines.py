@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 
 from hf_vla import PI05Processor, VLATrainer, VLATrainingArguments
 from hf_vla.data import WeightedDatasetMixture
-from hf_vla.testing import build_tiny_tokenizer
+from hf_vla.tiny import build_tiny_tokenizer
 
 
 def mixture_of(root_a, root_b):
@@ -148,8 +148,9 @@ def build_trainer(engine, roots, out, dtype=torch.float32, callbacks=(), cls=VLA
     model = make_model().to(dtype)
     processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
                                           head_names=mixture.head_names)
-    trainer = cls(model, arguments(engine, out, **overrides), mixture=mixture, processing_class=processor,
-                  callbacks=list(callbacks))
+    args = arguments(engine, out, **overrides)
+    train, _ = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=model.config.chunk_size)
+    trainer = cls(model, args, train_dataset=train, processing_class=processor, callbacks=list(callbacks))
     for callback in callbacks:
         if hasattr(callback, "trainer"):
             callback.trainer = trainer
@@ -169,7 +170,7 @@ def scenario_grad(engine, roots, out):
 def make_pi0():
     from transformers import PI0ForConditionalGeneration
 
-    from hf_vla.testing import tiny_pi0_config
+    from hf_vla.tiny import tiny_pi0_config
 
     torch.manual_seed(0)
     model = PI0ForConditionalGeneration(tiny_pi0_config(chunk_size=6))
@@ -182,14 +183,17 @@ def make_pi0():
 def scenario_grad_pi0(engine, roots, out):
     """transformers' pi0, unchanged, under the same engine and objective."""
     from hf_vla.data import PI0Collator
+    from hf_vla.models.pi0_adapter import PI0HeadProcessor
 
     capture = CaptureGrads()
     mixture = mixture_of(*roots)
     model = make_pi0()
-    tokenizer = build_tiny_tokenizer()
-    collator = PI0Collator(tokenizer, mixture.norm_stats, mixture.head_names, model.config)
-    trainer = Recording(model, arguments(engine, f"{out}/grad_pi0"), mixture=mixture, processing_class=tokenizer,
-                        data_collator=collator, callbacks=[capture])
+    processor = PI0HeadProcessor.from_config(model.config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
+                                             head_names=mixture.head_names)
+    args = arguments(engine, f"{out}/grad_pi0")
+    train, _ = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=model.config.chunk_size)
+    trainer = Recording(model, args, train_dataset=train, processing_class=processor,
+                        data_collator=PI0Collator(processor), callbacks=[capture])
     capture.trainer = trainer
     trainer.seen = []
     trainer.train()
@@ -242,7 +246,7 @@ def scenario_same(engine, roots, out):
             model = make_model()
             if lora:
                 torch.manual_seed(11)
-                model = get_peft_model(model, lora_config("expert", r=4))
+                model = get_peft_model(model, lora_config("expert", r=4, model=model))
                 with torch.no_grad():  # LoRA B starts at zero: give the adapters weights so they matter
                     for name, param in model.named_parameters():
                         if "lora_B" in name:
@@ -254,8 +258,10 @@ def scenario_same(engine, roots, out):
                         param.add_(0.01)
             processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
                                                   head_names=mixture.head_names)
-            trainer = VLATrainer(model, arguments(engine, f"{out}/same_{lora}_{diverge}", max_steps=3),
-                                 mixture=mixture, processing_class=processor, callbacks=[digests])
+            args = arguments(engine, f"{out}/same_{lora}_{diverge}", max_steps=3)
+            train, _ = mixture.training_datasets(args, image_size=processor.image_size,
+                                                 chunk_size=model.config.chunk_size)
+            trainer = VLATrainer(model, args, train_dataset=train, processing_class=processor, callbacks=[digests])
             digests.trainer = trainer
             trainer.train()
             results[f"lora={lora},diverge={diverge}"] = gather_object([digests.steps])

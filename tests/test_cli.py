@@ -171,7 +171,7 @@ def test_cli_trains_pi0_and_pi05(tmp_path, caplog):
         "max_steps": 3, "per_device_train_batch_size": 4, "report_to": [], "use_cpu": True, "save_strategy": "no",
         "disable_tqdm": True, "stream_open_blocks": 2,
     }
-    from hf_vla.testing import tiny_dit_config, tiny_vlm_config
+    from hf_vla.tiny import tiny_dit_config, tiny_vlm_config
 
     dims = {"vlm_config": tiny_vlm_config(), "dit_config": tiny_dit_config(), "chunk_size": 4, "max_state_dim": 8,
             "max_action_dim": 6}

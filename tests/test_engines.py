@@ -165,7 +165,7 @@ def test_fsdp1_is_refused_with_the_reason(tmp_path):
     args = VLATrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp="full_shard auto_wrap",
                                 fsdp_config={"version": 1})
     with pytest.raises(ConfigError, match="FSDP version 1 is not supported: use fsdp_version 2"):
-        VLATrainer(make_model(), args, mixture=None)
+        VLATrainer(make_model(), args)
 
 
 def test_a_bf16_model_under_deepspeed_needs_its_bf16_mode(tmp_path):
@@ -176,4 +176,4 @@ def test_a_bf16_model_under_deepspeed_needs_its_bf16_mode(tmp_path):
     args = VLATrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
                                 deepspeed=str(REPO / "configs" / "accelerate" / "ds_zero2.json"))
     with pytest.raises(ConfigError, match="needs DeepSpeed's bf16 mode"):
-        VLATrainer(make_model().to(torch.bfloat16), args, mixture=None)
+        VLATrainer(make_model().to(torch.bfloat16), args)

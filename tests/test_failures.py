@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from test_data import CAM, make_dataset
 
 from hf_vla import checkpoints
-from hf_vla.testing import tiny_dit_config, tiny_vlm_config
+from hf_vla.tiny import tiny_dit_config, tiny_vlm_config
 from hf_vla.train import cli, main, parse_config
 
 TESTS = Path(__file__).parent
@@ -328,7 +328,7 @@ def test_skip_mode_drops_the_step_counts_it_and_keeps_the_loss_honest(pristine, 
 
     from hf_vla import PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLATrainingArguments
     from hf_vla.data import WeightedDatasetMixture
-    from hf_vla.testing import build_tiny_tokenizer, tiny_pi05_config
+    from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
 
     class Poisoned(VLATrainer):
         def per_sample_loss(self, model, inputs, step):
@@ -353,7 +353,8 @@ def test_skip_mode_drops_the_step_counts_it_and_keeps_the_loss_honest(pristine, 
     args = VLATrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=2,
                                 report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, learning_rate=1e-3,
                                 warmup_steps=0, stream_open_blocks=2, on_nonfinite="skip")
-    trainer = Poisoned(model, args, mixture=mixture, processing_class=processor, callbacks=[Snapshot()])
+    train, _ = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=config.chunk_size)
+    trainer = Poisoned(model, args, train_dataset=train, processing_class=processor, callbacks=[Snapshot()])
     trainer.train()
     for name, param in snapshots[2].items():  # step 2 was dropped: the weights are those after step 1
         assert torch.equal(param, snapshots[1][name]), name

@@ -8,7 +8,7 @@ from test_pi05_model import tiny_inputs
 
 from hf_vla import PI05ForConditionalGeneration
 from hf_vla.lora import lora_config
-from hf_vla.testing import tiny_pi05_config
+from hf_vla.tiny import tiny_pi05_config
 
 
 @pytest.mark.parametrize("preset", ["expert", "all_linear"])
@@ -16,7 +16,7 @@ def test_lora_trains_saves_reloads_merges(tmp_path, preset):
     torch.manual_seed(0)
     base = randomize_(PI05ForConditionalGeneration(tiny_pi05_config()), seed=0)
     base.save_pretrained(tmp_path / "base")
-    model = get_peft_model(base, lora_config(preset, r=4))
+    model = get_peft_model(base, lora_config(preset, r=4, model=base))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert any("lora_" in n and ".expert." in n for n in trainable)
     assert any("lora_" in n and "language_model" in n for n in trainable) == (preset == "all_linear")

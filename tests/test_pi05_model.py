@@ -9,18 +9,18 @@ import textwrap
 import pytest
 import torch
 from conftest import randomize_
-from lerobot_oracle import (
+
+import hf_vla
+from hf_vla import PI05Config, PI05ForConditionalGeneration
+from hf_vla.convert import convert_lerobot_state_dict
+from hf_vla.reference import (
     build_lerobot_pi0,
     build_lerobot_pi05,
     hf_pi0_config,
     hf_pi05_config,
     sample_inputs,
 )
-
-import hf_vla
-from hf_vla import PI05Config, PI05ForConditionalGeneration
-from hf_vla.convert import convert_lerobot_state_dict
-from hf_vla.testing import tiny_pi05_config
+from hf_vla.tiny import tiny_pi05_config
 
 CPU_BACKENDS = ["eager", "sdpa", "flex_attention"]
 
@@ -292,7 +292,7 @@ def test_model_loss_agrees_with_velocity():
 
 def test_config_refuses_mismatched_towers():
     with pytest.raises(Exception, match="num_hidden_layers"):
-        tiny_pi05_config(dit_config={**hf_vla.testing.tiny_dit_config(), "num_hidden_layers": 3})
+        tiny_pi05_config(dit_config={**hf_vla.tiny.tiny_dit_config(), "num_hidden_layers": 3})
 
 
 def test_default_config_has_published_shapes():

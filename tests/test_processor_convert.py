@@ -6,14 +6,14 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from lerobot_oracle import EXPERT, IMAGE_SIZE, TEXT, VISION, build_lerobot_pi0, build_lerobot_pi05, sample_inputs
 from safetensors.torch import save_file
 from transformers import AutoModel, AutoModelForImageTextToText, AutoProcessor
 
 import hf_vla.convert as convert
 from hf_vla import PI05ForConditionalGeneration, PI05Processor
 from hf_vla.models.pi05.processing_pi05 import resize_with_pad
-from hf_vla.testing import tiny_pi05_config
+from hf_vla.reference import EXPERT, IMAGE_SIZE, TEXT, VISION, build_lerobot_pi0, build_lerobot_pi05, sample_inputs
+from hf_vla.tiny import tiny_pi05_config
 
 STATS = {
     "arm::joint": {

@@ -12,7 +12,7 @@ from test_data import CAM, make_dataset
 from transformers import TrainerCallback, get_scheduler
 
 from hf_vla import MasterWeightOptimizer, PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLATrainingArguments
-from hf_vla.data import WeightedDatasetMixture
+from hf_vla.data import PI05Collator, WeightedDatasetMixture
 from hf_vla.losses import (
     GROUP_KEYS,
     StepTotals,
@@ -21,7 +21,7 @@ from hf_vla.losses import (
     policy_per_sample_loss,
     sample_weights,
 )
-from hf_vla.testing import build_tiny_tokenizer, tiny_pi05_config
+from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
 
 TESTS = Path(__file__).parent
 
@@ -265,8 +265,10 @@ def _trainer(root, out, max_steps=6, callbacks=(), **kwargs):
                     report_to=[], learning_rate=1e-3, warmup_steps=1, use_cpu=True, seed=7, disable_tqdm=True,
                     stream_open_blocks=3)
     defaults.update(kwargs)
-    return VLATrainer(model, VLATrainingArguments(**defaults), mixture=mixture, processing_class=processor,
-                      callbacks=list(callbacks))
+    args = VLATrainingArguments(**defaults)
+    train, validation = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=config.chunk_size)
+    return VLATrainer(model, args, train_dataset=train, eval_dataset=validation, data_collator=PI05Collator(processor),
+                      processing_class=processor, callbacks=list(callbacks))
 
 
 class StopAt(TrainerCallback):
@@ -362,7 +364,7 @@ def test_trainer_trains_transformers_pi0_unchanged(two_datasets, tmp_path):
     from transformers import PI0ForConditionalGeneration
 
     from hf_vla.data import PI0Collator
-    from hf_vla.testing import tiny_pi0_config
+    from hf_vla.tiny import tiny_pi0_config
 
     mixture = WeightedDatasetMixture([dict(root=str(two_datasets / "a"), name="a", cameras=[CAM], control_mode="joint"),
                                       dict(root=str(two_datasets / "b"), name="b", cameras=["front", None],
@@ -370,12 +372,17 @@ def test_trainer_trains_transformers_pi0_unchanged(two_datasets, tmp_path):
     torch.manual_seed(0)
     config = tiny_pi0_config(chunk_size=6)
     model = PI0ForConditionalGeneration(config)
-    tokenizer = build_tiny_tokenizer()
-    collator = PI0Collator(tokenizer, mixture.norm_stats, mixture.head_names, config)
+    from hf_vla.models.pi0_adapter import PI0HeadProcessor
+
+    processor = PI0HeadProcessor.from_config(config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
+                                             head_names=mixture.head_names)
+    collator = PI0Collator(processor)
     args = VLATrainingArguments(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=8,
                                 learning_rate=5e-4, warmup_steps=0, logging_steps=5, report_to=[], use_cpu=True,
                                 disable_tqdm=True, save_strategy="no", stream_open_blocks=3)
-    trainer = VLATrainer(model, args, mixture=mixture, processing_class=tokenizer, data_collator=collator)
+    train, validation = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=config.chunk_size)
+    trainer = VLATrainer(model, args, train_dataset=train, eval_dataset=validation, processing_class=processor,
+                         data_collator=collator)
     batch = next(iter(trainer.get_train_dataloader()))
     images = (batch["input_ids"] == config.vlm_config.image_token_id).sum(1)
     assert images.tolist() == (batch["pixel_attention_mask"].sum(1) * 16).tolist()  # absent cameras are dropped

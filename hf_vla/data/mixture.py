@@ -10,7 +10,7 @@ from lerobot.datasets.compute_stats import aggregate_feature_stats
 from ..errors import ConfigError, DataError
 from .scan import MAX_STATS_FRAMES, scan_source
 from .sources import BlockList, DatasetConfig, LeRobotSource
-from .stream import EpisodeShuffleStream, ValidationStream
+from .stream import EpisodeShuffleStream, Provenance, ValidationStream
 
 
 class WeightedDatasetMixture:
@@ -113,21 +113,55 @@ class WeightedDatasetMixture:
     def names(self) -> list[str]:
         return [s.name for s in self.sources]
 
+    @property
+    def provenance(self) -> Provenance:
+        datasets = []
+        for source in self.sources:
+            episode = source.usable_episodes()[0]
+            table = source.episode_table(episode)
+            datasets.append({"name": source.name, "source": source.config.repo_id or "local",
+                             "weight": source.config.weight, "head": source.norm_key,
+                             "cameras": ", ".join(c or "(empty)" for c in source.config.cameras),
+                             "example_task": source.task(table["task_index"][0], episode)})
+        return Provenance(self.names, list(self.head_names), list(self.weights),
+                          [s.episode_offset for s in self.sources], datasets)
+
+    def training_datasets(self, args, image_size: int, chunk_size: int):
+        """(train, validation) datasets for `VLATrainer`, from its training arguments: the episode-shuffle stream
+        sharded for this rank (`per_device_train_batch_size`, `data_seed` or `seed`, `stream_open_blocks`,
+        `decoder_threads`) and the validation stream (None without a validation split). Both yield lists of samples
+        per batch, for the trainer's `data_collator`, and carry `provenance`."""
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        threads = getattr(args, "decoder_threads", None)
+        train = self.train_stream(image_size, chunk_size, batch_size=args.per_device_train_batch_size, seed=seed,
+                                  open_blocks=getattr(args, "stream_open_blocks", 32), rank=args.process_index,
+                                  world_size=args.world_size, decoder_threads=threads)
+        validation = None
+        if any(len(blocks) for blocks in self.validation_blocks):
+            validation = self.validation_stream(image_size, chunk_size, args.per_device_eval_batch_size,
+                                                rank=args.process_index, world_size=args.world_size,
+                                                decoder_threads=threads)
+        return train, validation
+
     def train_stream(self, image_size: int, chunk_size: int, batch_size: int | None = None,
                      collate_fn: Callable | None = None, seed: int = 0, open_blocks: int = 32, rank: int = 0,
                      world_size: int = 1, decoder_threads: int | None = None) -> EpisodeShuffleStream:
-        return EpisodeShuffleStream(
+        stream = EpisodeShuffleStream(
             self.sources, self.train_blocks, self.weights, self.head_of_source, self.num_cameras, image_size,
             chunk_size, seed=seed, open_blocks=open_blocks, batch_size=batch_size, collate_fn=collate_fn, rank=rank,
             world_size=world_size, decoder_threads=decoder_threads,
         )
+        stream.provenance = self.provenance
+        return stream
 
     def validation_stream(self, image_size: int, chunk_size: int, batch_size: int, collate_fn: Callable | None = None,
                           rank: int = 0, world_size: int = 1, decoder_threads: int | None = None) -> ValidationStream:
-        return ValidationStream(
+        stream = ValidationStream(
             self.sources, self.validation_blocks, self.head_of_source, self.num_cameras, image_size, chunk_size,
             batch_size, collate_fn=collate_fn, rank=rank, world_size=world_size, decoder_threads=decoder_threads,
         )
+        stream.provenance = self.provenance
+        return stream
 
 
 def _release_build_memory():

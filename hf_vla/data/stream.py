@@ -28,6 +28,25 @@ from .sources import Block, BlockList, LeRobotSource, VideoReader
 
 
 @dataclass
+class Provenance:
+    """What the indices in a batch mean, for metrics, error messages and model cards (set by the mixture).
+
+    names / weights / episode_offsets are by `source_index` (datasets), head_names by `dataset_index` (heads);
+    `datasets` describes each dataset for a model card (name, source, weight, head, cameras, example_task).
+    """
+
+    names: list[str]
+    head_names: list[str]
+    weights: list[float]
+    episode_offsets: list[int]
+    datasets: list[dict]
+
+    def episode(self, source: int, global_episode: int) -> int:
+        """A dataset's own episode index from the global `episode_index` of a sample."""
+        return int(global_episode) - self.episode_offsets[source]
+
+
+@dataclass
 class _Slot:
     block: Block
     frame: int  # next frame (episode frame index) to emit
@@ -194,6 +213,7 @@ class EpisodeShuffleStream(IterableDataset):
         if batch_size is not None and batch_size <= 0:
             raise ConfigError(f"batch_size must be positive, got {batch_size}")
         self.decoder_threads = decoder_threads
+        self.provenance: Provenance | None = None  # set by the mixture
         self.sources, self.blocks = sources, blocks
         self.weights = np.asarray(weights, dtype=np.float64)
         self.head_of_source = head_of_source
@@ -279,6 +299,7 @@ class ValidationStream(IterableDataset):
         self.num_cameras, self.image_size, self.chunk_size = num_cameras, image_size, chunk_size
         self.batch_size, self.collate_fn, self.rank, self.world_size = batch_size, collate_fn, rank, world_size
         self.decoder_threads = decoder_threads
+        self.provenance: Provenance | None = None  # set by the mixture
         parts = [np.column_stack([np.full(len(b), s, dtype=np.int64), np.asarray(b.ranges if isinstance(b, BlockList)
                                   else [(x.episode, x.start, x.end) for x in b], dtype=np.int64).reshape(-1, 3)])
                  for s, b in enumerate(blocks)]

@@ -446,6 +446,41 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             loss = F.mse_loss(velocity, (noise - actions).float())
         return CausalLMOutputWithPast(loss=loss, logits=velocity, past_key_values=cache)
 
+    # ---- structure, for the trainer and peft ---------------------------------------------------------------------
+    freeze_modes = ("none", "vision_tower", "vlm", "expert_only")
+    lora_presets = ("expert", "all_linear")
+
+    def trained_heads(self) -> list[str]:
+        """The small action/time heads: trained in full when the rest is frozen or adapted (peft `modules_to_save`)."""
+        return ["action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"]
+
+    def freeze(self, mode: str = "none") -> None:
+        """`vision_tower`: SigLIP and its projector frozen; `vlm`: all of PaliGemma frozen (the expert and the heads
+        train); `expert_only`: only the action expert's layers train. The modules pi0.5 never runs stay frozen."""
+        if mode not in self.freeze_modes:
+            raise ValueError(f"freeze={mode!r}: choose one of {self.freeze_modes}")
+        core = self.model
+        if mode == "vision_tower":
+            core.vlm.vision_tower.requires_grad_(False)
+            core.vlm.multi_modal_projector.requires_grad_(False)
+        elif mode == "vlm":
+            core.vlm.requires_grad_(False)
+        elif mode == "expert_only":
+            self.requires_grad_(False)
+            core.expert.layers.requires_grad_(True)
+        core.freeze_unused()
+
+    def lora_target_modules(self, preset: str) -> list[str]:
+        """The linear layers LoRA adapts. `expert`: every linear of the action expert's layers (attention, MLP and the
+        adaRMS modulation); `all_linear`: those and every linear of the VLM's language-model layers that pi0.5 runs
+        (the last layer's query/output projections and MLP never run, so they get no adapter)."""
+        if preset not in self.lora_presets:
+            raise ValueError(f"LoRA preset {preset!r}: choose one of {self.lora_presets}")
+        unused = {id(sub) for module in self.model.unused_modules() for sub in module.modules()}
+        prefixes = ("model.expert.layers.",) + (("model.vlm.language_model.layers.",) if preset == "all_linear" else ())
+        return [name for name, module in self.named_modules()
+                if isinstance(module, nn.Linear) and name.startswith(prefixes) and id(module) not in unused]
+
     @torch.no_grad()
     def prefix_cache(self, input_ids, pixel_values, pixel_attention_mask=None, attention_mask=None) -> DynamicCache:
         """Run the VLM once over the prefix and return its per-layer keys/values."""

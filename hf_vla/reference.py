@@ -1,4 +1,5 @@
-"""lerobot's own pi0 / pi0.5 built at tiny dims, as a numerical oracle for hf_vla.
+"""lerobot's own pi0 / pi0.5 built at tiny dims, as a numerical reference for hf_vla (tests and benchmarks; needs
+`lerobot[pi]`, the test extra).
 
 lerobot's constructors hard-code the SigLIP So400m widths, the projector width (2048) and, in the joint attention,
 8 heads; we patch the two config factories it calls (`get_gemma_config` and the PaliGemma wrapper) so the same

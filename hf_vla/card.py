@@ -1,0 +1,59 @@
+"""Hub model cards for trained policies, from the package's `templates/vla_model_card.md`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "templates" / "vla_model_card.md"  # model_cards/ links here
+POLICY_NAMES = {"pi05": "pi0.5", "pi0": "pi0"}
+
+
+def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, training_args: dict | None = None,
+               model_name: str = "policy", repo_id: str | None = None, base_model: str | None = None, lora=None):
+    """A `huggingface_hub.ModelCard` for a policy.
+
+    config: the policy's config. datasets: one dict per dataset (name, source, weight, head, cameras, example_task),
+    as `hf_vla.data.Provenance.datasets` has them. eval_metrics: the trainer's `eval_*` metrics (per-dataset table).
+    training_args: the arguments to list. lora: the peft adapter config, if any.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    if not MODEL_CARD_TEMPLATE.is_file():
+        raise FileNotFoundError(f"model card template {MODEL_CARD_TEMPLATE} not found")
+    metrics = eval_metrics or {}
+    base_model = base_model or getattr(config, "_name_or_path", None) or None
+    if base_model and (os.path.isdir(base_model) or base_model.startswith((".", "/"))):
+        base_model = None  # a local path is not a Hub reference
+
+    def fmt(value):
+        return f"{value:.4g}" if isinstance(value, float) else "–"
+
+    eval_rows = [{"name": d["name"], "mse": fmt(metrics.get(f"eval_by_dataset/{d['name']}/mse")),
+                  "action_mse": fmt(metrics.get(f"eval_by_dataset/{d['name']}/action_mse"))}
+                 for d in datasets if f"eval_by_dataset/{d['name']}/mse" in metrics]
+    card_data = ModelCardData(
+        library_name="transformers", license="apache-2.0", pipeline_tag="robotics",
+        tags=["robotics", "vla", "lerobot", "hf_vla", config.model_type],
+        datasets=[d["source"] for d in datasets if d.get("source") not in (None, "local")] or None,
+        base_model=base_model,
+    )
+    lora_text = None
+    if lora is not None:
+        targets = lora.target_modules
+        lora_text = f"rank {lora.r}, alpha {lora.lora_alpha}, " + (
+            f"{len(targets)} linear layers" if isinstance(targets, list | set) else f"targets `{targets}`")
+    first = datasets[0] if datasets else {}
+    return ModelCard.from_template(
+        card_data, template_path=str(MODEL_CARD_TEMPLATE), model_name=model_name,
+        policy_name=POLICY_NAMES.get(config.model_type, config.model_type), base_model=base_model,
+        chunk_size=config.chunk_size, num_inference_steps=config.num_inference_steps, repo_id=repo_id or model_name,
+        example_task=first.get("example_task", "..."), example_head=first.get("head", "..."),
+        datasets=[{k: d.get(k) for k in ("name", "source", "weight", "head", "cameras")} for d in datasets],
+        eval_rows=eval_rows, eval_loss=fmt(metrics["eval_loss"]) if "eval_loss" in metrics else None,
+        mixture_mse=fmt(metrics.get("eval_mixture_mse")), training_args=list((training_args or {}).items()),
+        lora=lora_text,
+    )
+
+
+__all__ = ["MODEL_CARD_TEMPLATE", "model_card"]
