@@ -123,6 +123,10 @@ def test_demo_dataset_frames_match_env_renders_and_stale_data_is_rebuilt(tmp_pat
     marker.write_text(json.dumps({"episodes": 2, "seed": 5}))  # written by an older generator
     ensure_demo_dataset(root, episodes=2, seed=5)
     assert json.loads(marker.read_text())["version"] >= 2
+    (root / "tmpk3_x9qzw").mkdir()  # lerobot's encoding folder, left by a run killed while writing videos
+    marker.unlink()
+    ensure_demo_dataset(root, episodes=2, seed=5)
+    assert marker.exists() and not (root / "tmpk3_x9qzw").exists()
     foreign = tmp_path / "mine"
     (foreign / "notes").mkdir(parents=True)
     with pytest.raises(FileExistsError, match="not a demo dataset"):

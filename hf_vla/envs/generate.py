@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -53,6 +54,9 @@ def generate_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: in
     return root
 
 
+_WRITER_TEMP = re.compile(r"tmp[a-z0-9_]{8}")
+
+
 def ensure_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: int = 0, main_process: bool = True) -> Path:
     """Generate the demo dataset at `root` unless a complete, current one is there.
 
@@ -75,7 +79,10 @@ def ensure_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: int 
             time.sleep(1)
         return root
     if root.exists():
-        foreign = sorted(p.name for p in root.iterdir() if p.name not in ("meta", "data", "videos", "images"))
+        # lerobot's writer encodes each video in a `tempfile.mkdtemp(dir=root)` folder: a run killed while encoding
+        # leaves one behind, which belongs to the partial dataset
+        foreign = sorted(p.name for p in root.iterdir()
+                         if p.name not in ("meta", "data", "videos", "images") and not _WRITER_TEMP.fullmatch(p.name))
         if foreign:  # never delete a folder that is not a (partial) LeRobot dataset
             raise FileExistsError(f"{root} is not a demo dataset (it holds {foreign}); pick another demo data root")
         logger.info("rebuilding the demo dataset at %s (missing, partial or stale)", root)
