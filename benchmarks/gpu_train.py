@@ -261,6 +261,43 @@ def _launch(spec: dict, timeout: float) -> dict:
     return {"error": done.stderr[-2000:]}
 
 
+def summarize(report: dict) -> dict:
+    """The largest batch that fits per configuration, its throughput, and hf_vla's best over lerobot's best."""
+
+    def best(section: str) -> dict:
+        out = {}
+        for key, runs in report[section].items():
+            fitting = {int(b): r for b, r in runs.items() if "samples_per_s" in r}
+            if fitting:
+                batch = max(fitting)
+                out[key] = {"largest_batch": batch, "samples_per_s": round(fitting[batch]["samples_per_s"], 2),
+                            "best_samples_per_s": round(max(r["samples_per_s"] for r in fitting.values()), 2),
+                            "mfu_at_best": round(max(r.get("mfu", 0) for r in fitting.values()), 3)}
+        return out
+
+    report["summary"] = {"hf_vla": best("hf_vla"), "lerobot": best("lerobot")}
+    ours = max((v["best_samples_per_s"] for k, v in report["summary"]["hf_vla"].items() if "master_weights=off" not in k),
+               default=None)
+    theirs = max((v["best_samples_per_s"] for v in report["summary"]["lerobot"].values()), default=None)
+    if ours and theirs:
+        report["summary"]["ratio_hf_vla_over_lerobot"] = round(ours / theirs, 2)
+    return report
+
+
+def merge(paths: list[str]) -> dict:
+    """One report from runs of `--only hf_vla` and `--only lerobot` on the same machine."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    devices = {r["device"] for r in reports}
+    if len(devices) != 1:
+        raise SystemExit(f"refusing to merge runs from different devices: {sorted(devices)}")
+    merged = dict(reports[0])
+    for report in reports[1:]:
+        for section in ("hf_vla", "lerobot"):
+            merged[section] = merged.get(section, {}) | report.get(section, {})
+    merged["runs_merged"] = len(reports)
+    return summarize(merged)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=None, help="where the synthetic dataset is written (default: a temp dir)")
@@ -277,11 +314,18 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per configuration")
     parser.add_argument("--out", default=None)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test of this script at tiny dims")
+    parser.add_argument("--merge", nargs="*", default=None, help="merge the JSON of earlier runs (same device)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))), flush=True)
         return None
+    if args.merge:
+        report = merge(args.merge)
+        print(json.dumps(report, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2))
+        return report
 
     import importlib.util
 
@@ -339,22 +383,7 @@ def main(argv=None):
                    {"kind": "hf_vla", "batch": args.master_weights_off_batch, "checkpointing": True, "attn": "sdpa",
                     "workers": args.workers, "master_weights": False})
 
-    def best(section: str) -> dict:
-        out = {}
-        for key, runs in report[section].items():
-            fitting = {int(b): r for b, r in runs.items() if "samples_per_s" in r}
-            if fitting:
-                batch = max(fitting)
-                out[key] = {"largest_batch": batch, "samples_per_s": round(fitting[batch]["samples_per_s"], 2),
-                            "best_samples_per_s": round(max(r["samples_per_s"] for r in fitting.values()), 2)}
-        return out
-
-    report["summary"] = {"hf_vla": best("hf_vla"), "lerobot": best("lerobot")}
-    ours = max((v["best_samples_per_s"] for k, v in report["summary"]["hf_vla"].items() if "master_weights=off" not in k),
-               default=None)
-    theirs = max((v["best_samples_per_s"] for v in report["summary"]["lerobot"].values()), default=None)
-    if ours and theirs:
-        report["summary"]["ratio_hf_vla_over_lerobot"] = round(ours / theirs, 2)
+    summarize(report)
     report["goal"] = {"samples_per_s_per_gpu": 25.0}
     save()
     print(json.dumps(report, indent=2))
