@@ -106,7 +106,7 @@ def build(size: str, device, dtype):
     return ours, lerobot, inputs
 
 
-def measure_size(size: str, device, dtype, repeats: int, warmup: int, compile_modes) -> dict:
+def measure_size(size: str, device, dtype, repeats: int, warmup: int, compile_modes, save=lambda out: None) -> dict:
     ours, lerobot, x = build(size, device, dtype)
     out = {"params": sum(p.numel() for p in ours.parameters()), "dtype": str(dtype).removeprefix("torch."),
            "cameras": x["pixel_values"].shape[1], "chunk": ours.config.chunk_size, "hf_vla": {}, "lerobot": {}}
@@ -128,6 +128,7 @@ def measure_size(size: str, device, dtype, repeats: int, warmup: int, compile_mo
             a = ours.sample_actions(x["input_ids"], x["pixel_values"], x["pixel_attention_mask"], x["attention_mask"],
                                     noise=x["noise"])
             out["same_shape"] = list(a.shape) == list(lerobot_call(lerobot.sample_actions)().shape)
+    save(out)
     for mode in compile_modes:
         key = f"compile_{mode}"
         for name, model, call in (("hf_vla", ours, ours_call), ("lerobot", lerobot, lerobot_call)):
@@ -140,6 +141,7 @@ def measure_size(size: str, device, dtype, repeats: int, warmup: int, compile_mo
                     out[name][key] = timed(call(compiled), repeats, warmup, device)
             except Exception as error:  # a compile failure is a result, not the end of the benchmark
                 out[name][key] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            save(out)
     for variant, result in out["hf_vla"].items():
         theirs = out["lerobot"].get(variant, {})
         if "median_ms" in result and "median_ms" in theirs:
@@ -166,11 +168,16 @@ def main(argv=None):
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} "
                                                                                       "threads)",
               "torch": torch.__version__, "batch": 1, "flow_steps": 10, "sizes": {}}
-    for size in args.sizes:
-        report["sizes"][size] = measure_size(size, device, dtype, args.repeats, args.warmup, args.compile_modes)
+    def save(out, size=None):
+        if size:
+            report["sizes"][size] = out
         if args.out:
             with open(args.out, "w") as handle:
                 json.dump(report, handle, indent=2)
+
+    for size in args.sizes:
+        measure_size(size, device, dtype, args.repeats, args.warmup, args.compile_modes,
+                     save=lambda out, size=size: save(out, size))
     report["goal"] = {"full_size_compiled_median_ms": 40.0}
     print(json.dumps(report, indent=2))
     if args.out:

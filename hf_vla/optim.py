@@ -38,14 +38,20 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             yield from zip(outer["params"], inner["params"])
 
     def _follow_device(self):
-        """Masters (and their state) live where the parameters live."""
-        for param, master in self._pairs():
-            if master.device != param.device:
+        """Masters (and their state) live where the parameters live. The scalar `step` stays on the CPU, except for
+        fused or capturable optimizers, whose kernels read it on the parameters' device."""
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            step_follows = bool(inner.get("fused") or inner.get("capturable"))
+            for param, master in zip(outer["params"], inner["params"]):
+                if master.device == param.device:
+                    continue
                 state = self.inner.state.pop(master, None)
                 master.data = master.data.to(param.device)
                 if state is not None:
-                    self.inner.state[master] = {k: v.to(param.device) if torch.is_tensor(v) and v.dim() else v
-                                                for k, v in state.items()}
+                    self.inner.state[master] = {
+                        k: v.to(param.device) if torch.is_tensor(v) and (v.dim() or step_follows) else v
+                        for k, v in state.items()
+                    }
 
     @torch.no_grad()
     def sync_masters(self):
