@@ -290,10 +290,11 @@ def merge(paths: list[str]) -> dict:
     devices = {r["device"] for r in reports}
     if len(devices) != 1:
         raise SystemExit(f"refusing to merge runs from different devices: {sorted(devices)}")
-    merged = dict(reports[0])
+    merged = json.loads(json.dumps(reports[0]))
     for report in reports[1:]:
         for section in ("hf_vla", "lerobot"):
-            merged[section] = merged.get(section, {}) | report.get(section, {})
+            for key, runs in report.get(section, {}).items():
+                merged.setdefault(section, {}).setdefault(key, {}).update(runs)
     merged["runs_merged"] = len(reports)
     return summarize(merged)
 
