@@ -96,32 +96,20 @@ def tiny_dit_config(width: int = 32, depth: int = 2, heads: int = 4, head_dim: i
     }
 
 
+def _tiny_policy_kwargs() -> dict:
+    return {"vlm_config": tiny_vlm_config(), "dit_config": tiny_dit_config(), "chunk_size": 5, "max_state_dim": 8,
+            "max_action_dim": 6}
+
+
 def tiny_pi05_config(**overrides):
     """A pi0.5 config of ~150k parameters with the real architecture (two cameras' worth of 16 image tokens)."""
     from .models.pi05 import PI05Config
 
-    kwargs = {
-        "vlm_config": tiny_vlm_config(),
-        "dit_config": tiny_dit_config(),
-        "chunk_size": 5,
-        "max_state_dim": 8,
-        "max_action_dim": 6,
-        "tokenizer_max_length": 48,
-    }
-    kwargs.update(overrides)
-    return PI05Config(**kwargs)
+    return PI05Config(**(_tiny_policy_kwargs() | {"tokenizer_max_length": 48} | overrides))
 
 
 def tiny_pi0_config(**overrides):
     """transformers' `PI0Config` at the same tiny dims."""
     from transformers import PI0Config
 
-    kwargs = {
-        "vlm_config": tiny_vlm_config(),
-        "dit_config": tiny_dit_config(),
-        "chunk_size": 5,
-        "max_state_dim": 8,
-        "max_action_dim": 6,
-    }
-    kwargs.update(overrides)
-    return PI0Config(**kwargs)
+    return PI0Config(**(_tiny_policy_kwargs() | overrides))

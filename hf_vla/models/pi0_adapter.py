@@ -156,17 +156,10 @@ class PI0Structure:
         return ["embed_action_time", "action_out_proj"]
 
     def freeze(self, mode: str = "none") -> None:
-        if mode not in self.freeze_modes:
-            raise ValueError(f"freeze={mode!r}: choose one of {self.freeze_modes}")
+        from .pi05.modeling_pi05 import apply_freeze
+
         core = self.model.model
-        if mode == "vision_tower":
-            core.vlm.vision_tower.requires_grad_(False)
-            core.vlm.multi_modal_projector.requires_grad_(False)
-        elif mode == "vlm":
-            core.vlm.requires_grad_(False)
-        elif mode == "expert_only":
-            self.model.requires_grad_(False)
-            core.dit.layers.requires_grad_(True)
+        apply_freeze(mode, self.freeze_modes, self.model, core.vlm, core.dit.layers)
         for module in pi0_unused_modules(self.model):
             module.requires_grad_(False)
 

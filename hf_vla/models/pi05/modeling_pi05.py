@@ -152,6 +152,20 @@ def present_module_classes(model: nn.Module, names) -> set[str]:
     return {name for name in (names or ()) if name in present}
 
 
+def apply_freeze(mode: str, modes, policy: nn.Module, vlm: nn.Module, expert_layers: nn.Module) -> None:
+    """The freeze modes of a PaliGemma + action-expert policy (pi0.5 here, transformers' pi0 in `pi0_adapter`)."""
+    if mode not in modes:
+        raise ValueError(f"freeze={mode!r}: choose one of {modes}")
+    if mode == "vision_tower":
+        vlm.vision_tower.requires_grad_(False)
+        vlm.multi_modal_projector.requires_grad_(False)
+    elif mode == "vlm":
+        vlm.requires_grad_(False)
+    elif mode == "expert_only":
+        policy.requires_grad_(False)
+        expert_layers.requires_grad_(True)
+
+
 class PI05PreTrainedModel(PreTrainedModel):
     config: PI05Config
     config_class = PI05Config
@@ -457,18 +471,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
     def freeze(self, mode: str = "none") -> None:
         """`vision_tower`: SigLIP and its projector frozen; `vlm`: all of PaliGemma frozen (the expert and the heads
         train); `expert_only`: only the action expert's layers train. The modules pi0.5 never runs stay frozen."""
-        if mode not in self.freeze_modes:
-            raise ValueError(f"freeze={mode!r}: choose one of {self.freeze_modes}")
-        core = self.model
-        if mode == "vision_tower":
-            core.vlm.vision_tower.requires_grad_(False)
-            core.vlm.multi_modal_projector.requires_grad_(False)
-        elif mode == "vlm":
-            core.vlm.requires_grad_(False)
-        elif mode == "expert_only":
-            self.requires_grad_(False)
-            core.expert.layers.requires_grad_(True)
-        core.freeze_unused()
+        apply_freeze(mode, self.freeze_modes, self, self.model.vlm, self.model.expert.layers)
+        self.model.freeze_unused()
 
     def lora_target_modules(self, preset: str) -> list[str]:
         """The linear layers LoRA adapts. `expert`: every linear of the action expert's layers (attention, MLP and the
