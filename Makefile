@@ -7,10 +7,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test demo lint install
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	# openpi's own client, for the server tests: its metadata pins numpy<2 and dm-tree, which the websocket client
+	# never imports (only its action-chunk broker does), so it is installed without its dependencies.
+	$(VENV)/bin/python -m pip install -q --no-deps "openpi-client==0.1.2"
 	@touch $(STAMP)
 
 install: $(STAMP)

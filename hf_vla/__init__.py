@@ -3,7 +3,14 @@
 from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText, AutoProcessor
 
 from .losses import PerSampleLoss
-from .models.pi05 import PI05Config, PI05ForConditionalGeneration, PI05Model, PI05PreTrainedModel, PI05Processor
+from .models.pi05 import (
+    PI05Config,
+    PI05ForConditionalGeneration,
+    PI05Model,
+    PI05PreTrainedModel,
+    PI05Processor,
+    RTCConfig,
+)
 from .optim import MasterWeightOptimizer
 
 __version__ = "0.1.0"
@@ -28,6 +35,7 @@ __all__ = [
     "PI05Model",
     "PI05PreTrainedModel",
     "PI05Processor",
+    "RTCConfig",
     "__version__",
 ]
 

@@ -2,9 +2,12 @@
 
     python -m hf_vla.evaluate --checkpoint outputs/demo --env hf_vla/ColorReach-v0 --episodes 50
 
-Loads the policy with `AutoModel` (pi0.5) and its `PI05Processor`, runs episodes with receding-horizon action chunks
-(`--n_action_steps` of each predicted chunk are executed), reports the success rate (`info["is_success"]`) with a
-progress bar, and saves the first few rollouts as animated GIFs.
+    python -m hf_vla.evaluate --server ws://localhost:8000 --inference_delay 2 --rtc
+
+Loads the policy with `AutoModel` (pi0.5) and its `PI05Processor` (or connects to a policy server with openpi-client),
+runs episodes with receding-horizon action chunks (`--n_action_steps` of each predicted chunk are executed), with an
+optional simulated inference delay and real-time chunking, reports the success rate (`info["is_success"]`) and the
+smoothness at chunk switches with a progress bar, and saves the first few rollouts as animated GIFs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from .models.pi05.rtc import RTCConfig
+from .policy import ObservationMap, load_policy
+
 logger = logging.getLogger("hf_vla.evaluate")
 
 
@@ -31,117 +37,160 @@ class EvalResult:
     successes: int
     mean_steps: float
     videos: list[str] = field(default_factory=list)
+    inference_delay: int = 0
+    rtc: bool = False
+    # At the steps where the robot switches to a new chunk: mean |a_k - a_(k-1)| (jump) and |a_(k+1) - 2 a_k + a_(k-1)|
+    # (second difference: jerk for velocity actions such as ColorReach's), L2 over action dims.
+    boundary_jump: float = float("nan")
+    boundary_jerk: float = float("nan")
+    interior_jerk: float = float("nan")  # the same second difference at every other step, for scale
 
 
-def _camera_keys(observation: dict, cameras: list[str] | None) -> list[str]:
-    if cameras:
-        missing = [c for c in cameras if c not in observation]
-        if missing:
-            raise KeyError(f"camera key(s) {missing} not in the observation; it has {sorted(observation)}")
-        return cameras
-    keys = sorted(k for k, v in observation.items() if isinstance(v, np.ndarray) and v.ndim == 3)
-    if not keys:
-        raise KeyError(f"no image in the observation (keys {sorted(observation)}); pass cameras")
-    return keys
+class RemotePolicy:
+    """A policy served by `hf_vla.serve` (or any openpi policy server), through openpi-client's websocket client.
+
+    Sends the env's observation dict with the task under `prompt` and, for real-time chunking, `rtc/inference_delay`
+    and `rtc/executed_steps`; returns the `actions` of the reply.
+    """
+
+    def __init__(self, uri: str):
+        from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+        self.client = WebsocketClientPolicy(uri)
+        self.metadata = self.client.get_server_metadata()
+
+    def __call__(self, observation: dict, task: str, inference_delay: int = 0, executed_steps: int | None = None):
+        request = {**observation, "prompt": task, "rtc/inference_delay": int(inference_delay)}
+        if executed_steps is not None:
+            request["rtc/executed_steps"] = int(executed_steps)
+        return np.asarray(self.client.infer(request)["actions"])
 
 
-class PolicyRunner:
-    """Observation + task -> un-normalized action chunk, with the processor of the checkpoint."""
-
-    def __init__(self, model, processor, head=None, cameras: list[str] | None = None, num_camera_slots: int | None = None,
-                 state_key: str = "observation.state", device: str = "cpu", seed: int = 0):
-        self.model, self.processor, self.head = model.eval().to(device), processor, head
-        self.cameras, self.num_camera_slots = cameras, num_camera_slots
-        self.state_key, self.device = state_key, device
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def __call__(self, observation: dict, task: str) -> np.ndarray:
-        cameras = _camera_keys(observation, self.cameras)
-        images = torch.stack([torch.from_numpy(np.ascontiguousarray(observation[c])).permute(2, 0, 1) for c in cameras])
-        slots = self.num_camera_slots or len(cameras)
-        mask = torch.zeros(slots, dtype=torch.bool)
-        mask[: len(cameras)] = True
-        if slots > len(cameras):
-            images = torch.cat([images, torch.zeros(slots - len(cameras), *images.shape[1:], dtype=images.dtype)])
-        return self.predict(images[None], np.asarray(observation[self.state_key])[None], [task], mask[None])[0]
-
-    @torch.no_grad()
-    def predict(self, images: torch.Tensor, states: np.ndarray, tasks: list[str], camera_mask: torch.Tensor) -> np.ndarray:
-        """A batch: uint8 images [B, cams, 3, H, W], raw states [B, d], tasks, camera_mask [B, cams] -> chunks
-        [B, chunk, max_action_dim], un-normalized."""
-        inputs = self.processor(images=images, text=tasks, state=states, head=self.head, camera_mask=camera_mask)
-        config = self.model.config
-        noise = torch.randn(len(tasks), config.chunk_size, config.max_action_dim, generator=self.generator)
-        chunk = self.model.sample_actions(
-            input_ids=inputs["input_ids"].to(self.device), attention_mask=inputs["attention_mask"].to(self.device),
-            pixel_values=inputs["pixel_values"].to(self.device),
-            pixel_attention_mask=inputs["pixel_attention_mask"].to(self.device), noise=noise.to(self.device),
-        )
-        return self.processor.unnormalize_actions(chunk.float().cpu(), self.head).numpy()
+def _boundary_metrics(actions: list[np.ndarray], switches: list[int]) -> tuple[float, float, float]:
+    if len(actions) < 3:
+        return float("nan"), float("nan"), float("nan")
+    a = np.stack(actions).astype(np.float64)
+    jump = np.linalg.norm(np.diff(a, axis=0), axis=-1)  # jump[k - 1] = |a_k - a_(k-1)|
+    jerk = np.linalg.norm(a[2:] - 2 * a[1:-1] + a[:-2], axis=-1)  # jerk[k - 1] is centred on a_k
+    at = np.zeros(len(a), dtype=bool)
+    at[[k for k in switches if 0 < k < len(a) - 1]] = True
+    inner = at[1:-1]
+    if not inner.any():
+        return float("nan"), float("nan"), float(jerk.mean())
+    return float(jump[at[1:]].mean()), float(jerk[inner].mean()), float(jerk[~inner].mean()) if (~inner).any() else float("nan")
 
 
-def run_episodes(env: gym.Env, policy: PolicyRunner, episodes: int, n_action_steps: int, seed: int = 0,
-                 save_videos: int = 0, output_dir: str | Path | None = None, progress: bool = True) -> EvalResult:
-    successes, steps_taken, videos = 0, [], []
+def run_episodes(env: gym.Env, policy, episodes: int, n_action_steps: int, seed: int = 0, save_videos: int = 0,
+                 output_dir: str | Path | None = None, progress: bool = True, inference_delay: int = 0,
+                 rtc: bool = False, chunk_size: int | None = None) -> EvalResult:
+    """Closed-loop episodes with receding-horizon chunks.
+
+    `policy(observation, task, inference_delay=, executed_steps=)` returns a chunk. With `inference_delay` d > 0,
+    inference is simulated as asynchronous: after `n_action_steps` (H) actions of a chunk the next one is requested
+    with the current observation, the robot executes d more actions of the current chunk meanwhile, then switches to
+    the new chunk at its index d (so every chunk drives H actions, from an observation d steps old). With `rtc` the
+    request asks the policy to continue the current chunk (real-time chunking); without, chunks are independent.
+    """
+    if inference_delay and chunk_size is not None and n_action_steps + inference_delay > chunk_size:
+        raise ValueError(f"n_action_steps ({n_action_steps}) + inference_delay ({inference_delay}) exceeds the chunk "
+                         f"size ({chunk_size}): the robot would run out of actions while waiting")
+    successes, steps_taken, videos, metrics = 0, [], [], []
     bar = tqdm(range(episodes), desc="closed-loop episodes", unit="ep", disable=not progress)
     for episode in bar:
         observation, info = env.reset(seed=seed + episode)
         task = info.get("task") or getattr(env.unwrapped, "task", "")
         frames = [env.render()] if episode < save_videos else None
-        done, success, steps = False, False, 0
-        while not done:
-            chunk = policy(observation, task)
-            for action in chunk[:n_action_steps]:
-                observation, _, terminated, truncated, info = env.step(action)
-                steps += 1
+        state = {"done": False, "success": False}
+        executed, switches = [], []
+
+        def act(actions, state=state, executed=executed, frames=frames):
+            """Execute actions until the episode ends; returns the last observation."""
+            for action in actions:
+                state["observation"], _, terminated, truncated, step_info = env.step(action)
+                executed.append(np.asarray(action))
                 if frames is not None:
                     frames.append(env.render())
-                success = success or bool(info.get("is_success", False))
-                done = terminated or truncated
-                if done:
+                state["success"] = state["success"] or bool(step_info.get("is_success", False))
+                state["done"] = terminated or truncated
+                if state["done"]:
                     break
-        successes += success
-        steps_taken.append(steps)
+
+        state["observation"] = observation
+        chunk, index = policy(observation, task), 0
+        while True:
+            act(chunk[index:n_action_steps])
+            if state["done"]:
+                break
+            request = state["observation"]
+            if inference_delay:
+                act(chunk[n_action_steps : n_action_steps + inference_delay])  # executed while the policy runs
+                if state["done"]:
+                    break
+                chunk = policy(request, task, inference_delay=inference_delay if rtc else 0,
+                               executed_steps=n_action_steps if rtc else None)
+            else:
+                chunk = policy(request, task)
+            index = inference_delay
+            switches.append(len(executed))
+        successes += state["success"]
+        steps_taken.append(len(executed))
+        metrics.append(_boundary_metrics(executed, switches))
         bar.set_postfix(success=f"{successes}/{episode + 1}")
         if frames is not None and output_dir is not None:
-            path = Path(output_dir) / f"rollout_{episode:03d}_{'success' if success else 'failure'}.gif"
+            path = Path(output_dir) / f"rollout_{episode:03d}_{'success' if state['success'] else 'failure'}.gif"
             path.parent.mkdir(parents=True, exist_ok=True)
             pictures = [Image.fromarray(f).resize((f.shape[1] * 4, f.shape[0] * 4), Image.NEAREST) for f in frames]
             pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=100, loop=0)
             videos.append(str(path))
-    return EvalResult(successes / episodes, episodes, successes, float(np.mean(steps_taken)), videos)
+    jump, jerk, interior = (float(np.nanmean(column)) if not np.isnan(column).all() else float("nan")
+                            for column in np.array(metrics, dtype=np.float64).T)
+    return EvalResult(successes / episodes, episodes, successes, float(np.mean(steps_taken)), videos,
+                      inference_delay, rtc, jump, jerk, interior)
 
 
-def evaluate_checkpoint(checkpoint: str | Path, env_id: str = "hf_vla/ColorReach-v0", episodes: int = 50,
+def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_vla/ColorReach-v0", episodes: int = 50,
                         n_action_steps: int | None = None, seed: int = 10_000, head=None, cameras=None,
                         save_videos: int = 3, output_dir: str | Path | None = None, device: str = "cpu",
-                        env_kwargs: dict | None = None, progress: bool = True) -> EvalResult:
-    from transformers import AutoModel
+                        env_kwargs: dict | None = None, progress: bool = True, server: str | None = None,
+                        inference_delay: int = 0, rtc: bool = False, execution_horizon: int | None = None) -> EvalResult:
+    """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client."""
+    import hf_vla.envs  # noqa: F401  (registers the demo env)
 
-    import hf_vla  # noqa: F401  (registers pi05 and the demo env)
-    import hf_vla.envs  # noqa: F401
-
-    from .models.pi05 import PI05Processor
-
-    model = AutoModel.from_pretrained(checkpoint)
-    processor = PI05Processor.from_pretrained(checkpoint)
+    if (checkpoint is None) == (server is None):
+        raise ValueError("pass exactly one of checkpoint (in-process) and server (ws://HOST:PORT)")
+    if server is not None:
+        policy = RemotePolicy(server)
+        chunk_size = int(policy.metadata.get("chunk_size", 0)) or None
+    else:
+        rtc_config = RTCConfig(**({} if execution_horizon is None else {"execution_horizon": execution_horizon}))
+        policy = load_policy(checkpoint, device=device, head=head, seed=seed, rtc=rtc_config,
+                             obs_map=ObservationMap(cameras=cameras or None))
+        chunk_size = policy.model.config.chunk_size
     env = gym.make(env_id, **(env_kwargs or {}))
-    runner = PolicyRunner(model, processor, head=head, cameras=cameras, device=device, seed=seed)
-    steps = n_action_steps or max(1, model.config.chunk_size // 2)
-    output_dir = Path(output_dir) if output_dir else Path(checkpoint) / "rollouts"
-    result = run_episodes(env, runner, episodes, steps, seed=seed, save_videos=save_videos, output_dir=output_dir,
-                          progress=progress)
-    (output_dir).mkdir(parents=True, exist_ok=True)
+    steps = n_action_steps or max(1, (chunk_size or 2) // 2)
+    if output_dir is None:
+        output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
+    output_dir = Path(output_dir)
+    result = run_episodes(env, policy, episodes, steps, seed=seed, save_videos=save_videos, output_dir=output_dir,
+                          progress=progress, inference_delay=inference_delay, rtc=rtc, chunk_size=chunk_size)
+    output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
     return result
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m hf_vla.evaluate", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="model + processor directory (or Hub id)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="model + processor directory (or Hub id), run in-process")
+    source.add_argument("--server", help="ws://HOST:PORT of a policy server (python -m hf_vla.serve)")
     parser.add_argument("--env", default="hf_vla/ColorReach-v0", help="gymnasium env id")
     parser.add_argument("--episodes", type=int, default=50)
-    parser.add_argument("--n_action_steps", type=int, default=None, help="actions executed per chunk")
+    parser.add_argument("--n_action_steps", type=int, default=None, help="actions executed per chunk (default: half)")
+    parser.add_argument("--inference_delay", type=int, default=0,
+                        help="simulated inference delay in control steps (actions of the old chunk run meanwhile)")
+    parser.add_argument("--rtc", action="store_true", help="real-time chunking: continue the chunk being executed")
+    parser.add_argument("--execution_horizon", type=int, default=None, help="RTC blend horizon (in-process only; "
+                        "a server uses its own --execution_horizon)")
     parser.add_argument("--seed", type=int, default=10_000, help="first episode seed (training data used 0..)")
     parser.add_argument("--head", default=None, help="normalization head (default: the processor's only one)")
     parser.add_argument("--cameras", nargs="*", default=None, help="observation image keys, in camera-slot order")
@@ -151,8 +200,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     result = evaluate_checkpoint(args.checkpoint, args.env, args.episodes, args.n_action_steps, args.seed, args.head,
-                                 args.cameras, args.save_videos, args.output_dir, args.device)
+                                 args.cameras, args.save_videos, args.output_dir, args.device, server=args.server,
+                                 inference_delay=args.inference_delay, rtc=args.rtc,
+                                 execution_horizon=args.execution_horizon)
     print(json.dumps(asdict(result), indent=2))
+    return result
 
 
 if __name__ == "__main__":

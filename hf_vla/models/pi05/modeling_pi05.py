@@ -45,6 +45,7 @@ from transformers.models.gemma.modeling_gemma import (
 from transformers.models.pi0.modeling_pi0 import PI0TimestepEmbeddings
 
 from .configuration_pi05 import PI05Config
+from .rtc import RTCConfig, guidance_target, guided_velocity
 
 # Backends whose attention call accepts an arbitrary key-padding mask, which is all pi0.5 needs per call.
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -511,9 +512,19 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         noise: torch.FloatTensor | None = None,
         num_steps: int | None = None,
         state: torch.FloatTensor | None = None,
+        prev_chunk_left_over: torch.FloatTensor | None = None,
+        inference_delay: int = 0,
+        execution_horizon: int | None = None,
+        rtc_config: RTCConfig | None = None,
         **kwargs,
     ) -> torch.FloatTensor:
-        """Integrate the velocity from t=1 (noise) to t=0 with `num_inference_steps` Euler steps; prefix run once."""
+        """Integrate the velocity from t=1 (noise) to t=0 with `num_inference_steps` Euler steps; prefix run once.
+
+        Real-time chunking (`hf_vla.rtc`): with `prev_chunk_left_over` (`[B, T, d]` or `[T, d]`, normalised, the
+        previous chunk's actions not executed when this observation was taken; T <= chunk, d <= max_action_dim), the
+        first `inference_delay` actions are guided to equal it (they execute while this call runs) and the next ones,
+        up to `execution_horizon` (default `rtc_config.execution_horizon`), are blended with it.
+        """
         num_steps = num_steps or self.config.num_inference_steps
         batch_size, device = input_ids.shape[0], input_ids.device
         attention_mask, pixel_attention_mask = self._default_masks(
@@ -522,19 +533,28 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         if noise is None:
             noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
         cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask)
+        guidance = None
+        if prev_chunk_left_over is not None:
+            rtc_config = rtc_config or RTCConfig()
+            horizon = rtc_config.execution_horizon if execution_horizon is None else execution_horizon
+            guidance = guidance_target(prev_chunk_left_over.to(device), self.config.chunk_size,
+                                       self.config.max_action_dim, horizon, inference_delay,
+                                       rtc_config.prefix_attention_schedule)
         x_t = noise.float()
         dt = -1.0 / num_steps
         for step in range(num_steps):
-            time = torch.full((batch_size,), 1.0 + step * dt, dtype=torch.float32, device=device)
-            velocity = self(
-                noise=x_t,
-                timestep=time,
-                input_ids=input_ids,
-                pixel_attention_mask=pixel_attention_mask,
-                attention_mask=attention_mask,
-                past_key_values=cache,
-            ).logits
-            x_t = x_t + dt * velocity
+            time = 1.0 + step * dt
+            timestep = torch.full((batch_size,), time, dtype=torch.float32, device=device)
+
+            def velocity(x, timestep=timestep):
+                return self(noise=x, timestep=timestep, input_ids=input_ids, pixel_attention_mask=pixel_attention_mask,
+                            attention_mask=attention_mask, past_key_values=cache).logits
+
+            if guidance is None:
+                v_t = velocity(x_t)
+            else:
+                v_t = guided_velocity(velocity, x_t, time, *guidance, rtc_config)
+            x_t = x_t + dt * v_t
         return x_t
 
 

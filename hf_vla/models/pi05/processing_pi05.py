@@ -224,7 +224,9 @@ class PI05Processor(ProcessorMixin):
         data = {"input_ids": torch.tensor(tokens["input_ids"], dtype=torch.long),
                 "attention_mask": torch.tensor(tokens["attention_mask"], dtype=torch.bool), "state": padded_state}
         if images is not None:
-            images = _as_tensor(images, dtype=images.dtype if isinstance(images, torch.Tensor) else torch.float32)
+            if not isinstance(images, torch.Tensor):  # numpy uint8 stays uint8 (0..255), anything else is float (0..1)
+                images = np.asarray(images)
+                images = torch.from_numpy(images) if images.dtype == np.uint8 else _as_tensor(images)
             if images.ndim == 4:
                 images = images[None]
             data["pixel_values"] = resize_with_pad(images, self.image_size)

@@ -1,0 +1,124 @@
+"""Real-time chunking (RTC): guided flow sampling so a new action chunk continues the one the robot is executing.
+
+"Real-Time Execution of Action Chunking Flow Policies" (Black, Galliker, Levine, 2025), as lerobot 0.6 implements it
+(`lerobot.policies.rtc.RTCProcessor`); used by `PI05ForConditionalGeneration.sample_actions`. While inference runs, the robot keeps executing the previous chunk for
+`inference_delay` more steps; the new chunk is sampled as an inpainting problem: at every Euler step the predicted
+clean chunk `x1 = x_t - t * v` is pulled towards the previous chunk's remainder with prefix weights (1 on the first
+`inference_delay` actions, then a decay to 0 at `execution_horizon`) and a guidance weight that grows as t -> 0,
+capped at `max_guidance_weight`.
+
+The correction is the weighted error itself, as in lerobot (its velocity is computed before `x_t` requires grad, so
+the vector-Jacobian product through the network reduces to the identity): one forward pass per step, no backward.
+`jacobian=True` propagates the error through the expert as in the paper (one extra backward pass per step).
+
+Time runs from 1 (noise) to 0 (actions), as in openpi and lerobot; the paper's tau is `1 - time`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+SCHEDULES = ("zeros", "ones", "linear", "exp")
+
+
+@dataclass
+class RTCConfig:
+    """Guidance settings of real-time chunking.
+
+    execution_horizon: actions of the previous chunk the new one is blended with (capped at the remainder's length).
+    max_guidance_weight: cap of the guidance weight (lerobot's default 10; the weight is unbounded as time -> 1).
+    prefix_attention_schedule: how the prefix weights fall from 1 (at `inference_delay`) to 0 (at the horizon):
+        `linear` (lerobot's default), `exp`, `ones` (1 up to the horizon) or `zeros` (only the delayed actions).
+    jacobian: back-propagate the error through the network (the paper) instead of using it as is (lerobot).
+    """
+
+    execution_horizon: int = 10
+    max_guidance_weight: float = 10.0
+    prefix_attention_schedule: str = "linear"
+    jacobian: bool = False
+
+    def __post_init__(self):
+        if self.prefix_attention_schedule not in SCHEDULES:
+            raise ValueError(f"prefix_attention_schedule={self.prefix_attention_schedule!r}: choose one of {SCHEDULES}")
+        if self.max_guidance_weight <= 0:
+            raise ValueError(f"max_guidance_weight must be positive, got {self.max_guidance_weight}")
+        if self.execution_horizon < 0:
+            raise ValueError(f"execution_horizon must be >= 0, got {self.execution_horizon}")
+
+
+def prefix_weights(inference_delay: int, execution_horizon: int, chunk_size: int,
+                   schedule: str = "linear") -> torch.Tensor:
+    """`[chunk_size]` weights: 1 on `[0, inference_delay)`, decaying over `[inference_delay, execution_horizon)`,
+    0 from `execution_horizon` on (lerobot's `get_prefix_weights`)."""
+    end = execution_horizon
+    start = min(inference_delay, end)
+    weights = torch.zeros(chunk_size)
+    if schedule == "zeros":
+        weights[:start] = 1.0
+        return weights
+    if schedule == "ones":
+        weights[: max(end, 0)] = 1.0
+        return weights
+    decay_len = min(end, chunk_size) - start
+    if decay_len > 0:
+        decay = torch.linspace(1, 0, decay_len + 2)[1:-1]
+        if schedule == "exp":
+            decay = decay * torch.expm1(decay).div(math.e - 1)
+        weights[start : start + decay_len] = decay
+    weights[: min(start, chunk_size)] = 1.0
+    return weights
+
+
+def guidance_weight(time: float, max_guidance_weight: float) -> float:
+    """min(c / r^2, max) with tau = 1 - time, c = (1 - tau) / tau and 1/r^2 = ((1 - tau)^2 + tau^2) / (1 - tau)^2."""
+    tau = 1.0 - time
+    if tau <= 0.0:  # time 1: c is infinite
+        return max_guidance_weight
+    if tau >= 1.0:  # time 0: c = 0 and 1/r^2 infinite (lerobot: nan -> 0)
+        return 0.0
+    inv_r2 = ((1 - tau) ** 2 + tau**2) / (1 - tau) ** 2
+    return min((1 - tau) / tau * inv_r2, max_guidance_weight)
+
+
+def guidance_target(prev_chunk_left_over: torch.Tensor, chunk_size: int, action_dim: int,
+                    execution_horizon: int, inference_delay: int, schedule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous remainder zero-padded to `[B, chunk_size, action_dim]` and its weights `[B, chunk_size, dims]`.
+
+    Only the remainder's own action dims are guided (lerobot pads missing dims with zeros and pulls them to 0; here a
+    remainder given in a head's real dims leaves the model's padded dims free)."""
+    prev = prev_chunk_left_over.float()
+    if prev.ndim == 2:
+        prev = prev[None]
+    length, dims = prev.shape[1], prev.shape[2]
+    if length > chunk_size or dims > action_dim:
+        raise ValueError(f"prev_chunk_left_over has shape {tuple(prev.shape[1:])}; at most ({chunk_size}, {action_dim})")
+    target = prev.new_zeros(prev.shape[0], chunk_size, action_dim)
+    target[:, :length, :dims] = prev
+    weights = prefix_weights(inference_delay, min(execution_horizon, length), chunk_size, schedule).to(prev.device)
+    mask = prev.new_zeros(1, chunk_size, action_dim)
+    mask[..., :dims] = weights[:, None]
+    return target, mask
+
+
+def guided_velocity(velocity_fn: Callable[[torch.Tensor], torch.Tensor], x_t: torch.Tensor, time: float,
+                    target: torch.Tensor, weights: torch.Tensor, config: RTCConfig) -> torch.Tensor:
+    """The velocity at `x_t`, corrected towards `target` where `weights` > 0 (one Euler step of RTC sampling)."""
+    if config.jacobian:
+        with torch.enable_grad():
+            x_t = x_t.detach().requires_grad_(True)
+            velocity = velocity_fn(x_t)
+            x1 = x_t - time * velocity
+            error = ((target - x1) * weights).detach()
+            correction = torch.autograd.grad(x1, x_t, error)[0]
+        velocity = velocity.detach()
+    else:
+        velocity = velocity_fn(x_t)
+        correction = (target - (x_t - time * velocity)) * weights
+    return velocity - guidance_weight(time, config.max_guidance_weight) * correction
+
+
+__all__ = ["RTCConfig", "prefix_weights", "guidance_weight", "guidance_target", "guided_velocity"]
