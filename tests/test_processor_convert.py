@@ -160,3 +160,12 @@ def test_convert_errors(tmp_path):
     with pytest.raises(ValueError, match="adaRMS"):
         convert.convert_lerobot_state_dict(
             {"paligemma_with_expert.gemma_expert.model.norm.weight": torch.zeros(1)}, config)
+
+
+def test_numpy_uint8_images_read_as_pixels(processor):
+    """uint8 images given as numpy arrays are 0..255 pixels, as uint8 tensors are (they were once read as floats)."""
+    images = np.random.default_rng(0).integers(0, 256, size=(1, 2, 3, 40, 30), dtype=np.uint8)
+    from_numpy = processor(images=images, text=["reach"], state=np.zeros((1, 3)), head=0)["pixel_values"]
+    from_torch = processor(images=torch.from_numpy(images), text=["reach"], state=np.zeros((1, 3)), head=0)["pixel_values"]
+    torch.testing.assert_close(from_numpy, from_torch, rtol=0, atol=0)
+    assert from_numpy.min() >= -1 and from_numpy.max() <= 1
