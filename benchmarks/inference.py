@@ -9,8 +9,14 @@ published dims (PaliGemma 3B + Gemma 300M expert; random weights), run in bf16 o
 10 flow steps, chunk 50, the cameras of its config (full: 3 at 224 px), a prompt padded to the model's length.
 lerobot runs `PI05Pytorch.sample_actions` (what `PI05Policy.predict_action_chunk` calls after its preprocessing) on
 the same tensors and noise. Compiled variants use `torch.compile(model.sample_actions, mode=...)`; the first call's
-time (compilation) is reported apart. With `--server`, the round trip through `python -m hf_vla.serve` and the real
-`openpi-client` is measured against the in-process call on the demo model (see `serve_overhead`).
+time (compilation) is reported apart.
+
+`policy_level` (mid size, CPU): a whole observation -> chunk call, hf_vla's processor (tokenizer, resize, quantile
+normalisation) + `sample_actions` + un-normalisation against lerobot's `PI05Policy.predict_action_chunk` (image
+preprocessing + sampling; lerobot tokenizes in its separate processor pipeline, not timed here).
+`serve_overhead` (`--server`): the round trip through `python -m hf_vla.serve` with the real `openpi-client` against
+the same `PolicyRunner` call in-process, on the demo model, for a 1-camera 32 px and a DROID-like 3-camera 224 px
+observation, with and without real-time chunking.
 Prints JSON: median and p95 in milliseconds.
 """
 
@@ -149,6 +155,137 @@ def measure_size(size: str, device, dtype, repeats: int, warmup: int, compile_mo
     return out
 
 
+def policy_level(repeats: int, warmup: int) -> dict:
+    """Observation -> chunk at mid size: hf_vla processor + sample_actions + un-normalisation vs lerobot's
+    PI05Policy.predict_action_chunk, 3 cameras at 224 px, batch 1, CPU float32."""
+    from lerobot.configs.types import FeatureType, PolicyFeature
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config as LeConfig
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+
+    from hf_vla import PI05ForConditionalGeneration, PI05Processor
+    from hf_vla.reference import _tiny_lerobot, hf_pi05_config
+    from hf_vla.tiny import build_tiny_tokenizer
+
+    cams = [f"observation.images.cam{i}" for i in range(3)]
+    features = {key: PolicyFeature(FeatureType.VISUAL, (3, 224, 224)) for key in cams}
+    features["observation.state"] = PolicyFeature(FeatureType.STATE, (8,))
+    le_config = LeConfig(chunk_size=MID.chunk, n_action_steps=MID.chunk, max_state_dim=MID.max_state,
+                         max_action_dim=MID.max_action, dtype="float32", device="cpu", input_features=features,
+                         output_features={"action": PolicyFeature(FeatureType.ACTION, (7,))})
+    import lerobot.policies.pi05.modeling_pi05 as module
+
+    with _tiny_lerobot(module, MID):
+        lerobot = PI05Policy(le_config).eval()
+    ours = PI05ForConditionalGeneration(hf_pi05_config(MID)).eval()
+    ours.set_attn_implementation("sdpa")
+    stats = {"robot::joint": {"state": {"q01": [-1.0] * 8, "q99": [1.0] * 8},
+                              "actions": {"q01": [-1.0] * 7, "q99": [1.0] * 7}}}
+    processor = PI05Processor.from_config(ours.config, build_tiny_tokenizer(), norm_stats=stats)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (1, 3, 3, 224, 224), dtype=torch.uint8, generator=generator)
+    state = torch.rand(1, 8, generator=generator) * 2 - 1
+    noise = torch.randn(1, MID.chunk, MID.max_action, generator=generator)
+    length = ours.config.tokenizer_max_length
+    batch = {key: images[:, i].float() / 255 for i, key in enumerate(cams)}
+    batch["observation.language.tokens"] = torch.randint(2, 1000, (1, length), generator=generator)
+    batch["observation.language.attention_mask"] = torch.arange(length)[None] < 40
+
+    def hf_vla_call():
+        inputs = processor(images=images, text=["pick up the red cube and place it in the bowl"], state=state)
+        chunk = ours.sample_actions(inputs["input_ids"], inputs["pixel_values"], inputs["pixel_attention_mask"],
+                                    inputs["attention_mask"], noise=noise)
+        return processor.unnormalize_actions(chunk)
+
+    with torch.inference_mode():
+        out = {"hf_vla_processor_sample_unnormalize": timed(hf_vla_call, repeats, warmup, torch.device("cpu")),
+               "lerobot_predict_action_chunk": timed(lambda: lerobot.predict_action_chunk(batch, noise=noise), repeats,
+                                                     warmup, torch.device("cpu"))}
+    out["ratio_to_lerobot"] = round(out["hf_vla_processor_sample_unnormalize"]["median_ms"]
+                                    / out["lerobot_predict_action_chunk"]["median_ms"], 3)
+    return out
+
+
+def _summary(times: list[float]) -> dict:
+    times = sorted(times)
+    return {"median_ms": round(1000 * statistics.median(times), 2),
+            "p95_ms": round(1000 * times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))], 2),
+            "repeats": len(times)}
+
+
+def _round_trips(runner, client, observation: dict, repeats: int, warmup: int) -> dict:
+    """The four calls interleaved call by call, so CPU frequency and load drift hit them alike."""
+    rtc = {"inference_delay": 2, "executed_steps": 4}
+    calls = {
+        "in_process": lambda: runner(observation),
+        "server_round_trip": lambda: client.infer(observation),
+        "in_process_rtc": lambda: runner(observation, **rtc),
+        "server_round_trip_rtc": lambda: client.infer({**observation, "rtc/inference_delay": 2,
+                                                       "rtc/executed_steps": 4}),
+    }
+    times = {name: [] for name in calls}
+    for round_ in range(warmup + repeats):
+        for name, call in calls.items():
+            begin = time.perf_counter()
+            call()
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - begin)
+    out = {name: _summary(values) for name, values in times.items()}
+    out["overhead_ms"] = round(out["server_round_trip"]["median_ms"] - out["in_process"]["median_ms"], 2)
+    out["overhead_rtc_ms"] = round(out["server_round_trip_rtc"]["median_ms"] - out["in_process_rtc"]["median_ms"], 2)
+    return out
+
+
+def serve_overhead(repeats: int, warmup: int) -> dict:
+    """In-process PolicyRunner vs the same call through hf_vla.serve + openpi-client, demo model, localhost."""
+    import subprocess
+    import sys
+    import tempfile
+    from importlib import resources
+    from pathlib import Path
+
+    import numpy as np
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from hf_vla import PI05Config, PI05ForConditionalGeneration, PI05Processor
+    from hf_vla.policy import PolicyRunner
+    from hf_vla.tiny import build_tiny_tokenizer
+
+    demo = json.loads(resources.files("hf_vla").joinpath("configs/demo.json").read_text())
+    model = PI05ForConditionalGeneration(PI05Config(**demo["model_config"])).eval()
+    stats = {"demo::xy": {"state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0]},
+                          "actions": {"q01": [-0.1, -0.1], "q99": [0.1, 0.1]}}}
+    processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=stats)
+    rng = np.random.default_rng(0)
+    payloads = {
+        "1cam_32px": {"observation/image": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)},
+        "3cam_224px": {f"observation/cam{i}": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for i in range(3)},
+    }
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        server = subprocess.Popen([sys.executable, "-m", "hf_vla.serve", "--checkpoint", tmp, "--host", "127.0.0.1",
+                                   "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                  cwd=Path(__file__).resolve().parents[1])
+        try:
+            uri = None
+            for line in server.stdout:
+                if "listening on ws://" in line:
+                    uri = line.strip().rsplit(" ", 1)[-1]
+                    break
+            if uri is None:
+                raise RuntimeError("the server did not start")
+            client = WebsocketClientPolicy(uri)
+            for name, cameras in payloads.items():
+                observation = {**cameras, "observation/state": np.zeros(2, np.float32), "prompt": "move to the red target"}
+                out[name] = _round_trips(PolicyRunner(model, processor), client, observation, repeats, warmup)
+                out[name]["image_bytes"] = int(sum(v.nbytes for v in cameras.values()))
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="*", default=["demo", "mid"], choices=["demo", "mid", "full"])
@@ -159,6 +296,9 @@ def main(argv=None):
     parser.add_argument("--compile_modes", nargs="*", default=["default"],
                         help="torch.compile modes to try (e.g. default reduce-overhead max-autotune)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--policy_level", action="store_true", help="also time observation -> chunk vs lerobot's "
+                        "PI05Policy.predict_action_chunk (mid size, CPU)")
+    parser.add_argument("--server", action="store_true", help="also time the policy server round trip")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -178,6 +318,12 @@ def main(argv=None):
     for size in args.sizes:
         measure_size(size, device, dtype, args.repeats, args.warmup, args.compile_modes,
                      save=lambda out, size=size: save(out, size))
+    if args.policy_level:
+        report["policy_level_mid"] = policy_level(args.repeats, args.warmup)
+        save(None)
+    if args.server:
+        report["serve_overhead"] = serve_overhead(args.repeats, args.warmup)
+        save(None)
     report["goal"] = {"full_size_compiled_median_ms": 40.0}
     print(json.dumps(report, indent=2))
     if args.out:
