@@ -44,6 +44,13 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _summary(times: list[float]) -> dict:
+    times = sorted(times)
+    return {"median_ms": round(1000 * statistics.median(times), 2),
+            "p95_ms": round(1000 * times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))], 2),
+            "repeats": len(times)}
+
+
 def timed(fn, repeats: int, warmup: int, device) -> dict:
     _sync(device)
     begin = time.perf_counter()
@@ -59,10 +66,7 @@ def timed(fn, repeats: int, warmup: int, device) -> dict:
         fn()
         _sync(device)
         times.append(time.perf_counter() - begin)
-    times.sort()
-    return {"median_ms": round(1000 * statistics.median(times), 2),
-            "p95_ms": round(1000 * times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))], 2),
-            "first_call_s": round(first, 2), "repeats": repeats}
+    return {**_summary(times), "first_call_s": round(first, 2)}
 
 
 def build(size: str, device, dtype):
@@ -203,13 +207,6 @@ def policy_level(repeats: int, warmup: int) -> dict:
     out["ratio_to_lerobot"] = round(out["hf_vla_processor_sample_unnormalize"]["median_ms"]
                                     / out["lerobot_predict_action_chunk"]["median_ms"], 3)
     return out
-
-
-def _summary(times: list[float]) -> dict:
-    times = sorted(times)
-    return {"median_ms": round(1000 * statistics.median(times), 2),
-            "p95_ms": round(1000 * times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))], 2),
-            "repeats": len(times)}
 
 
 def _round_trips(runner, client, observation: dict, repeats: int, warmup: int) -> dict:

@@ -70,9 +70,10 @@ class ObservationMap:
 
     def images(self, observation: dict) -> torch.Tensor:
         """`[n_cams, 3, H, W]` in camera-slot order."""
-        images = [_image_chw(key, observation[key]) for key in self.camera_keys(observation)]
+        keys = self.camera_keys(observation)
+        images = [_image_chw(key, observation[key]) for key in keys]
         if len({tuple(image.shape) for image in images}) > 1:
-            shapes = {key: tuple(image.shape) for key, image in zip(self.camera_keys(observation), images)}
+            shapes = {key: tuple(image.shape) for key, image in zip(keys, images)}
             raise RequestError(f"camera images differ in size {shapes}; resize them to one size on the client")
         return torch.stack(images)
 

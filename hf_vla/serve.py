@@ -22,6 +22,7 @@ normalisation head per request.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import http
 import json
@@ -87,9 +88,7 @@ class PolicyServer:
         }
 
     def connection_runner(self) -> PolicyRunner:
-        base = self.runner
-        return PolicyRunner(base.model, base.processor, head=base.head, obs_map=base.obs_map, device=base.device,
-                            seed=base.seed, rtc=base.rtc, num_camera_slots=base.num_camera_slots)
+        return dataclasses.replace(self.runner)  # the same settings; a fresh generator and no last chunk
 
     def infer(self, runner: PolicyRunner, message) -> dict:
         if isinstance(message, str):

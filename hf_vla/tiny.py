@@ -55,17 +55,7 @@ def tiny_vlm_config(
 ) -> dict:
     return {
         "model_type": "paligemma",
-        "text_config": {
-            "model_type": "gemma",
-            "hidden_size": width,
-            "num_hidden_layers": depth,
-            "intermediate_size": 2 * width,
-            "num_attention_heads": heads,
-            "num_key_value_heads": 1,
-            "head_dim": head_dim,
-            "vocab_size": TINY_VOCAB_SIZE,
-            "hidden_act": "gelu_pytorch_tanh",
-        },
+        "text_config": tiny_dit_config(width, depth, heads, head_dim),  # the same Gemma shape as the expert's
         "vision_config": {
             "model_type": "siglip_vision_model",
             "hidden_size": 32,

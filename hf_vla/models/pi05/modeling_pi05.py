@@ -520,7 +520,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
     ) -> torch.FloatTensor:
         """Integrate the velocity from t=1 (noise) to t=0 with `num_inference_steps` Euler steps; prefix run once.
 
-        Real-time chunking (`hf_vla.rtc`): with `prev_chunk_left_over` (`[B, T, d]` or `[T, d]`, normalised, the
+        Real-time chunking (`rtc.py`): with `prev_chunk_left_over` (`[B, T, d]` or `[T, d]`, normalised, the
         previous chunk's actions not executed when this observation was taken; T <= chunk, d <= max_action_dim), the
         first `inference_delay` actions are guided to equal it (they execute while this call runs) and the next ones,
         up to `execution_horizon` (default `rtc_config.execution_horizon`), are blended with it.
