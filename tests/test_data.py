@@ -14,6 +14,7 @@ from hf_vla import PI05Processor
 from hf_vla.data import PI05Collator, WeightedDatasetMixture, schedule
 from hf_vla.data.stream import _SourceQueue
 from hf_vla.data.writer import write_lerobot_dataset
+from hf_vla.models.pi05.processing_pi05 import resize_with_pad
 
 CAM = "observation.images.cam"
 
@@ -81,7 +82,6 @@ def test_training_frames_match_the_processor_resize_at_inference():
     import av
 
     from hf_vla.data.sources import DatasetConfig, LeRobotSource, VideoReader
-    from hf_vla.models.pi05.processing_pi05 import resize_with_pad
 
     source = LeRobotSource(DatasetConfig(root=str(HUMANOID), name="humanoid", cameras=["image"], state_key="state",
                                          action_key="actions"), 0)
@@ -176,6 +176,43 @@ def test_resume_continues_exactly_without_replaying(datasets, workers, monkeypat
         assert len(decoded) <= 16 * 2
     with pytest.raises(ValueError, match="batch_size"):
         loader(state | {"batch_size": 8})
+
+
+def test_worker_batches_equal_in_process_batches_on_real_video(tiny_tokenizer):
+    """A DataLoader worker writes pixel_values into shared memory faulted in ahead on a helper thread, and scales
+    frames with one swscale context per decoder: the batches must be the in-process ones, bit for bit."""
+    mixture = WeightedDatasetMixture([dict(root=str(HUMANOID), name="humanoid", cameras=["image"], state_key="state",
+                                           action_key="actions")])
+    processor = PI05Processor(tokenizer=tiny_tokenizer, norm_stats=mixture.norm_stats, image_size=64,
+                              max_state_dim=34, max_action_dim=34, chunk_size=4, prompt_max_length=160)
+
+    def batches(workers):
+        stream = mixture.train_stream(image_size=64, chunk_size=4, batch_size=8, collate_fn=PI05Collator(processor),
+                                      seed=3, open_blocks=4)
+        return _take(iter(DataLoader(stream, batch_size=None, num_workers=workers)), 5)
+
+    for got, want in zip(batches(1), batches(0), strict=True):
+        assert got["pixel_values"].is_shared()
+        assert got.keys() == want.keys()
+        for key in got:
+            assert torch.equal(got[key], want[key]), key
+
+
+def test_shared_pixel_buffers_are_fresh_and_exact(monkeypatch):
+    from hf_vla.models.pi05 import processing_pi05
+
+    images = torch.randint(0, 256, (2, 1, 3, 8, 8), dtype=torch.uint8)
+    plain = resize_with_pad(images, 8)
+    monkeypatch.setattr(processing_pi05, "get_worker_info", lambda: object())  # as inside a DataLoader worker
+    monkeypatch.setattr(processing_pi05, "_shared_buffers", None)
+    first, second = resize_with_pad(images, 8), resize_with_pad(images, 8)
+    odd = resize_with_pad(images[:1], 8)  # another size: allocated on the spot
+    for out in (first, second, odd):
+        assert out.is_shared() and out.dtype == torch.float32
+    assert torch.equal(first, plain) and torch.equal(second, plain) and torch.equal(odd, plain[:1])
+    # never reused: the main process owns what a worker has sent
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    assert not resize_with_pad(torch.rand(1, 3, 8, 8), 8).is_shared()  # float input: no worker transport buffer
 
 
 def test_decorrelated_batches_on_real_data():

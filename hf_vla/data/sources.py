@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from av.video.reformatter import VideoReformatter
 
 from ..errors import ConfigError, DataError, FeatureKeyError, MissingFileError
 
@@ -625,6 +626,9 @@ class VideoReader:
         self._frames = None
         self._last = None
         self._scaled = None
+        # One swscale context for the whole block: `VideoFrame.to_ndarray(width=...)` builds a new one for every frame
+        # (filter set-up cost 0.8 ms vs 0.36 ms per 640x480 -> 224 frame; same pixels).
+        self._reformatter = VideoReformatter()
 
     def _where(self) -> str:
         return f"{self.path}" + (f" (episode {self.episode})" if self.episode is not None else "")
@@ -668,7 +672,8 @@ class VideoReader:
                             "corrupt or truncated") from error
         decoded = self._last[1]
         height, width = self._scale(decoded.height, decoded.width)
-        array = decoded.to_ndarray(format="rgb24", width=width, height=height, interpolation="AREA")
+        array = self._reformatter.reformat(decoded, format="rgb24", width=width, height=height,
+                                           interpolation="AREA").to_ndarray()
         if out is None:
             out = torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8)
         top, left = (self.image_size - height) // 2, (self.image_size - width) // 2
