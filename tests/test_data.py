@@ -179,8 +179,9 @@ def test_resume_continues_exactly_without_replaying(datasets, workers, monkeypat
 
 
 def test_worker_batches_equal_in_process_batches_on_real_video(tiny_tokenizer):
-    """A DataLoader worker writes pixel_values into shared memory faulted in ahead on a helper thread, and scales
-    frames with one swscale context per decoder: the batches must be the in-process ones, bit for bit."""
+    """A DataLoader worker writes pixel_values into shared memory faulted in ahead on a helper thread, packs the
+    other tensors into one shared segment, and scales frames with one swscale context per decoder: the batches must
+    be the in-process ones, bit for bit."""
     mixture = WeightedDatasetMixture([dict(root=str(HUMANOID), name="humanoid", cameras=["image"], state_key="state",
                                            action_key="actions")])
     processor = PI05Processor(tokenizer=tiny_tokenizer, norm_stats=mixture.norm_stats, image_size=64,
@@ -193,6 +194,8 @@ def test_worker_batches_equal_in_process_batches_on_real_video(tiny_tokenizer):
 
     for got, want in zip(batches(1), batches(0), strict=True):
         assert got["pixel_values"].is_shared()
+        # everything else travels as views of one shared segment: one file descriptor per batch, not a dozen
+        assert len({value.untyped_storage().data_ptr() for key, value in got.items() if key != "pixel_values"}) == 1
         assert got.keys() == want.keys()
         for key in got:
             assert torch.equal(got[key], want[key]), key

@@ -8,6 +8,7 @@ collator only adds what training needs: the target chunk's padding mask (padded 
 from __future__ import annotations
 
 import torch
+from torch.utils.data import get_worker_info
 
 # provenance of the batch contract, plus frame_index (the trainer seeds each sample's t and noise by identity)
 PROVENANCE = ("dataset_index", "source_index", "episode_index", "frame_index")
@@ -29,7 +30,28 @@ class VLACollator:
         batch["actions"][batch["action_is_pad"]] = 0.0  # chunk steps past the end: zeros, masked out of the loss
         for key in PROVENANCE:
             batch[key] = torch.tensor([int(s[key]) for s in samples], dtype=torch.long)
+        return _in_one_shared_segment(batch) if get_worker_info() is not None else batch
+
+
+def _in_one_shared_segment(batch: dict) -> dict:
+    """The batch's tensors that are not in shared memory yet, moved into one shared segment (views of one storage).
+
+    A worker sends each storage to the main process as its own file descriptor, over a socket connection with an
+    HMAC handshake (multiprocessing's resource sharer): a dozen small tensors per batch cost more CPU than the 19 MB of
+    pixels. torch pickles views of one storage once. (`pixel_values` is already shared: the processor writes it into
+    a segment faulted in ahead.) Measured with one worker on humanoid_teleop_24: 3-21% more frames/s.
+    """
+    loose = [(key, value) for key, value in batch.items() if isinstance(value, torch.Tensor) and not value.is_shared()]
+    aligned = [(value.numel() * value.element_size() + 63) // 64 * 64 for _, value in loose]
+    if not loose:
         return batch
+    storage = torch.UntypedStorage._new_shared(sum(aligned))
+    offset = 0
+    for (key, value), size in zip(loose, aligned):
+        view = torch.empty(0, dtype=value.dtype).set_(storage, offset // value.element_size(), value.shape)
+        batch[key] = view.copy_(value)
+        offset += size
+    return batch
 
 
 PI05Collator = VLACollator  # with a PI05Processor
