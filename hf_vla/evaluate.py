@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import gymnasium as gym
@@ -25,7 +25,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from .models.pi05.rtc import RTCConfig
-from .policy import ObservationMap, load_policy
+from .policy import ObservationMap, add_rtc_arguments, load_policy, rtc_config_from_args
 
 logger = logging.getLogger("hf_vla.evaluate")
 
@@ -152,7 +152,8 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
                         n_action_steps: int | None = None, seed: int = 10_000, head=None, cameras=None,
                         save_videos: int = 3, output_dir: str | Path | None = None, device: str = "cpu",
                         env_kwargs: dict | None = None, progress: bool = True, server: str | None = None,
-                        inference_delay: int = 0, rtc: bool = False, execution_horizon: int | None = None) -> EvalResult:
+                        inference_delay: int = 0, rtc: bool = False, execution_horizon: int | None = None,
+                        rtc_config: RTCConfig | None = None) -> EvalResult:
     """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client."""
     import hf_vla.envs  # noqa: F401  (registers the demo env)
 
@@ -162,7 +163,9 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
         policy = RemotePolicy(server)
         chunk_size = int(policy.metadata.get("chunk_size", 0)) or None
     else:
-        rtc_config = RTCConfig(**({} if execution_horizon is None else {"execution_horizon": execution_horizon}))
+        rtc_config = rtc_config or RTCConfig()
+        if execution_horizon is not None:
+            rtc_config = replace(rtc_config, execution_horizon=execution_horizon)
         policy = load_policy(checkpoint, device=device, head=head, seed=seed, rtc=rtc_config,
                              obs_map=ObservationMap(cameras=cameras or None))
         chunk_size = policy.model.config.chunk_size
@@ -189,20 +192,20 @@ def main(argv=None):
     parser.add_argument("--inference_delay", type=int, default=0,
                         help="simulated inference delay in control steps (actions of the old chunk run meanwhile)")
     parser.add_argument("--rtc", action="store_true", help="real-time chunking: continue the chunk being executed")
-    parser.add_argument("--execution_horizon", type=int, default=None, help="RTC blend horizon (in-process only; "
-                        "a server uses its own --execution_horizon)")
     parser.add_argument("--seed", type=int, default=10_000, help="first episode seed (training data used 0..)")
     parser.add_argument("--head", default=None, help="normalization head (default: the processor's only one)")
     parser.add_argument("--cameras", nargs="*", default=None, help="observation image keys, in camera-slot order")
     parser.add_argument("--save_videos", type=int, default=3)
     parser.add_argument("--output_dir", default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_rtc_arguments(parser, horizon_default=None,
+                      title="real-time chunking settings (in-process; a server uses its own)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     result = evaluate_checkpoint(args.checkpoint, args.env, args.episodes, args.n_action_steps, args.seed, args.head,
                                  args.cameras, args.save_videos, args.output_dir, args.device, server=args.server,
                                  inference_delay=args.inference_delay, rtc=args.rtc,
-                                 execution_horizon=args.execution_horizon)
+                                 rtc_config=rtc_config_from_args(args))
     print(json.dumps(asdict(result), indent=2))
     return result
 

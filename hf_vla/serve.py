@@ -35,8 +35,7 @@ import msgpack
 import numpy as np
 import torch
 
-from .models.pi05.rtc import RTCConfig
-from .policy import ObservationMap, PolicyRunner, RequestError, load_policy
+from .policy import ObservationMap, PolicyRunner, RequestError, add_rtc_arguments, load_policy, rtc_config_from_args
 
 logger = logging.getLogger("hf_vla.serve")
 
@@ -181,9 +180,7 @@ def main(argv=None):
                         "observation/state, observation.state, state)")
     parser.add_argument("--prompt_key", default=None, help="key of the task string (default: prompt)")
     parser.add_argument("--num_camera_slots", type=int, default=None, help="pad with masked cameras up to this many")
-    parser.add_argument("--execution_horizon", type=int, default=RTCConfig.execution_horizon)
-    parser.add_argument("--max_guidance_weight", type=float, default=RTCConfig.max_guidance_weight)
-    parser.add_argument("--prefix_attention_schedule", default=RTCConfig.prefix_attention_schedule)
+    add_rtc_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0, help="noise seed of every connection")
     args = parser.parse_args(argv)
@@ -193,9 +190,8 @@ def main(argv=None):
     for field_name, value in (("cameras", args.cameras), ("state", args.state), ("prompt", args.prompt_key)):
         if value:
             setattr(obs_map, field_name, value)
-    rtc = RTCConfig(execution_horizon=args.execution_horizon, max_guidance_weight=args.max_guidance_weight,
-                    prefix_attention_schedule=args.prefix_attention_schedule)
-    runner = load_policy(args.checkpoint, device=args.device, obs_map=obs_map, seed=args.seed, rtc=rtc,
+    runner = load_policy(args.checkpoint, device=args.device, obs_map=obs_map, seed=args.seed,
+                         rtc=rtc_config_from_args(args),
                          num_camera_slots=args.num_camera_slots)
     heads = runner.processor.head_names
     if args.head is not None or len(heads) == 1:

@@ -21,7 +21,7 @@ from conftest import REPO, randomize_
 import hf_vla.envs  # noqa: F401  (registers ColorReach)
 from hf_vla.models.pi05 import PI05Config, PI05ForConditionalGeneration, PI05Processor
 from hf_vla.models.pi05.rtc import RTCConfig, guidance_weight, guided_velocity, prefix_weights
-from hf_vla.policy import ObservationMap, PolicyRunner, RequestError
+from hf_vla.policy import ObservationMap, PolicyRunner, RequestError, add_rtc_arguments, rtc_config_from_args
 
 HEAD = "color_reach::delta_xy"
 NORM_STATS = {HEAD: {"state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0]},
@@ -125,6 +125,20 @@ def test_guidance_with_jacobian_is_the_vector_jacobian_product():
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     assert guidance_weight(1.0, 10.0) == 10.0 and guidance_weight(0.0, 10.0) == 0.0
     assert guidance_weight(0.1, 10.0) == pytest.approx((0.81 + 0.01) / 0.09)
+
+
+def test_rtc_flags_build_the_config():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_rtc_arguments(parser, horizon_default=None)
+    assert rtc_config_from_args(parser.parse_args([])) == RTCConfig()
+    args = parser.parse_args(["--rtc_jacobian", "--prefix_attention_schedule", "exp", "--max_guidance_weight", "5",
+                              "--execution_horizon", "3"])
+    assert rtc_config_from_args(args) == RTCConfig(execution_horizon=3, max_guidance_weight=5.0,
+                                                   prefix_attention_schedule="exp", jacobian=True)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prefix_attention_schedule", "cosine"])
 
 
 def test_rtc_runner_continues_the_previous_chunk(demo_policy):
