@@ -198,8 +198,7 @@ def main(argv=None):
     parser.add_argument("--save_videos", type=int, default=3)
     parser.add_argument("--output_dir", default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add_rtc_arguments(parser, horizon_default=None,
-                      title="real-time chunking settings (in-process; a server uses its own)")
+    add_rtc_arguments(parser, title="real-time chunking settings (in-process; a server uses its own)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     result = evaluate_checkpoint(args.checkpoint, args.env, args.episodes, args.n_action_steps, args.seed, args.head,

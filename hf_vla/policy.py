@@ -212,15 +212,13 @@ def load_policy(checkpoint: str | Path, device: str = "cpu", **kwargs) -> Policy
     return PolicyRunner(model, processor, device=device, **kwargs)
 
 
-def add_rtc_arguments(parser, horizon_default: int | None = RTCConfig.execution_horizon,
-                      title: str = "real-time chunking (RTC)") -> None:
+def add_rtc_arguments(parser, title: str = "real-time chunking (RTC)") -> None:
     """The real-time chunking flags of `hf_vla.serve` and `hf_vla.evaluate` (fields of `RTCConfig`)."""
     from .models.pi05.rtc import SCHEDULES
 
     group = parser.add_argument_group(title)
-    group.add_argument("--execution_horizon", type=int, default=horizon_default,
-                       help=f"actions of the previous chunk blended with (default {RTCConfig.execution_horizon}, capped "
-                            "at the remainder)")
+    group.add_argument("--execution_horizon", type=int, default=RTCConfig.execution_horizon,
+                       help="actions of the previous chunk blended with (capped at the remainder)")
     group.add_argument("--max_guidance_weight", type=float, default=RTCConfig.max_guidance_weight,
                        help="cap of the guidance weight (lerobot's default 10)")
     group.add_argument("--prefix_attention_schedule", choices=SCHEDULES, default=RTCConfig.prefix_attention_schedule,
@@ -231,8 +229,7 @@ def add_rtc_arguments(parser, horizon_default: int | None = RTCConfig.execution_
 
 
 def rtc_config_from_args(args) -> RTCConfig:
-    return RTCConfig(execution_horizon=RTCConfig.execution_horizon if args.execution_horizon is None
-                     else args.execution_horizon, max_guidance_weight=args.max_guidance_weight,
+    return RTCConfig(execution_horizon=args.execution_horizon, max_guidance_weight=args.max_guidance_weight,
                      prefix_attention_schedule=args.prefix_attention_schedule, jacobian=args.rtc_jacobian)
 
 

@@ -131,7 +131,7 @@ def test_rtc_flags_build_the_config():
     import argparse
 
     parser = argparse.ArgumentParser()
-    add_rtc_arguments(parser, horizon_default=None)
+    add_rtc_arguments(parser)
     assert rtc_config_from_args(parser.parse_args([])) == RTCConfig()
     args = parser.parse_args(["--rtc_jacobian", "--prefix_attention_schedule", "exp", "--max_guidance_weight", "5",
                               "--execution_horizon", "3"])
