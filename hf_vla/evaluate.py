@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import gymnasium as gym
@@ -152,8 +152,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
                         n_action_steps: int | None = None, seed: int = 10_000, head=None, cameras=None,
                         save_videos: int = 3, output_dir: str | Path | None = None, device: str = "cpu",
                         env_kwargs: dict | None = None, progress: bool = True, server: str | None = None,
-                        inference_delay: int = 0, rtc: bool = False, execution_horizon: int | None = None,
-                        rtc_config: RTCConfig | None = None) -> EvalResult:
+                        inference_delay: int = 0, rtc: bool = False, rtc_config: RTCConfig | None = None) -> EvalResult:
     """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client."""
     import hf_vla.envs  # noqa: F401  (registers the demo env)
 
@@ -163,10 +162,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
         policy = RemotePolicy(server)
         chunk_size = int(policy.metadata.get("chunk_size", 0)) or None
     else:
-        rtc_config = rtc_config or RTCConfig()
-        if execution_horizon is not None:
-            rtc_config = replace(rtc_config, execution_horizon=execution_horizon)
-        policy = load_policy(checkpoint, device=device, head=head, seed=seed, rtc=rtc_config,
+        policy = load_policy(checkpoint, device=device, head=head, seed=seed, rtc=rtc_config or RTCConfig(),
                              obs_map=ObservationMap(cameras=cameras or None))
         chunk_size = policy.model.config.chunk_size
     env = gym.make(env_id, **(env_kwargs or {}))

@@ -32,8 +32,8 @@ class _SharedBuffers:
 
     @staticmethod
     def allocate(numel: int) -> torch.Tensor:
-        storage = torch.empty(0)._typed_storage()._new_shared(numel, device="cpu")
-        return torch.empty(0).new(storage).zero_()
+        storage = torch.UntypedStorage._new_shared(numel * 4)  # float32
+        return torch.empty(0).set_(storage, 0, (numel,)).zero_()
 
     def take(self, numel: int) -> torch.Tensor:
         if self.pending is not None and self.pending[0] == numel:
