@@ -138,6 +138,7 @@ def measure_size(size: str, device, dtype, repeats: int, warmup: int, compile_mo
             a = ours.sample_actions(x["input_ids"], x["pixel_values"], x["pixel_attention_mask"], x["attention_mask"],
                                     noise=x["noise"])
             out["same_shape"] = list(a.shape) == list(lerobot_call(lerobot.sample_actions)().shape)
+    out["hf_vla"].update(rtc_latency(ours, x, repeats, warmup, device))
     save(out)
     for mode in compile_modes:
         key = f"compile_{mode}"
@@ -156,6 +157,33 @@ def measure_size(size: str, device, dtype, repeats: int, warmup: int, compile_mo
         theirs = out["lerobot"].get(variant, {})
         if "median_ms" in result and "median_ms" in theirs:
             result["ratio_to_lerobot"] = round(result["median_ms"] / theirs["median_ms"], 3)
+    return out
+
+
+def rtc_latency(model, x: dict, repeats: int, warmup: int, device) -> dict:
+    """`sample_actions` with real-time chunking, eager: inference-time guidance (lerobot's weighted error, and the
+    paper's vector-Jacobian product: a backward pass per flow step) and training-time RTC (the committed prefix held
+    at time 0; the model's `rtc_max_delay` is set for the call). Delay: a tenth of the chunk, at least 2."""
+    from hf_vla.models.pi05.rtc import RTCConfig
+
+    chunk = model.config.chunk_size
+    delay = max(2, chunk // 10)
+    left_over = torch.randn(1, chunk - delay, model.config.max_action_dim, generator=torch.Generator().manual_seed(2))
+    left_over = left_over.to(device)
+    trained = model.config.rtc_max_delay
+    out = {}
+    for name, config in (("eager_rtc_guidance", RTCConfig(method="guidance")),
+                         ("eager_rtc_guidance_jacobian", RTCConfig(method="guidance", jacobian=True)),
+                         ("eager_rtc_prefix", RTCConfig(method="prefix"))):
+        model.config.rtc_max_delay = delay
+        try:
+            with torch.no_grad():  # not inference_mode: the Jacobian variant back-propagates through the expert
+                out[name] = timed(lambda config=config: model.sample_actions(
+                    x["input_ids"], x["pixel_values"], x["pixel_attention_mask"], x["attention_mask"], noise=x["noise"],
+                    prev_chunk_left_over=left_over, inference_delay=delay, rtc_config=config), repeats, warmup, device)
+        finally:
+            model.config.rtc_max_delay = trained
+        out[name]["inference_delay"] = delay
     return out
 
 

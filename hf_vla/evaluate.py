@@ -44,6 +44,7 @@ class EvalResult:
     boundary_jump: float = float("nan")
     boundary_jerk: float = float("nan")
     interior_jerk: float = float("nan")  # the same second difference at every other step, for scale
+    rtc_method: str | None = None  # with rtc: "guidance" (inference-time) or "prefix" (training-time), as resolved
 
 
 class RemotePolicy:
@@ -172,6 +173,13 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
     output_dir = Path(output_dir)
     result = run_episodes(env, policy, episodes, steps, seed=seed, save_videos=save_videos, output_dir=output_dir,
                           progress=progress, inference_delay=inference_delay, rtc=rtc, chunk_size=chunk_size)
+    if rtc and inference_delay:
+        if server is not None:
+            settings = policy.metadata.get("rtc", {})
+            config, trained = RTCConfig(method=settings.get("method", "guidance")), settings.get("trained_max_delay", 0)
+        else:
+            config, trained = policy.rtc, getattr(policy.model.config, "rtc_max_delay", 0)
+        result.rtc_method = config.resolve_method(inference_delay, trained)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
     return result

@@ -39,9 +39,39 @@ def per_sample_flow_loss(velocity, noise, actions, action_is_pad, action_dim_mas
     return PerSampleLoss(error.sum(dim=(1, 2)), mask.sum(dim=(1, 2)).to(error.dtype))
 
 
-def _sample_seed(seed: int, step: int, source: int, episode: int, frame: int) -> int:
-    digest = hashlib.blake2b(np.array([seed, step, source, episode, frame], dtype=np.int64).tobytes(), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") >> 1
+def _sample_seed(seed: int, step: int, source: int, episode: int, frame: int, *salt: int) -> int:
+    key = np.array([seed, step, source, episode, frame, *salt], dtype=np.int64)
+    return int.from_bytes(hashlib.blake2b(key.tobytes(), digest_size=8).digest(), "little") >> 1
+
+
+def _identities(batch: dict) -> list[tuple[int, int, int]]:
+    frames = batch["frame_index"].tolist() if "frame_index" in batch else [0] * len(batch["episode_index"])
+    return list(zip(batch["source_index"].tolist(), batch["episode_index"].tolist(), frames))
+
+
+RTC_SALT = 1  # keeps the committed-prefix draw independent of the noise and time draws of the same sample
+
+
+def committed_steps(batch: dict, seed: int, step: int, max_delay: int) -> torch.Tensor:
+    """Training-time real-time chunking: per sample, d ~ Uniform{0..max_delay} committed actions `[B]` (long).
+
+    Keyed by the sample's identity like the noise (so any split into micro-batches and ranks draws the same d)."""
+    if max_delay <= 0:
+        return torch.zeros(len(batch["episode_index"]), dtype=torch.long)
+    return torch.tensor([_sample_seed(seed, step, *identity, RTC_SALT) % (max_delay + 1)
+                         for identity in _identities(batch)], dtype=torch.long)
+
+
+def loss_padding(batch: dict, seed: int, step: int, config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[B, chunk]` bool: chunk steps the loss leaves out (`action_is_pad`, and with `config.rtc_max_delay` the
+    committed prefix), and the committed mask itself (None without training-time RTC)."""
+    pad = batch["action_is_pad"].bool()
+    max_delay = getattr(config, "rtc_max_delay", 0) or 0
+    if max_delay <= 0:
+        return pad, None
+    delay = committed_steps(batch, seed, step, max_delay).to(pad.device)
+    committed = torch.arange(pad.shape[1], device=pad.device)[None, :] < delay[:, None]
+    return pad | committed, committed
 
 
 def sample_noise_and_time(batch: dict, shape: Sequence[int], seed: int, step: int, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,10 +81,8 @@ def sample_noise_and_time(batch: dict, shape: Sequence[int], seed: int, step: in
     same noise as one big batch (the exactness of gradient accumulation and data parallelism relies on it), and a
     resumed run draws what the uninterrupted one drew. t ~ Beta(alpha, beta) * scale + offset by inverse CDF.
     """
-    ids = [batch[k].tolist() for k in ("source_index", "episode_index")]
-    frames = batch["frame_index"].tolist() if "frame_index" in batch else [0] * len(ids[0])
     noise, uniform = [], []
-    for source, episode, frame in zip(*ids, frames):
+    for source, episode, frame in _identities(batch):
         generator = torch.Generator().manual_seed(_sample_seed(seed, step, source, episode, frame))
         noise.append(torch.randn(tuple(shape), generator=generator))
         uniform.append(torch.rand((), generator=generator, dtype=torch.float64).item())
@@ -72,14 +100,20 @@ def policy_per_sample_loss(model, inputs: dict, seed: int, step: int) -> tuple[P
 
     Seeded t and noise per sample, x_t = t*noise + (1-t)*actions, the policy's velocity at (x_t, t) (passed as
     `noise`/`timestep`, without `actions`), masked per-sample sums and counts. Returns them and the model output.
+    With `rtc_max_delay` in the policy's config (training-time real-time chunking), each sample's committed prefix
+    has time 0 (x_t holds those actions clean; `timestep` is then `[B, chunk]`) and is left out of the loss.
     """
     unwrapped = getattr(model, "module", model)
     actions = inputs["actions"]
     noise, t = sample_noise_and_time(inputs, actions.shape[1:], seed, step, unwrapped.config)
     noise, t = noise.to(actions.device), t.to(actions.device)
-    x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+    padding, committed = loss_padding(inputs, seed, step, unwrapped.config)
+    if committed is not None:
+        t = torch.where(committed, 0.0, t[:, None])  # [B, chunk]
+    t_x = t[..., None] if t.ndim == 2 else t[:, None, None]
+    x_t = t_x * noise + (1 - t_x) * actions
     outputs = model(noise=x_t.to(unwrapped.dtype), timestep=t, **{k: inputs[k] for k in MODEL_INPUTS if k in inputs})
-    loss = per_sample_flow_loss(outputs.logits, noise, actions, inputs["action_is_pad"], inputs["action_dim_mask"])
+    loss = per_sample_flow_loss(outputs.logits, noise, actions, padding, inputs["action_dim_mask"])
     return loss, outputs
 
 

@@ -144,6 +144,11 @@ class PolicyRunner:
             raise RequestError(f"state {self.obs_map.state or 'vector'} has {state.shape[-1]} values; head {head!r} "
                                f"expects {expected}")
         leftover = self._leftover(head, inference_delay, executed_steps, prev_chunk_left_over)
+        if leftover is not None:
+            try:
+                self.rtc.resolve_method(inference_delay, getattr(self.model.config, "rtc_max_delay", 0))
+            except ValueError as error:
+                raise RequestError(str(error)) from error
         chunk = self._sample(images[None], state[None], [task], mask[None], head, leftover, inference_delay,
                              execution_horizon)[0]
         if leftover is not None:
@@ -214,7 +219,7 @@ def load_policy(checkpoint: str | Path, device: str = "cpu", **kwargs) -> Policy
 
 def add_rtc_arguments(parser, title: str = "real-time chunking (RTC)") -> None:
     """The real-time chunking flags of `hf_vla.serve` and `hf_vla.evaluate` (fields of `RTCConfig`)."""
-    from .models.pi05.rtc import SCHEDULES
+    from .models.pi05.rtc import METHODS, SCHEDULES
 
     group = parser.add_argument_group(title)
     group.add_argument("--execution_horizon", type=int, default=RTCConfig.execution_horizon,
@@ -226,11 +231,15 @@ def add_rtc_arguments(parser, title: str = "real-time chunking (RTC)") -> None:
     group.add_argument("--rtc_jacobian", action="store_true",
                        help="propagate the guidance error through the action expert as the paper does (one backward "
                             "pass per flow step) instead of lerobot's weighted error")
+    group.add_argument("--rtc_method", choices=METHODS, default=RTCConfig.method,
+                       help="guidance: inference-time RTC (the settings above); prefix: training-time RTC, for a model "
+                            "trained with rtc_max_delay >= the delay; auto: prefix when the model was trained for it")
 
 
 def rtc_config_from_args(args) -> RTCConfig:
     return RTCConfig(execution_horizon=args.execution_horizon, max_guidance_weight=args.max_guidance_weight,
-                     prefix_attention_schedule=args.prefix_attention_schedule, jacobian=args.rtc_jacobian)
+                     prefix_attention_schedule=args.prefix_attention_schedule, jacobian=args.rtc_jacobian,
+                     method=args.rtc_method)
 
 
 __all__ = ["ObservationMap", "PolicyRunner", "RequestError", "add_rtc_arguments", "load_policy", "rtc_config_from_args"]

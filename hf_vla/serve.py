@@ -83,7 +83,9 @@ class PolicyServer:
             "cameras": runner.obs_map.cameras, "state": runner.obs_map.state, "prompt": runner.obs_map.prompt,
             "rtc": {"execution_horizon": runner.rtc.execution_horizon,
                     "max_guidance_weight": runner.rtc.max_guidance_weight,
-                    "prefix_attention_schedule": runner.rtc.prefix_attention_schedule},
+                    "prefix_attention_schedule": runner.rtc.prefix_attention_schedule,
+                    "jacobian": runner.rtc.jacobian, "method": runner.rtc.method,
+                    "trained_max_delay": getattr(runner.model.config, "rtc_max_delay", 0)},
         }
 
     def connection_runner(self) -> PolicyRunner:

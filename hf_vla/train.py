@@ -52,6 +52,11 @@ class ModelArguments:
     attn_implementation: eager | sdpa | flex_attention | flash_attention_2 | flash_attention_3.
     dtype: float32 | bfloat16 (bf16 trains with fp32 master weights unless `master_weights` is off).
     lora_preset: `expert` or `all_linear` (peft LoRA, see `hf_vla.lora`); none trains the full model.
+    rtc_max_delay: training-time real-time chunking (pi0.5): each sample gets a committed prefix of up to this many
+        actions (clean, at time 0, left out of the loss), so the policy learns to continue the actions a robot
+        executes while it infers. Overrides the checkpoint's or `model_config`'s value and is saved with the model.
+        Measured on the demo: from scratch it teaches a shortcut (the prefix shows the way, the instruction is not
+        learned: 36% success); fine-tuning a trained policy with it keeps the policy and adds the skill.
     """
 
     policy: str = field(default="pi05", metadata={"help": f"one of {POLICIES}"})
@@ -63,6 +68,8 @@ class ModelArguments:
     lora_preset: str | None = field(default=None, metadata={"help": f"one of {sorted(PRESETS)}"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha (default 2r)"})
+    rtc_max_delay: int | None = field(default=None, metadata={
+        "help": "training-time RTC: committed prefixes of up to this many actions (pi05; default: the config's)"})
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -82,6 +89,9 @@ class ModelArguments:
             raise ConfigError(f"lora_preset={self.lora_preset!r}: choose one of {sorted(PRESETS)}")
         if self.lora_r <= 0:
             raise ConfigError(f"lora_r={self.lora_r}: must be positive")
+        if self.rtc_max_delay is not None and self.policy != "pi05":
+            raise ConfigError(f"rtc_max_delay={self.rtc_max_delay}: training-time RTC needs policy 'pi05' (its "
+                              f"action expert takes a time per action token), not {self.policy!r}")
         if self.model_name_or_path is None and self.model_config is None and self.policy != "pi05":
             raise ConfigError("set model_name_or_path (a checkpoint) or model_config (dims to build from scratch)")
         if self.model_config is not None:
@@ -246,7 +256,18 @@ def build_tokenizer(name: str):
 
 
 def model_config(model_args: ModelArguments):
-    """The policy's config, without any weights: from the checkpoint's config.json or from `model_config`."""
+    """The policy's config, without any weights: from the checkpoint's config.json or from `model_config`, with
+    `rtc_max_delay` applied."""
+    config = _base_model_config(model_args)
+    if model_args.rtc_max_delay is not None:
+        if not 0 <= model_args.rtc_max_delay < config.chunk_size:
+            raise ConfigError(f"rtc_max_delay={model_args.rtc_max_delay}: must be in [0, chunk_size="
+                              f"{config.chunk_size}) (a committed prefix shorter than the chunk)")
+        config.rtc_max_delay = model_args.rtc_max_delay
+    return config
+
+
+def _base_model_config(model_args: ModelArguments):
     config_class = policy_config_class(model_args.policy)
     if model_args.model_name_or_path:
         from transformers import AutoConfig
@@ -275,11 +296,14 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
     dtype = getattr(torch, model_args.dtype)
     if model_args.model_name_or_path:
         try:
-            return AutoModelForImageTextToText.from_pretrained(
+            model = AutoModelForImageTextToText.from_pretrained(
                 model_args.model_name_or_path, dtype=dtype, attn_implementation=model_args.attn_implementation
             )
         except OSError as error:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: {error}") from error
+        if model_args.rtc_max_delay is not None:  # validated by model_config() before any weight was loaded
+            model.config.rtc_max_delay = model_args.rtc_max_delay
+        return model
     config = config if config is not None else model_config(model_args)
     model_class = PI05ForConditionalGeneration if model_args.policy == "pi05" else PI0ForConditionalGeneration
     config._attn_implementation = model_args.attn_implementation

@@ -32,6 +32,7 @@ from .losses import (
     StepTotals,
     aggregate,
     bucket_mse,
+    loss_padding,
     policy_per_sample_loss,
     sample_weights,
     valid_elements,
@@ -299,8 +300,10 @@ class VLATrainer(Trainer):
         # every aggregation mode divides by totals spanning the whole optimizer step.
         group_key = GROUP_KEYS[self.args.loss_group_key]
         counts, groups = [], []
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         for batch in batch_samples:
-            counts += valid_elements(batch["action_is_pad"], batch["action_dim_mask"]).sum(dim=(1, 2)).tolist()
+            padding, _ = loss_padding(batch, self.args.seed, self.state.global_step, config)
+            counts += valid_elements(padding, batch["action_dim_mask"]).sum(dim=(1, 2)).tolist()
             groups += batch[group_key].tolist()
         if self.accelerator.num_processes > 1:
             gathered = gather_object([(counts, groups)])

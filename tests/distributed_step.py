@@ -15,24 +15,31 @@ from hf_vla import PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLAT
 from hf_vla.data import WeightedDatasetMixture
 from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
 
-MODES = [("sample_mean", None), ("token_mean", None), ("group_mean", None), ("constant", 7.0)]
+# (loss mode, divisor, rtc_max_delay): the last two train with committed prefixes (training-time RTC), whose
+# element counts the step-wide totals must see exactly as the loss does.
+MODES = [("sample_mean", None, 0), ("token_mean", None, 0), ("group_mean", None, 0), ("constant", 7.0, 0),
+         ("token_mean", None, 2), ("sample_mean", None, 2)]
 
 
-def make_model():
+def run_key(mode, rtc_max_delay=0):
+    return mode if not rtc_max_delay else f"{mode}+rtc{rtc_max_delay}"
+
+
+def make_model(rtc_max_delay=0):
     torch.manual_seed(0)
-    model = PI05ForConditionalGeneration(tiny_pi05_config(chunk_size=6))
+    model = PI05ForConditionalGeneration(tiny_pi05_config(chunk_size=6, rtc_max_delay=rtc_max_delay))
     with torch.no_grad():  # random adaRMS too, so every parameter gets a gradient
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.05)
     return model
 
 
-def build(root_a, root_b):
+def build(root_a, root_b, rtc_max_delay=0):
     mixture = WeightedDatasetMixture([
         dict(root=root_a, name="a", cameras=["observation.images.cam"], control_mode="joint"),
         dict(root=root_b, name="b", cameras=["front", None], control_mode="eef", weight=2.0),
     ])
-    model = make_model()
+    model = make_model(rtc_max_delay)
     config = model.config
     processor = PI05Processor.from_config(config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
                                           head_names=mixture.head_names)
@@ -73,9 +80,9 @@ def evaluate_split(root_a, root_b, out_dir, **extra):
 
 def main(root_a, root_b, out):
     results = {"eval": evaluate_split(root_a, root_b, f"{out}.eval")}
-    for mode, divisor in MODES:
-        mixture, model, processor = build(root_a, root_b)
-        args = VLATrainingArguments(output_dir=f"{out}.{mode}", max_steps=1, per_device_train_batch_size=2,
+    for mode, divisor, rtc_max_delay in MODES:
+        mixture, model, processor = build(root_a, root_b, rtc_max_delay)
+        args = VLATrainingArguments(output_dir=f"{out}.{run_key(mode, rtc_max_delay)}", max_steps=1, per_device_train_batch_size=2,
                                     gradient_accumulation_steps=4, loss_aggregation=mode, loss_divisor=divisor,
                                     max_grad_norm=0.0, report_to=[], use_cpu=True, ddp_backend="gloo",
                                     save_strategy="no", warmup_steps=0, seed=3, stream_open_blocks=2,
@@ -86,7 +93,7 @@ def main(root_a, root_b, out):
         trainer.seen = []
         trainer.train()
         batches = gather_object([trainer.seen])
-        results[mode] = {"grads": capture.grads, "batches": [b for rank in batches for b in rank],
+        results[run_key(mode, rtc_max_delay)] = {"grads": capture.grads, "batches": [b for rank in batches for b in rank],
                          "world_size": trainer.accelerator.num_processes}
     if torch.distributed.get_rank() == 0:
         torch.save(results, out)

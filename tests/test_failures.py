@@ -99,6 +99,9 @@ CONFIG_FAULTS = [
     ({"on_nonfinite": "ignore"}, [], "on_nonfinite='ignore'"),
     ({"policy": "pi0", "model_config": {"chunk_size": 4, "state_bins": 8}}, [],
      "model_config: unknown key(s) ['state_bins'] for PI0Config"),
+    ({"rtc_max_delay": 99}, [], "rtc_max_delay=99: must be in [0, chunk_size="),
+    ({"policy": "pi0", "model_config": {"chunk_size": 4}, "rtc_max_delay": 1}, [],
+     "rtc_max_delay=1: training-time RTC needs policy 'pi05'"),
 ]
 
 

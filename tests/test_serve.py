@@ -162,6 +162,40 @@ def test_rtc_runner_continues_the_previous_chunk(demo_policy):
     assert np.mean(jumps[True]) < np.mean(jumps[False])
 
 
+def test_training_time_rtc_sampling(tiny_tokenizer):
+    """A model trained with rtc_max_delay: `sample_actions` holds the committed actions exactly (padded dims 0) and
+    samples the rest conditioned on them; `auto` uses it up to the trained delay and guidance beyond; `prefix` on a
+    delay the model was not trained for is refused, in-process and as a request error of the runner."""
+    model = randomize_(PI05ForConditionalGeneration(demo_config(rtc_max_delay=2, max_action_dim=4)), seed=5,
+                       scale=0.1).eval()
+    processor = PI05Processor.from_config(model.config, tiny_tokenizer, norm_stats=NORM_STATS, head_names=[HEAD])
+    observation, task = next(observations(1, seed=3))
+    inputs = model_inputs(processor, observation, task)
+    noise = torch.randn(1, 8, 4, generator=torch.Generator().manual_seed(0))
+    remainder = torch.randn(1, 5, 2, generator=torch.Generator().manual_seed(1))
+    chunk = model.sample_actions(**inputs, noise=noise, prev_chunk_left_over=remainder, inference_delay=2,
+                                 rtc_config=RTCConfig(method="prefix"))
+    assert torch.equal(chunk[0, :2, :2], remainder[0, :2]) and torch.equal(chunk[0, :2, 2:], torch.zeros(2, 2))
+    other = model.sample_actions(**inputs, noise=noise, prev_chunk_left_over=remainder + 0.5, inference_delay=2,
+                                 rtc_config=RTCConfig(method="prefix"))
+    assert (other[0, 2:] - chunk[0, 2:]).abs().max() > 1e-3  # the rest is conditioned on the committed actions
+    later = remainder.clone()
+    later[:, 2:] += 1.0  # the remainder past the delay is not used (no blending with the older plan)
+    assert torch.equal(model.sample_actions(**inputs, noise=noise, prev_chunk_left_over=later, inference_delay=2), chunk)
+    guided = model.sample_actions(**inputs, noise=noise, prev_chunk_left_over=remainder, inference_delay=3)
+    reference = model.sample_actions(**inputs, noise=noise, prev_chunk_left_over=remainder, inference_delay=3,
+                                     rtc_config=RTCConfig(method="guidance"))
+    assert torch.equal(guided, reference)  # beyond the trained delay, auto falls back to guidance
+    with pytest.raises(ValueError, match="rtc_max_delay=2"):
+        model.sample_actions(**inputs, noise=noise, prev_chunk_left_over=remainder, inference_delay=3,
+                             rtc_config=RTCConfig(method="prefix"))
+    runner = PolicyRunner(model, processor, rtc=RTCConfig(method="prefix"))
+    runner(observation, task)
+    with pytest.raises(RequestError, match="trained with rtc_max_delay=2"):
+        runner(observation, task, inference_delay=3, executed_steps=2)
+    assert runner(observation, task, inference_delay=2, executed_steps=2).shape == (8, 2)
+
+
 def test_runner_request_errors(demo_policy):
     model, processor = demo_policy
     runner = PolicyRunner(model, processor, obs_map=ObservationMap(cameras=["cam"], state=["joints"]))

@@ -17,8 +17,10 @@ from hf_vla.losses import (
     GROUP_KEYS,
     StepTotals,
     aggregate,
+    committed_steps,
     per_sample_flow_loss,
     policy_per_sample_loss,
+    sample_noise_and_time,
     sample_weights,
 )
 from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
@@ -47,6 +49,73 @@ def test_aggregation_modes_on_one_batch():
     assert aggregate("constant", per_sample, groups, divisor=5.0) == pytest.approx(16 / (5 * 3))
 
 
+def _synthetic_batch(model, size=24, seed=0):
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    chunk, dims = config.chunk_size, config.max_action_dim
+    lengths = torch.randint(2, chunk + 1, (size,), generator=generator)
+    return {
+        "input_ids": torch.randint(3, 200, (size, 12), generator=generator),
+        "attention_mask": torch.ones(size, 12, dtype=torch.bool),
+        "pixel_values": torch.randn(size, 2, 3, config.image_size, config.image_size, generator=generator),
+        "pixel_attention_mask": torch.ones(size, 2, dtype=torch.bool),
+        "actions": torch.randn(size, chunk, dims, generator=generator),
+        "action_is_pad": torch.arange(chunk)[None, :] >= lengths[:, None],
+        "action_dim_mask": torch.arange(dims)[None, :] < torch.randint(2, dims + 1, (size, 1), generator=generator),
+        "source_index": torch.zeros(size, dtype=torch.long),
+        "episode_index": torch.arange(size),
+        "frame_index": torch.randint(0, 100, (size,), generator=generator),
+    }
+
+
+def test_training_time_rtc_objective():
+    """rtc_max_delay: per sample d ~ U{0..max} committed actions, keyed by the sample's identity; x_t holds them clean
+    at time 0 and the loss leaves them out (oracle: the computation written out; the noise drawn for committed
+    actions has no effect at all)."""
+    from distributed_step import make_model
+
+    model = make_model(rtc_max_delay=3).train()
+    batch = _synthetic_batch(model)
+    delay = committed_steps(batch, seed=3, step=0, max_delay=3)
+    assert set(delay.tolist()) == {0, 1, 2, 3}
+    order = torch.randperm(len(delay), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(committed_steps({k: v[order] for k, v in batch.items()}, 3, 0, 3), delay[order])
+    assert not torch.equal(committed_steps(batch, 3, 1, 3), delay)  # redrawn every step
+
+    per_sample, _ = policy_per_sample_loss(model, batch, seed=3, step=0)
+    noise, t = sample_noise_and_time(batch, batch["actions"].shape[1:], 3, 0, model.config)
+    steps = torch.arange(model.config.chunk_size)
+    committed = steps[None, :] < delay[:, None]
+    time = torch.where(committed, 0.0, t[:, None])
+    x_t = time[..., None] * noise + (1 - time[..., None]) * batch["actions"]
+    assert torch.equal(x_t[committed], batch["actions"][committed])
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")}
+    velocity = model(noise=x_t, timestep=time, **inputs).logits
+    mask = (~batch["action_is_pad"] & ~committed)[..., None] & batch["action_dim_mask"][:, None, :]
+    expected = ((noise - batch["actions"] - velocity) ** 2 * mask).sum(dim=(1, 2))
+    torch.testing.assert_close(per_sample.sum, expected, rtol=1e-5, atol=1e-6)
+    assert per_sample.count.tolist() == mask.sum(dim=(1, 2)).float().tolist()
+
+    # other noise on the committed actions: the same loss to the bit (they are clean and unsupervised)
+    import hf_vla.losses as losses
+
+    original = losses.sample_noise_and_time
+
+    def other_committed_noise(*args, **kwargs):
+        drawn, times = original(*args, **kwargs)
+        return torch.where(committed[..., None], torch.randn_like(drawn), drawn), times
+
+    losses.sample_noise_and_time = other_committed_noise
+    try:
+        again, _ = policy_per_sample_loss(model, batch, seed=3, step=0)
+    finally:
+        losses.sample_noise_and_time = original
+    assert torch.equal(again.sum, per_sample.sum)
+    # without rtc_max_delay every step of a sample counts and the time is one per sample
+    plain, _ = policy_per_sample_loss(make_model(), batch, seed=3, step=0)
+    assert (plain.count >= per_sample.count).all() and (plain.count > per_sample.count).sum() > 5
+
+
 def test_per_sample_flow_loss_masks_padding():
     velocity = torch.zeros(2, 3, 4)
     noise = torch.ones(2, 3, 4)
@@ -70,21 +139,24 @@ def distributed_run(two_datasets, tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("mode,divisor", [("sample_mean", None), ("token_mean", None), ("group_mean", None),
-                                          ("constant", 7.0)])
-def test_ga4_x_dp2_gradient_equals_one_batch_of_16(distributed_run, mode, divisor):
-    from distributed_step import make_model
+@pytest.mark.parametrize("mode,divisor,rtc_max_delay", [
+    ("sample_mean", None, 0), ("token_mean", None, 0), ("group_mean", None, 0), ("constant", 7.0, 0),
+    ("token_mean", None, 2), ("sample_mean", None, 2)])  # the last two: training-time RTC's committed prefixes
+def test_ga4_x_dp2_gradient_equals_one_batch_of_16(distributed_run, mode, divisor, rtc_max_delay):
+    from distributed_step import make_model, run_key
 
-    run = distributed_run[mode]
+    run = distributed_run[run_key(mode, rtc_max_delay)]
     assert run["world_size"] == 2 and len(run["batches"]) == 8
     batch = {k: torch.cat([b[k] for b in run["batches"]]) for k in run["batches"][0]}
     assert batch["actions"].shape[0] == 16
     counts = per_sample_flow_loss(torch.zeros_like(batch["actions"]), batch["actions"], batch["actions"],
                                   batch["action_is_pad"], batch["action_dim_mask"]).count
     assert len(set(counts.tolist())) > 2  # heterogeneous lengths and dims: the modes really differ
-    model = make_model()
+    model = make_model(rtc_max_delay)
     model.train()
     per_sample, _ = policy_per_sample_loss(model, batch, seed=3, step=0)
+    if rtc_max_delay:  # some samples really have a committed prefix, which the loss leaves out
+        assert (per_sample.count < counts).any() and (per_sample.count == counts).any()
     groups = batch[GROUP_KEYS["episode"]]
     loss = aggregate(mode, per_sample, groups, divisor)
     loss.backward()

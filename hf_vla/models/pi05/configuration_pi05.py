@@ -28,6 +28,11 @@ class PI05Config(PreTrainedConfig):
     min_period / max_period (`float`): periods of the sin/cos time embedding.
     state_bins (`int`, defaults to 256): bins of the state discretization in the prompt.
     tokenizer_max_length (`int`, defaults to 200): prompt length the processor pads/truncates to.
+    rtc_max_delay (`int`, defaults to 0): training-time real-time chunking ("Training-Time Action Conditioning for
+        Efficient Real-Time Chunking", Black, Ren, Equi, Levine 2025). When > 0, the trainer gives every training
+        sample a committed prefix of d ~ Uniform{0..rtc_max_delay} actions: clean in x_t, at time 0, left out of the
+        loss. The model then learns to continue actions the robot executes while it infers; `sample_actions` holds
+        such a prefix fixed instead of guiding towards it (`RTCConfig.method`). 0 trains the published objective.
     image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
     """
 
@@ -48,6 +53,7 @@ class PI05Config(PreTrainedConfig):
     max_period: float = 4.0
     state_bins: int = 256
     tokenizer_max_length: int = 200
+    rtc_max_delay: int = 0
 
     def __post_init__(self, **kwargs):
         if isinstance(self.vlm_config, dict):
@@ -116,6 +122,9 @@ class PI05Config(PreTrainedConfig):
                     f"PI05Config: vlm_config.text_config.{name}={getattr(text, name)} != dit_config.{name}="
                     f"{getattr(expert, name)}; the expert attends to the VLM's keys/values per layer, so they must match."
                 )
+        if not 0 <= self.rtc_max_delay < self.chunk_size:
+            raise ValueError(f"PI05Config: rtc_max_delay={self.rtc_max_delay} must be in [0, chunk_size={self.chunk_size}) "
+                             "(a committed prefix shorter than the chunk)")
         if expert.hidden_size % 2:
             raise ValueError(f"PI05Config: dit_config.hidden_size={expert.hidden_size} must be even (sin/cos time embedding).")
 

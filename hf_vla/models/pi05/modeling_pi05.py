@@ -45,7 +45,7 @@ from transformers.models.gemma.modeling_gemma import (
 from transformers.models.pi0.modeling_pi0 import PI0TimestepEmbeddings
 
 from .configuration_pi05 import PI05Config
-from .rtc import RTCConfig, guidance_target, guided_velocity
+from .rtc import RTCConfig, committed_prefix, guidance_target, guided_velocity
 
 # Backends whose attention call accepts an arbitrary key-padding mask, which is all pi0.5 needs per call.
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -65,7 +65,9 @@ class PI05AdaRMS(nn.Module):
     def forward(self, hidden_states: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden_states.float()
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        modulation = self.dense(cond.to(self.dense.weight.dtype)).float()[:, None, :]
+        modulation = self.dense(cond.to(self.dense.weight.dtype)).float()
+        if modulation.ndim == 2:  # one condition per sample ([B, D]); per token it is [B, T, D]
+            modulation = modulation[:, None, :]
         scale, shift, gate = modulation.chunk(3, dim=-1)
         normed = normed * (1.0 + scale) + shift
         return normed.to(hidden_states.dtype), gate.to(hidden_states.dtype)
@@ -380,9 +382,11 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
 
     def embed_suffix(self, noise: torch.Tensor, timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Action tokens from x_t (each expert layer casts them to its dtype), and the adaRMS condition from the time
-        embedding."""
+        embedding: `[B, width]` for one time per sample (`timestep [B]`), `[B, chunk, width]` for one time per action
+        token (`timestep [B, chunk]`, training-time real-time chunking: a committed prefix is clean, time 0)."""
         action_embeds = self.action_in_proj(noise.to(self.action_in_proj.weight.dtype))
-        time_embeds = self.time_embed(timestep.float()).to(self.time_mlp_in.weight.dtype)
+        time = timestep.float()
+        time_embeds = self.time_embed(time.reshape(-1)).reshape(*time.shape, -1).to(self.time_mlp_in.weight.dtype)
         cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_embeds))))
         return action_embeds, cond
 
@@ -411,7 +415,9 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         r"""
         noise (`[B, chunk, max_action_dim]`): x_t at `timestep` when `actions` is None; otherwise the noise that is
             mixed with `actions` (sampled when omitted).
-        timestep (`[B]`): flow-matching time in [0, 1] (sampled from the configured Beta when omitted with `actions`).
+        timestep (`[B]`): flow-matching time in [0, 1] (sampled from the configured Beta when omitted with `actions`);
+            `[B, chunk]` gives every action token its own time (training-time real-time chunking: 0 on a committed
+            prefix, which x_t then holds clean).
         input_ids / attention_mask (`[B, L]`): the prompt (`Task: ..., State: ...;\nAction: `), right-padded.
         pixel_values (`[B, n_cams, 3, H, W]`), pixel_attention_mask (`[B, n_cams]`): camera images and presence.
         actions (`[B, chunk, max_action_dim]`): normalised target chunk; when given, `loss` is the mean flow-matching
@@ -433,7 +439,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
                 timestep = self.sample_time(batch_size, input_ids.device)
             if noise is None:
                 noise = torch.randn(shape, device=input_ids.device, dtype=torch.float32)
-            t = timestep[:, None, None].to(actions.dtype)
+            t = (timestep[..., None] if timestep.ndim == 2 else timestep[:, None, None]).to(actions.dtype)
             x_t = t * noise + (1 - t) * actions
         else:
             if noise is None or timestep is None:
@@ -522,8 +528,11 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
 
         Real-time chunking (`rtc.py`): with `prev_chunk_left_over` (`[B, T, d]` or `[T, d]`, normalised, the
         previous chunk's actions not executed when this observation was taken; T <= chunk, d <= max_action_dim), the
-        first `inference_delay` actions are guided to equal it (they execute while this call runs) and the next ones,
-        up to `execution_horizon` (default `rtc_config.execution_horizon`), are blended with it.
+        first `inference_delay` actions continue it (they execute while this call runs). `rtc_config.method`:
+        `guidance` (inference-time RTC) guides them to equal it and blends the next ones, up to `execution_horizon`
+        (default `rtc_config.execution_horizon`), with it; `prefix` (training-time RTC, for a model trained with
+        `rtc_max_delay` >= `inference_delay`) holds them clean at time 0 and integrates only the rest; `auto` picks
+        `prefix` when the model was trained for the delay.
         """
         num_steps = num_steps or self.config.num_inference_steps
         batch_size, device = input_ids.shape[0], input_ids.device
@@ -533,27 +542,39 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         if noise is None:
             noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
         cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask)
-        guidance = None
+        guidance = committed = None
         if prev_chunk_left_over is not None:
             rtc_config = rtc_config or RTCConfig()
-            horizon = rtc_config.execution_horizon if execution_horizon is None else execution_horizon
-            guidance = guidance_target(prev_chunk_left_over.to(device), self.config.chunk_size,
-                                       self.config.max_action_dim, horizon, inference_delay,
-                                       rtc_config.prefix_attention_schedule)
+            method = rtc_config.resolve_method(inference_delay, self.config.rtc_max_delay)
+            if method == "prefix":
+                committed = committed_prefix(prev_chunk_left_over.to(device), self.config.chunk_size,
+                                             self.config.max_action_dim, inference_delay)
+            else:
+                horizon = rtc_config.execution_horizon if execution_horizon is None else execution_horizon
+                guidance = guidance_target(prev_chunk_left_over.to(device), self.config.chunk_size,
+                                           self.config.max_action_dim, horizon, inference_delay,
+                                           rtc_config.prefix_attention_schedule)
         x_t = noise.float()
+        if committed is not None:  # the committed actions are clean from the start and stay so
+            target, held = committed
+            x_t = torch.where(held[None, :, None], target, x_t)
         dt = -1.0 / num_steps
         for step in range(num_steps):
             time = 1.0 + step * dt
             timestep = torch.full((batch_size,), time, dtype=torch.float32, device=device)
+            if committed is not None:
+                timestep = torch.where(held, 0.0, timestep[:, None])  # [B, chunk]: time 0 on the committed actions
 
             def velocity(x, timestep=timestep):
                 return self(noise=x, timestep=timestep, input_ids=input_ids, pixel_attention_mask=pixel_attention_mask,
                             attention_mask=attention_mask, past_key_values=cache).logits
 
-            if guidance is None:
-                v_t = velocity(x_t)
-            else:
+            if guidance is not None:
                 v_t = guided_velocity(velocity, x_t, time, *guidance, rtc_config)
+            elif committed is not None:
+                v_t = velocity(x_t).masked_fill(held[None, :, None], 0.0)
+            else:
+                v_t = velocity(x_t)
             x_t = x_t + dt * v_t
         return x_t
 

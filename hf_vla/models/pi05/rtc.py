@@ -11,6 +11,12 @@ The correction is the weighted error itself, as in lerobot (its velocity is comp
 the vector-Jacobian product through the network reduces to the identity): one forward pass per step, no backward.
 `jacobian=True` propagates the error through the expert as in the paper (one extra backward pass per step).
 
+Training-time RTC ("Training-Time Action Conditioning for Efficient Real-Time Chunking", Black, Ren, Equi, Levine,
+2025) needs no guidance: a model trained with `PI05Config.rtc_max_delay` (the trainer gives each sample a committed
+prefix, clean at time 0 and left out of the loss) is sampled with the delayed actions held fixed at time 0 and only
+the rest integrated (`committed_prefix`, `RTCConfig.method="prefix"`). The rest of the previous chunk is not used:
+the new chunk follows the new observation from the delay on.
+
 Time runs from 1 (noise) to 0 (actions), as in openpi and lerobot; the paper's tau is `1 - time`.
 """
 
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 SCHEDULES = ("zeros", "ones", "linear", "exp")
+METHODS = ("auto", "guidance", "prefix")
 
 
 @dataclass
@@ -34,20 +41,54 @@ class RTCConfig:
     prefix_attention_schedule: how the prefix weights fall from 1 (at `inference_delay`) to 0 (at the horizon):
         `linear` (lerobot's default), `exp`, `ones` (1 up to the horizon) or `zeros` (only the delayed actions).
     jacobian: back-propagate the error through the network (the paper) instead of using it as is (lerobot).
+    method: `guidance` (inference-time RTC, the settings above), `prefix` (training-time RTC: the delayed actions are
+        held clean at time 0 and only the rest is sampled; needs a model trained with `rtc_max_delay` >= the delay,
+        the other settings do not apply) or `auto` (`prefix` when the model was trained for the delay, else guidance).
     """
 
     execution_horizon: int = 10
     max_guidance_weight: float = 10.0
     prefix_attention_schedule: str = "linear"
     jacobian: bool = False
+    method: str = "auto"
 
     def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r}: choose one of {METHODS}")
         if self.prefix_attention_schedule not in SCHEDULES:
             raise ValueError(f"prefix_attention_schedule={self.prefix_attention_schedule!r}: choose one of {SCHEDULES}")
         if self.max_guidance_weight <= 0:
             raise ValueError(f"max_guidance_weight must be positive, got {self.max_guidance_weight}")
         if self.execution_horizon < 0:
             raise ValueError(f"execution_horizon must be >= 0, got {self.execution_horizon}")
+
+
+    def resolve_method(self, inference_delay: int, rtc_max_delay: int) -> str:
+        """`guidance` or `prefix` for a model trained with `rtc_max_delay` (0: not trained for prefixes)."""
+        trained = 0 < inference_delay <= rtc_max_delay
+        if self.method == "prefix" and not trained:
+            raise ValueError(f"RTC method 'prefix' needs a model trained to continue {inference_delay} committed "
+                             f"action(s); this one was trained with rtc_max_delay={rtc_max_delay} (use 'guidance')")
+        if self.method == "auto":
+            return "prefix" if trained else "guidance"
+        return self.method
+
+
+def committed_prefix(prev_chunk_left_over: torch.Tensor, chunk_size: int, action_dim: int,
+                     inference_delay: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training-time RTC: the previous remainder zero-padded to `[B, chunk_size, action_dim]` (padded action dims
+    are 0, as the training targets are) and `[chunk_size]` bool, True on the first `inference_delay` actions (at
+    most the remainder's length), which are held at those values."""
+    prev = prev_chunk_left_over.float()
+    if prev.ndim == 2:
+        prev = prev[None]
+    length, dims = prev.shape[1], prev.shape[2]
+    if length > chunk_size or dims > action_dim:
+        raise ValueError(f"prev_chunk_left_over has shape {tuple(prev.shape[1:])}; at most ({chunk_size}, {action_dim})")
+    target = prev.new_zeros(prev.shape[0], chunk_size, action_dim)
+    target[:, :length, :dims] = prev
+    held = torch.arange(chunk_size, device=prev.device) < min(inference_delay, length)
+    return target, held
 
 
 def prefix_weights(inference_delay: int, execution_horizon: int, chunk_size: int,
@@ -121,4 +162,4 @@ def guided_velocity(velocity_fn: Callable[[torch.Tensor], torch.Tensor], x_t: to
     return velocity - guidance_weight(time, config.max_guidance_weight) * correction
 
 
-__all__ = ["RTCConfig", "prefix_weights", "guidance_weight", "guidance_target", "guided_velocity"]
+__all__ = ["RTCConfig", "committed_prefix", "prefix_weights", "guidance_weight", "guidance_target", "guided_velocity"]
