@@ -74,11 +74,8 @@ class RTCConfig:
         return self.method
 
 
-def committed_prefix(prev_chunk_left_over: torch.Tensor, chunk_size: int, action_dim: int,
-                     inference_delay: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training-time RTC: the previous remainder zero-padded to `[B, chunk_size, action_dim]` (padded action dims
-    are 0, as the training targets are) and `[chunk_size]` bool, True on the first `inference_delay` actions (at
-    most the remainder's length), which are held at those values."""
+def _padded_remainder(prev_chunk_left_over: torch.Tensor, chunk_size: int, action_dim: int):
+    """The remainder `[B, T, d]` or `[T, d]` zero-padded to `[B, chunk_size, action_dim]`, and its T and d."""
     prev = prev_chunk_left_over.float()
     if prev.ndim == 2:
         prev = prev[None]
@@ -87,7 +84,16 @@ def committed_prefix(prev_chunk_left_over: torch.Tensor, chunk_size: int, action
         raise ValueError(f"prev_chunk_left_over has shape {tuple(prev.shape[1:])}; at most ({chunk_size}, {action_dim})")
     target = prev.new_zeros(prev.shape[0], chunk_size, action_dim)
     target[:, :length, :dims] = prev
-    held = torch.arange(chunk_size, device=prev.device) < min(inference_delay, length)
+    return target, length, dims
+
+
+def committed_prefix(prev_chunk_left_over: torch.Tensor, chunk_size: int, action_dim: int,
+                     inference_delay: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training-time RTC: the previous remainder zero-padded to `[B, chunk_size, action_dim]` (padded action dims
+    are 0, as the training targets are) and `[chunk_size]` bool, True on the first `inference_delay` actions (at
+    most the remainder's length), which are held at those values."""
+    target, length, dims = _padded_remainder(prev_chunk_left_over, chunk_size, action_dim)
+    held = torch.arange(chunk_size, device=target.device) < min(inference_delay, length)
     return target, held
 
 
@@ -131,16 +137,9 @@ def guidance_target(prev_chunk_left_over: torch.Tensor, chunk_size: int, action_
 
     Only the remainder's own action dims are guided (lerobot pads missing dims with zeros and pulls them to 0; here a
     remainder given in a head's real dims leaves the model's padded dims free)."""
-    prev = prev_chunk_left_over.float()
-    if prev.ndim == 2:
-        prev = prev[None]
-    length, dims = prev.shape[1], prev.shape[2]
-    if length > chunk_size or dims > action_dim:
-        raise ValueError(f"prev_chunk_left_over has shape {tuple(prev.shape[1:])}; at most ({chunk_size}, {action_dim})")
-    target = prev.new_zeros(prev.shape[0], chunk_size, action_dim)
-    target[:, :length, :dims] = prev
-    weights = prefix_weights(inference_delay, min(execution_horizon, length), chunk_size, schedule).to(prev.device)
-    mask = prev.new_zeros(1, chunk_size, action_dim)
+    target, length, dims = _padded_remainder(prev_chunk_left_over, chunk_size, action_dim)
+    weights = prefix_weights(inference_delay, min(execution_horizon, length), chunk_size, schedule).to(target.device)
+    mask = target.new_zeros(1, chunk_size, action_dim)
     mask[..., :dims] = weights[:, None]
     return target, mask
 
