@@ -294,17 +294,15 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
     if seed is not None:  # weights not in a checkpoint (fresh heads, a from-scratch model) come from the seeded RNG
         enable_full_determinism(seed) if full_determinism else set_seed(seed)
     dtype = getattr(torch, model_args.dtype)
+    config = config if config is not None else model_config(model_args)
     if model_args.model_name_or_path:
-        try:
-            model = AutoModelForImageTextToText.from_pretrained(
-                model_args.model_name_or_path, dtype=dtype, attn_implementation=model_args.attn_implementation
+        try:  # the checkpoint's weights with its config as model_config() read it (rtc_max_delay applied)
+            return AutoModelForImageTextToText.from_pretrained(
+                model_args.model_name_or_path, config=config, dtype=dtype,
+                attn_implementation=model_args.attn_implementation
             )
         except OSError as error:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: {error}") from error
-        if model_args.rtc_max_delay is not None:  # validated by model_config() before any weight was loaded
-            model.config.rtc_max_delay = model_args.rtc_max_delay
-        return model
-    config = config if config is not None else model_config(model_args)
     model_class = PI05ForConditionalGeneration if model_args.policy == "pi05" else PI0ForConditionalGeneration
     config._attn_implementation = model_args.attn_implementation
     model = model_class(config)

@@ -68,7 +68,7 @@ def _synthetic_batch(model, size=24, seed=0):
     }
 
 
-def test_training_time_rtc_objective():
+def test_training_time_rtc_objective(monkeypatch):
     """rtc_max_delay: per sample d ~ U{0..max} committed actions, keyed by the sample's identity; x_t holds them clean
     at time 0 and the loss leaves them out (oracle: the computation written out; the noise drawn for committed
     actions has no effect at all)."""
@@ -99,17 +99,12 @@ def test_training_time_rtc_objective():
     # other noise on the committed actions: the same loss to the bit (they are clean and unsupervised)
     import hf_vla.losses as losses
 
-    original = losses.sample_noise_and_time
-
     def other_committed_noise(*args, **kwargs):
-        drawn, times = original(*args, **kwargs)
+        drawn, times = sample_noise_and_time(*args, **kwargs)
         return torch.where(committed[..., None], torch.randn_like(drawn), drawn), times
 
-    losses.sample_noise_and_time = other_committed_noise
-    try:
-        again, _ = policy_per_sample_loss(model, batch, seed=3, step=0)
-    finally:
-        losses.sample_noise_and_time = original
+    monkeypatch.setattr(losses, "sample_noise_and_time", other_committed_noise)
+    again, _ = policy_per_sample_loss(model, batch, seed=3, step=0)
     assert torch.equal(again.sum, per_sample.sum)
     # without rtc_max_delay every step of a sample counts and the time is one per sample
     plain, _ = policy_per_sample_loss(make_model(), batch, seed=3, step=0)

@@ -62,7 +62,6 @@ class RTCConfig:
         if self.execution_horizon < 0:
             raise ValueError(f"execution_horizon must be >= 0, got {self.execution_horizon}")
 
-
     def resolve_method(self, inference_delay: int, rtc_max_delay: int) -> str:
         """`guidance` or `prefix` for a model trained with `rtc_max_delay` (0: not trained for prefixes)."""
         trained = 0 < inference_delay <= rtc_max_delay
