@@ -62,6 +62,18 @@ def committed_steps(batch: dict, seed: int, step: int, max_delay: int) -> torch.
                          for identity in _identities(batch)], dtype=torch.long)
 
 
+RTC_NOISE_SALT = 2  # and the prefix offset independent of both
+
+
+def prefix_offsets(batch: dict, shape: Sequence[int], seed: int, step: int, scale: float) -> torch.Tensor:
+    """Training-time RTC's prefix noise: per sample, one Gaussian offset of std `scale` `[B, 1, action_dim]`, added
+    to every committed action. Keyed by the sample's identity like the noise (exact under any split into micro-batches
+    and ranks)."""
+    offsets = [torch.randn(tuple(shape), generator=torch.Generator().manual_seed(
+        _sample_seed(seed, step, *identity, RTC_NOISE_SALT))) for identity in _identities(batch)]
+    return scale * torch.stack(offsets)[:, None, :]
+
+
 def loss_padding(batch: dict, seed: int, step: int, config) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[B, chunk]` bool: chunk steps the loss leaves out (`action_is_pad`, and with `config.rtc_max_delay` the
     committed prefix), and the committed mask itself (None without training-time RTC)."""
@@ -101,7 +113,8 @@ def policy_per_sample_loss(model, inputs: dict, seed: int, step: int) -> tuple[P
     Seeded t and noise per sample, x_t = t*noise + (1-t)*actions, the policy's velocity at (x_t, t) (passed as
     `noise`/`timestep`, without `actions`), masked per-sample sums and counts. Returns them and the model output.
     With `rtc_max_delay` in the policy's config (training-time real-time chunking), each sample's committed prefix
-    has time 0 (x_t holds those actions clean; `timestep` is then `[B, chunk]`) and is left out of the loss.
+    has time 0 (x_t holds those actions clean, or shifted by one offset per sample of std `rtc_prefix_noise`;
+    `timestep` is then `[B, chunk]`) and is left out of the loss.
     """
     unwrapped = getattr(model, "module", model)
     actions = inputs["actions"]
@@ -112,6 +125,12 @@ def policy_per_sample_loss(model, inputs: dict, seed: int, step: int) -> tuple[P
         t = torch.where(committed, 0.0, t[:, None])  # [B, chunk]
     t_x = t[..., None] if t.ndim == 2 else t[:, None, None]
     x_t = t_x * noise + (1 - t_x) * actions
+    scale = getattr(unwrapped.config, "rtc_prefix_noise", 0.0) or 0.0
+    if committed is not None and scale > 0:
+        # The committed prefix a robot sends is the policy's own output, off by its errors, never the demonstration:
+        # a per-sample offset on the prefix keeps the model from continuing it blindly (padded dims stay 0).
+        offsets = prefix_offsets(inputs, actions.shape[2:], seed, step, scale).to(actions.device, actions.dtype)
+        x_t = x_t + committed[..., None] * inputs["action_dim_mask"][:, None, :] * offsets
     outputs = model(noise=x_t.to(unwrapped.dtype), timestep=t, **{k: inputs[k] for k in MODEL_INPUTS if k in inputs})
     loss = per_sample_flow_loss(outputs.logits, noise, actions, padding, inputs["action_dim_mask"])
     return loss, outputs

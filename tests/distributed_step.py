@@ -15,8 +15,8 @@ from hf_vla import PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLAT
 from hf_vla.data import WeightedDatasetMixture
 from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
 
-# (loss mode, divisor, rtc_max_delay): the last two train with committed prefixes (training-time RTC), whose
-# element counts the step-wide totals must see exactly as the loss does.
+# (loss mode, divisor, rtc_max_delay): the last two train with committed prefixes (training-time RTC, with prefix
+# noise), whose element counts the step-wide totals must see exactly as the loss does.
 MODES = [("sample_mean", None, 0), ("token_mean", None, 0), ("group_mean", None, 0), ("constant", 7.0, 0),
          ("token_mean", None, 2), ("sample_mean", None, 2)]
 
@@ -25,9 +25,14 @@ def run_key(mode, rtc_max_delay=0):
     return mode if not rtc_max_delay else f"{mode}+rtc{rtc_max_delay}"
 
 
+RTC_PREFIX_NOISE = 0.2  # a model trained with committed prefixes also gets their per-sample offsets
+
+
 def make_model(rtc_max_delay=0):
     torch.manual_seed(0)
-    model = PI05ForConditionalGeneration(tiny_pi05_config(chunk_size=6, rtc_max_delay=rtc_max_delay))
+    noise = RTC_PREFIX_NOISE if rtc_max_delay else 0.0
+    model = PI05ForConditionalGeneration(tiny_pi05_config(chunk_size=6, rtc_max_delay=rtc_max_delay,
+                                                          rtc_prefix_noise=noise))
     with torch.no_grad():  # random adaRMS too, so every parameter gets a gradient
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.05)

@@ -102,6 +102,8 @@ CONFIG_FAULTS = [
     ({"rtc_max_delay": 99}, [], "rtc_max_delay=99: must be in [0, chunk_size="),
     ({"policy": "pi0", "model_config": {"chunk_size": 4}, "rtc_max_delay": 1}, [],
      "rtc_max_delay=1: training-time RTC needs policy 'pi05'"),
+    ({"rtc_prefix_noise": -0.5, "rtc_max_delay": 2}, [], "rtc_prefix_noise=-0.5: must be a finite number >= 0"),
+    ({"rtc_prefix_noise": 0.2}, [], "rtc_prefix_noise=0.2: only used with training-time RTC; set rtc_max_delay"),
 ]
 
 

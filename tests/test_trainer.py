@@ -15,7 +15,9 @@ from hf_vla import MasterWeightOptimizer, PI05ForConditionalGeneration, PI05Proc
 from hf_vla.data import PI05Collator, WeightedDatasetMixture
 from hf_vla.losses import (
     GROUP_KEYS,
+    RTC_NOISE_SALT,
     StepTotals,
+    _sample_seed,
     aggregate,
     committed_steps,
     per_sample_flow_loss,
@@ -69,12 +71,13 @@ def _synthetic_batch(model, size=24, seed=0):
 
 
 def test_training_time_rtc_objective(monkeypatch):
-    """rtc_max_delay: per sample d ~ U{0..max} committed actions, keyed by the sample's identity; x_t holds them clean
-    at time 0 and the loss leaves them out (oracle: the computation written out; the noise drawn for committed
-    actions has no effect at all)."""
-    from distributed_step import make_model
+    """rtc_max_delay: per sample d ~ U{0..max} committed actions, keyed by the sample's identity; x_t holds them at
+    time 0, clean up to one per-sample offset of std rtc_prefix_noise, and the loss leaves them out (oracle: the
+    computation written out; the flow noise drawn for committed actions has no effect at all)."""
+    from distributed_step import RTC_PREFIX_NOISE, make_model
 
     model = make_model(rtc_max_delay=3).train()
+    assert model.config.rtc_prefix_noise == RTC_PREFIX_NOISE > 0
     batch = _synthetic_batch(model)
     delay = committed_steps(batch, seed=3, step=0, max_delay=3)
     assert set(delay.tolist()) == {0, 1, 2, 3}
@@ -87,8 +90,16 @@ def test_training_time_rtc_objective(monkeypatch):
     steps = torch.arange(model.config.chunk_size)
     committed = steps[None, :] < delay[:, None]
     time = torch.where(committed, 0.0, t[:, None])
-    x_t = time[..., None] * noise + (1 - time[..., None]) * batch["actions"]
-    assert torch.equal(x_t[committed], batch["actions"][committed])
+    offsets = []
+    for source, episode, frame in zip(batch["source_index"], batch["episode_index"], batch["frame_index"]):
+        key = _sample_seed(3, 0, int(source), int(episode), int(frame), RTC_NOISE_SALT)
+        offsets.append(RTC_PREFIX_NOISE * torch.randn(model.config.max_action_dim,
+                                                      generator=torch.Generator().manual_seed(key)))
+    shift = committed[..., None] * batch["action_dim_mask"][:, None, :] * torch.stack(offsets)[:, None, :]
+    x_t = time[..., None] * noise + (1 - time[..., None]) * batch["actions"] + shift
+    off = x_t - batch["actions"]  # on committed actions: the sample's offset on its real dims, 0 on padded dims
+    real = committed[..., None] & batch["action_dim_mask"][:, None, :]
+    assert off[real].abs().max() > 0.05 and (off[committed[..., None] & ~real] == 0).all()
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")}
     velocity = model(noise=x_t, timestep=time, **inputs).logits
     mask = (~batch["action_is_pad"] & ~committed)[..., None] & batch["action_dim_mask"][:, None, :]
