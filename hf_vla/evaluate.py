@@ -44,14 +44,15 @@ class EvalResult:
     boundary_jump: float = float("nan")
     boundary_jerk: float = float("nan")
     interior_jerk: float = float("nan")  # the same second difference at every other step, for scale
-    rtc_method: str | None = None  # with rtc: "guidance" (inference-time) or "prefix" (training-time), as resolved
+    rtc_method: str | None = None  # with rtc: "guidance" (inference-time) or "prefix" (training-time), as used
 
 
 class RemotePolicy:
     """A policy served by `hf_vla.serve` (or any openpi policy server), through openpi-client's websocket client.
 
     Sends the env's observation dict with the task under `prompt` and, for real-time chunking, `rtc/inference_delay`
-    and `rtc/executed_steps`; returns the `actions` of the reply.
+    and `rtc/executed_steps`; returns the `actions` of the reply, and keeps its `rtc/method` (how the server continued
+    the previous chunk; absent when it did not) like `PolicyRunner.last_rtc_method`.
     """
 
     def __init__(self, uri: str):
@@ -59,12 +60,15 @@ class RemotePolicy:
 
         self.client = WebsocketClientPolicy(uri)
         self.metadata = self.client.get_server_metadata()
+        self.last_rtc_method: str | None = None
 
     def __call__(self, observation: dict, task: str, inference_delay: int = 0, executed_steps: int | None = None):
         request = {**observation, "prompt": task, "rtc/inference_delay": int(inference_delay)}
         if executed_steps is not None:
             request["rtc/executed_steps"] = int(executed_steps)
-        return np.asarray(self.client.infer(request)["actions"])
+        reply = self.client.infer(request)
+        self.last_rtc_method = reply.get("rtc/method")
+        return np.asarray(reply["actions"])
 
 
 def _boundary_metrics(actions: list[np.ndarray], switches: list[int]) -> tuple[float, float, float]:
@@ -95,7 +99,7 @@ def run_episodes(env: gym.Env, policy, episodes: int, n_action_steps: int, seed:
     if inference_delay and chunk_size is not None and n_action_steps + inference_delay > chunk_size:
         raise ValueError(f"n_action_steps ({n_action_steps}) + inference_delay ({inference_delay}) exceeds the chunk "
                          f"size ({chunk_size}): the robot would run out of actions while waiting")
-    successes, steps_taken, videos, metrics = 0, [], [], []
+    successes, steps_taken, videos, metrics, methods = 0, [], [], [], set()
     bar = tqdm(range(episodes), desc="closed-loop episodes", unit="ep", disable=not progress)
     for episode in bar:
         observation, info = env.reset(seed=seed + episode)
@@ -129,6 +133,7 @@ def run_episodes(env: gym.Env, policy, episodes: int, n_action_steps: int, seed:
                     break
                 chunk = policy(request, task, inference_delay=inference_delay if rtc else 0,
                                executed_steps=n_action_steps if rtc else None)
+                methods.add(getattr(policy, "last_rtc_method", None))
             else:
                 chunk = policy(request, task)
             index = inference_delay
@@ -145,8 +150,9 @@ def run_episodes(env: gym.Env, policy, episodes: int, n_action_steps: int, seed:
             videos.append(str(path))
     jump, jerk, interior = (float(np.nanmean(column)) if not np.isnan(column).all() else float("nan")
                             for column in np.array(metrics, dtype=np.float64).T)
+    used = "+".join(sorted(m for m in methods if m)) or None  # as the policy reported it, per chunk
     return EvalResult(successes / episodes, episodes, successes, float(np.mean(steps_taken)), videos,
-                      inference_delay, rtc, jump, jerk, interior)
+                      inference_delay, rtc, jump, jerk, interior, used)
 
 
 def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_vla/ColorReach-v0", episodes: int = 50,
@@ -173,13 +179,6 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
     output_dir = Path(output_dir)
     result = run_episodes(env, policy, episodes, steps, seed=seed, save_videos=save_videos, output_dir=output_dir,
                           progress=progress, inference_delay=inference_delay, rtc=rtc, chunk_size=chunk_size)
-    if rtc and inference_delay:
-        if server is not None:
-            settings = policy.metadata.get("rtc", {})
-            config, trained = RTCConfig(method=settings.get("method", "guidance")), settings.get("trained_max_delay", 0)
-        else:
-            config, trained = policy.rtc, getattr(policy.model.config, "rtc_max_delay", 0)
-        result.rtc_method = config.resolve_method(inference_delay, trained)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
     return result

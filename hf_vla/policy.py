@@ -5,7 +5,7 @@ Used in-process by `hf_vla.evaluate` and per connection by the policy server (`h
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +117,7 @@ class PolicyRunner:
         self.model = self.model.eval().to(self.device)
         self.generator = torch.Generator().manual_seed(self.seed)
         self.last_chunk: torch.Tensor | None = None  # [chunk, max_action_dim], normalised
+        self.last_rtc_method: str | None = None  # how the last chunk continued the previous one (None: it did not)
 
     def reset(self) -> None:
         self.last_chunk = None
@@ -144,13 +145,15 @@ class PolicyRunner:
             raise RequestError(f"state {self.obs_map.state or 'vector'} has {state.shape[-1]} values; head {head!r} "
                                f"expects {expected}")
         leftover = self._leftover(head, inference_delay, executed_steps, prev_chunk_left_over)
+        method = None
         if leftover is not None:
             try:
-                self.rtc.resolve_method(inference_delay, getattr(self.model.config, "rtc_max_delay", 0))
+                method = self.rtc.resolve_method(inference_delay, getattr(self.model.config, "rtc_max_delay", 0))
             except ValueError as error:
                 raise RequestError(str(error)) from error
         chunk = self._sample(images[None], state[None], [task], mask[None], head, leftover, inference_delay,
-                             execution_horizon)[0]
+                             execution_horizon, method)[0]
+        self.last_rtc_method = method
         if leftover is not None:
             spliced = min(inference_delay, len(leftover))
             chunk[:spliced, : leftover.shape[-1]] = leftover[:spliced]
@@ -179,7 +182,7 @@ class PolicyRunner:
 
     @torch.no_grad()
     def _sample(self, images, states, tasks, camera_mask, head, leftover=None, inference_delay=0,
-                execution_horizon=None) -> torch.Tensor:
+                execution_horizon=None, method=None) -> torch.Tensor:
         try:
             inputs = self.processor(images=images, text=tasks, state=states, head=head, camera_mask=camera_mask)
         except ValueError as error:
@@ -189,7 +192,8 @@ class PolicyRunner:
         rtc = {}
         if leftover is not None:
             rtc = {"prev_chunk_left_over": leftover.to(self.device), "inference_delay": int(inference_delay),
-                   "execution_horizon": execution_horizon, "rtc_config": self.rtc}
+                   "execution_horizon": execution_horizon,
+                   "rtc_config": replace(self.rtc, method=method) if method else self.rtc}
         chunk = self.model.sample_actions(
             input_ids=inputs["input_ids"].to(self.device), attention_mask=inputs["attention_mask"].to(self.device),
             pixel_values=inputs["pixel_values"].to(self.device),

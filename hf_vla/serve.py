@@ -107,7 +107,11 @@ class PolicyServer:
                              executed_steps=_optional_int(request.get("rtc/executed_steps")),
                              prev_chunk_left_over=request.get("rtc/prev_chunk_left_over"),
                              execution_horizon=_optional_int(request.get("rtc/execution_horizon")))
-        return {"actions": actions.astype(np.float32), "policy_timing": {"infer_ms": 1000 * (time.monotonic() - start)}}
+        elapsed_ms = 1000 * (time.monotonic() - start)
+        reply = {"actions": actions.astype(np.float32), "policy_timing": {"infer_ms": elapsed_ms}}
+        if runner.last_rtc_method is not None:  # the chunk continued the previous one: "guidance" or "prefix"
+            reply["rtc/method"] = runner.last_rtc_method
+        return reply
 
     def handler(self, connection) -> None:
         from websockets.exceptions import ConnectionClosed

@@ -191,9 +191,15 @@ def test_training_time_rtc_sampling(tiny_tokenizer):
                              rtc_config=RTCConfig(method="prefix"))
     runner = PolicyRunner(model, processor, rtc=RTCConfig(method="prefix"))
     runner(observation, task)
+    assert runner.last_rtc_method is None  # nothing to continue yet
     with pytest.raises(RequestError, match="trained with rtc_max_delay=2"):
         runner(observation, task, inference_delay=3, executed_steps=2)
     assert runner(observation, task, inference_delay=2, executed_steps=2).shape == (8, 2)
+    assert runner.last_rtc_method == "prefix"
+    auto = PolicyRunner(model, processor)
+    auto(observation, task)
+    auto(observation, task, inference_delay=3, executed_steps=2)
+    assert auto.last_rtc_method == "guidance"
 
 
 def test_runner_request_errors(demo_policy):
@@ -305,8 +311,12 @@ def test_server_real_time_chunking(server):
 
     observation, task = next(observations(1, seed=40))
     client = WebsocketClientPolicy(server.uri)
-    first = client.infer({**observation, "prompt": task})["actions"]
-    second = client.infer({**observation, "prompt": task, "rtc/inference_delay": 2, "rtc/executed_steps": 3})["actions"]
+    reply = client.infer({**observation, "prompt": task})
+    assert "rtc/method" not in reply  # nothing continued
+    first = reply["actions"]
+    reply = client.infer({**observation, "prompt": task, "rtc/inference_delay": 2, "rtc/executed_steps": 3})
+    second = reply["actions"]
+    assert reply["rtc/method"] == "guidance"  # the demo policy was not trained with committed prefixes
     np.testing.assert_allclose(second[:2], first[3:5], rtol=0, atol=1e-6)
     explicit = client.infer({**observation, "prompt": task, "rtc/inference_delay": 2,
                              "rtc/prev_chunk_left_over": first[3:]})["actions"]
@@ -323,6 +333,7 @@ def test_evaluate_through_the_server_equals_in_process(server, checkpoint, tmp_p
     assert remote.mean_steps == local.mean_steps and remote.successes == local.successes
     assert remote.boundary_jump == pytest.approx(local.boundary_jump, abs=1e-5)
     assert json.loads((tmp_path / "remote" / "eval_result.json").read_text())["rtc"] is True
+    assert remote.rtc_method == local.rtc_method == "guidance"  # as the server's replies and the runner report it
     with pytest.raises(ValueError, match=r"n_action_steps \(7\) \+ inference_delay \(2\) exceeds the chunk size \(8\)"):
         evaluate_checkpoint(server=server.uri, **(common | {"n_action_steps": 7}))
 
