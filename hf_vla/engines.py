@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -78,6 +79,32 @@ def configure_engine(model, args) -> str:
                           "partitions: set mixed_precision bf16 in the accelerate config (bf16.enabled in the DeepSpeed "
                           "config), or use dtype float32")
     return engine
+
+
+@contextmanager
+def built_without_zero3_init():
+    """Build a model from its config with full tensors and transformers' own initialisation under ZeRO-3.
+
+    Once a ZeRO-3 config is registered (`accelerate launch` with DeepSpeed registers it when the training arguments
+    are parsed, whatever `zero3_init_flag` says), every `AutoModel.from_config` inside pi0.5's and pi0's constructors
+    partitions its sub-model under `deepspeed.zero.Init` and then initialises it module by module, gathering only each
+    module's own parameters; SigLIP's attention init reads its children's (partitioned, empty) projections and fails
+    ("Fan in and fan out can not be computed for tensor with fewer than 2 dimensions"). A from-scratch model is
+    therefore built whole, like any model built before the arguments, and DeepSpeed partitions it when the Trainer
+    wraps it. `from_pretrained` keeps zero.Init (it loads the weights into the partitions and works).
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    reference = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers keeps only this weak reference
+    registered = reference() if reference is not None else None
+    if registered is None or not registered.is_zero3():
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(registered)
 
 
 def finish_engine(accelerator) -> None:

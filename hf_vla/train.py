@@ -304,6 +304,7 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
     import torch
     from transformers import AutoModelForImageTextToText, PI0ForConditionalGeneration, enable_full_determinism, set_seed
 
+    from .engines import built_without_zero3_init
     from .models.pi05 import PI05ForConditionalGeneration
 
     if seed is not None:  # weights not in a checkpoint (fresh heads, a from-scratch model) come from the seeded RNG
@@ -320,7 +321,8 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: {error}") from error
     model_class = PI05ForConditionalGeneration if model_args.policy == "pi05" else PI0ForConditionalGeneration
     config._attn_implementation = model_args.attn_implementation
-    model = model_class(config)
+    with built_without_zero3_init():  # whole, then partitioned by DeepSpeed (see its docstring)
+        model = model_class(config)
     model.set_attn_implementation(model_args.attn_implementation)
     return model.to(dtype)
 

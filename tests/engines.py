@@ -6,7 +6,7 @@ on CPU (gloo): `VLATrainer` itself under DDP, FSDP2, ZeRO-2 or ZeRO-3.
 Scenarios (rank 0 saves what each measured to OUT/<scenario>.pt for tests/test_engines.py to check):
 - `grad`: one optimizer step of per-device batch 2 x GA 2 in fp32; the gradient right before the optimizer step, as
   full tensors, plus every micro-batch of every rank (the test recomputes them as one batch in one process), and the
-  share of the parameters each rank holds.
+  share of the parameters each rank holds. `grad_rtc` the same with training-time RTC (rtc_max_delay 2).
 - `resume`: 4 steps uninterrupted vs. 2 steps, stop, resume from checkpoint-2 and 2 more (checkpoints through the
   engine's own save path); final full weights and logged losses of both. `resume_bf16` the same with a bfloat16 model.
 - `same`: a bf16 run from scratch (with and without LoRA; also with rank 1 starting from other weights, as an unseeded
@@ -27,6 +27,7 @@ from transformers import TrainerCallback
 
 from hf_vla import PI05Processor, VLATrainer, VLATrainingArguments
 from hf_vla.data import WeightedDatasetMixture
+from hf_vla.engines import built_without_zero3_init
 from hf_vla.tiny import build_tiny_tokenizer
 
 
@@ -143,9 +144,11 @@ def arguments(engine: str, out: str, **overrides) -> VLATrainingArguments:
     return VLATrainingArguments(**kwargs)
 
 
-def build_trainer(engine, roots, out, dtype=torch.float32, callbacks=(), cls=VLATrainer, **overrides):
+def build_trainer(engine, roots, out, dtype=torch.float32, callbacks=(), cls=VLATrainer, rtc_max_delay=0,
+                  **overrides):
     mixture = mixture_of(*roots)
-    model = make_model().to(dtype)
+    with built_without_zero3_init():  # as the CLI builds a model from scratch (an earlier scenario registered ZeRO-3)
+        model = make_model(rtc_max_delay).to(dtype)
     processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
                                           head_names=mixture.head_names)
     args = arguments(engine, out, **overrides)
@@ -157,9 +160,11 @@ def build_trainer(engine, roots, out, dtype=torch.float32, callbacks=(), cls=VLA
     return trainer
 
 
-def scenario_grad(engine, roots, out):
+def scenario_grad(engine, roots, out, rtc_max_delay=0):
     capture = CaptureGrads()
-    trainer = build_trainer(engine, roots, f"{out}/grad", callbacks=[capture], cls=Recording)
+    name = "grad_rtc" if rtc_max_delay else "grad"
+    trainer = build_trainer(engine, roots, f"{out}/{name}", callbacks=[capture], cls=Recording,
+                            rtc_max_delay=rtc_max_delay)
     trainer.seen = []
     trainer.train()
     batches = [b for rank in gather_object([trainer.seen]) for b in rank]
@@ -273,6 +278,8 @@ def main(engine, root_a, root_b, out, *scenarios):
     for scenario in scenarios:
         if scenario == "grad":
             result = scenario_grad(engine, roots, out)
+        elif scenario == "grad_rtc":  # training-time RTC: per-token times, committed prefixes with their offsets
+            result = scenario_grad(engine, roots, out, rtc_max_delay=2)
         elif scenario == "grad_pi0":
             result = scenario_grad_pi0(engine, roots, out)
         elif scenario == "resume":

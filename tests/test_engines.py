@@ -3,7 +3,8 @@ processes over gloo on CPU, `VLATrainer` unchanged (tests/engine_patch.py only l
 plugins through on CPU, as it does on GPUs):
 
 - the gradient of one optimizer step (per-device batch 2 x GA 2 x 2 processes) equals the one-batch gradient of the
-  same 8 samples in one process, for DDP, FSDP2 (per layer), ZeRO-2 and ZeRO-3; sharding engines hold half the model;
+  same 8 samples in one process, for DDP, FSDP2 (per layer), ZeRO-2 and ZeRO-3 (and with training-time RTC's
+  committed prefixes under FSDP2 and ZeRO-3); sharding engines hold half the model;
 - kill-and-resume equals the uninterrupted run bitwise (weights, logged losses, epochs, train_loss) for DDP, FSDP2 and
   ZeRO-2 in fp32, and DDP / FSDP2 with a bfloat16 model and fp32 master weights;
 - a bf16 run from scratch keeps every rank's parameters and masters identical at every step, with and without LoRA,
@@ -30,11 +31,11 @@ pytest.importorskip("deepspeed")
 LAUNCHES = {  # name: (accelerate config, engine, mixed precision override or None, scenarios)
     "ddp": ("ddp.yaml", "ddp", "no", ["grad", "resume"]),
     "ddp_bf16": ("ddp.yaml", "ddp", None, ["resume_bf16", "same"]),
-    "fsdp2": ("fsdp2.yaml", "fsdp2", "no", ["grad", "resume", "grad_pi0"]),
+    "fsdp2": ("fsdp2.yaml", "fsdp2", "no", ["grad", "resume", "grad_pi0", "grad_rtc"]),
     # a bfloat16 model with master_weights and mixed precision "no": the trainer switches FSDP2 to bf16 mixed precision
     "fsdp2_bf16": ("fsdp2.yaml", "fsdp2", "no", ["resume_bf16"]),
     "zero2": ("zero2.yaml", "zero2", "no", ["grad", "resume"]),
-    "zero3": ("zero3.yaml", "zero3", "no", ["grad"]),
+    "zero3": ("zero3.yaml", "zero3", "no", ["grad", "grad_rtc"]),
 }
 _results: dict = {}
 
@@ -58,18 +59,22 @@ def launched(name, two_datasets, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero2", "zero3"])
-def test_one_step_gradient_equals_one_batch(name, two_datasets, tmp_path_factory):  # noqa: F811
+@pytest.mark.parametrize("name,rtc_max_delay", [("ddp", 0), ("fsdp2", 0), ("zero2", 0), ("zero3", 0), ("fsdp2", 2),
+                                                ("zero3", 2)])  # 2: training-time RTC on the sharding engines
+def test_one_step_gradient_equals_one_batch(name, rtc_max_delay, two_datasets, tmp_path_factory):  # noqa: F811
     from distributed_step import make_model
 
-    run = launched(name, two_datasets, tmp_path_factory)["grad"]
+    run = launched(name, two_datasets, tmp_path_factory)["grad_rtc" if rtc_max_delay else "grad"]
     assert run["world_size"] == 2 and len(run["batches"]) == 4
     expected_engine = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}[name]
     assert run["engine"].endswith(expected_engine)
     batch = {k: torch.cat([b[k] for b in run["batches"]]) for k in run["batches"][0]}
-    model = make_model()
+    model = make_model(rtc_max_delay)
     model.train()
     per_sample, _ = policy_per_sample_loss(model, batch, seed=3, step=0)
+    if rtc_max_delay:  # some samples really have a committed prefix
+        full = policy_per_sample_loss(make_model(), batch, seed=3, step=0)[0].count
+        assert (per_sample.count < full).any()
     aggregate("sample_mean", per_sample, batch[GROUP_KEYS["episode"]]).backward()
     reference = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     grads = {n.removeprefix("module."): g for n, g in run["grads"].items()}
@@ -134,7 +139,7 @@ def test_bf16_ranks_hold_identical_parameters_and_masters_every_step(two_dataset
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["zero2.yaml", "fsdp2.yaml"])
+@pytest.mark.parametrize("config", ["zero2.yaml", "zero3.yaml", "fsdp2.yaml"])
 def test_the_cli_with_a_launch_config_and_a_bf16_model(config, two_datasets, tmp_path):  # noqa: F811
     """What a user types, as is: the launch config, `-m hf_vla.train`, a bfloat16 model (on CPU processes)."""
     import json
