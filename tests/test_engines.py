@@ -151,15 +151,29 @@ def test_the_cli_with_a_launch_config_and_a_bf16_model(config, two_datasets, tmp
     settings["datasets"][0]["cameras"] = ["observation.images.cam"]
     (tmp_path / "run.json").write_text(json.dumps(settings))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_VLA_CPU_SHARDING="1")
-    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                             str(REPO / "configs" / "accelerate" / config), "--num_processes", "2",
-                             "--main_process_port", "29671", "-m", "hf_vla.train", str(tmp_path / "run.json")],
-                            capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-5000:]
+
+    def launch(path):
+        result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                                 str(REPO / "configs" / "accelerate" / config), "--num_processes", "2",
+                                 "--main_process_port", "29671", "-m", "hf_vla.train", str(path)],
+                                capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+        assert result.returncode == 0, result.stderr[-5000:]
+
+    launch(tmp_path / "run.json")
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(out)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    if config == "zero3.yaml":  # fine-tuning a checkpoint: loaded straight into ZeRO-3's partitions, config overridden
+        settings.pop("model_config")
+        settings.update(model_name_or_path=str(out), output_dir=str(tmp_path / "tuned"), rtc_max_delay=1)
+        (tmp_path / "tune.json").write_text(json.dumps(settings))
+        launch(tmp_path / "tune.json")
+        tuned = AutoModel.from_pretrained(tmp_path / "tuned")
+        assert tuned.config.rtc_max_delay == 1
+        before = dict(model.named_parameters())
+        changed = [n for n, p in tuned.named_parameters() if not torch.equal(p, before[n])]
+        assert all(torch.isfinite(p).all() for p in tuned.parameters()) and len(changed) > len(before) // 2
 
 
 def test_fsdp1_is_refused_with_the_reason(tmp_path):
