@@ -59,8 +59,8 @@ class ModelArguments:
         Measured on the demo: from scratch it teaches a shortcut (the prefix shows the way, the instruction is not
         learned: 36% success); fine-tuning a trained policy with it keeps the policy and adds the skill.
     rtc_prefix_noise: with `rtc_max_delay`, the std of one offset per sample on its committed prefix (normalised
-        units; see `PI05Config`). Overrides the checkpoint's value and is saved with the model. The demo's RTC
-        fine-tune uses 0.2: with 0, closed-loop success dropped 0.9 points; with 0.2 it matches the policy without RTC.
+        units; see `PI05Config`). Overrides the checkpoint's value and is saved with the model. On the demo's RTC
+        fine-tune, 0 lost 0.9 points of closed-loop success to no RTC; 0.2 lost 0.1 (10 vs 6 failures of 3,500).
     """
 
     policy: str = field(default="pi05", metadata={"help": f"one of {POLICIES}"})

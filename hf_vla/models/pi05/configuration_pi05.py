@@ -38,8 +38,8 @@ class PI05Config(PreTrainedConfig):
     rtc_prefix_noise (`float`, defaults to 0.0): with `rtc_max_delay`, the std of one Gaussian offset per training
         sample (normalised action units) added to its committed prefix. At inference the prefix is the policy's own
         earlier output, errors included, not a demonstration; a clean prefix in training teaches the model to
-        continue it blindly. On the demo 0.2 keeps closed-loop success at the level without RTC where 0 lost 0.9
-        points (README). 0 is the paper's objective.
+        continue it blindly. On the demo, with 0.2 the policy failed 10 of 3,500 episodes with RTC against 6
+        without; with 0, 18 of 1,500 against 5 (README). 0 is the paper's objective.
     image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
     """
 
