@@ -107,6 +107,28 @@ def built_without_zero3_init():
         hf_deepspeed.set_hf_deepspeed_config(registered)
 
 
+@contextmanager
+def saved_as_own_class(model):
+    """Save an FSDP2-sharded model under its own class.
+
+    `fully_shard` swaps the module's class for a dynamic `FSDP<Name>` subclass defined in torch; `save_pretrained`
+    would record that class in config.json's `auto_map` and copy torch's FSDP sources instead of `modeling_pi05.py`,
+    so the checkpoint would not load with `trust_remote_code` where hf_vla is not installed (a robot). Nothing runs
+    the model while it saves.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = type(model)
+    if not issubclass(sharded, FSDPModule):
+        yield
+        return
+    model.__class__ = next(c for c in sharded.__mro__[1:] if not issubclass(c, FSDPModule))
+    try:
+        yield
+    finally:
+        model.__class__ = sharded
+
+
 def finish_engine(accelerator) -> None:
     """Rules applied once the Accelerator exists, before the model is wrapped.
 

@@ -23,7 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from . import checkpoints
 from .data import ForkFriendlyDataLoader, PI05Collator
-from .engines import configure_engine, finish_engine
+from .engines import configure_engine, finish_engine, saved_as_own_class
 from .errors import CheckpointError, ConfigError, NonFiniteError
 from .losses import (
     GROUP_KEYS,
@@ -576,6 +576,11 @@ class VLATrainer(Trainer):
         return super()._push_from_checkpoint(checkpoint_folder)
 
     # ---- checkpoints and resume ----------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        # Under FSDP2 the model's class is torch's FSDP subclass: save the auto_map and code files of its own class.
+        with saved_as_own_class(self.model):
+            return super()._save(output_dir, state_dict)
+
     def _save_checkpoint(self, model, trial):
         # Complete or absent: everything (model, processor, optimizer with masters, scheduler, RNG, trainer state, stream
         # position) is written and flushed, then the completion marker; only then are older checkpoints rotated out

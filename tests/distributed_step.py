@@ -39,6 +39,21 @@ def make_model(rtc_max_delay=0):
     return model
 
 
+def add_lora(model):
+    """peft LoRA (the `expert` preset, r 4), seeded, with random B (it starts at zero) so the adapters matter."""
+    from peft import get_peft_model
+
+    from hf_vla.lora import lora_config
+
+    torch.manual_seed(11)
+    model = get_peft_model(model, lora_config("expert", r=4, model=model))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    return model
+
+
 def build(root_a, root_b, rtc_max_delay=0):
     mixture = WeightedDatasetMixture([
         dict(root=root_a, name="a", cameras=["observation.images.cam"], control_mode="joint"),

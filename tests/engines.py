@@ -22,7 +22,7 @@ from pathlib import Path
 import engine_patch  # noqa: F401  (lets FSDP/DeepSpeed plugins through on CPU)
 import torch
 from accelerate.utils import gather_object
-from distributed_step import make_model
+from distributed_step import add_lora, make_model
 from transformers import TrainerCallback
 
 from hf_vla import PI05Processor, VLATrainer, VLATrainingArguments
@@ -145,10 +145,11 @@ def arguments(engine: str, out: str, **overrides) -> VLATrainingArguments:
 
 
 def build_trainer(engine, roots, out, dtype=torch.float32, callbacks=(), cls=VLATrainer, rtc_max_delay=0,
-                  **overrides):
+                  lora=False, **overrides):
     mixture = mixture_of(*roots)
     with built_without_zero3_init():  # as the CLI builds a model from scratch (an earlier scenario registered ZeRO-3)
-        model = make_model(rtc_max_delay).to(dtype)
+        model = make_model(rtc_max_delay)
+    model = (add_lora(model) if lora else model).to(dtype)
     processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
                                           head_names=mixture.head_names)
     args = arguments(engine, out, **overrides)
@@ -160,11 +161,11 @@ def build_trainer(engine, roots, out, dtype=torch.float32, callbacks=(), cls=VLA
     return trainer
 
 
-def scenario_grad(engine, roots, out, rtc_max_delay=0):
+def scenario_grad(engine, roots, out, rtc_max_delay=0, lora=False):
     capture = CaptureGrads()
-    name = "grad_rtc" if rtc_max_delay else "grad"
+    name = "grad_rtc" if rtc_max_delay else "grad_lora" if lora else "grad"
     trainer = build_trainer(engine, roots, f"{out}/{name}", callbacks=[capture], cls=Recording,
-                            rtc_max_delay=rtc_max_delay)
+                            rtc_max_delay=rtc_max_delay, lora=lora)
     trainer.seen = []
     trainer.train()
     batches = [b for rank in gather_object([trainer.seen]) for b in rank]
@@ -239,10 +240,6 @@ def scenario_resume(engine, roots, out, dtype=torch.float32):
 
 
 def scenario_same(engine, roots, out):
-    from peft import get_peft_model
-
-    from hf_vla.lora import lora_config
-
     results = {}
     for lora in (False, True):
         for diverge in (False, True):
@@ -250,12 +247,7 @@ def scenario_same(engine, roots, out):
             mixture = mixture_of(*roots)
             model = make_model()
             if lora:
-                torch.manual_seed(11)
-                model = get_peft_model(model, lora_config("expert", r=4, model=model))
-                with torch.no_grad():  # LoRA B starts at zero: give the adapters weights so they matter
-                    for name, param in model.named_parameters():
-                        if "lora_B" in name:
-                            param.normal_(0, 0.05)
+                model = add_lora(model)
             model = model.to(torch.bfloat16)
             if diverge and torch.distributed.get_rank() == 1:  # as if this rank had built other weights
                 with torch.no_grad():
@@ -280,6 +272,8 @@ def main(engine, root_a, root_b, out, *scenarios):
             result = scenario_grad(engine, roots, out)
         elif scenario == "grad_rtc":  # training-time RTC: per-token times, committed prefixes with their offsets
             result = scenario_grad(engine, roots, out, rtc_max_delay=2)
+        elif scenario == "grad_lora":  # peft LoRA (expert preset) with its trained heads
+            result = scenario_grad(engine, roots, out, lora=True)
         elif scenario == "grad_pi0":
             result = scenario_grad_pi0(engine, roots, out)
         elif scenario == "resume":

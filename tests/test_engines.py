@@ -29,13 +29,13 @@ REPO = TESTS.parent
 pytest.importorskip("deepspeed")
 
 LAUNCHES = {  # name: (accelerate config, engine, mixed precision override or None, scenarios)
-    "ddp": ("ddp.yaml", "ddp", "no", ["grad", "resume"]),
+    "ddp": ("ddp.yaml", "ddp", "no", ["grad", "resume", "grad_lora"]),
     "ddp_bf16": ("ddp.yaml", "ddp", None, ["resume_bf16", "same"]),
-    "fsdp2": ("fsdp2.yaml", "fsdp2", "no", ["grad", "resume", "grad_pi0", "grad_rtc"]),
+    "fsdp2": ("fsdp2.yaml", "fsdp2", "no", ["grad", "resume", "grad_pi0", "grad_rtc", "grad_lora"]),
     # a bfloat16 model with master_weights and mixed precision "no": the trainer switches FSDP2 to bf16 mixed precision
     "fsdp2_bf16": ("fsdp2.yaml", "fsdp2", "no", ["resume_bf16"]),
-    "zero2": ("zero2.yaml", "zero2", "no", ["grad", "resume"]),
-    "zero3": ("zero3.yaml", "zero3", "no", ["grad", "grad_rtc"]),
+    "zero2": ("zero2.yaml", "zero2", "no", ["grad", "resume", "grad_lora"]),
+    "zero3": ("zero3.yaml", "zero3", "no", ["grad", "grad_rtc", "grad_lora"]),
 }
 _results: dict = {}
 
@@ -59,17 +59,23 @@ def launched(name, two_datasets, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,rtc_max_delay", [("ddp", 0), ("fsdp2", 0), ("zero2", 0), ("zero3", 0), ("fsdp2", 2),
-                                                ("zero3", 2)])  # 2: training-time RTC on the sharding engines
-def test_one_step_gradient_equals_one_batch(name, rtc_max_delay, two_datasets, tmp_path_factory):  # noqa: F811
-    from distributed_step import make_model
+@pytest.mark.parametrize("name,variant", [
+    ("ddp", "grad"), ("fsdp2", "grad"), ("zero2", "grad"), ("zero3", "grad"),
+    ("fsdp2", "grad_rtc"), ("zero3", "grad_rtc"),  # training-time RTC (rtc_max_delay 2) on the sharding engines
+    ("ddp", "grad_lora"), ("fsdp2", "grad_lora"), ("zero2", "grad_lora"), ("zero3", "grad_lora"),  # peft LoRA
+])
+def test_one_step_gradient_equals_one_batch(name, variant, two_datasets, tmp_path_factory):  # noqa: F811
+    from distributed_step import add_lora, make_model
 
-    run = launched(name, two_datasets, tmp_path_factory)["grad_rtc" if rtc_max_delay else "grad"]
+    run = launched(name, two_datasets, tmp_path_factory)[variant]
     assert run["world_size"] == 2 and len(run["batches"]) == 4
     expected_engine = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}[name]
     assert run["engine"].endswith(expected_engine)
     batch = {k: torch.cat([b[k] for b in run["batches"]]) for k in run["batches"][0]}
+    rtc_max_delay = 2 if variant == "grad_rtc" else 0
     model = make_model(rtc_max_delay)
+    if variant == "grad_lora":
+        model = add_lora(model)
     model.train()
     per_sample, _ = policy_per_sample_loss(model, batch, seed=3, step=0)
     if rtc_max_delay:  # some samples really have a committed prefix
@@ -164,6 +170,10 @@ def test_the_cli_with_a_launch_config_and_a_bf16_model(config, two_datasets, tmp
 
     model = AutoModel.from_pretrained(out)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    # saved under the model's own class (FSDP2 swaps it for torch's FSDP subclass): the code that loads it remotely
+    saved = json.loads((out / "config.json").read_text())["auto_map"]
+    assert saved["AutoModel"] == "modeling_pi05.PI05ForConditionalGeneration", saved
+    assert {"modeling_pi05.py", "rtc.py"} <= {p.name for p in out.glob("*.py")} and not list(out.glob("_fsdp*"))
     if config == "zero3.yaml":  # fine-tuning a checkpoint: loaded straight into ZeRO-3's partitions, config overridden
         settings.pop("model_config")
         settings.update(model_name_or_path=str(out), output_dir=str(tmp_path / "tuned"), rtc_max_delay=1)
