@@ -193,7 +193,7 @@ class PolicyRunner:
         if leftover is not None:
             rtc = {"prev_chunk_left_over": leftover.to(self.device), "inference_delay": int(inference_delay),
                    "execution_horizon": execution_horizon,
-                   "rtc_config": replace(self.rtc, method=method) if method else self.rtc}
+                   "rtc_config": replace(self.rtc, method=method)}  # as resolved by the caller
         chunk = self.model.sample_actions(
             input_ids=inputs["input_ids"].to(self.device), attention_mask=inputs["attention_mask"].to(self.device),
             pixel_values=inputs["pixel_values"].to(self.device),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed_step import MODES
 from test_data import CAM, make_dataset
 from transformers import TrainerCallback, get_scheduler
 
@@ -145,9 +146,7 @@ def distributed_run(two_datasets, tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("mode,divisor,rtc_max_delay", [
-    ("sample_mean", None, 0), ("token_mean", None, 0), ("group_mean", None, 0), ("constant", 7.0, 0),
-    ("token_mean", None, 2), ("sample_mean", None, 2)])  # the last two: training-time RTC's committed prefixes
+@pytest.mark.parametrize("mode,divisor,rtc_max_delay", MODES)  # the modes distributed_step.py ran
 def test_ga4_x_dp2_gradient_equals_one_batch_of_16(distributed_run, mode, divisor, rtc_max_delay):
     from distributed_step import make_model, run_key
 
