@@ -50,15 +50,18 @@ class EvalResult:
 class RemotePolicy:
     """A policy served by `hf_vla.serve` (or any openpi policy server), through openpi-client's websocket client.
 
+    `api_key` (default: the `HF_VLA_API_KEY` environment variable) is sent at the handshake, as the server expects.
     Sends the env's observation dict with the task under `prompt` and, for real-time chunking, `rtc/inference_delay`
     and `rtc/executed_steps`; returns the `actions` of the reply, and keeps its `rtc/method` (how the server continued
     the previous chunk; absent when it did not) like `PolicyRunner.last_rtc_method`.
     """
 
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, api_key: str | None = None):
+        import os
+
         from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-        self.client = WebsocketClientPolicy(uri)
+        self.client = WebsocketClientPolicy(uri, api_key=api_key or os.environ.get("HF_VLA_API_KEY"))
         self.metadata = self.client.get_server_metadata()
         self.last_rtc_method: str | None = None
 

@@ -20,14 +20,41 @@ class RequestError(ValueError):
     """An observation the policy cannot use (missing camera, wrong state size, unknown head, bad RTC fields)."""
 
 
-def _image_chw(key: str, value) -> torch.Tensor:
-    array = np.asarray(value)
+@dataclass(frozen=True)
+class InputLimits:
+    """What a request may carry; anything outside is refused before inference (a sensor fault must not become an
+    action). `max_image_side`: pixels per image side; `max_prompt_chars`: task string length; `max_state_range`: how
+    far a state value may lie outside the head's training range, in multiples of its q01..q99 width (a reading 10,000
+    widths away is a sensor fault or a wrong unit, not a state the policy has seen)."""
+
+    max_image_side: int = 2048
+    max_prompt_chars: int = 2000
+    max_state_range: float = 1e4
+
+
+def _image_chw(key: str, value, limits: InputLimits = InputLimits()) -> torch.Tensor:
+    if not isinstance(value, np.ndarray):
+        raise RequestError(f"camera {key!r}: expected an image array, got {type(value).__name__}")
+    array = value
     if array.ndim != 3 or 3 not in (array.shape[0], array.shape[-1]):
         raise RequestError(f"camera {key!r}: expected an HxWx3 (or 3xHxW) image, got shape {array.shape}")
     if array.dtype != np.uint8 and not np.issubdtype(array.dtype, np.floating):
         raise RequestError(f"camera {key!r}: expected uint8 (0..255) or float (0..1) pixels, got {array.dtype}")
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return tensor.permute(2, 0, 1) if array.shape[-1] == 3 and array.shape[0] != 3 else tensor
+    channels_last = array.shape[-1] == 3 and array.shape[0] != 3
+    height, width = array.shape[:2] if channels_last else array.shape[1:]
+    if min(height, width) < 1 or max(height, width) > limits.max_image_side:
+        raise RequestError(f"camera {key!r}: image of {height}x{width} pixels; each side must be 1..."
+                           f"{limits.max_image_side} (the server's --max_image_side)")
+    if array.dtype != np.uint8:
+        finite = np.isfinite(array)
+        if not finite.all():
+            raise RequestError(f"camera {key!r}: {int((~finite).sum())} pixel value(s) are NaN or inf")
+        low, high = float(array.min()), float(array.max())
+        if low < 0.0 or high > 1.0:
+            raise RequestError(f"camera {key!r}: float pixels must lie in [0, 1], got {low:g}..{high:g} (send uint8 "
+                               f"0..255 or float 0..1)")
+    tensor = torch.from_numpy(np.array(array, copy=True, order="C"))  # owned: a received buffer is read-only
+    return tensor.permute(2, 0, 1) if channels_last else tensor
 
 
 @dataclass
@@ -68,10 +95,10 @@ class ObservationMap:
             raise RequestError(f"no image in the observation (keys {sorted(observation)}); configure the cameras")
         return keys
 
-    def images(self, observation: dict) -> torch.Tensor:
+    def images(self, observation: dict, limits: InputLimits = InputLimits()) -> torch.Tensor:
         """`[n_cams, 3, H, W]` in camera-slot order."""
         keys = self.camera_keys(observation)
-        images = [_image_chw(key, observation[key]) for key in keys]
+        images = [_image_chw(key, observation[key], limits) for key in keys]
         if len({tuple(image.shape) for image in images}) > 1:
             shapes = {key: tuple(image.shape) for key, image in zip(keys, images)}
             raise RequestError(f"camera images differ in size {shapes}; resize them to one size on the client")
@@ -82,16 +109,66 @@ class ObservationMap:
         missing = [key for key in keys if key not in observation]
         if missing:
             raise RequestError(f"missing state key(s) {missing}; the observation has keys {sorted(observation)}")
-        try:
-            return np.concatenate([np.asarray(observation[k], dtype=np.float32).reshape(-1) for k in keys])
-        except (TypeError, ValueError) as error:
-            raise RequestError(f"state {keys}: not numeric ({error})") from error
+        parts = []
+        for key in keys:
+            value = observation[key]
+            if isinstance(value, str | bytes) or (isinstance(value, np.ndarray) and value.dtype.kind not in "biuf"):
+                raise RequestError(f"state {key!r}: expected numbers, got {getattr(value, 'dtype', type(value).__name__)}")
+            try:
+                with np.errstate(over="ignore"):  # a value beyond float32 becomes inf and is refused below
+                    parts.append(np.asarray(value, dtype=np.float32).reshape(-1))
+            except (TypeError, ValueError) as error:
+                raise RequestError(f"state {key!r}: not numeric ({error})") from error
+            bad = ~np.isfinite(parts[-1])
+            if bad.any():
+                raise RequestError(f"state {key!r}: value(s) at index {np.flatnonzero(bad)[:8].tolist()} are NaN or inf "
+                                   f"(a sensor fault?); no action is computed from it")
+        return np.concatenate(parts)
 
-    def task(self, observation: dict) -> str:
-        task = observation.get(self.prompt)
-        if not isinstance(task, str):
-            raise RequestError(f"the observation needs the task string under {self.prompt!r} (got {type(task).__name__})")
-        return task
+    def task(self, observation: dict, limits: InputLimits = InputLimits()) -> str:
+        return check_task(observation.get(self.prompt), self.prompt, limits)
+
+
+def check_task(task, key: str = "prompt", limits: InputLimits = InputLimits()) -> str:
+    if not isinstance(task, str):
+        raise RequestError(f"the observation needs the task string under {key!r} (got {type(task).__name__})")
+    if len(task) > limits.max_prompt_chars:
+        raise RequestError(f"{key!r}: task string of {len(task)} characters; at most {limits.max_prompt_chars}")
+    return task
+
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready for the model: its inputs and noise (a batch of its own), head and RTC arguments of
+    `sample_actions` (None: an independent chunk)."""
+
+    inputs: dict
+    noise: torch.Tensor
+    head: str
+    rtc: dict | None = None
+
+    def batch_key(self):
+        """Requests with equal keys can share one forward; one that continues a chunk (RTC) runs alone."""
+        if self.rtc is not None:
+            return None
+        return tuple(tuple(self.inputs[key].shape[1:]) for key in MODEL_INPUTS)
+
+
+@torch.no_grad()
+def sample_batch(model, requests: list[PreparedRequest], device) -> torch.Tensor:
+    """One `sample_actions` over requests of one `batch_key` (or one RTC request) -> `[rows, chunk, max_action_dim]`
+    normalised chunks on the CPU, in request order."""
+    if len(requests) > 1 and (requests[0].batch_key() is None or len({r.batch_key() for r in requests}) > 1):
+        raise ValueError("sample_batch: these requests cannot share a forward (RTC, or different input shapes)")
+    inputs = {key: torch.cat([r.inputs[key] for r in requests]).to(device) for key in MODEL_INPUTS}
+    noise = torch.cat([r.noise for r in requests]).to(device)
+    rtc = dict(requests[0].rtc or {})
+    if rtc:
+        rtc["prev_chunk_left_over"] = rtc["prev_chunk_left_over"].to(device)
+    return model.sample_actions(**inputs, noise=noise, **rtc).float().cpu()
 
 
 @dataclass
@@ -112,6 +189,7 @@ class PolicyRunner:
     seed: int = 0
     rtc: RTCConfig = field(default_factory=RTCConfig)
     num_camera_slots: int | None = None
+    limits: InputLimits = field(default_factory=InputLimits)
 
     def __post_init__(self):
         self.model = self.model.eval().to(self.device)
@@ -125,25 +203,33 @@ class PolicyRunner:
     def head_name(self, head=None) -> str:
         try:
             return self.processor._head(head if head is not None else self.head)
-        except (KeyError, ValueError, IndexError) as error:
+        except (KeyError, ValueError, IndexError, TypeError) as error:
             raise RequestError(str(error).strip('"')) from error
 
     def __call__(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
                  executed_steps: int | None = None, prev_chunk_left_over=None,
                  execution_horizon: int | None = None) -> np.ndarray:
+        request = self.prepare(observation, task, head, inference_delay, executed_steps, prev_chunk_left_over,
+                               execution_horizon)
+        return self.finish(request, sample_batch(self.model, [request], self.device)[0])
+
+    def prepare(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
+                executed_steps: int | None = None, prev_chunk_left_over=None,
+                execution_horizon: int | None = None) -> PreparedRequest:
+        """Validate an observation and build its model inputs and noise (no model call): `RequestError` for anything
+        the policy must not act on."""
         head = self.head_name(head)
-        task = task if task is not None else self.obs_map.task(observation)
-        images = self.obs_map.images(observation)
+        task = check_task(task, "task", self.limits) if task is not None else self.obs_map.task(observation, self.limits)
+        images = self.obs_map.images(observation, self.limits)
         slots = self.num_camera_slots or len(images)
+        if len(images) > slots:
+            raise RequestError(f"{len(images)} camera images; the policy has {slots} camera slots")
         mask = torch.zeros(slots, dtype=torch.bool)
         mask[: len(images)] = True
         if slots > len(images):
             images = torch.cat([images, torch.zeros(slots - len(images), *images.shape[1:], dtype=images.dtype)])
         state = self.obs_map.state_vector(observation)
-        expected = len(self.processor.norm_stats[head]["state"]["q01"])
-        if state.shape[-1] != expected:
-            raise RequestError(f"state {self.obs_map.state or 'vector'} has {state.shape[-1]} values; head {head!r} "
-                               f"expects {expected}")
+        self._check_state(state, head)
         leftover = self._leftover(head, inference_delay, executed_steps, prev_chunk_left_over)
         method = None
         if leftover is not None:
@@ -151,14 +237,41 @@ class PolicyRunner:
                 method = self.rtc.resolve_method(inference_delay, getattr(self.model.config, "rtc_max_delay", 0))
             except ValueError as error:
                 raise RequestError(str(error)) from error
-        chunk = self._sample(images[None], state[None], [task], mask[None], head, leftover, inference_delay,
-                             execution_horizon, method)[0]
-        self.last_rtc_method = method
+        inputs, noise = self._inputs(images[None], state[None], [task], mask[None], head)
+        rtc = None
         if leftover is not None:
-            spliced = min(inference_delay, len(leftover))
+            rtc = {"prev_chunk_left_over": leftover[None], "inference_delay": int(inference_delay),
+                   "execution_horizon": execution_horizon,
+                   "rtc_config": replace(self.rtc, method=method)}  # as resolved here
+        return PreparedRequest(inputs, noise, head, rtc)
+
+    def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
+        """The sampled chunk `[chunk, max_action_dim]` (normalised) of a prepared request -> un-normalised actions;
+        keeps it for the next call's real-time chunking."""
+        self.last_rtc_method = request.rtc["rtc_config"].method if request.rtc else None
+        if request.rtc is not None:
+            leftover = request.rtc["prev_chunk_left_over"][0]
+            spliced = min(request.rtc["inference_delay"], len(leftover))
             chunk[:spliced, : leftover.shape[-1]] = leftover[:spliced]
         self.last_chunk = chunk
-        return self.processor.unnormalize_actions(chunk, head).numpy()
+        return self.processor.unnormalize_actions(chunk, request.head).numpy()
+
+    def _check_state(self, state: np.ndarray, head: str) -> None:
+        """The state fits the head and lies within `limits.max_state_range` widths of its training range."""
+        expected = len(self.processor.norm_stats[head]["state"]["q01"])
+        if state.shape[-1] != expected:
+            raise RequestError(f"state {self.obs_map.state or 'vector'} has {state.shape[-1]} values; head {head!r} "
+                               f"expects {expected}")
+        stats = self.processor.norm_stats[head]["state"]
+        q01, q99 = np.asarray(stats["q01"], np.float64), np.asarray(stats["q99"], np.float64)
+        width = np.maximum(q99 - q01, 1e-6)  # a constant dim still gets a finite tolerance
+        distance = np.maximum(q01 - state, state - q99) / width
+        far = np.flatnonzero(distance > self.limits.max_state_range)
+        if far.size:
+            i = int(far[0])
+            raise RequestError(f"state value {float(state[i]):g} at index {i} lies {float(distance[i]):.3g} widths "
+                               f"outside head {head!r}'s training range [{q01[i]:g}, {q99[i]:g}] (limit "
+                               f"{self.limits.max_state_range:g}): a sensor fault or a wrong unit?")
 
     def _leftover(self, head: str, inference_delay: int, executed_steps, prev_chunk_left_over):
         """The previous chunk's remainder, normalised, or None (no guidance)."""
@@ -166,7 +279,12 @@ class PolicyRunner:
         if not isinstance(inference_delay, int | np.integer) or not 0 <= inference_delay < chunk_size:
             raise RequestError(f"inference_delay={inference_delay!r}: an integer in [0, {chunk_size})")
         if prev_chunk_left_over is not None:
-            leftover = np.asarray(prev_chunk_left_over, dtype=np.float32)
+            try:
+                leftover = np.asarray(prev_chunk_left_over, dtype=np.float32)
+            except (TypeError, ValueError) as error:
+                raise RequestError(f"prev_chunk_left_over: not numeric ({error})") from error
+            if not np.isfinite(leftover).all():
+                raise RequestError("prev_chunk_left_over: holds NaN or inf")
             if leftover.ndim != 2 or leftover.shape[0] > chunk_size:
                 raise RequestError(f"prev_chunk_left_over: expected [steps <= {chunk_size}, action_dim], got "
                                    f"{leftover.shape}")
@@ -180,31 +298,23 @@ class PolicyRunner:
             raise RequestError(f"executed_steps={executed_steps!r}: an integer in [0, {chunk_size})")
         return self.last_chunk[executed_steps:]
 
-    @torch.no_grad()
-    def _sample(self, images, states, tasks, camera_mask, head, leftover=None, inference_delay=0,
-                execution_horizon=None, method=None) -> torch.Tensor:
+    def _inputs(self, images, states, tasks, camera_mask, head) -> tuple[dict, torch.Tensor]:
         try:
             inputs = self.processor(images=images, text=tasks, state=states, head=head, camera_mask=camera_mask)
         except ValueError as error:
             raise RequestError(str(error)) from error
         config = self.model.config
         noise = torch.randn(len(tasks), config.chunk_size, config.max_action_dim, generator=self.generator)
-        rtc = {}
-        if leftover is not None:
-            rtc = {"prev_chunk_left_over": leftover.to(self.device), "inference_delay": int(inference_delay),
-                   "execution_horizon": execution_horizon,
-                   "rtc_config": replace(self.rtc, method=method)}  # as resolved by the caller
-        chunk = self.model.sample_actions(
-            input_ids=inputs["input_ids"].to(self.device), attention_mask=inputs["attention_mask"].to(self.device),
-            pixel_values=inputs["pixel_values"].to(self.device),
-            pixel_attention_mask=inputs["pixel_attention_mask"].to(self.device), noise=noise.to(self.device), **rtc,
-        )
-        return chunk.float().cpu()
+        return {key: inputs[key] for key in MODEL_INPUTS}, noise
 
     def predict(self, images: torch.Tensor, states: np.ndarray, tasks: list[str], camera_mask: torch.Tensor) -> np.ndarray:
         """A batch: uint8 images [B, cams, 3, H, W], raw states [B, d], tasks, camera_mask [B, cams] -> chunks
         [B, chunk, action_dim], un-normalised (no real-time chunking)."""
-        chunk = self._sample(images, states, tasks, camera_mask, self.head_name())
+        states = np.asarray(states)
+        if not np.isfinite(states).all():
+            raise RequestError("states: NaN or inf in the batch; no action is computed from it")
+        inputs, noise = self._inputs(images, states, tasks, camera_mask, self.head_name())
+        chunk = sample_batch(self.model, [PreparedRequest(inputs, noise, self.head_name())], self.device)
         return self.processor.unnormalize_actions(chunk, self.head_name()).numpy()
 
 
@@ -246,4 +356,4 @@ def rtc_config_from_args(args) -> RTCConfig:
                      method=args.rtc_method)
 
 
-__all__ = ["ObservationMap", "PolicyRunner", "RequestError", "add_rtc_arguments", "load_policy", "rtc_config_from_args"]
+__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "sample_batch", "PolicyRunner", "RequestError", "add_rtc_arguments", "load_policy", "rtc_config_from_args"]

@@ -8,8 +8,16 @@
 The protocol is openpi's (`openpi_client.websocket_client_policy.WebsocketClientPolicy` connects unmodified): on
 connect the server sends its metadata; then each binary message is a msgpack-numpy observation dict (camera images
 HxWx3 uint8, state arrays, `prompt`) and the reply is `{"actions": [chunk, action_dim], "server_timing": {...}}`,
-actions un-normalised for the head. A request the policy cannot use (missing camera, wrong state size, unknown head)
-gets a text reply naming the problem (the client raises it) and the connection stays open. `GET /healthz` answers OK.
+actions un-normalised for the head. A request the policy cannot use gets a text reply naming the key and the problem
+(the client raises it), no actions, and the connection stays open: a missing camera, a wrong state size or an unknown
+head, and input that is garbage (NaN/inf in the state or in float images, float pixels outside [0, 1], images larger
+than `--max_image_side`, a state far outside the training range, a prompt that is not a string). A message larger than
+`--max_message_mb` is refused unread (the connection closes with code 1009). An internal error replies with a request
+id, never a traceback; the traceback is in the server log under that id. `GET /healthz` answers OK.
+
+Access: `--host` defaults to 0.0.0.0 (all interfaces, as openpi's server does); with `--api_key` or `HF_VLA_API_KEY`
+set, a websocket handshake without the header `Authorization: Api-Key <key>` (what openpi-client sends for
+`WebsocketClientPolicy(..., api_key=...)`; `Bearer <key>` is accepted too) is refused with HTTP 401 and logged.
 
 Real-time chunking: a request with `rtc/inference_delay` d and `rtc/executed_steps` s (actions of the previous chunk
 this connection returned that were executed when the observation was taken) gets a chunk that continues that one: its
@@ -24,22 +32,46 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hmac
 import http
 import json
 import logging
+import math
+import os
+import queue
 import threading
 import time
-import traceback
+import uuid
+from concurrent.futures import Future
 
 import msgpack
 import numpy as np
 import torch
 
-from .policy import ObservationMap, PolicyRunner, RequestError, add_rtc_arguments, load_policy, rtc_config_from_args
+from .policy import (
+    InputLimits,
+    ObservationMap,
+    PolicyRunner,
+    PreparedRequest,
+    RequestError,
+    add_rtc_arguments,
+    load_policy,
+    rtc_config_from_args,
+    sample_batch,
+)
 
 logger = logging.getLogger("hf_vla.serve")
 
 RTC_KEYS = ("rtc/inference_delay", "rtc/executed_steps", "rtc/prev_chunk_left_over", "rtc/execution_horizon")
+API_KEY_ENV = "HF_VLA_API_KEY"
+# The default message bound: room for every camera's image at 1920x1080 in float32 (uint8 needs a quarter), plus 1 MiB
+# for the state, prompt and RTC fields. pi0.5 is published with 3 camera slots.
+DEFAULT_CAMERA_BYTES = 1920 * 1080 * 3 * 4
+DEFAULT_CAMERAS = 3
+
+
+def default_max_message_mb(num_cameras: int | None) -> float:
+    return math.ceil((num_cameras or DEFAULT_CAMERAS) * DEFAULT_CAMERA_BYTES / 2**20) + 1
 
 
 # ---- msgpack-numpy, the wire format of openpi_client.msgpack_numpy ---------------------------------------------------
@@ -65,13 +97,67 @@ packb = functools.partial(msgpack.packb, default=_pack_array)
 unpackb = functools.partial(msgpack.unpackb, object_hook=_unpack_array)
 
 
-class PolicyServer:
-    """One model shared by all connections (inference serialised by a lock); a `PolicyRunner` (noise generator and
-    last chunk for real-time chunking) per connection."""
+class Batcher:
+    """One thread runs the model. Requests that arrive while it is busy wait in a queue; the next forward takes all of
+    them that can share one (`PreparedRequest.batch_key`: same input shapes, no RTC), up to `max_batch` rows. So a
+    lone client is served at once, and N clients cost about one forward instead of N (`benchmarks/serve_load.py`)."""
 
-    def __init__(self, runner: PolicyRunner, metadata: dict | None = None):
+    def __init__(self, model, device, max_batch: int = 8):
+        self.model, self.device, self.max_batch = model, device, max(1, int(max_batch))
+        self.queue: queue.Queue = queue.Queue()
+        self.batch_sizes: list[int] = []  # of the last forwards, for the log and the tests
+        threading.Thread(target=self._loop, name="hf_vla-batcher", daemon=True).start()
+
+    def submit(self, request: PreparedRequest) -> torch.Tensor:
+        """The request's chunk `[chunk, max_action_dim]` (normalised), once its forward has run."""
+        future: Future = Future()
+        self.queue.put((request, future))
+        return future.result()
+
+    def _loop(self) -> None:
+        while True:
+            pending = [self.queue.get()]
+            while True:
+                try:
+                    pending.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            groups: dict = {}
+            for request, future in pending:  # arrival order within a group
+                key = request.batch_key()
+                groups.setdefault(key if key is not None else id(future), []).append((request, future))
+            for group in groups.values():
+                for begin in range(0, len(group), self.max_batch):
+                    self._run(group[begin : begin + self.max_batch])
+
+    def _run(self, part: list) -> None:
+        try:
+            chunks = sample_batch(self.model, [request for request, _ in part], self.device)
+        except BaseException as error:  # every waiting request learns it; the loop goes on
+            for _, future in part:
+                future.set_exception(error)
+            return
+        self.batch_sizes = (self.batch_sizes + [len(part)])[-1000:]
+        for (_, future), chunk in zip(part, chunks):
+            future.set_result(chunk.clone())
+
+
+class PolicyServer:
+    """One model shared by all connections, run by a `Batcher` thread; a `PolicyRunner` (noise generator and last chunk
+    for real-time chunking) per connection, which validates and pre-processes its requests on the connection's thread.
+
+    max_message_mb: the largest message read (larger ones are refused unread); None: `default_max_message_mb`.
+    max_batch: most requests of waiting clients run in one forward (1: one at a time).
+    api_key: required at the websocket handshake when set (`Authorization: Api-Key <key>` or `Bearer <key>`).
+    """
+
+    def __init__(self, runner: PolicyRunner, metadata: dict | None = None, max_message_mb: float | None = None,
+                 api_key: str | None = None, max_batch: int = 8):
         self.runner = runner
-        self.lock = threading.Lock()
+        self.batcher = Batcher(runner.model, runner.device, max_batch)
+        cameras = len(runner.obs_map.cameras) if runner.obs_map.cameras else runner.num_camera_slots
+        self.max_message_mb = max_message_mb or default_max_message_mb(cameras)
+        self.api_key = api_key or None
         self.metadata = {**self.default_metadata(), **(metadata or {})}
 
     def default_metadata(self) -> dict:
@@ -86,6 +172,8 @@ class PolicyServer:
                     "prefix_attention_schedule": runner.rtc.prefix_attention_schedule,
                     "jacobian": runner.rtc.jacobian, "method": runner.rtc.method,
                     "trained_max_delay": getattr(runner.model.config, "rtc_max_delay", 0)},
+            "limits": {"max_message_mb": self.max_message_mb, **dataclasses.asdict(runner.limits)},
+            "max_batch": self.batcher.max_batch,
         }
 
     def connection_runner(self) -> PolicyRunner:
@@ -100,14 +188,23 @@ class PolicyServer:
             raise RequestError(f"not a msgpack-numpy message ({type(error).__name__}: {error})") from error
         if not isinstance(request, dict):
             raise RequestError(f"expected an observation dict, got {type(request).__name__}")
-        delay = request.get("rtc/inference_delay", 0)
+        not_text = [key for key in request if not isinstance(key, str)]
+        if not_text:
+            raise RequestError(f"observation keys must be strings, got {not_text[:3]!r}")
+        head = request.get("head")
+        if head is not None and not isinstance(head, str):
+            raise RequestError(f"head: expected a string robot_type::control_mode, got {type(head).__name__}")
+        delay = _optional_int(request.get("rtc/inference_delay", 0), "rtc/inference_delay")
         start = time.monotonic()
-        with self.lock:
-            actions = runner(request, head=request.get("head"), inference_delay=int(np.asarray(delay).item()),
-                             executed_steps=_optional_int(request.get("rtc/executed_steps")),
-                             prev_chunk_left_over=request.get("rtc/prev_chunk_left_over"),
-                             execution_horizon=_optional_int(request.get("rtc/execution_horizon")))
+        prepared = runner.prepare(request, head=head, inference_delay=delay,
+                                  executed_steps=_optional_int(request.get("rtc/executed_steps"), "rtc/executed_steps"),
+                                  prev_chunk_left_over=request.get("rtc/prev_chunk_left_over"),
+                                  execution_horizon=_optional_int(request.get("rtc/execution_horizon"),
+                                                                  "rtc/execution_horizon"))
+        actions = runner.finish(prepared, self.batcher.submit(prepared))
         elapsed_ms = 1000 * (time.monotonic() - start)
+        if not np.isfinite(actions).all():  # never send a robot a NaN action, whatever went wrong upstream
+            raise FloatingPointError("the policy produced a non-finite action")
         reply = {"actions": actions.astype(np.float32), "policy_timing": {"infer_ms": elapsed_ms}}
         if runner.last_rtc_method is not None:  # the chunk continued the previous one: "guidance" or "prefix"
             reply["rtc/method"] = runner.last_rtc_method
@@ -116,7 +213,10 @@ class PolicyServer:
     def handler(self, connection) -> None:
         from websockets.exceptions import ConnectionClosed
 
-        peer = connection.remote_address
+        peer = _peer(connection)
+        if peer is None:  # the client left before the handler started: nothing to serve, nothing went wrong
+            logger.info("a client disconnected before it was served")
+            return
         logger.info("connection from %s", peer)
         runner = self.connection_runner()
         try:
@@ -125,57 +225,92 @@ class PolicyServer:
             while True:
                 message = connection.recv()
                 start = time.monotonic()
+                request_id = uuid.uuid4().hex[:12]
                 try:
                     reply = self.infer(runner, message)
                 except RequestError as error:
-                    logger.warning("bad request from %s: %s", peer, error)
-                    connection.send(f"bad request: {error}")
+                    logger.warning("request %s from %s refused: %s", request_id, peer, error)
+                    connection.send(f"bad request (request {request_id}): {error}")
                     continue
-                except Exception as error:
-                    logger.exception("inference failed for a request from %s", peer)
-                    connection.send(f"inference failed: {type(error).__name__}: {error}\n{traceback.format_exc()}")
+                except Exception:
+                    # the reply names the request; the traceback (paths, versions) stays in this log
+                    logger.exception("request %s from %s: inference failed", request_id, peer)
+                    connection.send(f"inference failed (request {request_id}): internal server error; the server "
+                                    f"log has the details under this request id")
                     continue
                 reply["server_timing"] = {"infer_ms": reply["policy_timing"]["infer_ms"]}
                 if prev_total_ms is not None:
                     reply["server_timing"]["prev_total_ms"] = prev_total_ms
                 connection.send(packb(reply))
                 prev_total_ms = 1000 * (time.monotonic() - start)
-        except ConnectionClosed:
-            logger.info("connection from %s closed", peer)
+        except ConnectionClosed as closed:
+            if closed.sent is not None and closed.sent.code == 1009:
+                logger.warning("connection from %s closed: %s (--max_message_mb %g)", peer, closed.sent.reason,
+                               self.max_message_mb)
+            else:
+                logger.info("connection from %s closed", peer)
 
-    @staticmethod
-    def process_request(connection, request):
+    def process_request(self, connection, request):
         if request.path == "/healthz":
             return connection.respond(http.HTTPStatus.OK, "OK\n")
+        if self.api_key is not None and not self._authorized(request.headers.get("Authorization")):
+            logger.warning("refused a connection from %s: %s API key", _peer(connection) or "a client that left",
+                           "wrong" if request.headers.get("Authorization") else "no")
+            return connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
         return None
+
+    def _authorized(self, header: str | None) -> bool:
+        scheme, _, token = (header or "").partition(" ")
+        return scheme.lower() in ("api-key", "bearer") and hmac.compare_digest(token.strip().encode(),
+                                                                              self.api_key.encode())
 
     def serve(self, host: str = "0.0.0.0", port: int = 8000, ready=None) -> None:
         """Serve until interrupted; `ready(port)` is called once listening (port 0 picks a free one)."""
         from websockets.sync.server import serve
 
-        with serve(self.handler, host, port, compression=None, max_size=None,
+        with serve(self.handler, host, port, compression=None, max_size=int(self.max_message_mb * 2**20),
                    process_request=self.process_request) as server:
+            self._server = server
             bound = server.socket.getsockname()[1]
-            logger.info("serving %s on ws://%s:%d", self.metadata["policy"], host, bound)
+            logger.info("serving %s on ws://%s:%d (messages up to %g MB, %s)", self.metadata["policy"], host, bound,
+                        self.max_message_mb, "API key required" if self.api_key else "no API key")
+            if self.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+                logger.warning("listening on %s without an API key: anyone who reaches port %d can drive this policy "
+                               "(set %s, or --host 127.0.0.1)", host, bound, API_KEY_ENV)
             print(f"hf_vla.serve: listening on ws://{host}:{bound}", flush=True)
             if ready is not None:
                 ready(bound)
             server.serve_forever()
 
+    def shutdown(self) -> None:
+        """Stop a `serve` running on another thread (it returns once the listening socket is closed)."""
+        if getattr(self, "_server", None) is not None:
+            self._server.shutdown()
 
-def _optional_int(value):
+
+def _peer(connection) -> str | None:
+    """`host:port` of the client, or None when it has already disconnected (the socket has no peer any more)."""
+    try:
+        host, port = connection.remote_address[:2]
+    except OSError:
+        return None
+    return f"{host}:{port}"
+
+
+def _optional_int(value, key: str):
     if value is None:
         return None
-    try:
-        return int(np.asarray(value).item())
-    except (TypeError, ValueError) as error:
-        raise RequestError(f"expected an integer, got {value!r}") from error
+    array = np.asarray(value) if not isinstance(value, str | bytes) else None
+    if array is None or array.size != 1 or array.dtype.kind not in "iu":
+        raise RequestError(f"{key}: expected an integer, got {value!r}"[:200])
+    return int(array.item())
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m hf_vla.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="model + processor directory or Hub id")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="0.0.0.0", help="interface to bind (default all, as openpi's server; "
+                        "127.0.0.1 for this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
     parser.add_argument("--head", default=None, help="normalization head robot_type::control_mode (default: the "
                         "processor's only one; a request may name another under `head`)")
@@ -186,6 +321,17 @@ def main(argv=None):
                         "observation/state, observation.state, state)")
     parser.add_argument("--prompt_key", default=None, help="key of the task string (default: prompt)")
     parser.add_argument("--num_camera_slots", type=int, default=None, help="pad with masked cameras up to this many")
+    limits = parser.add_argument_group("limits and access")
+    limits.add_argument("--max_message_mb", type=float, default=None, help="largest request read, in MiB (default: "
+                        "every camera at 1920x1080 float32 + 1, e.g. 77 for 3 cameras)")
+    limits.add_argument("--max_image_side", type=int, default=InputLimits.max_image_side,
+                        help="largest image side accepted, in pixels")
+    limits.add_argument("--max_state_range", type=float, default=InputLimits.max_state_range,
+                        help="refuse a state value this many q01..q99 widths outside the training range")
+    limits.add_argument("--max_batch", type=int, default=8, help="most requests of clients waiting at once that run "
+                        "in one forward (1: one request at a time)")
+    limits.add_argument("--api_key", default=None, help=f"require this key at the handshake (prefer the {API_KEY_ENV} "
+                        "environment variable: a flag is visible in the process list)")
     add_rtc_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0, help="noise seed of every connection")
@@ -196,9 +342,13 @@ def main(argv=None):
     for field_name, value in (("cameras", args.cameras), ("state", args.state), ("prompt", args.prompt_key)):
         if value:
             setattr(obs_map, field_name, value)
+    for name in ("max_message_mb", "max_image_side", "max_state_range", "num_camera_slots", "max_batch"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"--{name}: must be positive, got {value}")
     runner = load_policy(args.checkpoint, device=args.device, obs_map=obs_map, seed=args.seed,
-                         rtc=rtc_config_from_args(args),
-                         num_camera_slots=args.num_camera_slots)
+                         rtc=rtc_config_from_args(args), num_camera_slots=args.num_camera_slots,
+                         limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
     heads = runner.processor.head_names
     if args.head is not None or len(heads) == 1:
         try:  # an unknown head fails here, before listening
@@ -207,7 +357,8 @@ def main(argv=None):
             parser.error(f"--head: {error}")
     else:
         logger.warning("several heads %s and no --head: every request must name its `head`", heads)
-    server = PolicyServer(runner, metadata={"checkpoint": str(args.checkpoint)})
+    server = PolicyServer(runner, metadata={"checkpoint": str(args.checkpoint)}, max_message_mb=args.max_message_mb,
+                          api_key=args.api_key or os.environ.get(API_KEY_ENV), max_batch=args.max_batch)
     logger.info("metadata %s", json.dumps(server.metadata))
     try:
         server.serve(args.host, args.port)
@@ -219,4 +370,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["PolicyServer", "packb", "unpackb", "main"]
+__all__ = ["Batcher", "PolicyServer", "default_max_message_mb", "packb", "unpackb", "main"]

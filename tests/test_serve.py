@@ -7,6 +7,7 @@ product, in-process `sample_actions` + un-normalisation against the server's rep
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -364,3 +365,239 @@ def test_server_seed_is_per_connection(server):
     np.testing.assert_array_equal(chunks[0], chunks[1])
 
 
+
+
+# ---- garbage in, no action out (issue: serving under load and bad input) ------------------------------------------
+def _garbage(observation: dict) -> list[tuple[dict, str]]:
+    """(request, message text) pairs a policy must refuse: each would otherwise yield a normal-looking action chunk."""
+    image = observation["observation.image"]
+    float_image = image.astype(np.float32) / 255
+    return [
+        (observation | {"observation.state": np.array([np.nan, 0.0], np.float32)},
+         "state 'observation.state': value(s) at index [0] are NaN or inf"),
+        (observation | {"observation.state": np.array([0.0, np.inf], np.float32)}, "at index [1] are NaN or inf"),
+        (observation | {"observation.state": np.array([0.0, 1e39])}, "at index [1] are NaN or inf"),  # float32 overflow
+        (observation | {"observation.state": np.array([0.0, 3e4], np.float32)}, "lies 1.5e+04 widths outside head"),
+        (observation | {"observation.state": np.array(["a", "b"])}, "state 'observation.state': expected numbers"),
+        (observation | {"observation.image": np.where(float_image > 0.5, np.inf, float_image)},
+         "pixel value(s) are NaN or inf"),
+        (observation | {"observation.image": float_image * 255}, "float pixels must lie in [0, 1], got "),
+        (observation | {"observation.image": image.astype(np.int64)}, "expected uint8 (0..255) or float"),
+        (observation | {"observation.image": np.zeros((0, 32, 3), np.uint8)}, "image of 0x32 pixels"),
+        (observation | {"prompt": 7}, "task string under 'prompt' (got int)"),
+        (observation | {"prompt": "x" * 2001}, "task string of 2001 characters; at most 2000"),
+    ]
+
+
+def test_runner_refuses_garbage(demo_policy):
+    """PolicyRunner (in-process) refuses each bad observation before the model runs; the next good one is served."""
+    from hf_vla.policy import InputLimits
+
+    model, processor = demo_policy
+    runner = PolicyRunner(model, processor, limits=InputLimits(max_image_side=64))
+    observation, task = next(observations(1, seed=70))
+    good = {**observation, "prompt": task}
+    expected = runner(good)
+    calls = []
+    original = model.sample_actions
+    model.sample_actions = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        for request, message in _garbage(good) + [
+            (good | {"observation.image": np.zeros((65, 32, 3), np.uint8)}, "each side must be 1...64"),
+        ]:
+            with pytest.raises(RequestError, match=re.escape(message)):
+                runner(request)
+        with pytest.raises(RequestError, match="prev_chunk_left_over: holds NaN or inf"):
+            runner(good, inference_delay=1, prev_chunk_left_over=np.full((4, 2), np.nan, np.float32))
+        with pytest.raises(RequestError, match="states: NaN or inf in the batch"):
+            runner.predict(torch.zeros(1, 1, 3, 32, 32, dtype=torch.uint8), np.array([[np.nan, 0.0]]), [task],
+                           torch.ones(1, 1, dtype=torch.bool))
+        assert calls == []  # the model never ran on any of them
+    finally:
+        del model.sample_actions
+    assert runner(good).shape == expected.shape
+
+
+@pytest.fixture(scope="module")
+def guarded_server(checkpoint):
+    """A server with an API key, a 1 MiB message bound, 256 px images at most and its camera named."""
+    running = Server("--checkpoint", str(checkpoint), "--api_key", "s3cret", "--max_message_mb", "1",
+                     "--max_image_side", "256", "--cameras", "observation.image")
+    yield running
+    running.stop()
+
+
+def test_server_refuses_garbage_and_stays_up(guarded_server):
+    """Through the real openpi-client: every garbage request gets its error (never a traceback), no actions, and the
+    same connection then serves a good request."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    observation, task = next(observations(1, seed=80))
+    good = {**observation, "prompt": task}
+    client = WebsocketClientPolicy(guarded_server.uri, api_key="s3cret")
+    assert client.get_server_metadata()["limits"]["max_message_mb"] == 1
+    cases = _garbage(good) + [
+        ({k: v for k, v in good.items() if k != "observation.image"}, "missing camera(s) ['observation.image']"),
+        (good | {"observation.image": np.zeros((300, 32, 3), np.uint8)}, "image of 300x32 pixels; each side must be"),
+        (good | {"rtc/inference_delay": "2"}, "rtc/inference_delay: expected an integer"),
+        (good | {"head": ["a"]}, "head: expected a string"),
+    ]
+    for request, message in cases:
+        with pytest.raises(RuntimeError, match=re.escape(message)) as caught:
+            client.infer(request)
+        assert "Traceback" not in str(caught.value) and "bad request (request " in str(caught.value)
+        assert client.infer(good)["actions"].shape == (8, 2)
+
+
+def test_server_limits_and_api_key(guarded_server):
+    """An oversized message closes its connection unread (1009) and the server goes on; a missing or wrong key is
+    refused at the handshake (401) and logged; `Bearer` is accepted too; clients that vanish are not errors."""
+    import socket
+
+    import websockets.sync.client
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+    observation, task = next(observations(1, seed=81))
+    good = {**observation, "prompt": task}
+    client = WebsocketClientPolicy(guarded_server.uri, api_key="s3cret")
+    with pytest.raises(ConnectionClosed) as closed:
+        client.infer(good | {"observation.image": np.zeros((700, 700, 3), np.uint8)})  # 1.4 MiB > 1 MiB
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+    for key in (None, "wrong"):
+        with pytest.raises(InvalidStatus) as refused:
+            WebsocketClientPolicy(guarded_server.uri, api_key=key)
+        assert refused.value.response.status_code == 401
+    with websockets.sync.client.connect(guarded_server.uri, max_size=None,
+                                        additional_headers={"Authorization": "Bearer s3cret"}) as bearer:
+        assert unpackb_reply(bearer.recv())["policy"] == "pi05"
+    host, port = guarded_server.uri.removeprefix("ws://").rsplit(":", 1)
+    for _ in range(3):  # a client that connects and leaves at once
+        socket.create_connection((host, int(port))).close()
+    again = WebsocketClientPolicy(guarded_server.uri, api_key="s3cret")
+    assert again.infer(good)["actions"].shape == (8, 2)
+    time.sleep(0.5)
+    log = guarded_server.stop()
+    assert "refused a connection from 127.0.0.1" in log and "wrong API key" in log and "no API key" in log
+    assert "exceeds limit" in log and "--max_message_mb 1" in log
+    assert " ERROR " not in log and "Traceback" not in log, log
+
+
+def unpackb_reply(message):
+    from hf_vla.serve import unpackb
+
+    return unpackb(message)
+
+
+class ThreadServer:
+    """A `PolicyServer` on a thread of this process (so a test can break its model or watch its batches)."""
+
+    def __init__(self, server):
+        import threading
+
+        self.server, started = server, threading.Event()
+        self.thread = threading.Thread(target=server.serve, args=("127.0.0.1", 0),
+                                       kwargs={"ready": lambda port: (setattr(self, "port", port), started.set())},
+                                       daemon=True)
+        self.thread.start()
+        assert started.wait(30)
+        self.uri = f"ws://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.shutdown()
+        self.thread.join(timeout=10)
+
+
+def test_internal_error_reply_names_a_request_id_not_a_traceback(demo_policy, caplog):
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from hf_vla.serve import PolicyServer
+
+    model, processor = demo_policy
+
+    class Broken(torch.nn.Module):
+        config = model.config
+
+        def sample_actions(self, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access at /secret/path/kernel.cu")
+
+    runner = PolicyRunner(model, processor)
+    runner.model = Broken()
+    served = ThreadServer(PolicyServer(runner))
+    try:
+        client = WebsocketClientPolicy(served.uri)
+        observation, task = next(observations(1))
+        with caplog.at_level("ERROR", logger="hf_vla.serve"), pytest.raises(RuntimeError) as caught:
+            client.infer({**observation, "prompt": task})
+        reply = str(caught.value)
+        assert "inference failed (request " in reply and "/secret/path" not in reply and "Traceback" not in reply
+        request_id = reply.split("(request ")[1].split(")")[0]
+        logged = [r for r in caplog.records if request_id in r.getMessage()]
+        assert logged and "/secret/path" in logged[0].exc_text  # the traceback is in the log, under that id
+    finally:
+        served.stop()
+
+
+def test_batcher_runs_waiting_requests_in_one_forward(demo_policy):
+    """Requests that wait while a forward runs share the next one; each row equals its own batch-1 sample (1e-5)."""
+    import threading
+
+    from hf_vla.serve import Batcher
+
+    model, processor = demo_policy
+    runners = [PolicyRunner(model, processor, seed=i) for i in range(4)]
+    requests = [runner.prepare({**o, "prompt": t}) for runner, (o, t) in zip(runners, observations(4, seed=90))]
+    alone = [sample_batch_one(model, request) for request in requests]
+    gate, entered = threading.Event(), threading.Event()
+    original = model.sample_actions
+
+    def gated(*args, **kwargs):
+        entered.set()
+        assert gate.wait(30)
+        return original(*args, **kwargs)
+
+    model.sample_actions = gated
+    try:
+        batcher = Batcher(model, "cpu", max_batch=8)
+        results = [None] * 4
+
+        def submit(i):
+            results[i] = batcher.submit(requests[i])
+
+        threads = [threading.Thread(target=submit, args=(0,))]
+        threads[0].start()
+        assert entered.wait(30)  # request 0 is in the model; 1-3 queue behind it
+        threads += [threading.Thread(target=submit, args=(i,)) for i in (1, 2, 3)]
+        for thread in threads[1:]:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while batcher.queue.qsize() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        del model.sample_actions
+    assert batcher.batch_sizes == [1, 3]
+    for got, expected in zip(results, alone):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def sample_batch_one(model, request):
+    from hf_vla.policy import sample_batch
+
+    return sample_batch(model, [request], "cpu")[0]
+
+
+def test_serve_load_benchmark_small():
+    """benchmarks/serve_load.py at CI size: every request of 4 concurrent clients answered with a finite chunk, RSS
+    grows less than 30 MB over 200 connect/disconnect cycles, and the server log has no ERROR line."""
+    result = subprocess.run([sys.executable, "benchmarks/serve_load.py", "--clients", "1", "4", "--requests", "8",
+                             "--cycles", "200", "--batching_repeats", "0"], capture_output=True, text=True, cwd=REPO,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    for run in report["load"]:
+        assert run["answered"] == run["requests"] and run["failures"] == 0, run
+    assert report["churn"]["requests_answered"] == 40 and report["churn"]["rss_growth_mb"] < 30, report["churn"]
+    assert report["server_log_errors"] == [], report["server_log_errors"]
