@@ -323,7 +323,7 @@ def main(argv=None):
     parser.add_argument("--num_camera_slots", type=int, default=None, help="pad with masked cameras up to this many")
     limits = parser.add_argument_group("limits and access")
     limits.add_argument("--max_message_mb", type=float, default=None, help="largest request read, in MiB (default: "
-                        "every camera at 1920x1080 float32 + 1, e.g. 77 for 3 cameras)")
+                        "every camera at 1920x1080 float32 + 1, e.g. 73 for 3 cameras)")
     limits.add_argument("--max_image_side", type=int, default=InputLimits.max_image_side,
                         help="largest image side accepted, in pixels")
     limits.add_argument("--max_state_range", type=float, default=InputLimits.max_state_range,
