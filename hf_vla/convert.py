@@ -1,6 +1,7 @@
 """Convert lerobot (and openpi-converted) pi0 / pi0.5 checkpoints to hf_vla pi0.5 / transformers pi0.
 
     python -m hf_vla.convert --input lerobot_pi05_dir --output hf_pi05_dir [--tokenizer google/paligemma-3b-pt-224]
+        [--overwrite]
 
 reads `config.json` + `model.safetensors` (+ lerobot's normalizer state, when present) and writes a directory that
 `AutoModel.from_pretrained` / `AutoProcessor.from_pretrained` load: weights, config, processor with normalization stats.
@@ -8,15 +9,20 @@ reads `config.json` + `model.safetensors` (+ lerobot's normalizer state, when pr
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
+import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from .cli import ArgumentParser, run
+from .errors import ConfigError, DataError, MissingFileError
+from .validation import check_writable_dir
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +59,7 @@ def _rules_for(config):
         return _PI05_RULES, "model.vlm.language_model.embed_tokens.weight"
     if model_type == "pi0":
         return _PI0_RULES, "model.vlm.language_model.embed_tokens.weight"
-    raise ValueError(f"convert_lerobot_state_dict: config.model_type must be 'pi0' or 'pi05', got {model_type!r}")
+    raise DataError(f"convert_lerobot_state_dict: config.model_type must be 'pi0' or 'pi05', got {model_type!r}")
 
 
 def convert_lerobot_state_dict(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
@@ -82,16 +88,16 @@ def convert_lerobot_state_dict(state_dict: dict[str, torch.Tensor], config) -> d
             unknown.append(key)
             continue
         if config.model_type == "pi05" and re.match(r"^model\.expert\.(layers\.\d+\.(input|post_attention)_layernorm|norm)\.weight$", new_name):
-            raise ValueError(
+            raise DataError(
                 f"{key}: a plain RMSNorm weight in the action expert; pi0.5's expert norms are adaRMS (`.dense`). "
                 "Is this a pi0 checkpoint? Convert it with a PI0Config."
             )
         converted[new_name] = value
     if unknown:
-        raise ValueError(f"convert_lerobot_state_dict: {len(unknown)} keys have no mapping, e.g. {unknown[:5]}")
+        raise DataError(f"convert_lerobot_state_dict: {len(unknown)} keys have no mapping, e.g. {unknown[:5]}")
     if embed_key not in converted:
         if lm_head is None:
-            raise ValueError("checkpoint has neither the VLM's embed_tokens nor the tied lm_head")
+            raise DataError("checkpoint has neither the VLM's embed_tokens nor the tied lm_head")
         converted[embed_key] = lm_head
     if config.model_type == "pi0" and "model.dit.embed_tokens.weight" not in converted:
         # transformers' pi0 keeps an (unused) token embedding in the expert; lerobot drops it.
@@ -121,7 +127,7 @@ def config_from_lerobot(lerobot_config: dict):
 
     policy_type = lerobot_config.get("type")
     if policy_type not in ("pi0", "pi05"):
-        raise ValueError(f"config.json: lerobot policy type {policy_type!r} is not 'pi0' or 'pi05'")
+        raise DataError(f"config.json: lerobot policy type {policy_type!r} is not 'pi0' or 'pi05'")
     image_size = (lerobot_config.get("image_resolution") or [224, 224])[0]
     text = dict(_GEMMA_VARIANTS[lerobot_config.get("paligemma_variant", "gemma_2b")])
     expert = dict(_GEMMA_VARIANTS[lerobot_config.get("action_expert_variant", "gemma_300m")])
@@ -165,64 +171,124 @@ def read_lerobot_norm_stats(checkpoint_dir: Path) -> dict | None:
     return stats or None
 
 
+def _check_paths(input_dir: Path, output_dir: Path, overwrite: bool):
+    """The output never overlaps the input (a conversion must not be able to destroy its source), and an existing
+    output is replaced only when asked."""
+    source, target = input_dir.resolve(), output_dir.resolve()
+    if target == source or source in target.parents:
+        raise ConfigError(f"--output {str(output_dir)!r} is {'the input' if target == source else 'inside the input'} "
+                          f"{str(input_dir)!r}: write the converted checkpoint to a new directory")
+    if target in source.parents:
+        raise ConfigError(f"--output {str(output_dir)!r} contains the input {str(input_dir)!r}: replacing it would "
+                          "delete the source; write to a new directory")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"--output {str(output_dir)!r} is a file")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise ConfigError(f"--output {str(output_dir)!r} exists and is not empty: choose a new directory, or pass "
+                          "--overwrite to replace it")
+    check_writable_dir("--output", output_dir.parent if not output_dir.exists() else output_dir)
+
+
 def convert_checkpoint(
-    input_dir: str | Path, output_dir: str | Path, tokenizer: str = "google/paligemma-3b-pt-224", head: str = "default"
+    input_dir: str | Path, output_dir: str | Path, tokenizer: str = "google/paligemma-3b-pt-224", head: str = "default",
+    overwrite: bool = False,
 ) -> Path:
-    """Convert a lerobot checkpoint directory and write model + processor to `output_dir`."""
+    """Convert a lerobot checkpoint directory and write model + processor to `output_dir`.
+
+    Everything (config, weights, tokenizer, normalisation stats) is read and converted before anything is written;
+    the result is written into a temporary directory beside `output_dir` and renamed into place at the end, so a
+    failure leaves no output and never touches the input. `output_dir` must not be, contain or lie inside the input,
+    and an existing non-empty one is replaced only with `overwrite`.
+    """
     from transformers import AutoTokenizer
 
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     config_file, weights_file = input_dir / "config.json", input_dir / "model.safetensors"
     for path in (config_file, weights_file):
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; a lerobot checkpoint directory holds config.json and model.safetensors")
-    config = config_from_lerobot(json.loads(config_file.read_text()))
+            raise MissingFileError(f"{path}: missing; a lerobot checkpoint directory holds config.json and "
+                                   "model.safetensors")
+    _check_paths(input_dir, output_dir, overwrite)
+    try:
+        config = config_from_lerobot(json.loads(config_file.read_text()))
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{config_file}: not valid JSON ({error})") from error
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    except (OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"--tokenizer {tokenizer!r} could not be loaded: {first}") from error
+    stats = read_lerobot_norm_stats(input_dir)
     state_dict = convert_lerobot_state_dict(load_file(str(weights_file)), config)
     if config.model_type == "pi05":
         from .models.pi05 import PI05ForConditionalGeneration as model_class
-    else:
-        from transformers import PI0ForConditionalGeneration as model_class
-    # Let transformers build the model from config + tensors (buffers, tying, dtype), then save it properly.
-    with tempfile.TemporaryDirectory() as staging:
-        config.save_pretrained(staging)
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, f"{staging}/model.safetensors", metadata={"format": "pt"})
-        model, info = model_class.from_pretrained(staging, output_loading_info=True)
-    missing = [k for k in info["missing_keys"] if "sinusoid_freq" not in k]
-    if missing or info["unexpected_keys"]:
-        raise ValueError(f"{weights_file}: converted weights do not fit {model_class.__name__}: "
-                         f"missing {missing[:5]}, unexpected {sorted(info['unexpected_keys'])[:5]}")
-    model.save_pretrained(output_dir)
-
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    stats = read_lerobot_norm_stats(input_dir)
-    if config.model_type == "pi05":
         from .models.pi05 import PI05Processor
 
-        norm_stats = {head: stats} if stats else {}
-        PI05Processor.from_config(config, tok, norm_stats=norm_stats).save_pretrained(output_dir)
+        processor = PI05Processor.from_config(config, tok, norm_stats={head: stats} if stats else {})
     else:
+        from transformers import PI0ForConditionalGeneration as model_class
         from transformers import PI0ImageProcessor, PI0Processor
 
         kwargs = {}
         if stats:
             kwargs = {"state_mean": stats["state"]["mean"], "state_std": stats["state"]["std"],
                       "actions_mean": stats["actions"]["mean"], "actions_std": stats["actions"]["std"]}
-        PI0Processor(image_processor=PI0ImageProcessor(), tokenizer=tok, max_state_dim=config.max_state_dim,
-                     chunk_size=config.chunk_size, **kwargs).save_pretrained(output_dir)
+        processor = PI0Processor(image_processor=PI0ImageProcessor(), tokenizer=tok, max_state_dim=config.max_state_dim,
+                                 chunk_size=config.chunk_size, **kwargs)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.converting-", dir=output_dir.parent))
+    try:
+        # Let transformers build the model from config + tensors (buffers, tying, dtype), then save it properly.
+        raw = staging / "raw"
+        config.save_pretrained(raw)
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(raw / "model.safetensors"),
+                  metadata={"format": "pt"})
+        del state_dict
+        model, info = model_class.from_pretrained(raw, output_loading_info=True)
+        missing = [k for k in info["missing_keys"] if "sinusoid_freq" not in k]
+        if missing or info["unexpected_keys"]:
+            raise DataError(f"{weights_file}: converted weights do not fit {model_class.__name__}: "
+                            f"missing {missing[:5]}, unexpected {sorted(info['unexpected_keys'])[:5]}")
+        result = staging / "result"
+        model.save_pretrained(result)
+        processor.save_pretrained(result)
+        if output_dir.exists():  # --overwrite: the old output goes only once the new one is complete
+            old = staging / "previous"
+            os.replace(output_dir, old)
+        os.replace(result, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     logger.info("wrote %s (%s)", output_dir, config.model_type)
     return output_dir
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m hf_vla.convert", description=__doc__.split("\n")[0])
+    """The command; raises `hf_vla.errors.VLAError` for bad arguments (`cli` prints them as one line)."""
+    parser = ArgumentParser(prog="python -m hf_vla.convert", description=__doc__.split("\n")[0])
     parser.add_argument("--input", required=True, help="lerobot checkpoint directory (config.json + model.safetensors)")
-    parser.add_argument("--output", required=True, help="directory to write")
+    parser.add_argument("--output", required=True, help="directory to write (new, or replaced with --overwrite); never "
+                        "the input or a directory inside or around it")
     parser.add_argument("--tokenizer", default="google/paligemma-3b-pt-224", help="tokenizer id or local path")
     parser.add_argument("--head", default="default", help="normalization head name for the checkpoint's stats")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (after the new one "
+                        "is complete)")
     args = parser.parse_args(argv)
+    source = Path(args.input)
+    if not source.is_dir():
+        raise ConfigError(f"--input {args.input!r}: {'is a file, not' if source.exists() else 'no such'} directory")
+    missing = [name for name in ("config.json", "model.safetensors") if not (source / name).is_file()]
+    if missing:
+        raise ConfigError(f"--input {args.input!r}: not a lerobot checkpoint directory (no {' or '.join(missing)})")
+    if not args.head.strip():
+        raise ConfigError("--head: must not be empty")
     logging.basicConfig(level=logging.INFO)
-    convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer, head=args.head)
+    return convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer, head=args.head,
+                              overwrite=args.overwrite)
+
+
+def cli(argv=None):
+    return run("hf_vla.convert", main, argv)
 
 
 if __name__ == "__main__":
-    main()
+    cli()

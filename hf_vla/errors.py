@@ -38,6 +38,10 @@ class CheckpointError(VLAError, ValueError):
     """A checkpoint cannot be written, or cannot be resumed into this run."""
 
 
+class ConnectionFailedError(VLAError, ConnectionError):
+    """A policy server cannot be reached, or refused the connection."""
+
+
 class NonFiniteError(VLAError, FloatingPointError):
     """A loss, gradient or weight became NaN/inf during training."""
 
@@ -45,6 +49,7 @@ class NonFiniteError(VLAError, FloatingPointError):
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "ConnectionFailedError",
     "DataError",
     "MissingFileError",
     "FeatureKeyError",

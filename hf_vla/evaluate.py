@@ -12,7 +12,6 @@ smoothness at chunk switches with a progress bar, and saves the first few rollou
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -24,8 +23,10 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from .cli import ArgumentParser, model_source, output_dir, positive, run, websocket_uri
+from .errors import ConfigError, ConnectionFailedError
 from .models.pi05.rtc import RTCConfig
-from .policy import ObservationMap, add_rtc_arguments, load_policy, rtc_config_from_args
+from .policy import ObservationMap, RequestError, add_rtc_arguments, load_policy, rtc_config_from_args
 
 logger = logging.getLogger("hf_vla.evaluate")
 
@@ -60,8 +61,16 @@ class RemotePolicy:
         import os
 
         from openpi_client.websocket_client_policy import WebsocketClientPolicy
+        from websockets.exceptions import InvalidStatus, InvalidURI
 
-        self.client = WebsocketClientPolicy(uri, api_key=api_key or os.environ.get("HF_VLA_API_KEY"))
+        try:
+            self.client = WebsocketClientPolicy(uri, api_key=api_key or os.environ.get("HF_VLA_API_KEY"))
+        except InvalidStatus as error:
+            status = error.response.status_code
+            hint = ": set HF_VLA_API_KEY to the server's key" if status == 401 else ""
+            raise ConnectionFailedError(f"policy server {uri} refused the connection (HTTP {status}){hint}") from error
+        except (OSError, InvalidURI, TimeoutError) as error:
+            raise ConnectionFailedError(f"cannot connect to the policy server {uri}: {error}") from error
         self.metadata = self.client.get_server_metadata()
         self.last_rtc_method: str | None = None
 
@@ -99,8 +108,15 @@ def run_episodes(env: gym.Env, policy, episodes: int, n_action_steps: int, seed:
     the new chunk at its index d (so every chunk drives H actions, from an observation d steps old). With `rtc` the
     request asks the policy to continue the current chunk (real-time chunking); without, chunks are independent.
     """
+    if episodes < 1:
+        raise ConfigError(f"episodes={episodes}: must be positive")
+    if not 1 <= n_action_steps <= (chunk_size or n_action_steps):
+        raise ConfigError(f"n_action_steps={n_action_steps}: must be 1..{chunk_size or 'the chunk size'} (actions "
+                          f"executed from each chunk)")
+    if inference_delay < 0:
+        raise ConfigError(f"inference_delay={inference_delay}: must be >= 0")
     if inference_delay and chunk_size is not None and n_action_steps + inference_delay > chunk_size:
-        raise ValueError(f"n_action_steps ({n_action_steps}) + inference_delay ({inference_delay}) exceeds the chunk "
+        raise ConfigError(f"n_action_steps ({n_action_steps}) + inference_delay ({inference_delay}) exceeds the chunk "
                          f"size ({chunk_size}): the robot would run out of actions while waiting")
     successes, steps_taken, videos, metrics, methods = 0, [], [], [], set()
     bar = tqdm(range(episodes), desc="closed-loop episodes", unit="ep", disable=not progress)
@@ -167,15 +183,24 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
     import hf_vla.envs  # noqa: F401  (registers the demo env)
 
     if (checkpoint is None) == (server is None):
-        raise ValueError("pass exactly one of checkpoint (in-process) and server (ws://HOST:PORT)")
+        raise ConfigError("pass exactly one of checkpoint (in-process) and server (ws://HOST:PORT)")
+    if episodes < 1:
+        raise ConfigError(f"episodes={episodes}: must be positive")
     if server is not None:
-        policy = RemotePolicy(server)
+        policy = RemotePolicy(websocket_uri("server", server))
         chunk_size = int(policy.metadata.get("chunk_size", 0)) or None
     else:
         policy = load_policy(checkpoint, device=device, head=head, seed=seed, rtc=rtc_config or RTCConfig(),
                              obs_map=ObservationMap(cameras=cameras or None))
         chunk_size = policy.model.config.chunk_size
-    env = gym.make(env_id, **(env_kwargs or {}))
+        try:
+            policy.head_name()
+        except RequestError as error:
+            raise ConfigError(f"head: {error}") from error
+    try:
+        env = gym.make(env_id, **(env_kwargs or {}))
+    except gym.error.Error as error:
+        raise ConfigError(f"env {env_id!r}: {error}") from error
     steps = n_action_steps or max(1, (chunk_size or 2) // 2)
     if output_dir is None:
         output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
@@ -188,7 +213,8 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m hf_vla.evaluate", description=__doc__.split("\n")[0])
+    """The command; raises `hf_vla.errors.VLAError` for bad arguments (`cli` prints them as one line)."""
+    parser = ArgumentParser(prog="python -m hf_vla.evaluate", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="model + processor directory (or Hub id), run in-process")
     source.add_argument("--server", help="ws://HOST:PORT of a policy server (python -m hf_vla.serve)")
@@ -206,8 +232,23 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_rtc_arguments(parser, title="real-time chunking settings (in-process; a server uses its own)")
     args = parser.parse_args(argv)
+    # every argument is checked before a model is loaded or an env built
+    positive("--episodes", args.episodes)
+    positive("--n_action_steps", args.n_action_steps)
+    positive("--inference_delay", args.inference_delay, allow_zero=True)
+    positive("--save_videos", args.save_videos, allow_zero=True)
+    checkpoint = model_source("--checkpoint", args.checkpoint) if args.checkpoint else None
+    if args.server:
+        websocket_uri("--server", args.server)
+    output_dir("--output_dir", args.output_dir)
+    import hf_vla.envs  # noqa: F401  (registers the demo env)
+
+    try:
+        gym.spec(args.env)
+    except gym.error.Error as error:
+        raise ConfigError(f"--env {args.env!r}: {error}") from error
     logging.basicConfig(level=logging.INFO)
-    result = evaluate_checkpoint(args.checkpoint, args.env, args.episodes, args.n_action_steps, args.seed, args.head,
+    result = evaluate_checkpoint(checkpoint, args.env, args.episodes, args.n_action_steps, args.seed, args.head,
                                  args.cameras, args.save_videos, args.output_dir, args.device, server=args.server,
                                  inference_delay=args.inference_delay, rtc=args.rtc,
                                  rtc_config=rtc_config_from_args(args))
@@ -215,5 +256,9 @@ def main(argv=None):
     return result
 
 
+def cli(argv=None):
+    return run("hf_vla.evaluate", main, argv)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -324,10 +324,15 @@ def load_policy(checkpoint: str | Path, device: str = "cpu", **kwargs) -> Policy
 
     import hf_vla  # noqa: F401  (registers pi05)
 
+    from .errors import ConfigError
     from .models.pi05 import PI05Processor
 
-    model = AutoModel.from_pretrained(checkpoint)
-    processor = PI05Processor.from_pretrained(checkpoint)
+    try:
+        model = AutoModel.from_pretrained(checkpoint)
+        processor = PI05Processor.from_pretrained(checkpoint)
+    except (OSError, ValueError) as error:  # a missing directory or Hub repo, offline, a config without a model type
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"checkpoint {str(checkpoint)!r} could not be loaded: {first}") from error
     return PolicyRunner(model, processor, device=device, **kwargs)
 
 

@@ -29,7 +29,6 @@ normalisation head per request.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import hmac
@@ -48,6 +47,8 @@ import msgpack
 import numpy as np
 import torch
 
+from .cli import ArgumentParser, model_source, run
+from .errors import ConfigError, ConnectionFailedError
 from .policy import (
     InputLimits,
     ObservationMap,
@@ -307,7 +308,8 @@ def _optional_int(value, key: str):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m hf_vla.serve", description=__doc__.split("\n")[0])
+    """The command; raises `hf_vla.errors.VLAError` for bad arguments (`cli` prints them as one line)."""
+    parser = ArgumentParser(prog="python -m hf_vla.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="model + processor directory or Hub id")
     parser.add_argument("--host", default="0.0.0.0", help="interface to bind (default all, as openpi's server; "
                         "127.0.0.1 for this machine only)")
@@ -336,9 +338,15 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0, help="noise seed of every connection")
     args = parser.parse_args(argv)
+    checkpoint = model_source("--checkpoint", args.checkpoint)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: must be 0..65535")
+    try:
+        obs_map = ObservationMap.from_json(args.obs_map) if args.obs_map else ObservationMap()
+    except ValueError as error:
+        raise ConfigError(f"--obs_map: {error}") from error
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    obs_map = ObservationMap.from_json(args.obs_map) if args.obs_map else ObservationMap()
     for field_name, value in (("cameras", args.cameras), ("state", args.state), ("prompt", args.prompt_key)):
         if value:
             setattr(obs_map, field_name, value)
@@ -346,7 +354,7 @@ def main(argv=None):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name}: must be positive, got {value}")
-    runner = load_policy(args.checkpoint, device=args.device, obs_map=obs_map, seed=args.seed,
+    runner = load_policy(checkpoint, device=args.device, obs_map=obs_map, seed=args.seed,
                          rtc=rtc_config_from_args(args), num_camera_slots=args.num_camera_slots,
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
     heads = runner.processor.head_names
@@ -364,10 +372,16 @@ def main(argv=None):
         server.serve(args.host, args.port)
     except KeyboardInterrupt:
         logger.info("stopped")
+    except OSError as error:  # the port is taken, the host is not an address of this machine
+        raise ConnectionFailedError(f"cannot listen on {args.host}:{args.port}: {error}") from error
+
+
+def cli(argv=None):
+    return run("hf_vla.serve", main, argv)
 
 
 if __name__ == "__main__":
-    main()
+    cli()
 
 
 __all__ = ["Batcher", "PolicyServer", "default_max_message_mb", "packb", "unpackb", "main"]

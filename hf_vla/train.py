@@ -17,6 +17,7 @@ e.g. `accelerate launch --config_file configs/accelerate/zero2.yaml --num_proces
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from .data.sources import DatasetConfig
-from .errors import ConfigError, MissingFileError, VLAError
+from .errors import ConfigError, MissingFileError
 from .lora import PRESETS
 from .trainer import VLATrainingArguments
 from .validation import check_fields, check_model_config, check_writable_dir, field_annotations, is_bool_field
@@ -356,6 +357,14 @@ def main(argv: list[str] | None = None):
     model_args, data_args, training_args = parse_config(argv[0], argv[1:])
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # one run per output_dir: the main process holds its lock until the run ends (hf_vla.run_lock)
+    from .run_lock import RunLock
+
+    with RunLock(training_args.output_dir) if training_args.process_index == 0 else contextlib.nullcontext():
+        return _train(model_args, data_args, training_args)
+
+
+def _train(model_args, data_args, training_args):
     # Cheapest first: tokenizer and config, then the data checks and statistics, the weights last.
     tokenizer = build_tokenizer(model_args.tokenizer)
     config = model_config(model_args)
@@ -415,16 +424,9 @@ def cli(argv: list[str] | None = None):
 
     Set `HF_VLA_TRACEBACK=1` to see the full traceback as well.
     """
-    import os
+    from .cli import run
 
-    try:
-        return main(argv)
-    except VLAError as error:
-        if os.environ.get("HF_VLA_TRACEBACK"):
-            raise
-        message = " ".join(str(error).split())  # one line, whatever the message's own layout
-        print(f"hf_vla.train: error: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(error.exit_code) from None
+    return run("hf_vla.train", main, argv)
 
 
 if __name__ == "__main__":

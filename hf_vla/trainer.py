@@ -597,8 +597,11 @@ class VLATrainer(Trainer):
         try:
             super()._save_checkpoint(model, trial)
             if self.args.should_save:
+                # batches drawn: those before the resumed checkpoint, then this run's steps at this run's GA
+                step, batches = getattr(self, "_stream_origin", (0, 0))
                 state = self.train_dataset.state_dict() | {
-                    "batches_consumed": self.state.global_step * self.args.gradient_accumulation_steps
+                    "batches_consumed": batches + (self.state.global_step - step) * self.args.gradient_accumulation_steps,
+                    "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                 }
                 checkpoints.write_json_atomic(os.path.join(folder, STREAM_STATE), state)
             self.accelerator.wait_for_everyone()
@@ -669,7 +672,17 @@ class VLATrainer(Trainer):
             checkpoints.check_compatible(folder, self._run_info | {"master_weights": self._wants_master_weights()},
                                          config)
             with open(folder / STREAM_STATE) as handle:
-                self.train_dataset.load_state_dict(json.load(handle))
+                stream_state = json.load(handle)
+            self.train_dataset.load_state_dict(stream_state)
+            with open(folder / "trainer_state.json") as handle:
+                step = int(json.load(handle)["global_step"])
+            self._stream_origin = (step, int(stream_state["batches_consumed"]))
+            before = stream_state.get("gradient_accumulation_steps")
+            if before is not None and before != self.args.gradient_accumulation_steps:
+                logger.warning("resuming at step %d with gradient_accumulation_steps %d (the checkpoint used %d): the "
+                               "stream continues after batch %d, and each step from here draws %d batches", step,
+                               self.args.gradient_accumulation_steps, before, self._stream_origin[1],
+                               self.args.gradient_accumulation_steps)
             resume_from_checkpoint = str(folder)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 

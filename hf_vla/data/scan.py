@@ -5,7 +5,9 @@ container of every video file, and checks:
 
 - each data file holds exactly its episodes' rows, in order, with frame indices 0..length-1 (what meta/episodes says;
   per-episode reads rely on it);
-- every used state/action value is finite (a NaN/inf is reported with dataset, file, episode, frame, column, dim);
+- every used state/action value is finite (a NaN/inf is reported with dataset, file, episode, frame, column, dim) and
+  lies within `outlier_widths` q01..q99 widths of that range (bit rot in a page body decodes to values like 1e38);
+- the pages' CRC checksums, where the writer stored them (pyarrow's `write_page_checksum`), verify;
 - every used task index is in meta/tasks.parquet;
 - every video reaches the end of the last episode that uses it (container duration, and the tail is demuxed, which
   finds truncated files without decoding).
@@ -40,7 +42,7 @@ from ..errors import DataError
 from .sources import LeRobotSource, vector_column
 
 logger = logging.getLogger("hf_vla.data")
-SCAN_VERSION = 2
+SCAN_VERSION = 3
 MAX_STATS_FRAMES = 2_000_000
 
 
@@ -126,6 +128,7 @@ def fingerprint(source: LeRobotSource, max_frames: int, seed: int) -> str:
         "version": SCAN_VERSION, "state_key": config.state_key, "action_key": config.action_key,
         "cameras": [c for c in config.cameras if c], "max_frames": max_frames, "seed": seed,
         "check_tasks": config.task is None and config.shuffle_tasks_seed is None,
+        "outlier_widths": getattr(config, "outlier_widths", None),
     }, sort_keys=True).encode())
     digest.update(np.ascontiguousarray(source.ranges).tobytes())
     root = source.root
@@ -173,7 +176,7 @@ def _read_file(source: LeRobotSource, path: Path) -> pa.Table:
         missing = [c for c in columns if c not in present]
         if missing:
             raise DataError(f"dataset {source.name!r}: {path} lacks the column(s) {missing}")
-        return pq.read_table(path, columns=columns)
+        return pq.read_table(path, columns=columns, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as error:
         raise DataError(f"dataset {source.name!r}: {path} is not a readable parquet file ({error})") from error
 
@@ -211,6 +214,41 @@ def _check_finite(source: LeRobotSource, path: Path, name: str, values: np.ndarr
         f"{episodes[rows[0]]}, frame {frames[rows[0]]}, dim {dims[0]} ({values[rows[0], dims[0]]}); "
         f"episodes affected: {sorted(set(episodes[rows].tolist()))[:10]}"
     )
+
+
+class _Extremes:
+    """Per column and dim, the smallest and largest used value and where it is (file, episode, frame): enough to find
+    values far outside the robust range once the quantiles are known, without keeping the rows."""
+
+    def __init__(self):
+        self.found: dict[str, list] = {}
+
+    def add(self, name: str, path: Path, values: np.ndarray, episodes, frames):
+        if not len(values):
+            return
+        for which, index in (("min", values.argmin(axis=0)), ("max", values.argmax(axis=0))):
+            picked = values[index, np.arange(values.shape[1])]
+            self.found.setdefault(name, []).append((which, picked.astype(np.float64), path, episodes[index],
+                                                    frames[index]))
+
+    def check(self, source: LeRobotSource, name: str, sample: np.ndarray, widths: float | None):
+        if widths is None or not len(sample) or name not in self.found:
+            return
+        # nearest ranks inward ("higher" q01, "lower" q99): an interpolated q99 of a small dataset leans on its
+        # largest value, which may be the very outlier being looked for
+        q01 = np.array([np.quantile(sample[:, d], 0.01, method="higher") for d in range(sample.shape[1])], np.float64)
+        q99 = np.array([np.quantile(sample[:, d], 0.99, method="lower") for d in range(sample.shape[1])], np.float64)
+        scale = np.maximum(q99 - q01, 1e-3 * np.maximum(1.0, np.maximum(np.abs(q01), np.abs(q99))))
+        for which, values, path, episodes, frames in self.found[name]:
+            distance = (q01 - values if which == "min" else values - q99) / scale
+            far = np.flatnonzero(distance > widths)
+            if far.size:
+                d = int(far[np.argmax(distance[far])])
+                raise DataError(
+                    f"dataset {source.name!r}: column {name!r} of {path}, episode {episodes[d]}, frame {frames[d]}, dim "
+                    f"{d}: {values[d]:.6g} lies {distance[d]:.3g} widths outside the column's q01..q99 range "
+                    f"[{q01[d]:.6g}, {q99[d]:.6g}]: a corrupt page (bit rot, a bad copy)? If such values are real, "
+                    f"raise the dataset's outlier_widths (now {widths:g}) or set it to null")
 
 
 def check_videos(source: LeRobotSource) -> int:
@@ -274,6 +312,7 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
     check_tasks = config.task is None and config.shuffle_tasks_seed is None
     known_tasks = np.asarray(sorted(source.tasks), dtype=np.int64)
     states, actions = [], []
+    extremes = _Extremes()
     offset = 0
     used_files = source.data_files()
     writers, offsets, cursor = None, None, 0
@@ -313,6 +352,8 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
         kept_episodes, kept_frames = episodes[keep], frames[keep]
         _check_finite(source, path, config.state_key, state, kept_episodes, kept_frames)
         _check_finite(source, path, config.action_key, action, kept_episodes, kept_frames)
+        extremes.add(config.state_key, path, state, kept_episodes, kept_frames)
+        extremes.add(config.action_key, path, action, kept_episodes, kept_frames)
         if check_tasks:
             tasks = table["task_index"].to_numpy()[keep]
             unknown = ~np.isin(tasks, known_tasks)
@@ -339,10 +380,14 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
     if offset != total:
         raise DataError(f"dataset {source.name!r}: the data files hold {offset} frames in the kept ranges, "
                         f"meta/episodes and keep_ranges say {total}")
+    state_sample, action_sample = np.concatenate(states), np.concatenate(actions)
+    widths = getattr(config, "outlier_widths", None)
+    extremes.check(source, config.state_key, state_sample, widths)
+    extremes.check(source, config.action_key, action_sample, widths)
     check_videos(source)
     # the sample stays in the data's own dtype (float32 for lerobot's features): a float64 copy of 2M x dims x 2 would
     # dominate the start-up's peak memory; quantiles are computed per column in float64
-    return ScanResult(total, np.concatenate(states), np.concatenate(actions))
+    return ScanResult(total, state_sample, action_sample)
 
 
 def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed: int = 0,

@@ -60,6 +60,10 @@ class DatasetConfig:
         2M frames, subsampled with a fixed seed); `"metadata"` uses `meta/stats.json`, whose quantiles lerobot builds
         as a frame-weighted mean of per-episode quantiles (too narrow when episodes cover different ranges). Either
         way the start-up scan checks every state/action value for NaN/inf.
+    outlier_widths: the start-up scan refuses a state/action value farther than this many q01..q99 widths outside
+        that range (per dim; the width is at least 1e-3 of the dim's magnitude, so a constant dim tolerates its own
+        scale): bit rot in a parquet page body decodes to values like 1e38 that pass every format check. `null`
+        turns the check off for data whose rare extremes are real.
     """
 
     repo_id: str | None = None
@@ -77,6 +81,7 @@ class DatasetConfig:
     keep_ranges_key: str = "{episode_index}"
     shuffle_tasks_seed: int | None = None
     quantile_stats: str = "exact"
+    outlier_widths: float | None = 1e4
 
     def __post_init__(self):
         if self.quantile_stats not in ("exact", "metadata"):
@@ -84,6 +89,10 @@ class DatasetConfig:
                               f"got {self.quantile_stats!r}")
         if self.repo_id is None and self.root is None:
             raise ConfigError("DatasetConfig needs repo_id or root")
+        if self.outlier_widths is not None and not (isinstance(self.outlier_widths, int | float)
+                                                    and self.outlier_widths > 0):
+            raise ConfigError(f"dataset {self.name or self.repo_id!r}: outlier_widths must be a positive number or "
+                              f"null, got {self.outlier_widths!r}")
         if self.name is None:
             self.name = self.repo_id or Path(self.root).name
         if not self.weight > 0:

@@ -1,0 +1,80 @@
+"""What every `python -m hf_vla.<command>` shares: one-line errors and exit codes, and argument checks.
+
+A bad argument or input ends a command with one line on stderr, `<command>: error: <what and which>`, and exit 2
+(configuration) or 1 (a data, connection or training fault); `HF_VLA_TRACEBACK=1` re-raises with the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import ConfigError, VLAError
+
+# what huggingface_hub accepts as a repo id: "name" or "namespace/name"
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (`prog: error: ... (see --help)`) and exit 2, like a bad config."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def run(prog: str, main: Callable, argv=None):
+    """`main(argv)`, with a `VLAError` turned into one line on stderr and its exit code."""
+    try:
+        return main(argv)
+    except VLAError as error:
+        if os.environ.get("HF_VLA_TRACEBACK"):
+            raise
+        message = " ".join(str(error).split())  # one line, whatever the message's own layout
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(error.exit_code) from None
+
+
+def positive(flag: str, value, allow_zero: bool = False):
+    """`value` (None passes) is a positive number, or >= 0 with `allow_zero`."""
+    if value is not None and not (value >= 0 if allow_zero else value > 0):
+        raise ConfigError(f"{flag}={value}: must be {'>= 0' if allow_zero else 'positive'}")
+    return value
+
+
+def model_source(flag: str, value: str) -> str:
+    """A local checkpoint directory (it must exist and hold config.json), or a Hub id (resolved when loaded). A path
+    that exists nowhere and cannot be a Hub id is refused here, by name."""
+    path = Path(value).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{flag} {value!r}: is a file, not a checkpoint directory")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{flag} {value!r}: not a checkpoint directory (it has no config.json)")
+        return str(path)
+    if value.startswith((".", "/", "~")) or not HUB_ID.match(value):
+        raise ConfigError(f"{flag} {value!r}: no such directory")
+    return value
+
+
+def output_dir(flag: str, value) -> Path | None:
+    """A directory that exists or can be created (nothing is created here)."""
+    if value is None:
+        return None
+    from .validation import check_writable_dir
+
+    check_writable_dir(flag, value)
+    return Path(value)
+
+
+def websocket_uri(flag: str, value: str) -> str:
+    if not re.match(r"^wss?://[^/\s]+", value or ""):
+        raise ConfigError(f"{flag} {value!r}: expected ws://HOST:PORT (or wss://); the policy server speaks websocket")
+    return value
+
+
+__all__ = ["ArgumentParser", "HUB_ID", "model_source", "output_dir", "positive", "run", "websocket_uri"]
