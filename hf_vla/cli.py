@@ -20,10 +20,12 @@ HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line (`prog: error: ... (see --help)`) and exit 2, like a bad config."""
+    """argparse whose usage errors are one line (`hf_vla.<command>: error: ... (see --help)`) and exit 2, like a bad
+    config."""
 
     def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
+        name = self.prog.removeprefix("python -m ")  # the same prefix as `run`'s errors
+        print(f"{name}: error: {message} (see --help)", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
 

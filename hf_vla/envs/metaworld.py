@@ -1,0 +1,202 @@
+"""Meta-World through lerobot's own env wrapper, for recording expert data and closed-loop evaluation.
+
+`MetaWorldEnv(task)` is `lerobot.envs.metaworld.MetaworldEnv` (the camera `corner2` moved and flipped upright,
+`agent_pos` = the first 4 observation floats, lerobot's task descriptions, seeded resets), the observation `lerobot-eval`
+and lerobot's Meta-World datasets use, under LeRobot dataset keys: `observation.image` (the 480 px render resized to
+`image_size`, uint8 HxWx3) and `observation.state` (float32 [4]); `info["task"]` is the task description. Actions are
+clipped to [-1, 1]; an episode ends on success or after `max_episode_steps`. `expert_action()` is the benchmark's own
+scripted policy (`metaworld.policies`) on the current raw observation, clipped like an action.
+
+Rendering is headless (`MUJOCO_GL=egl` unless set: Mesa software rendering, Debian `libegl1` + `libgl1-mesa-dri`;
+`osmesa` with `libosmesa6` works too). `fast_render` (default) turns shadows, reflections and multisampling off before
+the first frame: 7-16 ms instead of 55-140 ms a frame, the same scene with harder edges. Recording and evaluation must
+use the same setting, and do (both go through this class).
+
+A process holds one GL context well; a second one in the same process gave broken frames. `in_worker(...)` therefore
+runs each env in its own process (gymnasium's `AsyncVectorEnv` with one env) and drives it from this one: the recorder
+and the evaluator use it, one worker per task.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from ..errors import ConfigError
+
+os.environ.setdefault("MUJOCO_GL", "egl")  # before mujoco is first imported: headless rendering
+if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):
+    os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
+
+CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
+ROBOT_TYPE = "metaworld"
+FPS = 80  # lerobot's Meta-World env and datasets
+DEFAULT_STEPS = 500  # Meta-World's max_path_length
+
+
+def _lerobot_metaworld():
+    try:
+        import lerobot.envs.metaworld as module
+    except ImportError as error:
+        raise ConfigError(f"Meta-World is not installed ({error}); install it with `pip install -e '.[metaworld]'` "
+                          "(metaworld 3.0.0, mujoco 3.3)") from error
+    return module
+
+
+def task_names(spec: str) -> list[str]:
+    """`reach-v3,push-v3`, a difficulty group (`easy`, `medium`, `hard`, `very_hard`) or a mix -> task names.
+    A name may leave out `-v3`."""
+    module = _lerobot_metaworld()
+    names: list[str] = []
+    for part in (p.strip() for p in str(spec).split(",")):
+        if not part:
+            continue
+        if part in module.DIFFICULTY_TO_TASKS:
+            names += module.DIFFICULTY_TO_TASKS[part]
+            continue
+        name = part if part in module.TASK_DESCRIPTIONS else f"{part}-v3"
+        if name not in module.TASK_DESCRIPTIONS:
+            known = sorted(module.TASK_DESCRIPTIONS)
+            raise ConfigError(f"Meta-World task {part!r} is not known; choose from {len(known)} tasks such as "
+                              f"{known[:4]} or a group {sorted(module.DIFFICULTY_TO_TASKS)}")
+        names.append(name)
+    if not names:
+        raise ConfigError(f"no Meta-World task in {spec!r}")
+    return list(dict.fromkeys(names))
+
+
+def task_description(name: str) -> str:
+    return _lerobot_metaworld().TASK_DESCRIPTIONS[name]
+
+
+def _fast_render(env) -> None:
+    model = env.model
+    model.light_castshadow[:] = 0
+    model.mat_reflectance[:] = 0
+    model.vis.quality.offsamples = 0
+
+
+class MetaWorldEnv(gym.Env):
+    """One Meta-World task in lerobot's wrapper, with LeRobot dataset keys and the scripted expert."""
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": FPS}
+
+    def __init__(self, task: str = "reach-v3", image_size: int = 128, max_episode_steps: int = DEFAULT_STEPS,
+                 fast_render: bool = True, render_mode: str = "rgb_array"):
+        module = _lerobot_metaworld()
+        (task,) = task_names(task)
+        fast = fast_render
+
+        class Wrapped(module.MetaworldEnv):  # keeps the raw observation the expert reads
+            def _ensure_env(self):
+                fresh = self._env is None
+                super()._ensure_env()
+                if fresh and fast:
+                    _fast_render(self._env)
+
+            def _format_raw_obs(self, raw_obs):
+                self.raw_obs = raw_obs
+                return super()._format_raw_obs(raw_obs)
+
+        self.inner = Wrapped(task=task, obs_type="pixels_agent_pos")
+        self.task_name, self.task = task, self.inner.task_description
+        self.image_size, self.max_episode_steps, self.render_mode = image_size, max_episode_steps, render_mode
+        self.observation_space = spaces.Dict({
+            CAMERA: spaces.Box(0, 255, (image_size, image_size, 3), np.uint8),
+            STATE: spaces.Box(-np.inf, np.inf, (4,), np.float32),
+        })
+        self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
+        self._image = None
+        self._steps = 0
+
+    def _observation(self, raw: dict) -> dict:
+        from PIL import Image
+
+        image = raw["pixels"]
+        if image.shape[0] != self.image_size:
+            image = np.asarray(Image.fromarray(np.ascontiguousarray(image)).resize(
+                (self.image_size, self.image_size), Image.BILINEAR))
+        self._image = image
+        return {CAMERA: image, STATE: np.asarray(raw["agent_pos"], dtype=np.float32)}
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        try:
+            raw, _ = self.inner.reset(seed=seed)
+        except Exception as error:  # no GL: the message names the library to install
+            if "gl" in f"{type(error).__name__} {error}".lower():
+                raise ConfigError(f"Meta-World cannot render (MUJOCO_GL={os.environ.get('MUJOCO_GL')}: {error}); "
+                                  "install Debian's libegl1 and libgl1-mesa-dri (MUJOCO_GL=egl) or libosmesa6 "
+                                  "(MUJOCO_GL=osmesa)") from error
+            raise
+        self._steps = 0
+        return self._observation(raw), {"task": self.task, "is_success": False}
+
+    def step(self, action):
+        action = np.clip(np.asarray(action, dtype=np.float32).reshape(-1), -1.0, 1.0)
+        if action.shape != (4,):
+            raise ValueError(f"Meta-World takes 4-dim actions (dx, dy, dz, gripper), got {action.shape[0]}")
+        raw, reward, terminated, truncated, info = self.inner.step(action)
+        self._steps += 1
+        success = bool(info.get("is_success", False))
+        truncated = bool(truncated) or self._steps >= self.max_episode_steps
+        return (self._observation(raw), float(reward), bool(terminated) or success, truncated and not success,
+                {"task": self.task, "is_success": success})
+
+    def render(self):
+        return self._image
+
+    def expert_action(self) -> np.ndarray:
+        return np.clip(self.inner.expert_policy.get_action(self.inner.raw_obs), -1.0, 1.0).astype(np.float32)
+
+    def close(self):
+        self.inner.close()
+
+
+class InWorker(gym.Env):
+    """One env in its own process (gymnasium's `AsyncVectorEnv` of one), driven like the env itself: `reset`, `step`,
+    `render`, `expert_action`, `task`."""
+
+    def __init__(self, factory):
+        self.vector = gym.vector.AsyncVectorEnv([factory], context="spawn", shared_memory=False,
+                                                autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+        self.observation_space = self.vector.single_observation_space
+        self.action_space = self.vector.single_action_space
+        self.task = self.vector.get_attr("task")[0]
+        self.metadata = self.vector.metadata
+
+    @staticmethod
+    def _one(batched):
+        if isinstance(batched, dict):
+            return {k: InWorker._one(v) for k, v in batched.items() if not k.startswith("_")}
+        return batched[0]
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        observation, info = self.vector.reset(seed=[seed] if seed is not None else None)
+        return self._one(observation), self._one(info)
+
+    def step(self, action):
+        observation, reward, terminated, truncated, info = self.vector.step(np.asarray(action)[None])
+        return self._one(observation), float(reward[0]), bool(terminated[0]), bool(truncated[0]), self._one(info)
+
+    def render(self):
+        return self.vector.call("render")[0]
+
+    def expert_action(self):
+        return self.vector.call("expert_action")[0]
+
+    def close(self):
+        self.vector.close()
+
+
+def in_worker(task: str, **kwargs) -> InWorker:
+    """A `MetaWorldEnv` in its own process."""
+    return InWorker(functools.partial(MetaWorldEnv, task=task, **kwargs))
+
+
+__all__ = ["ACTION", "CAMERA", "FPS", "InWorker", "MetaWorldEnv", "ROBOT_TYPE", "STATE", "in_worker", "task_description",
+           "task_names"]

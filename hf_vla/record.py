@@ -1,0 +1,222 @@
+"""Record a simulator's scripted expert as a LeRobot v3.0 dataset, written with lerobot's own writer.
+
+    python -m hf_vla.record --env metaworld --task reach-v3,push-v3 --episodes 50 --output data/metaworld
+    python -m hf_vla.record --env metaworld --task easy --episodes 20 --output data/mw_easy --image_size 96
+    python -m hf_vla.record --env color_reach --episodes 200 --output data/color_reach      # the demo's data
+
+Meta-World runs in lerobot's env wrapper (`hf_vla.envs.metaworld`: the observations, camera orientation and task
+descriptions `lerobot-eval` sees), each task in its own worker process; its expert is the benchmark's own
+(`metaworld.policies`). Features are named as lerobot's Meta-World data: `observation.image`, `observation.state`,
+`action`; each episode's task is the task description. Only successful episodes are kept (the rejected ones are
+counted and reported); episode seeds are `--seed`, `--seed`+1, ... per task (evaluate on other seeds: `hf_vla.evaluate`
+starts at 10,000).
+
+Atomic: the dataset is written into a hidden directory beside `--output` and renamed into place when complete, with
+`meta/hf_vla_record.json` (what was recorded, episodes kept and rejected per task): a killed recording leaves no
+directory that looks like a dataset. An existing `--output` is refused (or replaced with `--overwrite`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .cli import ArgumentParser, positive, run
+from .errors import ConfigError
+
+logger = logging.getLogger("hf_vla.record")
+ENVS = ("metaworld", "color_reach")
+RECORD_MARKER = "hf_vla_record.json"
+# (image key, state key, action key) of the recorded datasets: lerobot's Meta-World names, also the demo's
+CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
+
+
+@dataclass
+class RecordResult:
+    output: str
+    env: str
+    tasks: dict[str, dict] = field(default_factory=dict)  # task name -> {"kept", "rejected", "description"}
+    frames: int = 0
+    seconds: float = 0.0
+
+
+def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, only_successful: bool = True,
+                    stats: dict | None = None, bar=None) -> Iterator[list[dict]]:
+    """Up to `count` episodes of `env.expert_action()` (frames in the writer's format), over `seeds`; failures are
+    counted in `stats["rejected"]` and skipped when `only_successful`."""
+    kept = 0
+    stats = stats if stats is not None else {}
+    stats.setdefault("kept", 0)
+    stats.setdefault("rejected", 0)
+    for attempt, seed in enumerate(seeds):
+        if kept >= count or attempt >= max_attempts:
+            break
+        observation, info = env.reset(seed=int(seed))
+        task = info.get("task") or getattr(env, "task", "")
+        frames, success, done = [], False, False
+        while not done:
+            action = np.asarray(env.expert_action(), dtype=np.float32)
+            frames.append({"images": {CAMERA: observation[CAMERA]}, "state": observation[STATE], "action": action,
+                           "task": task})
+            observation, _, terminated, truncated, info = env.step(action)
+            success = success or bool(info.get("is_success", False))
+            done = terminated or truncated
+        if only_successful and not success:
+            stats["rejected"] += 1
+            if bar is not None:
+                bar.set_postfix(rejected=stats["rejected"])
+            continue
+        kept += 1
+        stats["kept"] += 1
+        if bar is not None:
+            bar.update(1)
+        yield frames
+
+
+class _ColorReachWithExpert:
+    """ColorReach with its scripted expert as `expert_action()` (one seeded generator for the expert's noise)."""
+
+    def __init__(self, seed: int, **env_kwargs):
+        from .envs.reach import ColorReachEnv
+
+        self.env = ColorReachEnv(**env_kwargs)
+        self.rng = np.random.default_rng(seed)
+        self.metadata = self.env.metadata
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def reset(self, seed=None):
+        return self.env.reset(seed=seed)
+
+    def step(self, action):
+        return self.env.step(action)
+
+    def expert_action(self):
+        from .envs.reach import expert_action
+
+        return expert_action(self.env, self.rng)
+
+
+def record(env: str, output: str | Path, episodes: int, tasks: str | None = None, image_size: int | None = None,
+           seed: int = 0, max_episode_steps: int | None = None, overwrite: bool = False, progress: bool = True,
+           seeds: Callable[[int], Iterator[int]] | None = None, env_kwargs: dict | None = None) -> RecordResult:
+    """Record `episodes` successful expert episodes per task into a new LeRobot dataset at `output` (atomic)."""
+    from .data.writer import write_lerobot_dataset
+
+    if env not in ENVS:
+        raise ConfigError(f"env {env!r}: choose one of {list(ENVS)}")
+    positive("episodes", episodes)
+    positive("image_size", image_size)
+    positive("max_episode_steps", max_episode_steps)
+    output = Path(output)
+    if output.exists() and not (output.is_dir() and not any(output.iterdir())) and not overwrite:
+        raise ConfigError(f"output {str(output)!r} exists: choose a new directory, or pass --overwrite to replace it")
+    from .validation import check_writable_dir
+
+    check_writable_dir("output", output.parent)
+    if env == "metaworld":
+        from .envs import metaworld
+
+        names = metaworld.task_names(tasks or "reach-v3")
+        make = {name: (lambda name=name: metaworld.in_worker(
+            name, image_size=image_size or 128, max_episode_steps=max_episode_steps or metaworld.DEFAULT_STEPS))
+            for name in names}
+        fps, state_dim, action_dim, robot_type, size = metaworld.FPS, 4, 4, metaworld.ROBOT_TYPE, image_size or 128
+    else:
+        from .envs.generate import ROBOT_TYPE
+        from .envs.reach import ColorReachEnv
+
+        if tasks:
+            raise ConfigError("--task: ColorReach draws its instruction per episode; it has no task to choose")
+        kwargs = dict(env_kwargs or {})
+        if image_size:
+            kwargs["image_size"] = image_size
+        if max_episode_steps:
+            kwargs["max_steps"] = max_episode_steps
+        names = ["color_reach"]
+        make = {"color_reach": lambda: _ColorReachWithExpert(seed, **kwargs)}
+        probe = ColorReachEnv(**kwargs)
+        fps, state_dim, action_dim, robot_type, size = probe.metadata["render_fps"], 2, 2, ROBOT_TYPE, probe.image_size
+    seeds = seeds or (lambda first: iter(range(first, first + 10**9)))
+    result = RecordResult(str(output), env)
+    started = time.perf_counter()
+    bar = tqdm(total=episodes * len(names), desc=f"recording {env}", unit="ep", disable=not progress)
+
+    def all_episodes():
+        for name in names:
+            live = make[name]()
+            stats = result.tasks.setdefault(name, {"description": getattr(live, "task", name)})
+            try:
+                bar.set_description(f"recording {name}")
+                for frames in expert_episodes(live, episodes, seeds(seed), max_attempts=3 * episodes + 10,
+                                              stats=stats, bar=bar):
+                    result.frames += len(frames)
+                    yield frames
+            finally:
+                if hasattr(live, "close"):
+                    live.close()
+            if stats["kept"] < episodes:
+                logger.warning("%s: only %d of %d episodes succeeded in %d attempts", name, stats["kept"], episodes,
+                               stats["kept"] + stats["rejected"])
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.recording-", dir=output.parent))
+    try:
+        dataset = staging / "dataset"
+        # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env renders.
+        write_lerobot_dataset(dataset, all_episodes(), fps=fps, cameras={CAMERA: (size, size)}, state_dim=state_dim,
+                              action_dim=action_dim, robot_type=robot_type, state_key=STATE, action_key=ACTION,
+                              repo_id=f"local/{output.name}", pix_fmt="yuv444p", crf=0)
+        result.seconds = round(time.perf_counter() - started, 1)
+        (dataset / "meta" / RECORD_MARKER).write_text(json.dumps(
+            asdict(result) | {"seed": seed, "image_size": size, "episodes_per_task": episodes,
+                              "max_episode_steps": max_episode_steps, "fast_render": env == "metaworld"}, indent=2))
+        if output.exists():
+            os.replace(output, staging / "previous")
+        os.replace(dataset, output)
+    finally:
+        bar.close()
+        shutil.rmtree(staging, ignore_errors=True)
+    total = sum(t["kept"] for t in result.tasks.values())
+    logger.info("recorded %d episodes (%d frames; %d rejected) into %s in %.0f s", total, result.frames,
+                sum(t["rejected"] for t in result.tasks.values()), output, result.seconds)
+    return result
+
+
+def main(argv=None):
+    parser = ArgumentParser(prog="python -m hf_vla.record", description=__doc__.split("\n")[0])
+    parser.add_argument("--env", required=True, choices=ENVS)
+    parser.add_argument("--task", default=None, help="Meta-World: task names (comma-separated, -v3 optional) or a "
+                        "difficulty group: easy, medium, hard, very_hard")
+    parser.add_argument("--episodes", type=int, required=True, help="successful episodes per task")
+    parser.add_argument("--output", required=True, help="the dataset directory to create")
+    parser.add_argument("--image_size", type=int, default=None, help="square image side (Meta-World default 128)")
+    parser.add_argument("--seed", type=int, default=0, help="first episode seed of each task")
+    parser.add_argument("--max_episode_steps", type=int, default=None)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output once the new one is "
+                        "complete")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = record(args.env, args.output, args.episodes, tasks=args.task, image_size=args.image_size,
+                    seed=args.seed, max_episode_steps=args.max_episode_steps, overwrite=args.overwrite)
+    print(json.dumps(asdict(result), indent=2))
+    return result
+
+
+def cli(argv=None):
+    return run("hf_vla.record", main, argv)
+
+
+if __name__ == "__main__":
+    cli()
