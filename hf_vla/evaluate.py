@@ -174,42 +174,109 @@ def run_episodes(env: gym.Env, policy, episodes: int, n_action_steps: int, seed:
                       inference_delay, rtc, jump, jerk, interior, used)
 
 
+def _check_dims(policy, env, where: str) -> None:
+    """The policy's head reads the env's state and writes its actions (in-process; a server checks per request)."""
+    if not hasattr(policy, "processor"):
+        return
+    stats = policy.processor.norm_stats[policy.head_name()]
+    state_space = getattr(env.observation_space, "spaces", {}).get("observation.state")
+    for name, theirs, ours in (("action", env.action_space.shape[0], len(stats["actions"]["q01"])),
+                               ("state", state_space.shape[0] if state_space is not None else None,
+                                len(stats["state"]["q01"]))):
+        if theirs is not None and theirs != ours:
+            raise ConfigError(f"{where} has {theirs} {name} dims but the checkpoint's head {policy.head_name()!r} has "
+                              f"{ours}: a checkpoint trained on another robot or env")
+
+
+def _policy(checkpoint, server, device, head, seed, rtc_config, cameras):
+    if server is not None:
+        policy = RemotePolicy(websocket_uri("server", server))
+        return policy, int(policy.metadata.get("chunk_size", 0)) or None
+    policy = load_policy(checkpoint, device=device, head=head, seed=seed, rtc=rtc_config or RTCConfig(),
+                         obs_map=ObservationMap(cameras=cameras or None))
+    try:
+        policy.head_name()
+    except RequestError as error:
+        raise ConfigError(f"head: {error}") from error
+    return policy, policy.model.config.chunk_size
+
+
 def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_vla/ColorReach-v0", episodes: int = 50,
                         n_action_steps: int | None = None, seed: int = 10_000, head=None, cameras=None,
                         save_videos: int = 3, output_dir: str | Path | None = None, device: str = "cpu",
                         env_kwargs: dict | None = None, progress: bool = True, server: str | None = None,
-                        inference_delay: int = 0, rtc: bool = False, rtc_config: RTCConfig | None = None) -> EvalResult:
-    """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client."""
+                        inference_delay: int = 0, rtc: bool = False, rtc_config: RTCConfig | None = None,
+                        task: str | None = None):
+    """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client.
+
+    `env_id="metaworld"` with `task` (names or a difficulty group; `env_kwargs` may set `image_size`, the size the
+    data was recorded at, and `max_episode_steps`): each task in lerobot's Meta-World wrapper in its own worker
+    process; returns a `BenchmarkResult` (per-task results and their mean success rate) instead of an `EvalResult`.
+    """
     import hf_vla.envs  # noqa: F401  (registers the demo env)
 
     if (checkpoint is None) == (server is None):
         raise ConfigError("pass exactly one of checkpoint (in-process) and server (ws://HOST:PORT)")
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: must be positive")
-    if server is not None:
-        policy = RemotePolicy(websocket_uri("server", server))
-        chunk_size = int(policy.metadata.get("chunk_size", 0)) or None
-    else:
-        policy = load_policy(checkpoint, device=device, head=head, seed=seed, rtc=rtc_config or RTCConfig(),
-                             obs_map=ObservationMap(cameras=cameras or None))
-        chunk_size = policy.model.config.chunk_size
-        try:
-            policy.head_name()
-        except RequestError as error:
-            raise ConfigError(f"head: {error}") from error
+    if output_dir is None:
+        output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
+    output_dir = Path(output_dir)
+    common = dict(seed=seed, save_videos=save_videos, progress=progress, inference_delay=inference_delay, rtc=rtc)
+    if env_id == "metaworld":
+        from .envs import metaworld
+
+        names = metaworld.task_names(task or "reach-v3")
+        policy, chunk_size = _policy(checkpoint, server, device, head, seed, rtc_config, cameras)
+        steps = n_action_steps or max(1, (chunk_size or 2) // 2)
+        results = {}
+        for name in names:
+            env = metaworld.in_worker(name, **(env_kwargs or {}))
+            try:
+                _check_dims(policy, env, f"Meta-World {name}")
+                if hasattr(policy, "reset"):
+                    policy.reset()
+                results[name] = run_episodes(env, policy, episodes, steps, output_dir=output_dir / name,
+                                             chunk_size=chunk_size, **common)
+            finally:
+                env.close()
+            logger.info("%s: success %.1f%% (%d/%d), mean steps %.1f", name, 100 * results[name].success_rate,
+                        results[name].successes, episodes, results[name].mean_steps)
+        result = BenchmarkResult.from_tasks("metaworld", results)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
+        return result
+    if task is not None:
+        raise ConfigError(f"task={task!r}: only a benchmark env (metaworld) has tasks to choose")
+    policy, chunk_size = _policy(checkpoint, server, device, head, seed, rtc_config, cameras)
     try:
         env = gym.make(env_id, **(env_kwargs or {}))
     except gym.error.Error as error:
         raise ConfigError(f"env {env_id!r}: {error}") from error
+    _check_dims(policy, env, f"env {env_id!r}")
     steps = n_action_steps or max(1, (chunk_size or 2) // 2)
-    if output_dir is None:
-        output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
-    output_dir = Path(output_dir)
-    result = run_episodes(env, policy, episodes, steps, seed=seed, save_videos=save_videos, output_dir=output_dir,
-                          progress=progress, inference_delay=inference_delay, rtc=rtc, chunk_size=chunk_size)
+    result = run_episodes(env, policy, episodes, steps, output_dir=output_dir, chunk_size=chunk_size, **common)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
     return result
+
+
+@dataclass
+class BenchmarkResult:
+    env: str
+    success_rate: float  # mean over tasks
+    tasks: dict[str, EvalResult]
+
+    @classmethod
+    def from_tasks(cls, env: str, results: dict[str, EvalResult]) -> BenchmarkResult:
+        return cls(env, float(np.mean([r.success_rate for r in results.values()])), results)
+
+    def table(self) -> str:
+        rows = [f"{'task':<32} {'success':>8} {'episodes':>9} {'mean steps':>11}"]
+        for name, r in self.tasks.items():
+            rows.append(f"{name:<32} {100 * r.success_rate:>7.1f}% {r.episodes:>9d} {r.mean_steps:>11.1f}")
+        rows.append(f"{'mean':<32} {100 * self.success_rate:>7.1f}%")
+        return "\n".join(rows)
 
 
 def main(argv=None):
@@ -218,7 +285,13 @@ def main(argv=None):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="model + processor directory (or Hub id), run in-process")
     source.add_argument("--server", help="ws://HOST:PORT of a policy server (python -m hf_vla.serve)")
-    parser.add_argument("--env", default="hf_vla/ColorReach-v0", help="gymnasium env id")
+    parser.add_argument("--env", default="hf_vla/ColorReach-v0", help="gymnasium env id, or `metaworld` (lerobot's "
+                        "Meta-World wrapper; needs --task)")
+    parser.add_argument("--task", default=None, help="Meta-World task names (comma-separated) or a difficulty group "
+                        "(easy, medium, hard, very_hard)")
+    parser.add_argument("--image_size", type=int, default=None, help="Meta-World: the image side the training data was "
+                        "recorded at (default 128, as hf_vla.record)")
+    parser.add_argument("--max_episode_steps", type=int, default=None, help="Meta-World: episode limit (default 500)")
     parser.add_argument("--episodes", type=int, default=50)
     parser.add_argument("--n_action_steps", type=int, default=None, help="actions executed per chunk (default: half)")
     parser.add_argument("--inference_delay", type=int, default=0,
@@ -241,17 +314,31 @@ def main(argv=None):
     if args.server:
         websocket_uri("--server", args.server)
     output_dir("--output_dir", args.output_dir)
-    import hf_vla.envs  # noqa: F401  (registers the demo env)
+    positive("--image_size", args.image_size)
+    positive("--max_episode_steps", args.max_episode_steps)
+    env_kwargs = {}
+    if args.env == "metaworld":
+        from .envs.metaworld import task_names
 
-    try:
-        gym.spec(args.env)
-    except gym.error.Error as error:
-        raise ConfigError(f"--env {args.env!r}: {error}") from error
+        task_names(args.task or "reach-v3")  # an unknown task stops here, by name
+        env_kwargs = {k: v for k, v in (("image_size", args.image_size), ("max_episode_steps", args.max_episode_steps))
+                      if v is not None}
+    else:
+        import hf_vla.envs  # noqa: F401  (registers the demo env)
+
+        if args.task is not None:
+            raise ConfigError(f"--task {args.task!r}: only --env metaworld has tasks")
+        try:
+            gym.spec(args.env)
+        except gym.error.Error as error:
+            raise ConfigError(f"--env {args.env!r}: {error}") from error
     logging.basicConfig(level=logging.INFO)
     result = evaluate_checkpoint(checkpoint, args.env, args.episodes, args.n_action_steps, args.seed, args.head,
                                  args.cameras, args.save_videos, args.output_dir, args.device, server=args.server,
                                  inference_delay=args.inference_delay, rtc=args.rtc,
-                                 rtc_config=rtc_config_from_args(args))
+                                 rtc_config=rtc_config_from_args(args), task=args.task, env_kwargs=env_kwargs or None)
+    if isinstance(result, BenchmarkResult):
+        print(result.table())
     print(json.dumps(asdict(result), indent=2))
     return result
 
