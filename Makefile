@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml Makefile
 	# openpi's own client, for the server tests: its metadata pins numpy<2 and dm-tree, which the websocket client
 	# never imports (only its action-chunk broker does), so it is installed without its dependencies.
 	$(VENV)/bin/python -m pip install -q --no-deps "openpi-client==0.1.2"
+	# Meta-World renders headless through Mesa's EGL (Debian's libegl1 + libgl1-mesa-dri): installed when missing.
+	@ldconfig -p | grep -q 'libEGL_mesa.so.0' || { command -v apt-get >/dev/null && \
+		(apt-get update -qq && apt-get install -y -qq libegl1 libgl1-mesa-dri) ; } || \
+		echo "Meta-World needs Debian's libegl1 and libgl1-mesa-dri; install them to record or evaluate it"
 	@touch $(STAMP)
 
 install: $(STAMP)

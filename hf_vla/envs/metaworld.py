@@ -41,10 +41,22 @@ DEFAULT_STEPS = 500  # Meta-World's max_path_length
 def _lerobot_metaworld():
     try:
         import lerobot.envs.metaworld as module
-    except ImportError as error:
-        raise ConfigError(f"Meta-World is not installed ({error}); install it with `pip install -e '.[metaworld]'` "
-                          "(metaworld 3.0.0, mujoco 3.3)") from error
+    except ModuleNotFoundError as error:
+        if error.name and error.name.split(".")[0] in ("metaworld", "mujoco", "gymnasium", "lerobot"):
+            raise ConfigError(f"Meta-World is not installed ({error}); install it with `pip install -e "
+                              "'.[metaworld]'` (metaworld 3.0.0, mujoco 3.3)") from error
+        raise _no_renderer(error) from error
+    except Exception as error:  # mujoco opens its GL backend when imported
+        raise _no_renderer(error) from error
     return module
+
+
+def _no_renderer(error: BaseException) -> ConfigError:
+    backend = os.environ.get("MUJOCO_GL")
+    library = {"egl": "libegl1 and libgl1-mesa-dri", "osmesa": "libosmesa6"}.get(backend, "libegl1 and libgl1-mesa-dri")
+    return ConfigError(f"Meta-World cannot render headless with MUJOCO_GL={backend} ({type(error).__name__}: "
+                       f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); install Debian's "
+                       f"{library} (apt-get install {library.replace(' and ', ' ')}), or set MUJOCO_GL=egl")
 
 
 def task_names(spec: str) -> list[str]:
@@ -127,11 +139,9 @@ class MetaWorldEnv(gym.Env):
         super().reset(seed=seed)
         try:
             raw, _ = self.inner.reset(seed=seed)
-        except Exception as error:  # no GL: the message names the library to install
+        except Exception as error:  # the GL context is made at the first render: no GL names the library to install
             if "gl" in f"{type(error).__name__} {error}".lower():
-                raise ConfigError(f"Meta-World cannot render (MUJOCO_GL={os.environ.get('MUJOCO_GL')}: {error}); "
-                                  "install Debian's libegl1 and libgl1-mesa-dri (MUJOCO_GL=egl) or libosmesa6 "
-                                  "(MUJOCO_GL=osmesa)") from error
+                raise _no_renderer(error) from error
             raise
         self._steps = 0
         return self._observation(raw), {"task": self.task, "is_success": False}

@@ -1,0 +1,115 @@
+"""Meta-World end to end, small: the scripted expert recorded through lerobot's env wrapper into a LeRobot dataset that
+lerobot loads, a few training steps with configs/pi05_metaworld.json, two evaluation episodes headless; and the
+errors a user meets first (unknown task, no renderer, a checkpoint for another robot)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+pytest.importorskip("metaworld")
+
+from hf_vla.train import main as train_main  # noqa: E402
+
+IMAGE = 64
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env=dict(os.environ, **(env or {})))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("metaworld") / "reach"
+    result = run_cli("hf_vla.record", "--env", "metaworld", "--task", "reach", "--episodes", "2", "--output", str(out),
+                     "--image_size", str(IMAGE))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_recorded_expert_data_is_a_lerobot_dataset(recorded):
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    dataset = LeRobotDataset("local/reach", root=recorded)
+    assert dataset.num_episodes == 2 and dataset.fps == 80
+    frame = dataset[0]
+    assert frame["observation.image"].shape == (3, IMAGE, IMAGE) and frame["observation.state"].shape == (4,)
+    assert frame["action"].shape == (4,) and float(frame["action"].abs().max()) <= 1.0
+    assert frame["task"] == "Reach a goal position"  # lerobot's task description
+    marker = json.loads((recorded / "meta" / "hf_vla_record.json").read_text())
+    assert marker["tasks"]["reach-v3"]["kept"] == 2 and marker["tasks"]["reach-v3"]["rejected"] == 0
+    assert not [p for p in recorded.parent.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
+    from hf_vla.evaluate import BenchmarkResult, evaluate_checkpoint
+
+    out = tmp_path / "run"
+    dataset = {"root": str(recorded), "name": "metaworld", "cameras": ["observation.image"],
+               "control_mode": "delta_xyz_gripper"}
+    train_main([str(REPO / "configs" / "pi05_metaworld.json"), "--datasets", json.dumps([dataset]), "--output_dir",
+                str(out), "--max_steps", "3", "--save_strategy", "no", "--validation_ratio", "0",
+                "--stream_open_blocks", "2", "--per_device_train_batch_size", "4", "--logging_steps", "1",
+                "--warmup_steps", "0"])
+    result = evaluate_checkpoint(out, env_id="metaworld", task="reach", episodes=2, save_videos=1, progress=False,
+                                 env_kwargs={"image_size": IMAGE, "max_episode_steps": 12}, output_dir=tmp_path / "eval")
+    assert isinstance(result, BenchmarkResult) and list(result.tasks) == ["reach-v3"]
+    task = result.tasks["reach-v3"]
+    assert task.episodes == 2 and 1 <= task.mean_steps <= 12 and 0.0 <= result.success_rate <= 1.0
+    assert (tmp_path / "eval" / "reach-v3" / "rollout_000_failure.gif").exists() or task.successes
+    saved = json.loads((tmp_path / "eval" / "eval_result.json").read_text())
+    assert saved["env"] == "metaworld" and "success_rate" in saved and "reach-v3" in saved["tasks"]
+
+
+def test_the_expert_ceiling_and_upright_images():
+    """The benchmark's expert succeeds in the wrapper (seeded resets differ), and the image is the right way up: the
+    table (brown, below) fills more of the bottom half than of the top."""
+    from hf_vla.envs.metaworld import in_worker
+
+    env = in_worker("reach-v3", image_size=IMAGE, max_episode_steps=200)
+    try:
+        starts, successes = [], 0
+        for seed in (3, 4):
+            observation, info = env.reset(seed=seed)
+            starts.append(observation["observation.state"].copy())
+            image = observation["observation.image"].astype(float)
+            brown = (image[..., 0] > image[..., 2] + 30)  # the wooden table top
+            assert brown[IMAGE // 2 :].mean() > brown[: IMAGE // 2].mean()
+            done = False
+            while not done:
+                observation, _, terminated, truncated, info = env.step(env.expert_action())
+                done = terminated or truncated
+            successes += info["is_success"]
+        assert successes == 2 and info["task"] == "Reach a goal position"
+    finally:
+        env.close()
+
+
+def test_metaworld_errors(recorded, tmp_path, tiny_tokenizer):
+    result = run_cli("hf_vla.record", "--env", "metaworld", "--task", "reach,nope", "--episodes", "1", "--output",
+                     str(tmp_path / "x"))
+    assert result.returncode == 2 and "Meta-World task 'nope' is not known" in result.stderr.strip().splitlines()[-1]
+    result = run_cli("hf_vla.record", "--env", "metaworld", "--task", "reach", "--episodes", "1", "--output",
+                     str(tmp_path / "y"), env={"MUJOCO_GL": "osmesa", "PYOPENGL_PLATFORM": "osmesa"})
+    if "libosmesa6" in result.stderr:  # this machine has no OSMesa: the one line names what to install
+        assert result.returncode == 2 and "apt-get install libosmesa6" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "y").exists() or result.returncode == 0
+    # a checkpoint of another robot (the ColorReach demo's 2-dim state and actions)
+    from test_serve import NORM_STATS, demo_config
+
+    from hf_vla.models.pi05 import PI05ForConditionalGeneration, PI05Processor
+
+    checkpoint = tmp_path / "color_reach"
+    model = PI05ForConditionalGeneration(demo_config())
+    model.save_pretrained(checkpoint)
+    PI05Processor.from_config(model.config, tiny_tokenizer, norm_stats=NORM_STATS).save_pretrained(checkpoint)
+    result = run_cli("hf_vla.evaluate", "--checkpoint", str(checkpoint), "--env", "metaworld", "--task", "reach",
+                     "--episodes", "1")
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "Meta-World reach-v3 has 4 action dims but the checkpoint's head" in last, last
