@@ -10,12 +10,6 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
-from tqdm.auto import tqdm
-
-from ..data.writer import write_lerobot_dataset
-from .reach import ColorReachEnv, expert_action
-
 logger = logging.getLogger(__name__)
 CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
 ROBOT_TYPE = "color_reach"
@@ -23,33 +17,19 @@ ROBOT_TYPE = "color_reach"
 DEMO_DATA_VERSION = 2
 
 
-def _episodes(count: int, seed: int, env_kwargs: dict):
-    env = ColorReachEnv(**env_kwargs)
-    rng = np.random.default_rng(seed)
-    for episode in tqdm(range(count), desc="demo episodes", unit="ep"):
-        observation, info = env.reset(seed=seed * 100_003 + episode)
-        frames, done = [], False
-        while not done:
-            action = expert_action(env, rng)
-            frames.append({"images": {CAMERA: observation[CAMERA]}, "state": observation[STATE], "action": action,
-                           "task": info["task"]})
-            observation, _, terminated, truncated, info = env.step(action)
-            done = terminated or truncated
-        yield frames
-
-
 def generate_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: int = 0, **env_kwargs) -> Path:
+    """The demo's data: `python -m hf_vla.record --env color_reach` (the same recorder as every sim env), with the
+    demo's episode seeds `seed * 100_003 + i` (for seed 0: the recorder's own 0, 1, 2, ...)."""
+    import itertools
+
+    from ..record import record
+
     root = Path(root)
     if root.exists():
         raise FileExistsError(f"{root} exists; delete it to regenerate")
     start = time.perf_counter()
-    env = ColorReachEnv(**env_kwargs)
-    # Lossless video (full-resolution chroma, crf 0): at 32 px, lerobot's default yuv420p/crf 30 shifts the small
-    # targets' colours by 6 levels on average and up to 149, so training frames would differ from the env's renders.
-    write_lerobot_dataset(root, _episodes(episodes, seed, env_kwargs), fps=env.metadata["render_fps"],
-                          cameras={CAMERA: (env.image_size, env.image_size)}, state_dim=2, action_dim=2,
-                          robot_type=ROBOT_TYPE, state_key=STATE, action_key=ACTION, repo_id="local/color_reach",
-                          pix_fmt="yuv444p", crf=0)
+    record("color_reach", root, episodes, seed=seed, env_kwargs=env_kwargs,
+           seeds=lambda first: (first * 100_003 + i for i in itertools.count()))
     logger.info("wrote %d demo episodes to %s in %.1fs", episodes, root, time.perf_counter() - start)
     return root
 

@@ -1,0 +1,267 @@
+"""Meta-World closed loop: expert data -> pi0.5 trained by `python -m hf_vla.train` -> success per task, next to lerobot.
+
+    python benchmarks/metaworld.py --stage record            # 5 tasks x 50 expert episodes at 96 px
+    python benchmarks/metaworld.py --stage hf_vla --budget_min 20
+    python benchmarks/metaworld.py --stage lerobot --budget_min 20   # lerobot-train, ACT (no pretrained backbone)
+    python benchmarks/metaworld.py --stage evaluate --episodes 50
+
+Stages share `--work` (default data_cache/metaworld_bench, git-ignored) and write `results.json` there and to
+`--output` (default benchmarks/results/metaworld_cpu.json):
+- record: `python -m hf_vla.record --env metaworld` for reach, push, button-press-topdown, drawer-open, door-open
+  (seeds 0..; only successful episodes; the expert's success rate on those seeds is the ceiling);
+- hf_vla: `python -m hf_vla.train configs/pi05_metaworld.json` with `max_steps` from a measured step rate so the run
+  fits `--budget_min`, a checkpoint every `--checkpoints`-th of the run, and each checkpoint's eval loss and per-task
+  action MSE on held-out episodes (validation split);
+- lerobot: `lerobot-train` with ACT from scratch (`pretrained_backbone_weights=null`: nothing to download) on the
+  same dataset for the same wall-clock budget;
+- evaluate: every checkpoint through `hf_vla.evaluate` (lerobot's env wrapper, held-out seeds from 10,000,
+  `--max_episode_steps`), `--episodes` per task for the last checkpoint, `--checkpoint_episodes` for the others; and
+  the Spearman rank correlation of offline metrics with closed-loop success across checkpoints and tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = ["reach-v3", "push-v3", "button-press-topdown-v3", "drawer-open-v3", "door-open-v3"]
+IMAGE = 96
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save(work: Path, output: Path, results: dict):
+    text = json.dumps(results, indent=2)
+    (work / "results.json").write_text(text + "\n")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text + "\n")
+    print(text)
+
+
+def _dataset_spec(work: Path) -> list[dict]:
+    """One dataset per task, one normalisation head: the validation metrics come per task
+    (`eval_by_dataset/<task>/mse`)."""
+    return [{"root": str(work / "data" / task), "name": task, "cameras": ["observation.image"],
+             "robot_type": "metaworld", "control_mode": "delta_xyz_gripper"} for task in TASKS]
+
+
+def stage_record(work: Path, episodes: int, results: dict):
+    expert, rejected, frames, seconds = {}, {}, 0, 0.0
+    for task in TASKS:
+        data = work / "data" / task
+        if not (data / "meta" / "hf_vla_record.json").exists():
+            subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "metaworld", "--task", task,
+                            "--episodes", str(episodes), "--output", str(data), "--image_size", str(IMAGE)],
+                           check=True, cwd=REPO)
+        marker = _load(data / "meta" / "hf_vla_record.json")
+        stats = marker["tasks"][task]
+        expert[task] = stats["kept"] / (stats["kept"] + stats["rejected"])
+        rejected[task] = stats["rejected"]
+        frames += marker["frames"]
+        seconds += marker["seconds"]
+    results["record"] = {"episodes_per_task": episodes, "image_size": IMAGE, "seconds": round(seconds, 1),
+                         "frames": frames, "expert_success": expert, "rejected": rejected}
+
+
+def _train(work: Path, out: Path, overrides: list[str]) -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "pi05_metaworld.json"),
+                    "--datasets", json.dumps(_dataset_spec(work)), "--output_dir", str(out), *overrides],
+                   check=True, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"))
+    return time.perf_counter() - started
+
+
+def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict):
+    probe = work / "probe"
+    probe_steps = 200
+    seconds = _train(work, probe, ["--max_steps", str(probe_steps), "--save_strategy", "no", "--validation_ratio",
+                                   "0.05", "--eval_strategy", "no", "--overwrite_output_dir", "true"])
+    rate = probe_steps / seconds  # includes start-up: a safe under-estimate
+    steps = int(rate * budget_min * 60 / 100) * 100
+    out = work / "hf_vla"
+    save = max(100, steps // checkpoints // 100 * 100)
+    seconds = _train(work, out, ["--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", str(save),
+                                 "--eval_strategy", "steps", "--eval_steps", str(save), "--validation_ratio", "0.05",
+                                 "--lr_scheduler_kwargs", json.dumps({"num_decay_steps": max(1, steps // 4),
+                                                                      "min_lr_ratio": 0.1})])
+    history = json.loads(sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+                         .joinpath("trainer_state.json").read_text())["log_history"]
+    evals = {int(e["step"]): {k: v for k, v in e.items() if k.startswith("eval_")} for e in history
+             if "eval_loss" in e}
+    results["hf_vla"] = {"budget_min": budget_min, "probe_steps_per_s": round(rate, 2), "max_steps": steps,
+                         "train_seconds": round(seconds, 1), "checkpoint_every": save, "offline": evals,
+                         "batch_size": 32}
+
+
+def stage_lerobot(work: Path, budget_min: float, results: dict, batch: int = 32):
+    """lerobot-train with ACT from scratch on the same data, for the same wall-clock budget (steps from a probe)."""
+    out = work / "lerobot_act"
+    merged = work / "data_all"
+    if not (merged / "meta" / "info.json").exists():  # lerobot-train takes one dataset: the five, merged by lerobot
+        from lerobot.datasets.dataset_tools import merge_datasets
+        from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+        merge_datasets([LeRobotDataset(f"local/{task}", root=work / "data" / task) for task in TASKS],
+                       output_repo_id="local/metaworld_all", output_dir=merged)
+
+    def run(steps: int, output: Path, save: bool) -> float:
+        started = time.perf_counter()
+        command = ["lerobot-train", "--policy.type=act", "--policy.device=cpu", "--policy.push_to_hub=false",
+                   "--policy.pretrained_backbone_weights=null", "--policy.chunk_size=16", "--policy.n_action_steps=8",
+                   "--dataset.repo_id=local/metaworld_all", f"--dataset.root={merged}",
+                   f"--batch_size={batch}", f"--steps={steps}", f"--output_dir={output}", "--wandb.enable=false",
+                   f"--save_freq={steps}", f"--save_checkpoint={'true' if save else 'false'}", "--num_workers=1",
+                   "--log_freq=100", "--eval_freq=0"]
+        subprocess.run([str(Path(sys.executable).parent / command[0]), *command[1:]], check=True, cwd=work,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        return time.perf_counter() - started
+
+    probe_steps = 100
+    rate = probe_steps / run(probe_steps, work / "lerobot_probe", save=False)
+    steps = int(rate * budget_min * 60 / 100) * 100
+    seconds = run(steps, out, save=True)
+    results["lerobot_act"] = {"budget_min": budget_min, "probe_steps_per_s": round(rate, 2), "steps": steps,
+                              "train_seconds": round(seconds, 1), "batch_size": batch, "chunk_size": 16,
+                              "n_action_steps": 8}
+
+
+def _evaluate(checkpoint: Path, episodes: int, max_steps: int, out: Path) -> dict:
+    subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(checkpoint), "--env", "metaworld",
+                    "--task", ",".join(TASKS), "--episodes", str(episodes), "--image_size", str(IMAGE),
+                    "--max_episode_steps", str(max_steps), "--n_action_steps", "8", "--save_videos", "1",
+                    "--output_dir", str(out)], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    saved = json.loads((out / "eval_result.json").read_text())
+    return {"success_rate": saved["success_rate"],
+            "tasks": {name: {k: r[k] for k in ("success_rate", "episodes", "successes", "mean_steps")}
+                      for name, r in saved["tasks"].items()}}
+
+
+class LeRobotChunks:
+    """A lerobot policy checkpoint (ACT here) as a chunk predictor for `hf_vla.evaluate.run_episodes`: lerobot's own
+    pre-processor (normalisation), `predict_action_chunk`, post-processor (un-normalisation), on the observation the
+    hf_vla harness gives (lerobot's Meta-World wrapper, the recorded image size)."""
+
+    def __init__(self, path: Path):
+        from lerobot.configs.policies import PreTrainedConfig
+        from lerobot.policies.factory import get_policy_class, make_pre_post_processors
+
+        config = PreTrainedConfig.from_pretrained(path)
+        self.policy = get_policy_class(config.type).from_pretrained(path).eval()
+        self.pre, self.post = make_pre_post_processors(self.policy.config, pretrained_path=str(path))
+
+    def __call__(self, observation: dict, task: str, inference_delay: int = 0, executed_steps=None):
+        import torch
+
+        image = torch.from_numpy(observation["observation.image"]).permute(2, 0, 1).float().div(255)[None]
+        batch = {"observation.image": image, "observation.state": torch.from_numpy(observation["observation.state"])[None],
+                 "task": [task]}
+        with torch.no_grad():
+            batch = self.pre(batch)
+            chunk = self.policy.predict_action_chunk(batch)
+            chunk = self.post(chunk)
+        return chunk[0].cpu().numpy()
+
+
+def _evaluate_lerobot(path: Path, episodes: int, max_steps: int, out: Path) -> dict:
+    from hf_vla.envs import metaworld
+    from hf_vla.evaluate import BenchmarkResult, run_episodes
+
+    policy = LeRobotChunks(path)
+    results = {}
+    for task in TASKS:
+        env = metaworld.in_worker(task, image_size=IMAGE, max_episode_steps=max_steps)
+        try:
+            policy.policy.reset()
+            results[task] = run_episodes(env, policy, episodes, 8, seed=10_000, save_videos=1, output_dir=out / task,
+                                         progress=False)
+        finally:
+            env.close()
+    result = BenchmarkResult.from_tasks("metaworld", results)
+    return {"success_rate": result.success_rate,
+            "tasks": {name: {"success_rate": r.success_rate, "episodes": r.episodes, "successes": r.successes,
+                             "mean_steps": r.mean_steps} for name, r in result.tasks.items()}}
+
+
+def _spearman(x: list[float], y: list[float]) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(x, y).statistic)
+
+
+def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_steps: int, results: dict):
+    out = work / "hf_vla"
+    checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    closed = {}
+    for index, checkpoint in enumerate(checkpoints):
+        last = index == len(checkpoints) - 1
+        started = time.perf_counter()
+        closed[checkpoint.name] = _evaluate(checkpoint, episodes if last else checkpoint_episodes, max_steps,
+                                            work / "eval" / checkpoint.name)
+        closed[checkpoint.name]["seconds"] = round(time.perf_counter() - started, 1)
+    results.setdefault("hf_vla", {})["closed_loop"] = closed
+    act = sorted((work / "lerobot_act" / "checkpoints").glob("*/pretrained_model"))
+    if act:
+        started = time.perf_counter()
+        results.setdefault("lerobot_act", {})["closed_loop"] = _evaluate_lerobot(act[-1], episodes, max_steps,
+                                                                                 work / "eval" / "lerobot_act")
+        results["lerobot_act"]["closed_loop"]["seconds"] = round(time.perf_counter() - started, 1)
+    results["max_episode_steps"] = max_steps
+    # offline metrics against closed-loop success: per checkpoint (mean) and per (checkpoint, task)
+    offline = results["hf_vla"].get("offline", {})
+    pairs_loss, pairs_success, task_mse, task_success = [], [], [], []
+    for name, evaluation in closed.items():
+        step = name.split("-")[1]
+        metrics = offline.get(step) or offline.get(int(step)) or {}
+        if "eval_loss" in metrics:
+            pairs_loss.append(-metrics["eval_loss"])
+            pairs_success.append(evaluation["success_rate"])
+        for task, r in evaluation["tasks"].items():
+            key = next((k for k in metrics if re.search(rf"{re.escape(task)}.*mse|mse.*{re.escape(task)}", k)), None)
+            if key is not None:
+                task_mse.append(-metrics[key])
+                task_success.append(r["success_rate"])
+    results["correlation"] = {
+        "checkpoints": len(pairs_loss),
+        "spearman_neg_eval_loss_vs_success": _spearman(pairs_loss, pairs_success) if len(pairs_loss) > 2 else None,
+        "task_pairs": len(task_mse),
+        "spearman_neg_task_mse_vs_success": _spearman(task_mse, task_success) if len(task_mse) > 2 else None,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stage", choices=["record", "hf_vla", "lerobot", "evaluate"], required=True)
+    parser.add_argument("--work", default=str(REPO / "data_cache" / "metaworld_bench"))
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "metaworld_cpu.json"))
+    parser.add_argument("--record_episodes", type=int, default=50)
+    parser.add_argument("--budget_min", type=float, default=20.0)
+    parser.add_argument("--checkpoints", type=int, default=4)
+    parser.add_argument("--episodes", type=int, default=50)
+    parser.add_argument("--checkpoint_episodes", type=int, default=20)
+    parser.add_argument("--max_episode_steps", type=int, default=200)
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    results = _load(work / "results.json")
+    if args.stage == "record":
+        stage_record(work, args.record_episodes, results)
+    elif args.stage == "hf_vla":
+        stage_hf_vla(work, args.budget_min, args.checkpoints, results)
+    elif args.stage == "lerobot":
+        stage_lerobot(work, args.budget_min, results)
+    else:
+        stage_evaluate(work, args.episodes, args.checkpoint_episodes, args.max_episode_steps, results)
+    _save(work, Path(args.output), results)
+
+
+if __name__ == "__main__":
+    main()
