@@ -1,9 +1,11 @@
 """Meta-World closed loop: expert data -> pi0.5 trained by `python -m hf_vla.train` -> success per task, next to lerobot.
 
-    python benchmarks/metaworld.py --stage record            # 5 tasks x 50 expert episodes at 96 px
-    python benchmarks/metaworld.py --stage hf_vla --budget_min 20
-    python benchmarks/metaworld.py --stage lerobot --budget_min 20   # lerobot-train, ACT (no pretrained backbone)
-    python benchmarks/metaworld.py --stage evaluate --episodes 50
+    python benchmarks/metaworld_benchmark.py --stage record            # 5 tasks x 50 expert episodes at 96 px
+    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20
+    python benchmarks/metaworld_benchmark.py --stage lerobot --budget_min 20   # lerobot-train, ACT (no pretrained backbone)
+    python benchmarks/metaworld_benchmark.py --stage evaluate --episodes 50
+
+(Not `benchmarks/metaworld.py`: run as a script, that name would shadow the `metaworld` package.)
 
 Stages share `--work` (default data_cache/metaworld_bench, git-ignored) and write `results.json` there and to
 `--output` (default benchmarks/results/metaworld_cpu.json):
@@ -120,7 +122,7 @@ def stage_lerobot(work: Path, budget_min: float, results: dict, batch: int = 32)
                    "--dataset.repo_id=local/metaworld_all", f"--dataset.root={merged}",
                    f"--batch_size={batch}", f"--steps={steps}", f"--output_dir={output}", "--wandb.enable=false",
                    f"--save_freq={steps}", f"--save_checkpoint={'true' if save else 'false'}", "--num_workers=1",
-                   "--log_freq=100", "--eval_freq=0"]
+                   "--log_freq=100"]
         subprocess.run([str(Path(sys.executable).parent / command[0]), *command[1:]], check=True, cwd=work,
                        env=dict(os.environ, HF_HUB_OFFLINE="1"))
         return time.perf_counter() - started
