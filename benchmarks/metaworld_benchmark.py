@@ -86,7 +86,7 @@ def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict)
     probe = work / "probe"
     probe_steps = 200
     seconds = _train(work, probe, ["--max_steps", str(probe_steps), "--save_strategy", "no", "--validation_ratio",
-                                   "0.05", "--eval_strategy", "no", "--overwrite_output_dir", "true"])
+                                   "0.05", "--eval_strategy", "no"])
     rate = probe_steps / seconds  # includes start-up: a safe under-estimate
     steps = int(rate * budget_min * 60 / 100) * 100
     out = work / "hf_vla"

@@ -426,7 +426,15 @@ def cli(argv: list[str] | None = None):
     """
     from .cli import run
 
-    return run("hf_vla.train", main, argv)
+    try:
+        return run("hf_vla.train", main, argv)
+    finally:
+        # A launched run leaves its process group to the interpreter's exit otherwise, where gloo's threads were
+        # seen to abort a finished rank ("terminate called without an active exception", SIGABRT).
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
