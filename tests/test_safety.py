@@ -314,3 +314,22 @@ def test_resume_with_other_gradient_accumulation_keeps_the_stream_position(tmp_p
                                                    "save_strategy": "no", "output_dir": str(tmp_path / "ref")},
                                "reference.json"), reference)
     assert len(resumed) == 4 and resumed == reference[12:16]
+
+
+def test_record_argument_errors(tmp_path, capsys):
+    from hf_vla.record import cli
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("mine")
+    cases = [
+        (["--env", "color_reach", "--episodes", "0", "--output", str(tmp_path / "a")], "episodes=0: must be positive"),
+        (["--env", "color_reach", "--episodes", "2", "--output", str(taken)], "exists: choose a new directory"),
+        (["--env", "color_reach", "--episodes", "2", "--task", "reach", "--output", str(tmp_path / "b")],
+         "ColorReach draws its instruction per episode"),
+        (["--env", "atari", "--episodes", "2", "--output", str(tmp_path / "c")], "argument --env: invalid choice"),
+    ]
+    for argv, culprit in cases:
+        line = fails(capsys, cli, argv)
+        assert line.startswith("hf_vla.record: error: ") and culprit in line, line
+    assert (taken / "x").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
