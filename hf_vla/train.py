@@ -416,6 +416,8 @@ def _train(model_args, data_args, training_args):
         trainer.save_metrics("eval", metrics)
     if training_args.push_to_hub:
         trainer.push_to_hub()
+    # every rank leaves together: a rank that exited while the main one still saved was seen to abort in gloo
+    trainer.accelerator.wait_for_everyone()
     return trainer
 
 
