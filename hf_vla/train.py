@@ -428,15 +428,43 @@ def cli(argv: list[str] | None = None):
     """
     from .cli import run
 
-    try:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return run("hf_vla.train", main, argv)
-    finally:
-        # A launched run leaves its process group to the interpreter's exit otherwise, where gloo's threads were
-        # seen to abort a finished rank ("terminate called without an active exception", SIGABRT).
-        import torch.distributed as dist
+    code = 1
+    try:
+        run("hf_vla.train", main, argv)
+        code = 0
+    except SystemExit as error:
+        code = error.code if isinstance(error.code, int) else 1
+    except BaseException:
+        import traceback
 
+        traceback.print_exc()
+    _leave_launched_run(code)
+
+
+def _leave_launched_run(code: int):
+    """End a process of a launched (multi-process) run with `code`, skipping the interpreter's teardown.
+
+    On CPU (gloo), a finished rank was seen to abort in its teardown ("terminate called without an active
+    exception", SIGABRT: a native thread object destroyed while still joinable), about one run in three on a loaded
+    machine, even after the process group was destroyed and every rank had met at a barrier; the launcher then kills
+    the other ranks and reports the run failed. Everything the run writes is written and flushed by now, so the
+    process group is destroyed, the wandb run (if any) finished and the streams flushed, and the process exits.
+    """
+    import torch.distributed as dist
+
+    try:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and getattr(wandb, "run", None) is not None:
+            wandb.finish(exit_code=code)
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":
