@@ -199,7 +199,17 @@ def _spearman(x: list[float], y: list[float]) -> float:
     return float(spearmanr(x, y).statistic)
 
 
-def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_steps: int, results: dict):
+def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_steps: int, results: dict,
+                   which: str = "both"):
+    if which in ("both", "lerobot"):
+        act = sorted((work / "lerobot_act" / "checkpoints").glob("*/pretrained_model"))
+        if act:
+            started = time.perf_counter()
+            results.setdefault("lerobot_act", {})["closed_loop"] = _evaluate_lerobot(act[-1], episodes, max_steps,
+                                                                                     work / "eval" / "lerobot_act")
+            results["lerobot_act"]["closed_loop"]["seconds"] = round(time.perf_counter() - started, 1)
+    if which == "lerobot":
+        return
     out = work / "hf_vla"
     checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     closed = {}
@@ -210,12 +220,6 @@ def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_step
                                             work / "eval" / checkpoint.name)
         closed[checkpoint.name]["seconds"] = round(time.perf_counter() - started, 1)
     results.setdefault("hf_vla", {})["closed_loop"] = closed
-    act = sorted((work / "lerobot_act" / "checkpoints").glob("*/pretrained_model"))
-    if act:
-        started = time.perf_counter()
-        results.setdefault("lerobot_act", {})["closed_loop"] = _evaluate_lerobot(act[-1], episodes, max_steps,
-                                                                                 work / "eval" / "lerobot_act")
-        results["lerobot_act"]["closed_loop"]["seconds"] = round(time.perf_counter() - started, 1)
     results["max_episode_steps"] = max_steps
     # offline metrics against closed-loop success: per checkpoint (mean) and per (checkpoint, task)
     offline = results["hf_vla"].get("offline", {})
@@ -250,6 +254,8 @@ def main(argv=None):
     parser.add_argument("--episodes", type=int, default=50)
     parser.add_argument("--checkpoint_episodes", type=int, default=20)
     parser.add_argument("--max_episode_steps", type=int, default=200)
+    parser.add_argument("--which", choices=["both", "hf_vla", "lerobot"], default="both", help="evaluate stage: whose "
+                        "checkpoints")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -261,7 +267,7 @@ def main(argv=None):
     elif args.stage == "lerobot":
         stage_lerobot(work, args.budget_min, results)
     else:
-        stage_evaluate(work, args.episodes, args.checkpoint_episodes, args.max_episode_steps, results)
+        stage_evaluate(work, args.episodes, args.checkpoint_episodes, args.max_episode_steps, results, args.which)
     _save(work, Path(args.output), results)
 
 
