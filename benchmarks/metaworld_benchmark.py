@@ -16,7 +16,7 @@ Stages share `--work` (default data_cache/metaworld_bench, git-ignored) and writ
   action MSE on held-out episodes (validation split);
 - lerobot: `lerobot-train` with ACT from scratch (`pretrained_backbone_weights=null`: nothing to download) on the
   same dataset for the same wall-clock budget;
-- evaluate: every checkpoint through `hf_vla.evaluate` (lerobot's env wrapper, held-out seeds from 10,000,
+- evaluate: every checkpoint through `hf_vla.evaluate` (one torch thread: the env worker needs the other core) (lerobot's env wrapper, held-out seeds from 10,000,
   `--max_episode_steps`), `--episodes` per task for the last checkpoint, `--checkpoint_episodes` for the others; and
   the Spearman rank correlation of offline metrics with closed-loop success across checkpoints and tasks.
 """
@@ -140,7 +140,8 @@ def _evaluate(checkpoint: Path, episodes: int, max_steps: int, out: Path) -> dic
     subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(checkpoint), "--env", "metaworld",
                     "--task", ",".join(TASKS), "--episodes", str(episodes), "--image_size", str(IMAGE),
                     "--max_episode_steps", str(max_steps), "--n_action_steps", "8", "--save_videos", "1",
-                    "--output_dir", str(out)], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+                    "--output_dir", str(out)], check=True, cwd=REPO, stdout=subprocess.DEVNULL,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))  # 30 ms a step; with 2 threads beside an env: 150
     saved = json.loads((out / "eval_result.json").read_text())
     return {"success_rate": saved["success_rate"],
             "tasks": {name: {k: r[k] for k in ("success_rate", "episodes", "successes", "mean_steps")}
