@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
-from test_failures import _data_file, _set_vector, base_config, run_fails, write_config
+from test_failures import _data_file, _set_vector, assert_no_output, base_config, run_fails, write_config
 from test_processor_convert import _tiny_variants, _write_lerobot_checkpoint, build_lerobot_pi05
 
 from hf_vla import convert
@@ -186,6 +186,7 @@ def test_page_checksums_are_verified(data, tmp_path, capsys):
     path.write_bytes(bytes(raw))
     _, message = run_fails(capsys, write_config(tmp_path, base_config(data, tmp_path / "out")), code=1)
     assert str(path) in message and "CRC" in message, message
+    assert_no_output(tmp_path / "out")
 
 
 def test_values_far_outside_the_robust_range_are_refused(data, tmp_path, capsys):
@@ -194,6 +195,7 @@ def test_values_far_outside_the_robust_range_are_refused(data, tmp_path, capsys)
     for culprit in ("column 'observation.state'", str(_data_file(data)), "episode 3, frame 4, dim 2: 1.5e+38",
                     "widths outside the column's q01..q99 range", "outlier_widths"):
         assert culprit in message, message
+    assert_no_output(tmp_path / "out")
     config = base_config(data, tmp_path / "out2")
     config["datasets"][0]["outlier_widths"] = None  # the documented override: trains
     main([str(write_config(tmp_path, config, "override.json"))])
