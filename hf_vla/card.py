@@ -10,14 +10,17 @@ POLICY_NAMES = {"pi05": "pi0.5", "pi0": "pi0"}
 
 
 def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, training_args: dict | None = None,
-               model_name: str = "policy", repo_id: str | None = None, base_model: str | None = None, lora=None):
+               model_name: str = "policy", repo_id: str | None = None, base_model: str | None = None, lora=None,
+               rollouts: dict | None = None):
     """A `huggingface_hub.ModelCard` for a policy.
 
     config: the policy's config. datasets: one dict per dataset (name, source, weight, head, cameras, example_task),
     as `hf_vla.data.Provenance.datasets` has them. eval_metrics: the trainer's `eval_*` metrics (per-dataset table).
-    training_args: the arguments to list. lora: the peft adapter config, if any.
+    training_args: the arguments to list. lora: the peft adapter config, if any. rollouts: the last closed-loop
+    figures of `hf_vla.rollouts` (`env`, `step`, `episodes`, `success` per task), listed in the card and as model-index
+    results (metric `success_rate` per task).
     """
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     if not MODEL_CARD_TEMPLATE.is_file():
         raise FileNotFoundError(f"model card template {MODEL_CARD_TEMPLATE} not found")
@@ -38,6 +41,15 @@ def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, t
         datasets=[d["source"] for d in datasets if d.get("source") not in (None, "local")] or None,
         base_model=base_model,
     )
+    rollout_rows = []
+    if rollouts:
+        rollout_rows = [{"task": task, "success": f"{100 * value:.1f}%"} for task, value in rollouts["success"].items()]
+        card_data.model_name = model_name
+        card_data.eval_results = [
+            EvalResult(task_type="robotics", task_name="closed-loop control", dataset_type=rollouts["env"],
+                       dataset_name=task, metric_type="success_rate", metric_name="success rate",
+                       metric_value=round(float(value), 4))
+            for task, value in rollouts["success"].items()]
     lora_text = None
     if lora is not None:
         targets = lora.target_modules
@@ -52,7 +64,7 @@ def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, t
         datasets=[{k: d.get(k) for k in ("name", "source", "weight", "head", "cameras")} for d in datasets],
         eval_rows=eval_rows, eval_loss=fmt(metrics["eval_loss"]) if "eval_loss" in metrics else None,
         mixture_mse=fmt(metrics.get("eval_mixture_mse")), training_args=list((training_args or {}).items()),
-        lora=lora_text,
+        lora=lora_text, rollout_rows=rollout_rows, rollouts=rollouts,
     )
 
 

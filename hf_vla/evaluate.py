@@ -210,9 +210,10 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
                         task: str | None = None):
     """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client.
 
-    `env_id="metaworld"` with `task` (names or a difficulty group; `env_kwargs` may set `image_size`, the size the
-    data was recorded at, and `max_episode_steps`): each task in lerobot's Meta-World wrapper in its own worker
-    process; returns a `BenchmarkResult` (per-task results and their mean success rate) instead of an `EvalResult`.
+    `env_id="metaworld"` with `task` (names or a difficulty group) or `env_id="libero"` with `task` (suites such as
+    `libero_spatial`, or `suite/index`); `env_kwargs` may set `image_size`, the size the data was recorded at, and
+    `max_episode_steps`: each task in lerobot's env wrapper in its own worker process; returns a `BenchmarkResult`
+    (per-task results and their mean success rate) instead of an `EvalResult`.
     """
     import hf_vla.envs  # noqa: F401  (registers the demo env)
 
@@ -224,17 +225,15 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
         output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
     output_dir = Path(output_dir)
     common = dict(seed=seed, save_videos=save_videos, progress=progress, inference_delay=inference_delay, rtc=rtc)
-    if env_id == "metaworld":
-        from .envs import metaworld
-
-        names = metaworld.task_names(task or "reach-v3")
+    if env_id in BENCHMARKS:
+        names = benchmark_tasks(env_id, task)
         policy, chunk_size = _policy(checkpoint, server, device, head, seed, rtc_config, cameras)
         steps = n_action_steps or max(1, (chunk_size or 2) // 2)
         results = {}
         for name in names:
-            env = metaworld.in_worker(name, **(env_kwargs or {}))
+            env = _benchmark_module(env_id).in_worker(name, **(env_kwargs or {}))
             try:
-                _check_dims(policy, env, f"Meta-World {name}")
+                _check_dims(policy, env, f"{BENCHMARKS[env_id]} {name}")
                 if hasattr(policy, "reset"):
                     policy.reset()
                 results[name] = run_episodes(env, policy, episodes, steps, output_dir=output_dir / name,
@@ -243,12 +242,12 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
                 env.close()
             logger.info("%s: success %.1f%% (%d/%d), mean steps %.1f", name, 100 * results[name].success_rate,
                         results[name].successes, episodes, results[name].mean_steps)
-        result = BenchmarkResult.from_tasks("metaworld", results)
+        result = BenchmarkResult.from_tasks(env_id, results)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
         return result
     if task is not None:
-        raise ConfigError(f"task={task!r}: only a benchmark env (metaworld) has tasks to choose")
+        raise ConfigError(f"task={task!r}: only a benchmark env ({', '.join(BENCHMARKS)}) has tasks to choose")
     policy, chunk_size = _policy(checkpoint, server, device, head, seed, rtc_config, cameras)
     try:
         env = gym.make(env_id, **(env_kwargs or {}))
@@ -260,6 +259,23 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
     return result
+
+
+BENCHMARKS = {"metaworld": "Meta-World", "libero": "LIBERO"}  # envs with tasks, each in hf_vla.envs.<name>
+DEFAULT_TASKS = {"metaworld": "reach-v3", "libero": None}
+
+
+def _benchmark_module(env_id: str):
+    import importlib
+
+    return importlib.import_module(f"hf_vla.envs.{env_id}")
+
+
+def benchmark_tasks(env_id: str, task: str | None) -> list[str]:
+    """The task names of a benchmark env (`metaworld`: names or difficulty groups; `libero`: suites or suite/index)."""
+    module = _benchmark_module(env_id)
+    spec = task or DEFAULT_TASKS[env_id]
+    return module.task_names(spec) if env_id == "metaworld" else module.task_suites(spec)
 
 
 @dataclass
@@ -286,13 +302,14 @@ def main(argv=None):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="model + processor directory (or Hub id), run in-process")
     source.add_argument("--server", help="ws://HOST:PORT of a policy server (python -m hf_vla.serve)")
-    parser.add_argument("--env", default="hf_vla/ColorReach-v0", help="gymnasium env id, or `metaworld` (lerobot's "
-                        "Meta-World wrapper; needs --task)")
+    parser.add_argument("--env", default="hf_vla/ColorReach-v0", help="gymnasium env id, or `metaworld` / `libero` "
+                        "(lerobot's env wrappers; with --task)")
     parser.add_argument("--task", default=None, help="Meta-World task names (comma-separated) or a difficulty group "
-                        "(easy, medium, hard, very_hard)")
-    parser.add_argument("--image_size", type=int, default=None, help="Meta-World: the image side the training data was "
-                        "recorded at (default 128, as hf_vla.record)")
-    parser.add_argument("--max_episode_steps", type=int, default=None, help="Meta-World: episode limit (default 500)")
+                        "(easy, medium, hard, very_hard); LIBERO suites (libero_spatial, ...) or suite/index")
+    parser.add_argument("--image_size", type=int, default=None, help="Meta-World / LIBERO: the image side the training "
+                        "data was recorded at (default: 128 for Meta-World, as hf_vla.record; 256 for LIBERO)")
+    parser.add_argument("--max_episode_steps", type=int, default=None, help="benchmark envs: episode limit (default: "
+                        "500 for Meta-World, the suite's limit for LIBERO)")
     parser.add_argument("--episodes", type=int, default=50)
     parser.add_argument("--n_action_steps", type=int, default=None, help="actions executed per chunk (default: half)")
     parser.add_argument("--inference_delay", type=int, default=0,
@@ -318,10 +335,12 @@ def main(argv=None):
     positive("--image_size", args.image_size)
     positive("--max_episode_steps", args.max_episode_steps)
     env_kwargs = {}
-    if args.env == "metaworld":
-        from .envs.metaworld import task_names
+    if args.env in BENCHMARKS:
+        benchmark_tasks(args.env, args.task)  # an unknown task stops here, by name
+        if args.env == "libero":
+            from .envs.libero import require_libero
 
-        task_names(args.task or "reach-v3")  # an unknown task stops here, by name
+            require_libero()
         env_kwargs = {k: v for k, v in (("image_size", args.image_size), ("max_episode_steps", args.max_episode_steps))
                       if v is not None}
         if "OMP_NUM_THREADS" not in os.environ:  # leave a core to the env's worker: 30 ms a step instead of 150 on 2
@@ -330,7 +349,7 @@ def main(argv=None):
         import hf_vla.envs  # noqa: F401  (registers the demo env)
 
         if args.task is not None:
-            raise ConfigError(f"--task {args.task!r}: only --env metaworld has tasks")
+            raise ConfigError(f"--task {args.task!r}: only --env metaworld or --env libero has tasks")
         try:
             gym.spec(args.env)
         except gym.error.Error as error:

@@ -415,7 +415,9 @@ def _train(model_args, data_args, training_args):
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
     if training_args.push_to_hub:
-        trainer.push_to_hub()
+        trainer.push_to_hub()  # writes the model card too
+    elif training_args.should_save:  # the model card (data, evaluation, closed-loop figures) beside the weights
+        trainer.create_model_card()
     # every rank leaves together: a rank that exited while the main one still saved was seen to abort in gloo
     trainer.accelerator.wait_for_everyone()
     return trainer

@@ -74,6 +74,19 @@ class VLATrainingArguments(TrainingArguments):
     on_nonfinite (`str`, defaults to `"stop"`): what a NaN/inf loss or gradient norm does. `stop` raises an error
         naming the step and the batch's provenance before the optimizer steps (so no NaN reaches the weights or a
         checkpoint); `skip` drops that optimizer step, counts it (`nonfinite_skipped` in the logs) and goes on.
+    rollout_env (`str`, *optional*): closed-loop rollouts during training (`hf_vla.rollouts`) in this env:
+        `metaworld`, `libero` or a gymnasium id such as `hf_vla/ColorReach-v0`. Every `rollout_steps` steps the
+        weights are snapshotted and evaluated in a separate process while training goes on; the figures are logged
+        as `rollout/<task>/success` and `rollout/success` and end up in the model card.
+    rollout_tasks (`str`, *optional*): the benchmark's tasks, as `python -m hf_vla.evaluate --task` takes them.
+    rollout_steps (`int`, *optional*): optimizer steps between rollouts; required with `rollout_env`.
+    rollout_episodes (`int`, defaults to 10): episodes per task and rollout.
+    rollout_env_kwargs (`dict`, *optional*): env arguments, e.g. `{"image_size": 96, "max_episode_steps": 200}` (the
+        image size the data was recorded at).
+    rollout_seed (`int`, defaults to 10000): first episode seed (held out from recorded data that starts at 0).
+    rollout_videos (`int`, defaults to 1): GIFs saved per task and rollout, under `_rollouts/step-N/eval`.
+    rollout_device (`str`, *optional*): device of the rollout process (default: the training device).
+    rollout_wait (`bool`, defaults to `False`): evaluate synchronously (every rank waits) instead of alongside.
     """
 
     loss_aggregation: str = field(default="sample_mean", metadata={"help": f"one of {LOSS_AGGREGATIONS}"})
@@ -85,6 +98,15 @@ class VLATrainingArguments(TrainingArguments):
     decoder_threads: int | None = field(default=None, metadata={"help": "threads per video decoder (default: auto)"})
     action_metrics_batches: int = field(default=0, metadata={"help": "validation batches with sample_actions"})
     on_nonfinite: str = field(default="stop", metadata={"help": f"one of {NONFINITE_CHOICES}"})
+    rollout_env: str | None = field(default=None, metadata={"help": "closed-loop rollouts: metaworld | libero | gym id"})
+    rollout_tasks: str | None = field(default=None, metadata={"help": "the benchmark's tasks (as evaluate --task)"})
+    rollout_steps: int | None = field(default=None, metadata={"help": "optimizer steps between rollouts"})
+    rollout_episodes: int = field(default=10, metadata={"help": "episodes per task and rollout"})
+    rollout_env_kwargs: dict | None = field(default=None, metadata={"help": "env arguments (image_size, ...)"})
+    rollout_seed: int = field(default=10_000, metadata={"help": "first rollout episode seed"})
+    rollout_videos: int = field(default=1, metadata={"help": "GIFs per task and rollout"})
+    rollout_device: str | None = field(default=None, metadata={"help": "rollout device (default: training's)"})
+    rollout_wait: bool = field(default=False, metadata={"help": "evaluate synchronously (every rank waits)"})
 
     # pi0.5's published optimizer and schedule
     learning_rate: float = 2.5e-5
@@ -136,6 +158,9 @@ class VLATrainingArguments(TrainingArguments):
             raise ConfigError(f"freeze={self.freeze!r}: choose one of {FREEZE_CHOICES}")
         if self.on_nonfinite not in NONFINITE_CHOICES:
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: choose one of {NONFINITE_CHOICES}")
+        from .rollouts import check_rollout_args
+
+        check_rollout_args(self)
         if self.on_nonfinite == "skip" and self.deepspeed:
             raise ConfigError("on_nonfinite='skip' is not supported under DeepSpeed, which steps the optimizer inside "
                               "backward; use 'stop'")
@@ -189,6 +214,10 @@ class VLATrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         finish_engine(self.accelerator)
+        if args.rollout_env is not None:  # closed-loop success every rollout_steps steps (hf_vla.rollouts)
+            from .rollouts import RolloutCallback
+
+            self.add_callback(RolloutCallback(self))
         # We own the loss and normalise it by step-wide totals ourselves: the Trainer must not divide it again.
         self.model_accepts_loss_kwargs = True
         self._step_losses: list[torch.Tensor] = []  # this optimizer step's micro-batch losses (for on_nonfinite=skip)
@@ -698,16 +727,21 @@ def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_m
     model = trainer.accelerator.unwrap_model(trainer.model)
     peft_config = getattr(model, "peft_config", None) if hasattr(model, "get_base_model") else None
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
-    metrics = {}
+    metrics, rollouts = {}, None
     for entry in trainer.state.log_history:
         metrics.update({k: v for k, v in entry.items() if k.startswith("eval_")})
+        if "rollout/step" in entry:  # the last closed-loop figures (hf_vla.rollouts)
+            rollouts = {"env": trainer.args.rollout_env, "step": int(entry["rollout/step"]),
+                        "episodes": trainer.args.rollout_episodes,
+                        "success": {k.split("/")[1]: v for k, v in entry.items()
+                                    if k.startswith("rollout/") and k.endswith("/success") and k.count("/") == 2}}
     provenance = trainer.provenance
     return model_card(
         core.config, datasets=provenance.datasets if provenance is not None else [], eval_metrics=metrics,
         training_args={k: getattr(trainer.args, k) for k in CARD_ARGS},
         model_name=model_name or Path(trainer.args.output_dir).name,
         repo_id=trainer.args.hub_model_id or model_name or Path(trainer.args.output_dir).name, base_model=base_model,
-        lora=next(iter(peft_config.values())) if peft_config else None,
+        lora=next(iter(peft_config.values())) if peft_config else None, rollouts=rollouts,
     )
 
 

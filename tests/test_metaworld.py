@@ -56,7 +56,13 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
     train_main([str(REPO / "configs" / "pi05_metaworld.json"), "--datasets", json.dumps([dataset]), "--output_dir",
                 str(out), "--max_steps", "3", "--save_strategy", "no", "--validation_ratio", "0",
                 "--stream_open_blocks", "2", "--per_device_train_batch_size", "4", "--logging_steps", "1",
-                "--warmup_steps", "0"])
+                "--warmup_steps", "0", "--rollout_env", "metaworld", "--rollout_tasks", "reach", "--rollout_steps", "3",
+                "--rollout_episodes", "1", "--rollout_wait", "true", "--rollout_env_kwargs",
+                json.dumps({"image_size": IMAGE, "max_episode_steps": 12})])
+    rollout = json.loads((out / "rollout_results.jsonl").read_text())  # rollouts during training, same harness
+    assert rollout["step"] == 3 and set(rollout["metrics"]) == {"rollout/reach-v3/success", "rollout/success",
+                                                                 "rollout/step"}
+    assert rollout["result"]["tasks"]["reach-v3"]["episodes"] == 1 and "reach-v3" in (out / "README.md").read_text()
     result = evaluate_checkpoint(out, env_id="metaworld", task="reach", episodes=2, save_videos=1, progress=False,
                                  env_kwargs={"image_size": IMAGE, "max_episode_steps": 12}, output_dir=tmp_path / "eval")
     assert isinstance(result, BenchmarkResult) and list(result.tasks) == ["reach-v3"]

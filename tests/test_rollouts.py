@@ -1,0 +1,97 @@
+"""Closed-loop rollouts during training (hf_vla.rollouts) on the ColorReach demo: snapshots evaluated in a process of
+their own, figures logged and in the model card, equal to evaluating the same weights afterwards; bad arguments
+refused before training; a failed rollout is logged and training goes on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REPO
+
+from hf_vla.errors import ConfigError
+from hf_vla.train import main as train_main
+from hf_vla.train import parse_config
+
+ENV = "hf_vla/ColorReach-v0"
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory):
+    from hf_vla.envs.generate import ensure_demo_dataset
+
+    return ensure_demo_dataset(tmp_path_factory.mktemp("rollouts") / "data", episodes=6, seed=3)
+
+
+def train(demo_data, out, *overrides):
+    datasets = json.loads((REPO / "configs/demo.json").read_text())["datasets"]
+    datasets[0]["root"] = str(demo_data)
+    return train_main([str(REPO / "configs/demo.json"), "--datasets", json.dumps(datasets), "--output_dir", str(out),
+                       "--generate_demo_data", "false", "--validation_ratio", "0", "--per_device_train_batch_size",
+                       "4", "--stream_open_blocks", "2", "--logging_steps", "1", "--warmup_steps", "0",
+                       "--disable_tqdm", "true", "--rollout_env", ENV, "--rollout_episodes", "2", *overrides])
+
+
+def test_synchronous_rollouts_equal_evaluating_the_saved_weights(demo_data, tmp_path):
+    from hf_vla.evaluate import evaluate_checkpoint
+
+    out = tmp_path / "run"
+    trainer = train(demo_data, out, "--max_steps", "4", "--rollout_steps", "2", "--rollout_wait", "true")
+    logged = [e for e in trainer.state.log_history if "rollout/step" in e]
+    assert [e["rollout/step"] for e in logged] == [2, 4]
+    assert all(set(e) >= {"rollout/ColorReach-v0/success", "rollout/success"} for e in logged)
+    lines = [json.loads(line) for line in (out / "rollout_results.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [2, 4] and lines[1]["result"]["episodes"] == 2
+    # the step-4 snapshot is the final model: evaluating the saved model afterwards gives the same episodes
+    again = evaluate_checkpoint(out, env_id=ENV, episodes=2, seed=10_000, save_videos=0, progress=False,
+                                output_dir=tmp_path / "again")
+    assert (again.success_rate, again.mean_steps) == (lines[1]["result"]["success_rate"], lines[1]["result"]["mean_steps"])
+    snapshot = out / "_rollouts" / "step-4"
+    assert not list(snapshot.glob("*.safetensors"))  # the weights are gone once evaluated, the figures stay
+    assert (snapshot / "eval" / "eval_result.json").is_file() and list((snapshot / "eval").glob("*.gif"))
+    card = (out / "README.md").read_text()
+    assert "model-index" in card and "success_rate" in card and "weights of step 4" in card
+
+
+def test_asynchronous_rollout_is_awaited_at_the_end_and_a_failed_one_does_not_stop_training(demo_data, tmp_path,
+                                                                                           caplog):
+    out = tmp_path / "run"
+    trainer = train(demo_data, out, "--max_steps", "3", "--rollout_steps", "2")
+    logged = [e for e in trainer.state.log_history if "rollout/step" in e]
+    assert [e["rollout/step"] for e in logged] == [2] and 0.0 <= logged[0]["rollout/success"] <= 1.0
+    # an env argument the env does not take: the rollout process fails, the error is logged, training finishes
+    out = tmp_path / "broken"
+    trainer = train(demo_data, out, "--max_steps", "2", "--rollout_steps", "1", "--rollout_wait", "true",
+                    "--rollout_env_kwargs", '{"no_such_argument": 1}')
+    assert trainer.state.global_step == 2 and (out / "model.safetensors").is_file()
+    assert not [e for e in trainer.state.log_history if "rollout/step" in e]
+    assert "the rollout of step 1 failed" in caplog.text and "no_such_argument" in caplog.text
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--rollout_env", ENV], "rollout_steps=None"),
+    (["--rollout_env", ENV, "--rollout_steps", "5", "--rollout_episodes", "0"], "rollout_episodes=0"),
+    (["--rollout_env", "hf_vla/Nope-v0", "--rollout_steps", "5"], "rollout_env='hf_vla/Nope-v0'"),
+    (["--rollout_env", ENV, "--rollout_steps", "5", "--rollout_tasks", "reach"], "only a benchmark env"),
+    (["--rollout_env", "libero", "--rollout_steps", "5", "--rollout_tasks", "libero_nope"], "'libero_nope' is not"),
+    (["--rollout_env", "libero", "--rollout_steps", "5", "--rollout_tasks", "libero_goal/10"], "tasks 0..9"),
+])
+def test_rollout_arguments_are_checked_before_anything_runs(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        parse_config(REPO / "configs/demo.json", overrides)
+
+
+def test_libero_without_its_package_is_one_line():
+    pytest.importorskip("lerobot")
+    try:
+        import libero  # noqa: F401
+        pytest.skip("LIBERO is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ConfigError, match="pip install hf-libero"):
+        parse_config(REPO / "configs/demo.json", ["--rollout_env", "libero", "--rollout_steps", "5",
+                                                   "--rollout_tasks", "libero_spatial"])
+    from hf_vla.evaluate import main
+
+    with pytest.raises(ConfigError, match="pip install hf-libero"):
+        main(["--checkpoint", "someone/policy", "--env", "libero", "--task", "libero_spatial"])
