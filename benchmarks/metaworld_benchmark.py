@@ -82,26 +82,35 @@ def _train(work: Path, out: Path, overrides: list[str]) -> float:
     return time.perf_counter() - started
 
 
-def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict):
-    probe = work / "probe"
-    probe_steps = 200
-    seconds = _train(work, probe, ["--max_steps", str(probe_steps), "--save_strategy", "no", "--validation_ratio",
-                                   "0.05", "--eval_strategy", "no"])
-    rate = probe_steps / seconds  # includes start-up: a safe under-estimate
+def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict, tag: str = "hf_vla",
+                 rate: float | None = None, rollout_episodes: int = 0, max_episode_steps: int = 200):
+    if rate is None:  # the step rate, measured undisturbed (a run's wall clock may be stretched by other work)
+        probe = work / "probe"
+        probe_steps = 200
+        seconds = _train(work, probe, ["--max_steps", str(probe_steps), "--save_strategy", "no", "--validation_ratio",
+                                       "0.05", "--eval_strategy", "no"])
+        rate = probe_steps / seconds  # includes start-up: a safe under-estimate
     steps = int(rate * budget_min * 60 / 100) * 100
-    out = work / "hf_vla"
+    out = work / tag
     save = max(100, steps // checkpoints // 100 * 100)
+    rollouts = [] if not rollout_episodes else [  # closed-loop success at every checkpoint, during training
+        "--rollout_env", "metaworld", "--rollout_tasks", ",".join(TASKS), "--rollout_steps", str(save),
+        "--rollout_episodes", str(rollout_episodes), "--rollout_env_kwargs",
+        json.dumps({"image_size": IMAGE, "max_episode_steps": max_episode_steps})]
     seconds = _train(work, out, ["--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", str(save),
                                  "--eval_strategy", "steps", "--eval_steps", str(save), "--validation_ratio", "0.05",
                                  "--lr_scheduler_kwargs", json.dumps({"num_decay_steps": max(1, steps // 4),
-                                                                      "min_lr_ratio": 0.1})])
+                                                                      "min_lr_ratio": 0.1}), *rollouts])
     history = json.loads(sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
                          .joinpath("trainer_state.json").read_text())["log_history"]
     evals = {int(e["step"]): {k: v for k, v in e.items() if k.startswith("eval_")} for e in history
              if "eval_loss" in e}
-    results["hf_vla"] = {"budget_min": budget_min, "probe_steps_per_s": round(rate, 2), "max_steps": steps,
-                         "train_seconds": round(seconds, 1), "checkpoint_every": save, "offline": evals,
-                         "batch_size": 32}
+    results[tag] = {"budget_min": budget_min, "probe_steps_per_s": round(rate, 2), "max_steps": steps,
+                    "train_seconds": round(seconds, 1), "checkpoint_every": save, "offline": evals, "batch_size": 32}
+    if (out / "rollout_results.jsonl").exists():  # hf_vla.rollouts: per-task success at each rollout step
+        results[tag]["rollouts"] = {
+            str(line["step"]): {task: r["success_rate"] for task, r in line["result"]["tasks"].items()}
+            for line in map(json.loads, (out / "rollout_results.jsonl").read_text().splitlines())}
 
 
 def stage_lerobot(work: Path, budget_min: float, results: dict, batch: int = 32):
@@ -201,7 +210,7 @@ def _spearman(x: list[float], y: list[float]) -> float:
 
 
 def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_steps: int, results: dict,
-                   which: str = "both"):
+                   which: str = "both", tag: str = "hf_vla"):
     if which in ("both", "lerobot"):
         act = sorted((work / "lerobot_act" / "checkpoints").glob("*/pretrained_model"))
         if act:
@@ -211,17 +220,21 @@ def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_step
             results["lerobot_act"]["closed_loop"]["seconds"] = round(time.perf_counter() - started, 1)
     if which == "lerobot":
         return
-    out = work / "hf_vla"
+    out = work / tag
     checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     closed = {}
     for index, checkpoint in enumerate(checkpoints):
         last = index == len(checkpoints) - 1
+        if not last and not checkpoint_episodes:
+            continue
         started = time.perf_counter()
         closed[checkpoint.name] = _evaluate(checkpoint, episodes if last else checkpoint_episodes, max_steps,
                                             work / "eval" / checkpoint.name)
         closed[checkpoint.name]["seconds"] = round(time.perf_counter() - started, 1)
-    results.setdefault("hf_vla", {})["closed_loop"] = closed
+    results.setdefault(tag, {})["closed_loop"] = closed
     results["max_episode_steps"] = max_steps
+    if tag != "hf_vla":
+        return
     # offline metrics against closed-loop success: per checkpoint (mean) and per (checkpoint, task)
     offline = results["hf_vla"].get("offline", {})
     pairs_loss, pairs_success, task_mse, task_success = [], [], [], []
@@ -255,6 +268,12 @@ def main(argv=None):
     parser.add_argument("--episodes", type=int, default=50)
     parser.add_argument("--checkpoint_episodes", type=int, default=20)
     parser.add_argument("--max_episode_steps", type=int, default=200)
+    parser.add_argument("--tag", default="hf_vla", help="hf_vla and evaluate stages: the run's folder under --work "
+                        "and key in the results (e.g. hf_vla_60 for a 60-minute budget beside the 20-minute one)")
+    parser.add_argument("--steps_per_s", type=float, default=None, help="hf_vla stage: a step rate measured before "
+                        "(skips the probe)")
+    parser.add_argument("--rollout_episodes", type=int, default=0, help="hf_vla stage: closed-loop episodes per task "
+                        "at every checkpoint, during training (hf_vla.rollouts)")
     parser.add_argument("--which", choices=["both", "hf_vla", "lerobot"], default="both", help="evaluate stage: whose "
                         "checkpoints")
     args = parser.parse_args(argv)
@@ -264,11 +283,13 @@ def main(argv=None):
     if args.stage == "record":
         stage_record(work, args.record_episodes, results)
     elif args.stage == "hf_vla":
-        stage_hf_vla(work, args.budget_min, args.checkpoints, results)
+        stage_hf_vla(work, args.budget_min, args.checkpoints, results, args.tag, args.steps_per_s,
+                     args.rollout_episodes, args.max_episode_steps)
     elif args.stage == "lerobot":
         stage_lerobot(work, args.budget_min, results)
     else:
-        stage_evaluate(work, args.episodes, args.checkpoint_episodes, args.max_episode_steps, results, args.which)
+        stage_evaluate(work, args.episodes, args.checkpoint_episodes, args.max_episode_steps, results, args.which,
+                       args.tag)
     _save(work, Path(args.output), results)
 
 

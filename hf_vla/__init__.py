@@ -2,6 +2,7 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText, AutoProcessor
 
+from .hub import resolve_pretrained
 from .losses import PerSampleLoss
 from .models.pi05 import (
     PI05Config,
@@ -37,6 +38,7 @@ __all__ = [
     "PI05Processor",
     "RTCConfig",
     "__version__",
+    "resolve_pretrained",
 ]
 
 

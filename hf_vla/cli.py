@@ -7,6 +7,7 @@ A bad argument or input ends a command with one line on stderr, `<command>: erro
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -39,6 +40,16 @@ def run(prog: str, main: Callable, argv=None):
         message = " ".join(str(error).split())  # one line, whatever the message's own layout
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(error.exit_code) from None
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Log hf_vla's messages at `level` on stderr.
+
+    `logging.basicConfig` alone is not enough: lerobot logs through the root logger while it is imported, which
+    configures the root at WARNING first (and makes a later `basicConfig` a no-op), hiding every INFO line of ours.
+    """
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hf_vla").setLevel(level)
 
 
 def positive(flag: str, value, allow_zero: bool = False):
@@ -79,4 +90,5 @@ def websocket_uri(flag: str, value: str) -> str:
     return value
 
 
-__all__ = ["ArgumentParser", "HUB_ID", "model_source", "output_dir", "positive", "run", "websocket_uri"]
+__all__ = ["ArgumentParser", "HUB_ID", "model_source", "output_dir", "positive", "run", "setup_logging",
+           "websocket_uri"]

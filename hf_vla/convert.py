@@ -119,8 +119,62 @@ _GEMMA_VARIANTS = {
 _VISION_DIMS = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, patch_size=14)
 
 
-def config_from_lerobot(lerobot_config: dict):
-    """Build the hf_vla/transformers config from a lerobot policy `config.json` (published dims per variant)."""
+def dims_from_weights(shapes: dict[str, tuple]) -> dict:
+    """Tower dims read from a lerobot pi0 / pi0.5 state dict's tensor shapes (names as lerobot or openpi store them).
+
+    Returns `text`, `expert` (hidden, layers, intermediate, heads, head_dim), `vision` (hidden, layers, intermediate,
+    patch size, image size), `vocab_size` and `max_action_dim`, for what the shapes determine. Attention head counts
+    do not show in a shape (only heads x head_dim does): the KV heads of the Gemma towers and SigLIP's heads come from
+    the published architecture, and the query heads follow from them.
+    """
+    def layers(pattern: str) -> int:
+        found = {int(m.group(1)) for key in shapes if (m := re.search(pattern, key))}
+        return max(found) + 1 if found else 0
+
+    def first(pattern: str):
+        return next((shape for key, shape in shapes.items() if re.search(pattern, key)), None)
+
+    dims: dict = {}
+    for tower, where, variant in (("text", r"paligemma\.(?:model\.)?language_model\.(?:model\.)?", "gemma_2b"),
+                                  ("expert", r"gemma_expert\.model\.", "gemma_300m")):
+        q = first(where + r"layers\.0\.self_attn\.q_proj\.weight$")
+        k = first(where + r"layers\.0\.self_attn\.k_proj\.weight$")
+        gate = first(where + r"layers\.0\.mlp\.gate_proj\.weight$")
+        if q is None or k is None or gate is None:
+            continue
+        kv_heads = _GEMMA_VARIANTS[variant]["num_key_value_heads"]
+        head_dim = k[0] // kv_heads
+        dims[tower] = dict(hidden_size=q[1], num_hidden_layers=layers(where + r"layers\.(\d+)\."),
+                           intermediate_size=gate[0], num_attention_heads=q[0] // head_dim,
+                           num_key_value_heads=kv_heads, head_dim=head_dim)
+    patch = first(r"vision_model\.embeddings\.patch_embedding\.weight$")
+    positions = first(r"vision_model\.embeddings\.position_embedding\.weight$")
+    fc1 = first(r"vision_model\.encoder\.layers\.0\.mlp\.fc1\.weight$")
+    if patch is not None and positions is not None and fc1 is not None:
+        side = round(positions[0] ** 0.5)
+        dims["vision"] = dict(hidden_size=patch[0], patch_size=patch[-1], image_size=side * patch[-1],
+                              intermediate_size=fc1[0],
+                              num_hidden_layers=layers(r"vision_model\.encoder\.layers\.(\d+)\."))
+    embed = first(r"paligemma\.(?:lm_head|(?:model\.)?language_model\.(?:model\.)?embed_tokens)\.weight$")
+    if embed is not None:
+        dims["vocab_size"] = embed[0]
+    action_in = first(r"(?:^|\.)action_in_proj\.weight$")
+    if action_in is not None:
+        dims["max_action_dim"] = action_in[1]
+    return dims
+
+
+def weight_shapes(path: str | Path) -> dict[str, tuple]:
+    """Tensor shapes of a safetensors file, read from its header (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+
+
+def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = None):
+    """Build the hf_vla/transformers config from a lerobot policy `config.json`, with the tower dims read from the
+    weights' shapes when given (`dims_from_weights`); without them, the published dims of the named variants."""
     from transformers import PI0Config
 
     from .models.pi05 import PI05Config
@@ -131,12 +185,21 @@ def config_from_lerobot(lerobot_config: dict):
     image_size = (lerobot_config.get("image_resolution") or [224, 224])[0]
     text = dict(_GEMMA_VARIANTS[lerobot_config.get("paligemma_variant", "gemma_2b")])
     expert = dict(_GEMMA_VARIANTS[lerobot_config.get("action_expert_variant", "gemma_300m")])
+    vision = dict(_VISION_DIMS, image_size=image_size)
     vocab = 257152
+    measured = dims_from_weights(shapes) if shapes else {}
+    text.update(measured.get("text", {}))
+    expert.update(measured.get("expert", {}))
+    if "vision" in measured:
+        if measured["vision"]["hidden_size"] != vision["hidden_size"]:  # not So400m: heads of 64 dims (SigLIP's)
+            vision["num_attention_heads"] = max(1, measured["vision"]["hidden_size"] // 64)
+        vision.update(measured["vision"])
+    vocab = measured.get("vocab_size", vocab)
     vlm_config = {
         "model_type": "paligemma",
         "text_config": {"model_type": "gemma", "vocab_size": vocab, "hidden_act": "gelu_pytorch_tanh", **text},
         "vision_config": {
-            "model_type": "siglip_vision_model", **_VISION_DIMS, "image_size": image_size, "vision_use_head": False,
+            "model_type": "siglip_vision_model", **vision, "vision_use_head": False,
             "projection_dim": text["hidden_size"],
         },
         "projection_dim": text["hidden_size"],
@@ -149,6 +212,11 @@ def config_from_lerobot(lerobot_config: dict):
                     "time_sampling_beta_beta", "time_sampling_scale", "time_sampling_offset", "min_period", "max_period")
         if key in lerobot_config
     }
+    if "max_action_dim" in measured:
+        if "max_action_dim" in common and common["max_action_dim"] != measured["max_action_dim"]:
+            raise DataError(f"config.json says max_action_dim={common['max_action_dim']} but the weights' "
+                            f"action_in_proj takes {measured['max_action_dim']}")
+        common["max_action_dim"] = measured["max_action_dim"]
     if policy_type == "pi05":
         if "tokenizer_max_length" in lerobot_config:
             common["tokenizer_max_length"] = lerobot_config["tokenizer_max_length"]
@@ -190,7 +258,7 @@ def _check_paths(input_dir: Path, output_dir: Path, overwrite: bool):
 
 
 def convert_checkpoint(
-    input_dir: str | Path, output_dir: str | Path, tokenizer: str = "google/paligemma-3b-pt-224", head: str = "default",
+    input_dir: str | Path, output_dir: str | Path, tokenizer="google/paligemma-3b-pt-224", head: str = "default",
     overwrite: bool = False,
 ) -> Path:
     """Convert a lerobot checkpoint directory and write model + processor to `output_dir`.
@@ -210,14 +278,17 @@ def convert_checkpoint(
                                    "model.safetensors")
     _check_paths(input_dir, output_dir, overwrite)
     try:
-        config = config_from_lerobot(json.loads(config_file.read_text()))
+        config = config_from_lerobot(json.loads(config_file.read_text()), weight_shapes(weights_file))
     except json.JSONDecodeError as error:
         raise ConfigError(f"{config_file}: not valid JSON ({error})") from error
-    try:
-        tok = AutoTokenizer.from_pretrained(tokenizer)
-    except (OSError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"--tokenizer {tokenizer!r} could not be loaded: {first}") from error
+    if isinstance(tokenizer, str | os.PathLike):
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        except (OSError, ValueError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(f"--tokenizer {tokenizer!r} could not be loaded: {first}") from error
+    else:  # a tokenizer object (hf_vla.train passes the one it trains with)
+        tok = tokenizer
     stats = read_lerobot_norm_stats(input_dir)
     state_dict = convert_lerobot_state_dict(load_file(str(weights_file)), config)
     if config.model_type == "pi05":
@@ -281,7 +352,9 @@ def main(argv=None):
         raise ConfigError(f"--input {args.input!r}: not a lerobot checkpoint directory (no {' or '.join(missing)})")
     if not args.head.strip():
         raise ConfigError("--head: must not be empty")
-    logging.basicConfig(level=logging.INFO)
+    from .cli import setup_logging
+
+    setup_logging()
     return convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer, head=args.head,
                               overwrite=args.overwrite)
 

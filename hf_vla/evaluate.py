@@ -189,11 +189,11 @@ def _check_dims(policy, env, where: str) -> None:
                               f"{ours}: a checkpoint trained on another robot or env")
 
 
-def _policy(checkpoint, server, device, head, seed, rtc_config, cameras):
+def _policy(checkpoint, server, device, head, seed, rtc_config, cameras, revision=None):
     if server is not None:
         policy = RemotePolicy(websocket_uri("server", server))
         return policy, int(policy.metadata.get("chunk_size", 0)) or None
-    policy = load_policy(checkpoint, device=device, head=head, seed=seed, rtc=rtc_config or RTCConfig(),
+    policy = load_policy(checkpoint, device=device, revision=revision, head=head, seed=seed, rtc=rtc_config or RTCConfig(),
                          obs_map=ObservationMap(cameras=cameras or None))
     try:
         policy.head_name()
@@ -207,7 +207,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
                         save_videos: int = 3, output_dir: str | Path | None = None, device: str = "cpu",
                         env_kwargs: dict | None = None, progress: bool = True, server: str | None = None,
                         inference_delay: int = 0, rtc: bool = False, rtc_config: RTCConfig | None = None,
-                        task: str | None = None):
+                        task: str | None = None, revision: str | None = None):
     """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client.
 
     `env_id="metaworld"` with `task` (names or a difficulty group) or `env_id="libero"` with `task` (suites such as
@@ -227,7 +227,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
     common = dict(seed=seed, save_videos=save_videos, progress=progress, inference_delay=inference_delay, rtc=rtc)
     if env_id in BENCHMARKS:
         names = benchmark_tasks(env_id, task)
-        policy, chunk_size = _policy(checkpoint, server, device, head, seed, rtc_config, cameras)
+        policy, chunk_size = _policy(checkpoint, server, device, head, seed, rtc_config, cameras, revision)
         steps = n_action_steps or max(1, (chunk_size or 2) // 2)
         results = {}
         for name in names:
@@ -248,7 +248,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_
         return result
     if task is not None:
         raise ConfigError(f"task={task!r}: only a benchmark env ({', '.join(BENCHMARKS)}) has tasks to choose")
-    policy, chunk_size = _policy(checkpoint, server, device, head, seed, rtc_config, cameras)
+    policy, chunk_size = _policy(checkpoint, server, device, head, seed, rtc_config, cameras, revision)
     try:
         env = gym.make(env_id, **(env_kwargs or {}))
     except gym.error.Error as error:
@@ -300,7 +300,9 @@ def main(argv=None):
     """The command; raises `hf_vla.errors.VLAError` for bad arguments (`cli` prints them as one line)."""
     parser = ArgumentParser(prog="python -m hf_vla.evaluate", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="model + processor directory (or Hub id), run in-process")
+    source.add_argument("--checkpoint", help="model + processor directory or Hub id (a lerobot pi0.5 checkpoint is "
+                        "converted on load), run in-process")
+    parser.add_argument("--revision", default=None, help="Hub revision of --checkpoint")
     source.add_argument("--server", help="ws://HOST:PORT of a policy server (python -m hf_vla.serve)")
     parser.add_argument("--env", default="hf_vla/ColorReach-v0", help="gymnasium env id, or `metaworld` / `libero` "
                         "(lerobot's env wrappers; with --task)")
@@ -354,11 +356,14 @@ def main(argv=None):
             gym.spec(args.env)
         except gym.error.Error as error:
             raise ConfigError(f"--env {args.env!r}: {error}") from error
-    logging.basicConfig(level=logging.INFO)
+    from .cli import setup_logging
+
+    setup_logging()
     result = evaluate_checkpoint(checkpoint, args.env, args.episodes, args.n_action_steps, args.seed, args.head,
                                  args.cameras, args.save_videos, args.output_dir, args.device, server=args.server,
                                  inference_delay=args.inference_delay, rtc=args.rtc,
-                                 rtc_config=rtc_config_from_args(args), task=args.task, env_kwargs=env_kwargs or None)
+                                 rtc_config=rtc_config_from_args(args), task=args.task, env_kwargs=env_kwargs or None,
+                                 revision=args.revision)
     if isinstance(result, BenchmarkResult):
         print(result.table())
     print(json.dumps(asdict(result), indent=2))

@@ -318,18 +318,23 @@ class PolicyRunner:
         return self.processor.unnormalize_actions(chunk, self.head_name()).numpy()
 
 
-def load_policy(checkpoint: str | Path, device: str = "cpu", **kwargs) -> PolicyRunner:
-    """`AutoModel` + `PI05Processor` from a directory or Hub id, wrapped in a `PolicyRunner`."""
+def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | None = None, **kwargs) -> PolicyRunner:
+    """`AutoModel` + `PI05Processor` from a directory or Hub id (a lerobot pi0.5 checkpoint is converted on load and
+    cached, `hf_vla.hub.resolve_pretrained`), wrapped in a `PolicyRunner`."""
     from transformers import AutoModel
 
     import hf_vla  # noqa: F401  (registers pi05)
 
     from .errors import ConfigError
+    from .hub import resolve_pretrained
     from .models.pi05 import PI05Processor
 
+    resolved = resolve_pretrained(checkpoint, revision=revision)
+    if resolved != str(checkpoint):
+        checkpoint, revision = resolved, None
     try:
-        model = AutoModel.from_pretrained(checkpoint)
-        processor = PI05Processor.from_pretrained(checkpoint)
+        model = AutoModel.from_pretrained(checkpoint, revision=revision)
+        processor = PI05Processor.from_pretrained(checkpoint, revision=revision)
     except (OSError, ValueError) as error:  # a missing directory or Hub repo, offline, a config without a model type
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"checkpoint {str(checkpoint)!r} could not be loaded: {first}") from error

@@ -207,7 +207,9 @@ def main(argv=None):
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output once the new one is "
                         "complete")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .cli import setup_logging
+
+    setup_logging()
     result = record(args.env, args.output, args.episodes, tasks=args.task, image_size=args.image_size,
                     seed=args.seed, max_episode_steps=args.max_episode_steps, overwrite=args.overwrite)
     print(json.dumps(asdict(result), indent=2))

@@ -175,7 +175,9 @@ def _run(spec_path: str) -> None:
     from .evaluate import evaluate_checkpoint
 
     spec = json.loads(Path(spec_path).read_text())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .cli import setup_logging
+
+    setup_logging()
     result = evaluate_checkpoint(spec["checkpoint"], env_id=spec["env"], episodes=spec["episodes"], task=spec["task"],
                                  env_kwargs=spec["env_kwargs"], save_videos=spec["save_videos"], seed=spec["seed"],
                                  device=spec["device"], output_dir=spec["output_dir"], progress=False)

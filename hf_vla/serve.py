@@ -310,7 +310,9 @@ def _optional_int(value, key: str):
 def main(argv=None):
     """The command; raises `hf_vla.errors.VLAError` for bad arguments (`cli` prints them as one line)."""
     parser = ArgumentParser(prog="python -m hf_vla.serve", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="model + processor directory or Hub id")
+    parser.add_argument("--checkpoint", required=True, help="model + processor directory or Hub id (a lerobot pi0.5 "
+                        "checkpoint is converted on load)")
+    parser.add_argument("--revision", default=None, help="Hub revision of --checkpoint")
     parser.add_argument("--host", default="0.0.0.0", help="interface to bind (default all, as openpi's server; "
                         "127.0.0.1 for this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
@@ -345,7 +347,9 @@ def main(argv=None):
         obs_map = ObservationMap.from_json(args.obs_map) if args.obs_map else ObservationMap()
     except ValueError as error:
         raise ConfigError(f"--obs_map: {error}") from error
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .cli import setup_logging
+
+    setup_logging()
 
     for field_name, value in (("cameras", args.cameras), ("state", args.state), ("prompt", args.prompt_key)):
         if value:
@@ -354,7 +358,7 @@ def main(argv=None):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name}: must be positive, got {value}")
-    runner = load_policy(checkpoint, device=args.device, obs_map=obs_map, seed=args.seed,
+    runner = load_policy(checkpoint, device=args.device, revision=args.revision, obs_map=obs_map, seed=args.seed,
                          rtc=rtc_config_from_args(args), num_camera_slots=args.num_camera_slots,
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
     heads = runner.processor.head_names

@@ -46,8 +46,10 @@ class ModelArguments:
     """Which policy to train and from where.
 
     policy: `pi05` (hf_vla) or `pi0` (transformers' own model).
-    model_name_or_path: a converted / hf_vla checkpoint (local dir or Hub id) to start from; without it the policy is
-        built from `model_config` with fresh weights (seeded with `seed`).
+    model_name_or_path: a checkpoint (local dir or Hub id) to start from: hf_vla / transformers, or lerobot's pi0 /
+        pi0.5 (e.g. `lerobot/pi05_base`), converted on load and cached (`hf_vla.hub.resolve_pretrained`); without it
+        the policy is built from `model_config` with fresh weights (seeded with `seed`).
+    model_revision: the Hub revision (branch, tag or commit) of `model_name_or_path`.
     model_config: config fields for a policy built from scratch (the demo's tiny dims, for example); its keys are
         checked against the policy's config class.
     tokenizer: tokenizer id or path (real runs: `google/paligemma-3b-pt-224`); `"tiny"` builds the small offline one.
@@ -66,6 +68,7 @@ class ModelArguments:
 
     policy: str = field(default="pi05", metadata={"help": f"one of {POLICIES}"})
     model_name_or_path: str | None = field(default=None, metadata={"help": "checkpoint to start from"})
+    model_revision: str | None = field(default=None, metadata={"help": "Hub revision of model_name_or_path"})
     model_config: dict | None = field(default=None, metadata={"help": "config of a policy built from scratch"})
     tokenizer: str = field(default="google/paligemma-3b-pt-224", metadata={"help": "tokenizer id/path or 'tiny'"})
     attn_implementation: str = field(default="sdpa", metadata={"help": f"one of {ATTENTION}"})
@@ -289,7 +292,7 @@ def _base_model_config(model_args: ModelArguments):
         from transformers import AutoConfig
 
         try:
-            config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+            config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
         except (OSError, ValueError) as error:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: no loadable config ({error})") \
                 from error
@@ -315,7 +318,7 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
     if model_args.model_name_or_path:
         try:  # the checkpoint's weights with its config as model_config() read it (rtc_max_delay applied)
             return AutoModelForImageTextToText.from_pretrained(
-                model_args.model_name_or_path, config=config, dtype=dtype,
+                model_args.model_name_or_path, config=config, dtype=dtype, revision=model_args.model_revision,
                 attn_implementation=model_args.attn_implementation
             )
         except OSError as error:
@@ -355,8 +358,9 @@ def main(argv: list[str] | None = None):
 
         allow_sharding_on_cpu()
     model_args, data_args, training_args = parse_config(argv[0], argv[1:])
-    logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .cli import setup_logging
+
+    setup_logging(logging.INFO if training_args.should_log else logging.WARNING)
     # one run per output_dir: the main process holds its lock until the run ends (hf_vla.run_lock)
     from .run_lock import RunLock
 
@@ -367,6 +371,14 @@ def main(argv: list[str] | None = None):
 def _train(model_args, data_args, training_args):
     # Cheapest first: tokenizer and config, then the data checks and statistics, the weights last.
     tokenizer = build_tokenizer(model_args.tokenizer)
+    source = model_args.model_name_or_path
+    if source:  # a lerobot checkpoint (Hub id or directory) is converted once per node, then read from the cache
+        from .hub import resolve_pretrained
+
+        with training_args.main_process_first(local=True, desc="checkpoint conversion"):
+            model_args.model_name_or_path = resolve_pretrained(source, model_args.model_revision, tokenizer=tokenizer)
+        if model_args.model_name_or_path != source:
+            model_args.model_revision = None  # the converted copy is local
     config = model_config(model_args)
     if data_args.generate_demo_data:
         from .envs.generate import ensure_demo_dataset
@@ -384,6 +396,8 @@ def _train(model_args, data_args, training_args):
                                          split_seed=data_args.split_seed)
     _check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None)
     model = build_model(model_args, config, seed=training_args.seed, full_determinism=training_args.full_determinism)
+    if source and model_args.model_name_or_path != source:
+        model.config._name_or_path = source  # the model card names the Hub id it was fine-tuned from
     if model_args.policy == "pi05":
         processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
                                               head_names=mixture.head_names)

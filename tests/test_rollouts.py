@@ -95,3 +95,32 @@ def test_libero_without_its_package_is_one_line():
 
     with pytest.raises(ConfigError, match="pip install hf-libero"):
         main(["--checkpoint", "someone/policy", "--env", "libero", "--task", "libero_spatial"])
+
+
+@pytest.mark.slow
+def test_rollouts_under_a_two_process_fsdp2_launch(demo_data, tmp_path):
+    """Every rank writes the snapshot together (FSDP2 gathers the shards), only the main process evaluates it, the
+    others train on; the snapshot is the whole model (its rollout runs and equals evaluating the saved weights)."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_vla.evaluate import evaluate_checkpoint
+
+    settings = json.loads((REPO / "configs/demo.json").read_text())
+    settings["datasets"][0]["root"] = str(demo_data)
+    settings.update(output_dir=str(tmp_path / "run"), generate_demo_data=False, validation_ratio=0, max_steps=2,
+                    per_device_train_batch_size=2, stream_open_blocks=2, warmup_steps=0, disable_tqdm=True,
+                    rollout_env=ENV, rollout_steps=2, rollout_episodes=2, dataloader_num_workers=0)
+    (tmp_path / "run.json").write_text(json.dumps(settings))
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                             str(REPO / "configs" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2",
+                             "--main_process_port", "29681", "-m", "hf_vla.train", str(tmp_path / "run.json")],
+                            capture_output=True, text=True, cwd=REPO, timeout=900,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", HF_VLA_CPU_SHARDING="1"))
+    assert result.returncode == 0, result.stderr[-5000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "rollout_results.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [2]
+    again = evaluate_checkpoint(tmp_path / "run", env_id=ENV, episodes=2, save_videos=0, progress=False,
+                                output_dir=tmp_path / "again")
+    assert (again.success_rate, again.mean_steps) == (lines[0]["result"]["success_rate"], lines[0]["result"]["mean_steps"])

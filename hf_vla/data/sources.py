@@ -37,7 +37,11 @@ NUMERIC_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "in
 class DatasetConfig:
     """How one LeRobot dataset feeds the model (its feature mapping). Everything is configuration, no code.
 
-    repo_id: Hub id (e.g. `lerobot/droid_1.0.1`); root: local dataset directory (either or both).
+    repo_id: Hub id (e.g. `lerobot/droid_1.0.1`); root: local dataset directory (either or both). With a repo_id
+        and no root the dataset lives in lerobot's cache (`$HF_LEROBOT_HOME/<repo_id>`): its metadata is fetched
+        first, then only the data and video files of the episodes and cameras the run uses (resumable, with a
+        progress bar; with `HF_HUB_OFFLINE=1` a dataset already there trains offline).
+    revision: the Hub revision (branch, tag or commit) of a repo_id dataset (default: lerobot's codebase version tag).
     name: display name for metrics (`eval_by_dataset/<name>/mse`); defaults to the repo id or directory name.
     weight: mixture weight (relative frequency of its frames in training batches).
     cameras: source camera key for each model camera slot, in slot order; `null` leaves a slot empty
@@ -47,7 +51,8 @@ class DatasetConfig:
         dataset's metadata). Without both, the head is the dataset name.
     fps: expected frame rate; a mismatch with the metadata is an error (chunks are in dataset frames).
     task: override the task string of every frame.
-    keep_ranges: `{"<episode key>": [[start, end], ...]}` (a dict or a JSON file path): only these frame ranges
+    keep_ranges: `{"<episode key>": [[start, end], ...]}` (a dict, a JSON file path, `hf://[datasets/]ns/name/path`
+        or an http(s) URL, fetched once and cached): only these frame ranges
         (`start` inclusive, `end` exclusive) are used, each as its own block; episodes absent from it are dropped.
         Reversed, empty and out-of-episode ranges and malformed entries are reported (a warning naming counts and
         examples while some ranges survive; an error when none does); ranges reaching past an episode's end are
@@ -68,6 +73,7 @@ class DatasetConfig:
 
     repo_id: str | None = None
     root: str | None = None
+    revision: str | None = None
     name: str | None = None
     weight: float = 1.0
     cameras: list[str | None] = field(default_factory=list)
@@ -194,11 +200,9 @@ class LeRobotSource:
         self.name = config.name
         self.source_index = source_index
         self.episode_offset = episode_offset
-        self._check_local_root(config)
-        try:
-            self.meta = _lerobot_metadata_class()(config.repo_id or config.name, root=config.root)
-        except FileNotFoundError as error:
-            raise MissingFileError(f"dataset {self.name!r}: cannot read LeRobot metadata ({error})") from error
+        if config.root is not None:
+            self._check_local_root(config.name, Path(config.root))
+        self.meta = self._metadata(config)
         self.root = Path(self.meta.root)
         features = self.meta.features
         for role, key in [("state_key", config.state_key), ("action_key", config.action_key)] + [
@@ -241,30 +245,54 @@ class LeRobotSource:
         self.episode_rows = None  # set by the start-up scan when its cache holds every used episode's rows
 
     # ---- metadata ------------------------------------------------------------------------------------------------
+    def _metadata(self, config: DatasetConfig):
+        """lerobot's metadata of a local root, or of a repo_id in lerobot's cache (fetched from the Hub if absent)."""
+        from lerobot.datasets.utils import CompatibilityError
+
+        root = config.root
+        if root is None and config.repo_id:
+            from ..hub import lerobot_home
+
+            root = lerobot_home() / config.repo_id  # lerobot's layout for a dataset in its cache
+            if (root / "meta" / "info.json").is_file():
+                self._check_local_root(config.name, root)
+        try:
+            return _lerobot_metadata_class()(config.repo_id or config.name, root=root, revision=config.revision)
+        except CompatibilityError as error:
+            raise DataError(f"dataset {self.name!r}: {' '.join(str(error).split())[:300]}; convert it with `python -m "
+                            f"lerobot.scripts.convert_dataset_v21_to_v30 --repo-id={config.repo_id}`") from error
+        except FileNotFoundError as error:
+            raise MissingFileError(f"dataset {self.name!r}: cannot read LeRobot metadata ({error})") from error
+        except Exception as error:  # the Hub: unknown id or revision, offline with nothing cached
+            from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+            if config.repo_id and isinstance(error, HfHubHTTPError | LocalEntryNotFoundError | OfflineModeIsEnabled):
+                from ..hub import hub_error
+
+                raise hub_error(error, f"dataset {config.repo_id!r}", config.revision) from error
+            raise
+
     @staticmethod
-    def _check_local_root(config: DatasetConfig):
-        if config.root is None:
-            return
-        root = Path(config.root)
+    def _check_local_root(name: str, root: Path):
         info_file = root / "meta" / "info.json"
         if not info_file.is_file():
-            raise MissingFileError(f"dataset {config.name!r}: {info_file} not found (is root a LeRobot dataset?)")
+            raise MissingFileError(f"dataset {name!r}: {info_file} not found (is root a LeRobot dataset?)")
         try:
             info = json.loads(info_file.read_text())
         except json.JSONDecodeError as error:
-            raise DataError(f"dataset {config.name!r}: {info_file} is not valid JSON ({error})") from error
+            raise DataError(f"dataset {name!r}: {info_file} is not valid JSON ({error})") from error
         version = info.get("codebase_version")
         if version != "v3.0":
             raise DataError(
-                f"dataset {config.name!r} ({info_file}): codebase_version {version!r}; hf_vla reads LeRobot v3.0 "
-                "datasets. Convert it with lerobot's `convert_dataset_v21_to_v30` first."
+                f"dataset {name!r} ({info_file}): codebase_version {version!r}; hf_vla reads LeRobot v3.0 "
+                "datasets; convert it with `python -m lerobot.scripts.convert_dataset_v21_to_v30 --repo-id=... --root=...`"
             )
         episodes_dir = root / "meta" / "episodes"
         if not episodes_dir.is_dir() or not any(episodes_dir.glob("*/*.parquet")):
-            raise MissingFileError(f"dataset {config.name!r}: {episodes_dir} is missing or holds no parquet file: root "
+            raise MissingFileError(f"dataset {name!r}: {episodes_dir} is missing or holds no parquet file: root "
                                    "is not a complete LeRobot v3.0 dataset (the episode table is needed)")
         if info.get("total_tasks", 0) > 0 and not (root / "meta" / "tasks.parquet").is_file():
-            raise MissingFileError(f"dataset {config.name!r}: {root / 'meta' / 'tasks.parquet'} not found")
+            raise MissingFileError(f"dataset {name!r}: {root / 'meta' / 'tasks.parquet'} not found")
 
     def _episode_columns(self) -> list[str]:
         columns = ["episode_index", "length", "data/chunk_index", "data/file_index", "dataset_from_index",
@@ -373,7 +401,9 @@ class LeRobotSource:
     def _load_keep_ranges_spec(self) -> dict:
         spec = self.config.keep_ranges
         if isinstance(spec, str | os.PathLike):
-            path = Path(spec)
+            from ..hub import fetch_file, is_remote
+
+            path = fetch_file(spec, f"dataset {self.name!r}: keep_ranges") if is_remote(spec) else Path(spec)
             if not path.is_file():
                 raise MissingFileError(f"dataset {self.name!r}: keep_ranges file {path} not found")
             try:
@@ -513,11 +543,17 @@ class LeRobotSource:
             if camera:
                 paths += list(self.video_files(camera))
         missing = sorted(str(p) for p in paths if not p.is_file())
+        if missing and self.config.repo_id and self.config.root is None:
+            # in lerobot's cache: fetch exactly the files of the used episodes and cameras
+            from ..hub import download_dataset_files
+
+            download_dataset_files(self.config.repo_id, self.meta.revision, self.root,
+                                   [str(Path(p).relative_to(self.root)) for p in missing])
+            missing = sorted(str(p) for p in paths if not p.is_file())
         if missing:
             hint = ""
             if self.config.repo_id and self.config.root is None:
-                hint = (f"; only the metadata is fetched from the Hub: download the dataset (`hf download "
-                        f"{self.config.repo_id} --repo-type dataset --local-dir DIR`) and set root")
+                hint = f"; the Hub repository {self.config.repo_id!r} did not provide them"
             raise MissingFileError(
                 f"dataset {self.name!r}: {len(missing)} data/video files are missing, e.g. {missing[:3]}{hint}"
             )

@@ -1,0 +1,221 @@
+"""Hub ids in, with no manual step: lerobot checkpoints converted on load (and cached), dataset files and keep-ranges
+files fetched on demand, Hub errors as one line.
+
+    import hf_vla
+    from transformers import AutoModel, AutoProcessor
+
+    path = hf_vla.resolve_pretrained("lerobot/pi05_base")   # converted once, then read from the cache
+    model, processor = AutoModel.from_pretrained(path), AutoProcessor.from_pretrained(path)
+
+`python -m hf_vla.train` (`model_name_or_path`), `hf_vla.evaluate --checkpoint` and `hf_vla.serve --checkpoint` call
+`resolve_pretrained` themselves. A lerobot pi0 / pi0.5 checkpoint (a `config.json` with lerobot's `type` and no
+`model_type`, beside `model.safetensors`), by Hub id or directory, is converted by `hf_vla.convert.convert_checkpoint`
+(dims read from the weights, lerobot's normaliser statistics carried over, the tokenizer its pre-processor names)
+into `$HF_VLA_CACHE/converted/<id>--<revision or content key>`, so the next run loads the copy; an hf_vla or
+transformers checkpoint passes through unchanged. Everything from the Hub goes through huggingface_hub (its cache,
+resume of interrupted downloads, `HF_HUB_OFFLINE=1`: what is cached works offline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+from .cli import HUB_ID
+from .errors import ConfigError
+
+logger = logging.getLogger("hf_vla.hub")
+DEFAULT_TOKENIZER = "google/paligemma-3b-pt-224"  # what lerobot's pi0 / pi0.5 pre-processors load
+CONVERTER_VERSION = 1  # part of the cache key: a changed conversion converts again
+LEROBOT_FILES = ["config.json", "model.safetensors", "policy_preprocessor*.json", "policy_postprocessor*.json",
+                 "*normalizer_processor*.safetensors"]
+
+
+def cache_dir() -> Path:
+    """hf_vla's own cache: `$HF_VLA_CACHE`, else `$HF_HOME/hf_vla` (the scan cache lives under it too)."""
+    configured = os.environ.get("HF_VLA_CACHE")
+    if configured:
+        return Path(configured)
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "hf_vla"
+
+
+def hub_error(error: BaseException, what: str, revision: str | None = None) -> ConfigError:
+    """One line for a Hub failure, naming the id (and revision) and what to do."""
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    at = f" at revision {revision!r}" if revision else ""
+    if isinstance(error, RevisionNotFoundError):
+        return ConfigError(f"{what}: revision {revision!r} not found on the Hub")
+    if isinstance(error, GatedRepoError):
+        return ConfigError(f"{what}: a gated repository; accept its terms on the Hub and log in (`hf auth login`)")
+    if isinstance(error, RepositoryNotFoundError):
+        return ConfigError(f"{what}: no such repository on the Hub (or it is private: log in with `hf auth login`)")
+    if isinstance(error, LocalEntryNotFoundError | OfflineModeIsEnabled):  # (a subclass of EntryNotFoundError)
+        return ConfigError(f"{what}{at} is not in the local Hub cache and the Hub cannot be reached (HF_HUB_OFFLINE="
+                           f"{os.environ.get('HF_HUB_OFFLINE', '0')}): download it once with a connection")
+    if isinstance(error, EntryNotFoundError):
+        return ConfigError(f"{what}{at}: {str(error).strip().splitlines()[0]}")
+    return ConfigError(f"{what}{at}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}")
+
+
+def _hub_call(function, what: str, *args, **kwargs):
+    """`function(*args, **kwargs)` (a huggingface_hub download), its Hub errors as one line naming `what`."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    try:
+        return function(*args, **kwargs)
+    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, ValueError) as error:
+        raise hub_error(error, what, kwargs.get("revision")) from error
+
+
+def is_lerobot_checkpoint(config: dict) -> bool:
+    """lerobot's policy `config.json`: a `type` of pi0 / pi05 and no transformers `model_type`."""
+    return isinstance(config, dict) and config.get("type") in ("pi0", "pi05") and "model_type" not in config
+
+
+def _preprocessor_tokenizer(directory: Path) -> str | None:
+    """The tokenizer lerobot's saved pre-processor loads (its tokenizer step's `tokenizer_name`)."""
+    for path in sorted(directory.glob("policy_preprocessor*.json")):
+        try:
+            steps = json.loads(path.read_text()).get("steps", [])
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        for step in steps:
+            name = (step.get("config") or {}).get("tokenizer_name") if isinstance(step, dict) else None
+            if name:
+                return name
+    return None
+
+
+def _local_key(directory: Path) -> str:
+    """A content key of a local lerobot checkpoint: its config's bytes, the weights' size and modification time."""
+    weights = (directory / "model.safetensors").stat()
+    digest = hashlib.sha256((directory / "config.json").read_bytes())
+    digest.update(f"{weights.st_size}:{weights.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def resolve_pretrained(name_or_path: str | os.PathLike, revision: str | None = None, tokenizer=None) -> str:
+    """A local directory or Hub id that `AutoModel` / `AutoProcessor.from_pretrained` load.
+
+    A lerobot pi0 / pi0.5 checkpoint is converted (once: the copy is cached under `cache_dir()/converted`, keyed by
+    the Hub commit or the local files' content) and the copy's path returned; anything else is returned as given.
+    `tokenizer`: a name, path or tokenizer for the converted processor (default: the one lerobot's pre-processor
+    names, else PaliGemma's).
+    """
+    source = str(name_or_path)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        config_file = path / "config.json"
+        try:
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{config_file}: not valid JSON ({error})") from error
+        if not is_lerobot_checkpoint(config):
+            return source
+        key = f"{path.resolve().name}--{_local_key(path)}"
+        return _converted(path, key, tokenizer, source)
+    if source.startswith((".", "/", "~")) or not HUB_ID.match(source) or source.count("/") != 1:
+        raise ConfigError(f"{source!r}: no such directory, and not a Hub id (namespace/name)")
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    what = f"Hub checkpoint {source!r}"
+    config_file = _hub_call(hf_hub_download, what, source, "config.json", revision=revision)
+    try:
+        config = json.loads(Path(config_file).read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{what}: config.json is not valid JSON ({error})") from error
+    if not is_lerobot_checkpoint(config):
+        return source
+    snapshot = Path(_hub_call(snapshot_download, what, source, revision=revision,
+                              allow_patterns=LEROBOT_FILES))
+    commit = snapshot.name  # the snapshot folder is named by the commit it holds
+    return _converted(snapshot, f"{source.replace('/', '--')}--{commit}", tokenizer, source)
+
+
+def _converted(directory: Path, key: str, tokenizer, source: str) -> str:
+    from .convert import convert_checkpoint
+
+    target = cache_dir() / "converted" / f"{key}--v{CONVERTER_VERSION}"
+    if (target / "config.json").is_file() and (target / "processor_config.json").is_file():
+        logger.info("%s: lerobot checkpoint, using its converted copy %s", source, target)
+        return str(target)
+    tokenizer = tokenizer or _preprocessor_tokenizer(directory) or DEFAULT_TOKENIZER
+    logger.info("%s: a lerobot checkpoint; converting it once into %s", source, target)
+    convert_checkpoint(directory, target, tokenizer=tokenizer, overwrite=True)  # staged, renamed into place
+    return str(target)
+
+
+# ---- datasets ----------------------------------------------------------------------------------------------------
+def lerobot_home() -> Path:
+    """lerobot's dataset cache (`$HF_LEROBOT_HOME`, default `$HF_HOME/lerobot`), where `<repo_id>/` is a dataset."""
+    from lerobot.utils import constants
+
+    return Path(constants.HF_LEROBOT_HOME)
+
+
+def download_dataset_files(repo_id: str, revision: str | None, root: Path, files: list[str]) -> None:
+    """Fetch `files` (paths relative to the dataset root) of a Hub dataset into `root`, as lerobot's own download does
+    (`snapshot_download` with `local_dir`: a progress bar, resumed partial files, nothing else of the repository)."""
+    import huggingface_hub
+
+    what = f"dataset {repo_id!r}"
+    logger.info("%s: downloading %d file(s) into %s", what, len(files), root)
+    _hub_call(huggingface_hub.snapshot_download, what, repo_id, repo_type="dataset", revision=revision,
+              local_dir=str(root), allow_patterns=sorted(files))
+
+
+# ---- files by reference: hf://... or a URL ----------------------------------------------------------------------
+_HF_URI = re.compile(r"^hf://(?:(?P<kind>datasets|spaces)/)?(?P<repo>[^/@]+/[^/@]+)(?:@(?P<rev>[^/]+))?/(?P<path>.+)$")
+
+
+def fetch_file(reference: str, what: str) -> Path:
+    """A local copy of `hf://[datasets/]namespace/name[@revision]/path` (through the Hub cache) or an http(s) URL
+    (downloaded once into `cache_dir()/downloads`, then reused, offline too)."""
+    match = _HF_URI.match(reference)
+    if match:
+        from huggingface_hub import hf_hub_download
+
+        kind = {"datasets": "dataset", "spaces": "space"}.get(match["kind"], "model")
+        return Path(_hub_call(hf_hub_download, f"{what} {reference!r}", match["repo"], match["path"],
+                              repo_type=kind, revision=match["rev"]))
+    if reference.startswith(("http://", "https://")):
+        import urllib.request
+
+        name = reference.rstrip("/").rsplit("/", 1)[-1] or "file"
+        target = cache_dir() / "downloads" / f"{hashlib.sha256(reference.encode()).hexdigest()[:16]}-{name}"
+        if target.is_file():
+            return target
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+            raise ConfigError(f"{what} {reference!r} is not downloaded yet and HF_HUB_OFFLINE is set")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".incomplete")
+        try:
+            with urllib.request.urlopen(reference, timeout=60) as response, open(partial, "wb") as handle:
+                while chunk := response.read(1 << 20):
+                    handle.write(chunk)
+        except OSError as error:
+            raise ConfigError(f"{what} {reference!r} could not be downloaded: {error}") from error
+        os.replace(partial, target)
+        return target
+    raise ConfigError(f"{what} {reference!r}: expected a local file, hf://[datasets/]namespace/name/path or a URL")
+
+
+def is_remote(reference) -> bool:
+    return isinstance(reference, str) and reference.startswith(("hf://", "http://", "https://"))
+
+
+__all__ = ["cache_dir", "download_dataset_files", "fetch_file", "is_lerobot_checkpoint", "resolve_pretrained"]
