@@ -183,8 +183,10 @@ _HF_URI = re.compile(r"^hf://(?:(?P<kind>datasets|spaces)/)?(?P<repo>[^/@]+/[^/@
 
 
 def fetch_file(reference: str, what: str) -> Path:
-    """A local copy of `hf://[datasets/]namespace/name[@revision]/path` (through the Hub cache) or an http(s) URL
-    (downloaded once into `cache_dir()/downloads`, then reused, offline too)."""
+    """A local copy of `hf://[datasets/]namespace/name[@revision]/path` (through the Hub cache), an http(s) URL or a
+    public `gs://bucket/path` object (downloaded once into `cache_dir()/downloads`, then reused, offline too)."""
+    if reference.startswith("gs://"):  # a public Cloud Storage object (openpi's assets) has an https address
+        reference = "https://storage.googleapis.com/" + reference[len("gs://"):]
     match = _HF_URI.match(reference)
     if match:
         from huggingface_hub import hf_hub_download
@@ -211,11 +213,12 @@ def fetch_file(reference: str, what: str) -> Path:
             raise ConfigError(f"{what} {reference!r} could not be downloaded: {error}") from error
         os.replace(partial, target)
         return target
-    raise ConfigError(f"{what} {reference!r}: expected a local file, hf://[datasets/]namespace/name/path or a URL")
+    raise ConfigError(f"{what} {reference!r}: expected a local file, hf://[datasets/]namespace/name/path, gs://... "
+                      "or a URL")
 
 
 def is_remote(reference) -> bool:
-    return isinstance(reference, str) and reference.startswith(("hf://", "http://", "https://"))
+    return isinstance(reference, str) and reference.startswith(("hf://", "gs://", "http://", "https://"))
 
 
 __all__ = ["cache_dir", "download_dataset_files", "fetch_file", "is_lerobot_checkpoint", "resolve_pretrained"]

@@ -10,7 +10,7 @@ from conftest import REPO
 from hf_vla.train import main, parse_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.json"))
-RUNNABLE = [c for c in CONFIGS if c.name != "droid_keep_ranges.json"]
+RUNNABLE = CONFIGS
 
 
 @pytest.mark.parametrize("config", RUNNABLE, ids=lambda p: p.name)
@@ -18,6 +18,15 @@ def test_every_config_validates_without_downloading(config):
     model_args, data_args, training_args = parse_config(config)
     assert data_args.datasets and training_args.max_steps > 0
     assert model_args.policy in ("pi0", "pi05")
+
+
+PUBLISHED = {"lerobot/pi05_base", "lerobot/pi0_base", "lerobot/pi05_libero", "lerobot/pi05_droid"}  # on the Hub
+
+
+def test_no_config_names_an_unpublished_checkpoint():
+    for config in CONFIGS:
+        start = json.loads(config.read_text()).get("model_name_or_path")
+        assert start is None or start in PUBLISHED, (config.name, start)
 
 
 def test_droid_recipe_is_the_published_one():
