@@ -38,7 +38,8 @@ def run(prog: str, main: Callable, argv=None):
         if os.environ.get("HF_VLA_TRACEBACK"):
             raise
         message = " ".join(str(error).split())  # one line, whatever the message's own layout
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        label = "stopped" if error.exit_code == 75 else "error"  # hf_vla.errors.Preempted: not a fault
+        print(f"{prog}: {label}: {message}", file=sys.stderr, flush=True)
         raise SystemExit(error.exit_code) from None
 
 

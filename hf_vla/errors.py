@@ -46,8 +46,15 @@ class NonFiniteError(VLAError, FloatingPointError):
     """A loss, gradient or weight became NaN/inf during training."""
 
 
+class Preempted(VLAError):
+    """Training stopped on a termination signal after writing a complete checkpoint (exit 75: requeue and resume)."""
+
+    exit_code = 75
+
+
 __all__ = [
     "CheckpointError",
+    "Preempted",
     "ConfigError",
     "ConnectionFailedError",
     "DataError",

@@ -103,6 +103,13 @@ class RolloutCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        preemption = getattr(self.trainer, "_preemption", None)
+        if preemption is not None and preemption.preempted and self.running is not None:
+            step, process, folder = self.running  # leave now: the rollout would hold up the exit
+            process.terminate()
+            self.running = None
+            logger.warning("the rollout of step %d was stopped (training was preempted)", step)
+            return control
         self._collect(block=True)
         return control
 

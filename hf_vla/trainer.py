@@ -214,6 +214,11 @@ class VLATrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         finish_engine(self.accelerator)
+        from .preemption import PreemptionCallback
+
+        # SIGTERM / SIGINT / SIGUSR1: a checkpoint at the end of the current step, then a clean stop (hf_vla.preemption)
+        self._preemption = PreemptionCallback(self)
+        self.add_callback(self._preemption)
         if args.rollout_env is not None:  # closed-loop success every rollout_steps steps (hf_vla.rollouts)
             from .rollouts import RolloutCallback
 

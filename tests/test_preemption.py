@@ -1,0 +1,166 @@
+"""Preemption (hf_vla.preemption): SIGTERM at a random step, or during a checkpoint save, writes a complete
+checkpoint of that step and exits 75; resuming from it ends bitwise equal to the uninterrupted run, in one process
+and under a 2-process DDP launch where only one rank got the signal; a second signal exits at once."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO
+from safetensors.torch import load_file
+from test_failures import base_config, make_dataset, write_config
+
+from hf_vla import checkpoints
+from hf_vla.errors import Preempted
+
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("preemption")
+    data = make_dataset(base / "toy", 6)
+    config = base_config(data, base / "unused", max_steps=STEPS, save_strategy="steps", save_steps=1000)
+    reference = base / "reference"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    subprocess.run([sys.executable, "-m", "hf_vla.train", str(write_config(base, config | {"output_dir":
+                    str(reference)}, "reference.json"))], env=env, check=True, capture_output=True, timeout=600)
+    return base, config, env, load_file(reference / "model.safetensors")
+
+
+def assert_equal(got: dict, expected: dict):
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def start_and_signal(command, env, after_steps: int, signals=1, pid_of=None):
+    """Start `command`, wait until it has logged `after_steps` losses, then send SIGTERM (to `pid_of(process)` if
+    given, else the process itself) `signals` times."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    seen = 0
+    for line in process.stdout:
+        seen += "'loss'" in line
+        if seen >= after_steps:
+            break
+    target = pid_of(process) if pid_of else process.pid
+    for _ in range(signals):
+        os.kill(target, signal.SIGTERM)
+        time.sleep(0.05)
+    out, err = process.communicate(timeout=600)
+    return process.returncode, err
+
+
+@pytest.mark.slow
+def test_sigterm_at_a_random_step_saves_that_step_and_resume_is_bitwise(setup):
+    base, config, env, expected = setup
+    out = base / "sigterm"
+    path = write_config(base, config | {"output_dir": str(out)}, "sigterm.json")
+    after = random.Random().randint(3, 15)
+    code, err = start_and_signal([sys.executable, "-m", "hf_vla.train", str(path)], env, after)
+    last = err.strip().splitlines()[-1]
+    assert code == 75, err[-3000:]
+    assert last.startswith("hf_vla.train: stopped: stopped by SIGTERM at step ") and "--resume_from_checkpoint" in last
+    step = int(last.split("at step ")[1].split(":")[0])
+    complete, skipped = checkpoints.last_complete_checkpoint(out)
+    assert complete == out / f"checkpoint-{step}" and not skipped and after <= step < STEPS
+    assert not (out / "model.safetensors").exists()  # no final save: the run is not finished
+    resumed = subprocess.run([sys.executable, "-m", "hf_vla.train", str(path), "--resume_from_checkpoint", "true"],
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_equal(load_file(out / "model.safetensors"), expected)
+
+
+def test_sigterm_during_a_save_lets_it_finish_and_stops_there(setup, monkeypatch, request):
+    from hf_vla.train import main
+    from hf_vla.trainer import VLATrainer
+
+    base, config, env, expected = setup
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference ran (OMP_NUM_THREADS=1): the same reductions, bit for bit
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    out = base / "mid_save"
+    original = checkpoints.write_json_atomic
+    sent = []
+
+    def write_json_atomic(path, data):  # the stream state: written in the middle of the checkpoint save
+        if not sent and "checkpoint-4" in str(path):
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(path, data)
+
+    monkeypatch.setattr(checkpoints, "write_json_atomic", write_json_atomic)
+    path = write_config(base, config | {"output_dir": str(out), "save_steps": 2}, "mid_save.json")
+    stopped = {}
+    original_train = VLATrainer.train
+
+    def train(self, *args, **kwargs):
+        try:
+            return original_train(self, *args, **kwargs)
+        finally:
+            stopped["step"] = self.state.global_step
+
+    monkeypatch.setattr(VLATrainer, "train", train)
+    with pytest.raises(Preempted, match="stopped by SIGTERM at step 4"):
+        main([str(path)])
+    assert sent and stopped["step"] == 4  # no step after the interrupted save
+    complete, skipped = checkpoints.last_complete_checkpoint(out)
+    assert complete == out / "checkpoint-4" and not skipped
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+    monkeypatch.undo()
+    trainer = main([str(path), "--resume_from_checkpoint", "true"])
+    assert trainer.state.global_step == STEPS
+    assert_equal(load_file(out / "model.safetensors"), expected)
+
+
+@pytest.mark.slow
+def test_a_second_signal_exits_at_once(setup):
+    base, config, env, _ = setup
+    out = base / "twice"
+    path = write_config(base, config | {"output_dir": str(out), "max_steps": 2000}, "twice.json")
+    code, err = start_and_signal([sys.executable, "-m", "hf_vla.train", str(path)], env, 3, signals=2)
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    assert "second SIGTERM: exiting now" in err
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_of_a_ddp_launch_stops_both_at_one_step(setup):
+    import psutil
+
+    base, config, env, _ = setup
+    config = config | {"per_device_train_batch_size": 2, "max_steps": 20}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29691", "-m",
+              "hf_vla.train"]
+    reference = base / "ddp_reference"
+    subprocess.run([*launch, str(write_config(base, config | {"output_dir": str(reference)}, "ddp_ref.json"))],
+                   env=env, check=True, capture_output=True, timeout=600)
+    out = base / "ddp"
+    path = write_config(base, config | {"output_dir": str(out)}, "ddp.json")
+
+    def rank0(process):  # as if the signal reached one task only: the others learn it from the all-reduce
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            for child in psutil.Process(process.pid).children(recursive=True):
+                if child.environ().get("RANK") == "0":
+                    return child.pid
+            time.sleep(0.1)
+        raise AssertionError("no rank-0 worker")
+
+    code, err = start_and_signal([*launch, str(path)], env, 3, pid_of=rank0)
+    assert code != 0 and "stopped by SIGTERM at step" in err, err[-3000:]
+    steps = {int(line.split("at step ")[1].split(":")[0]) for line in err.splitlines() if "stopped: stopped by" in line}
+    assert len(steps) == 1  # every rank names the same step
+    (step,) = steps
+    complete, skipped = checkpoints.last_complete_checkpoint(out)
+    assert complete == out / f"checkpoint-{step}" and not skipped
+    resumed = subprocess.run([*launch, str(path), "--resume_from_checkpoint", "true"], env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_equal(load_file(out / "model.safetensors"), load_file(reference / "model.safetensors"))
