@@ -58,6 +58,12 @@ def write_json_atomic(path: str | os.PathLike, data) -> None:
     _fsync(path.parent)
 
 
+def read_marker(folder: str | os.PathLike) -> dict:
+    """What the completion marker of a checkpoint records (step, world size, ...); {} when it has none."""
+    path = Path(folder) / MARKER
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def mark_complete(folder: str | os.PathLike, info: dict) -> None:
     """Flush every file of `folder` to disk, then write the marker listing them (the checkpoint now counts)."""
     folder = Path(folder)

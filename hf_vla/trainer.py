@@ -74,6 +74,9 @@ class VLATrainingArguments(TrainingArguments):
     on_nonfinite (`str`, defaults to `"stop"`): what a NaN/inf loss or gradient norm does. `stop` raises an error
         naming the step and the batch's provenance before the optimizer steps (so no NaN reaches the weights or a
         checkpoint); `skip` drops that optimizer step, counts it (`nonfinite_skipped` in the logs) and goes on.
+    on_data_change (`str`, defaults to `"error"`): resuming when the training data changed since the checkpoint
+        (datasets, episodes, kept ranges, split or weights) is refused (`error`), or starts the next epoch on the new
+        data (`restart_epoch`).
     rollout_env (`str`, *optional*): closed-loop rollouts during training (`hf_vla.rollouts`) in this env:
         `metaworld`, `libero` or a gymnasium id such as `hf_vla/ColorReach-v0`. Every `rollout_steps` steps the
         weights are snapshotted and evaluated in a separate process while training goes on; the figures are logged
@@ -98,6 +101,7 @@ class VLATrainingArguments(TrainingArguments):
     decoder_threads: int | None = field(default=None, metadata={"help": "threads per video decoder (default: auto)"})
     action_metrics_batches: int = field(default=0, metadata={"help": "validation batches with sample_actions"})
     on_nonfinite: str = field(default="stop", metadata={"help": f"one of {NONFINITE_CHOICES}"})
+    on_data_change: str = field(default="error", metadata={"help": "resume on changed data: error | restart_epoch"})
     rollout_env: str | None = field(default=None, metadata={"help": "closed-loop rollouts: metaworld | libero | gym id"})
     rollout_tasks: str | None = field(default=None, metadata={"help": "the benchmark's tasks (as evaluate --task)"})
     rollout_steps: int | None = field(default=None, metadata={"help": "optimizer steps between rollouts"})
@@ -158,6 +162,8 @@ class VLATrainingArguments(TrainingArguments):
             raise ConfigError(f"freeze={self.freeze!r}: choose one of {FREEZE_CHOICES}")
         if self.on_nonfinite not in NONFINITE_CHOICES:
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: choose one of {NONFINITE_CHOICES}")
+        if self.on_data_change not in ("error", "restart_epoch"):
+            raise ConfigError(f"on_data_change={self.on_data_change!r}: choose 'error' or 'restart_epoch'")
         from .rollouts import check_rollout_args
 
         check_rollout_args(self)
@@ -214,6 +220,8 @@ class VLATrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         finish_engine(self.accelerator)
+        if hasattr(self.train_dataset, "num_workers"):  # part of the stream's shard layout, saved with its position
+            self.train_dataset.num_workers = max(1, args.dataloader_num_workers)
         from .preemption import PreemptionCallback
 
         # SIGTERM / SIGINT / SIGUSR1: a checkpoint at the end of the current step, then a clean stop (hf_vla.preemption)
@@ -707,16 +715,24 @@ class VLATrainer(Trainer):
                                          config)
             with open(folder / STREAM_STATE) as handle:
                 stream_state = json.load(handle)
-            self.train_dataset.load_state_dict(stream_state)
+            marker = checkpoints.read_marker(folder)
+            if self.is_deepspeed_enabled and marker.get("world_size", self.args.world_size) != self.args.world_size:
+                raise CheckpointError(
+                    f"resume_from_checkpoint={str(folder)!r} was written by {marker['world_size']} DeepSpeed processes, "
+                    f"this run has {self.args.world_size}: ZeRO partitions do not re-shard here; resume with "
+                    f"{marker['world_size']} processes (DDP and FSDP2 checkpoints resume on any number)")
+            changed = self.train_dataset.load_state_dict(stream_state, on_data_change=self.args.on_data_change)
             with open(folder / "trainer_state.json") as handle:
                 step = int(json.load(handle)["global_step"])
-            self._stream_origin = (step, int(stream_state["batches_consumed"]))
+            self._stream_origin = (step, int(stream_state["batches_consumed"]) if changed is None else 0)
             before = stream_state.get("gradient_accumulation_steps")
             if before is not None and before != self.args.gradient_accumulation_steps:
                 logger.warning("resuming at step %d with gradient_accumulation_steps %d (the checkpoint used %d): the "
                                "stream continues after batch %d, and each step from here draws %d batches", step,
                                self.args.gradient_accumulation_steps, before, self._stream_origin[1],
                                self.args.gradient_accumulation_steps)
+            if changed is not None:
+                logger.warning("resuming at step %d: %s", step, changed)
             resume_from_checkpoint = str(folder)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from hf_vla import PI05Processor
 from hf_vla.data import PI05Collator, WeightedDatasetMixture, schedule
-from hf_vla.data.stream import _SourceQueue
+from hf_vla.data.stream import ShardSchedule, _SourceQueue
 from hf_vla.data.writer import write_lerobot_dataset
 from hf_vla.models.pi05.processing_pi05 import resize_with_pad
 
@@ -174,8 +174,73 @@ def test_resume_continues_exactly_without_replaying(datasets, workers, monkeypat
             assert torch.equal(got[key], want[key]), key
     if workers == 0:  # only the 4 x 4 emitted samples were decoded (dataset b has 2 cameras)
         assert len(decoded) <= 16 * 2
-    with pytest.raises(ValueError, match="batch_size"):
-        loader(state | {"batch_size": 8})
+    with pytest.raises(ValueError, match="seed"):
+        loader(state | {"seed": 12})
+    with pytest.raises(ValueError, match="the training data changed since the checkpoint"):
+        loader(state | {"data_fingerprint": "0" * 16})
+
+
+def _frames(blocks) -> Counter:
+    return Counter((b.source, b.episode, f) for b in blocks for f in range(b.start, b.end))
+
+
+@pytest.mark.parametrize("before, after, batches", [
+    ((2, 1, 4), (1, 1, 8), 5),   # 2 ranks -> 1, batch 4 -> 8, inside the first epoch
+    ((1, 1, 8), (2, 1, 4), 5),   # 1 -> 2
+    ((2, 2, 3), (3, 1, 5), 40),  # 2 ranks x 2 workers -> 3 ranks, well past the first epoch (shards out of step)
+])
+def test_a_new_layout_continues_every_epoch_without_repeating_or_skipping(datasets, before, after, batches):
+    """Old shards consume `batches` each; the new layout's shards first serve the dealt pieces. Every frame of every
+    epoch under way is then emitted exactly once: consumed before + the pieces == each frame `source_epochs` times."""
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"]), spec_b(datasets["b"], weight=0.5)])
+
+    def stream(world_size, workers, batch, rank=0):
+        s = mixture.train_stream(image_size=16, chunk_size=3, batch_size=batch, seed=11, open_blocks=3, rank=rank,
+                                 world_size=world_size)
+        s.num_workers = workers
+        return s
+
+    world, workers, batch = before
+    consumed = Counter()
+    for rank in range(world):
+        old = stream(world, workers, batch, rank)
+        for worker in range(workers):  # the DataLoader takes batches round-robin from the workers
+            n = -(-max(0, batches - worker) // workers) * batch
+            consumed.update((s, b.episode, f) for s, b, f, _ in _take(old.shard_schedule(worker, workers), n))
+    state = old.state_dict() | {"batches_consumed": batches}
+    world2, workers2, batch2 = after
+    new = stream(world2, workers2, batch2)
+    message = new.load_state_dict(state)
+    assert message.startswith("the stream layout changed (") and new.batches_consumed == 0
+    segment = new.segment
+    shards = world2 * workers2
+    served = Counter()
+    for rank in range(world2):  # what each new shard serves first: its dealt pieces, then the next epochs
+        resumed = stream(world2, workers2, batch2, rank)
+        resumed.load_state_dict(state)
+        for worker in range(workers2):
+            shard = rank * workers2 + worker
+            wanted = [sum(z - a for _, a, z in segment["pieces"][s][shard::shards]) for s in range(2)]
+            got = [[], []]
+            tracked = ShardSchedule(mixture.train_blocks, resumed.weights, 11, 0, shard, shards, 3, resumed.segment,
+                                    track_origins=True)
+            for s, b, f, token in tracked:  # the samples of the dealt pieces (next-epoch blocks open beside them)
+                if tracked.origins[token] is None:
+                    got[s].append((s, b.episode, f))
+                if [len(g) for g in got] == wanted:
+                    break
+            assert [sample[:3] for sample in _take(resumed.shard_schedule(worker, workers2), 50)] == [
+                sample[:3] for sample in _take(ShardSchedule(mixture.train_blocks, resumed.weights, 11, 0, shard,
+                                                             shards, 3, resumed.segment), 50)]
+            for s in range(2):  # exactly the dealt pieces
+                assert Counter(got[s]) == Counter((s, e, f) for e, a, z in segment["pieces"][s][shard::shards]
+                                                  for f in range(a, z))
+                served.update(got[s])
+    total = consumed + served
+    for source, blocks in enumerate(mixture.train_blocks):
+        expected = segment["source_epochs"][source]
+        frames = _frames(blocks)
+        assert {k: v for k, v in total.items() if k[0] == source} == {k: expected for k in frames}
 
 
 def test_worker_batches_equal_in_process_batches_on_real_video(tiny_tokenizer):

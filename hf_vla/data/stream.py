@@ -54,52 +54,112 @@ class _Slot:
 
 
 class _SourceQueue:
-    """One dataset's blocks for one shard, epoch after epoch (a new permutation each epoch)."""
+    """One dataset's blocks for one shard, epoch after epoch (a new permutation each epoch).
 
-    def __init__(self, blocks: list[Block], seed: int, base_epoch: int, source: int, shard: int, num_shards: int):
+    `pieces` (after a re-shard) are served first: the unconsumed remainders of an earlier layout; then the epochs
+    continue from `base_epoch`. `epoch` is always the next epoch to draw.
+    """
+
+    def __init__(self, blocks: list[Block], seed: int, base_epoch: int, source: int, shard: int, num_shards: int,
+                 pieces: list[Block] | None = None):
         self.blocks, self.seed, self.source = blocks, seed, source
         self.shard, self.num_shards = shard, num_shards
         self.epoch = base_epoch
         self._queue: list[Block] = []
-        self._refill()
+        self._pieces = 0  # how many of the queued blocks are pieces of a re-shard (served first)
+        self.last_origin: int | None = None  # the epoch of the block popped last (None: a piece)
+        if pieces is None:
+            self._refill()
+        else:
+            self._queue = list(pieces)[::-1]
+            self._pieces = len(self._queue)
+
+    def epoch_share(self, epoch: int) -> list[Block]:
+        order = np.random.default_rng([self.seed, epoch, self.source]).permutation(len(self.blocks))
+        return [self.blocks[i] for i in order[self.shard :: self.num_shards]]
 
     def _refill(self):
-        order = np.random.default_rng([self.seed, self.epoch, self.source]).permutation(len(self.blocks))
-        self._queue = [self.blocks[i] for i in order[self.shard :: self.num_shards]][::-1]
+        self._queue = self.epoch_share(self.epoch)[::-1]
         self.epoch += 1
+
+    def remaining(self) -> list[Block]:
+        """The blocks still queued, in the order they would be served."""
+        return self._queue[::-1]
 
     def pop(self) -> Block:
         if not self._queue:
             self._refill()
+        self.last_origin = None if len(self._queue) <= self._pieces else self.epoch - 1
+        self._pieces = min(self._pieces, len(self._queue) - 1)
         return self._queue.pop()
 
 
-def schedule(
-    blocks: list[list[Block]], weights: np.ndarray, seed: int, epoch: int, shard: int, num_shards: int, open_blocks: int
-) -> Iterator[tuple[int, Block, int, int]]:
+class ShardSchedule:
     """The infinite, deterministic sample order of one shard: (source, block, frame, slot token) tuples.
 
     Each source keeps up to `open_blocks` blocks open (at most its blocks in this shard) and visits them in a
-    shuffled round-robin; a finished block is replaced by the next one of its queue.
+    shuffled round-robin; a finished block is replaced by the next one of its queue. With a `segment` (after a change
+    of layout: see `EpisodeShuffleStream.load_state_dict`) each source starts from its share of the segment's pieces,
+    then continues at the segment's epoch of that source.
     """
-    rng = np.random.default_rng([seed, epoch, shard, 7])
-    queues = [_SourceQueue(b, seed, epoch, s, shard, num_shards) for s, b in enumerate(blocks)]
-    tokens = iter(range(1 << 62))
-    slots = [[_Slot(b, b.start, next(tokens)) for b in (q.pop() for _ in range(min(open_blocks, len(q._queue))))]
-             for q in queues]
-    cycles: list[list[int]] = [[] for _ in blocks]
-    probabilities = weights / weights.sum()
-    while True:
-        source = int(rng.choice(len(blocks), p=probabilities)) if len(blocks) > 1 else 0
-        if not cycles[source]:  # shuffled round-robin over this source's open blocks
-            cycles[source] = list(rng.permutation(len(slots[source])))
-        index = cycles[source].pop()
-        slot = slots[source][index]
-        yield source, slot.block, slot.frame, slot.token
+
+    def __init__(self, blocks: list[list[Block]], weights: np.ndarray, seed: int, epoch: int, shard: int,
+                 num_shards: int, open_blocks: int, segment: dict | None = None, track_origins: bool = False):
+        self.blocks = blocks
+        # token -> the epoch its block belongs to (None: a re-shard's piece); kept only when asked (tests, tools)
+        self.origins: dict[int, int | None] | None = {} if track_origins else None
+        key = [seed, epoch, shard, 7] if segment is None else [seed, epoch, shard, 7, int(segment["index"])]
+        self.rng = np.random.default_rng(key)
+        if segment is None:
+            self.queues = [_SourceQueue(b, seed, epoch, s, shard, num_shards) for s, b in enumerate(blocks)]
+            counts = [len(q._queue) for q in self.queues]
+        else:
+            self.queues, counts = [], []
+            for s, b in enumerate(blocks):
+                mine = [Block(s, *piece) for piece in segment["pieces"][s][shard::num_shards]]
+                self.queues.append(_SourceQueue(b, seed, int(segment["source_epochs"][s]), s, shard, num_shards, mine))
+                counts.append(max(len(mine), len(range(shard, len(b), num_shards))))
+        self.tokens = iter(range(1 << 62))
+        self.slots = [[self._open(q) for _ in range(min(open_blocks, n))] for q, n in zip(self.queues, counts)]
+        self.cycles: list[list[int]] = [[] for _ in blocks]
+        self.probabilities = weights / weights.sum()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, Block, int, int]:
+        source = int(self.rng.choice(len(self.blocks), p=self.probabilities)) if len(self.blocks) > 1 else 0
+        if not self.cycles[source]:  # shuffled round-robin over this source's open blocks
+            self.cycles[source] = list(self.rng.permutation(len(self.slots[source])))
+        index = self.cycles[source].pop()
+        slot = self.slots[source][index]
+        sample = (source, slot.block, slot.frame, slot.token)
         slot.frame += 1
         if slot.frame >= slot.block.end:
-            block = queues[source].pop()
-            slots[source][index] = _Slot(block, block.start, next(tokens))
+            self.slots[source][index] = self._open(self.queues[source])
+        return sample
+
+    def _open(self, queue: _SourceQueue) -> _Slot:
+        block = queue.pop()
+        slot = _Slot(block, block.start, next(self.tokens))
+        if self.origins is not None:
+            self.origins[slot.token] = queue.last_origin
+        return slot
+
+    def unconsumed(self, source: int) -> list[Block]:
+        """What this shard has not yet emitted of `source` up to its current epoch: the open blocks' remainders, then
+        the queued blocks."""
+        open_rest = [Block(source, slot.block.episode, slot.frame, slot.block.end) for slot in self.slots[source]
+                     if slot.frame < slot.block.end]
+        return open_rest + self.queues[source].remaining()
+
+
+def schedule(
+    blocks: list[list[Block]], weights: np.ndarray, seed: int, epoch: int, shard: int, num_shards: int, open_blocks: int,
+    segment: dict | None = None,
+) -> Iterator[tuple[int, Block, int, int]]:
+    """The sample order of one shard (`ShardSchedule`)."""
+    return ShardSchedule(blocks, weights, seed, epoch, shard, num_shards, open_blocks, segment)
 
 
 def _shard() -> tuple[int, int]:
@@ -186,8 +246,9 @@ class FrameReader:
 class EpisodeShuffleStream(IterableDataset):
     """Infinite training stream over a weighted mixture; yields collated batches (or samples without batch_size).
 
-    state_dict()/load_state_dict() hold the position (epoch, batches consumed on this rank); the trainer saves it
-    with each checkpoint.
+    state_dict()/load_state_dict() hold the position (epoch, batches consumed on this rank) and the layout it was
+    consumed under (world size, DataLoader workers, batch size, open blocks); the trainer saves it with each
+    checkpoint. Resuming under another layout re-shards what is left (see `load_state_dict`).
     """
 
     def __init__(
@@ -223,23 +284,97 @@ class EpisodeShuffleStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self.batches_consumed = 0
+        self.num_workers = 1  # DataLoader workers per rank (the trainer sets it): part of the shard layout
+        self.segment: dict | None = None  # after a re-shard: the pieces left by the earlier layout (load_state_dict)
 
     # ---- position ------------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int):
         self.epoch = int(epoch)
 
+    def layout(self) -> dict:
+        return {"world_size": self.world_size, "num_workers": self.num_workers, "batch_size": self.batch_size,
+                "open_blocks": self.open_blocks}
+
+    def data_fingerprint(self) -> str:
+        """Changes when the blocks (datasets, episodes, kept ranges, split) or the mixture weights change."""
+        import hashlib
+
+        digest = hashlib.sha256(np.asarray(self.weights, dtype=np.float64).tobytes())
+        for source, blocks in zip(self.sources, self.blocks):
+            digest.update(str(getattr(source, "name", "")).encode())
+            ranges = blocks.ranges if isinstance(blocks, BlockList) else [(b.episode, b.start, b.end) for b in blocks]
+            digest.update(np.ascontiguousarray(np.asarray(ranges, dtype=np.int64)).tobytes())
+        return digest.hexdigest()[:16]
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_consumed": self.batches_consumed, "seed": self.seed,
-                "batch_size": self.batch_size, "world_size": self.world_size}
+                **self.layout(), "segment": self.segment, "data_fingerprint": self.data_fingerprint()}
 
-    def load_state_dict(self, state: dict):
-        for key in ("seed", "batch_size", "world_size"):
-            if state.get(key) != getattr(self, key):
-                raise ValueError(
-                    f"cannot resume the stream: checkpoint has {key}={state.get(key)}, this run {getattr(self, key)}"
-                )
+    def load_state_dict(self, state: dict, on_data_change: str = "error") -> str | None:
+        """Restore the position. Returns None when the stream continues as it was, or what changed.
+
+        Under the same layout the stream continues exactly. Under another one (world size, DataLoader workers, batch
+        size, open blocks) the stream re-shards: the schedule of every old shard is replayed to where it stopped
+        (nothing is decoded), and what it had not emitted yet (its open blocks' remaining frames, its queued blocks,
+        and its shares of the epochs it had not reached while another shard had) becomes a list of pieces per dataset,
+        dealt to the new shards (piece i to shard i % shards) before their epochs continue. So within the epochs under
+        way no block is repeated or skipped across the change. When the data changed since the checkpoint (datasets,
+        episodes, kept ranges, split or weights: `data_fingerprint`), resuming is refused unless `on_data_change` is
+        `"restart_epoch"`, which starts the next epoch on the new data.
+        """
+        from ..errors import CheckpointError
+
+        if state.get("seed") != self.seed:
+            raise CheckpointError(f"cannot resume the stream: the checkpoint has seed={state.get('seed')}, this run "
+                                  f"{self.seed}")
+        saved = state.get("data_fingerprint")
+        if saved is not None and saved != self.data_fingerprint():
+            if on_data_change != "restart_epoch":
+                raise CheckpointError(
+                    "the training data changed since the checkpoint (datasets, episodes, kept ranges, validation split "
+                    "or weights): its stream position does not apply to these blocks; resume on the same data, or "
+                    "pass --on_data_change restart_epoch to start the next epoch on the new data")
+            self.epoch = int(state["epoch"]) + 1 + max([int(e) for e in (state.get("segment") or {}).get(
+                "source_epochs", [0])])
+            self.segment, self.batches_consumed = None, 0
+            return "the data changed: starting epoch %d on the new data" % self.epoch
+        old = {"world_size": state["world_size"], "num_workers": state.get("num_workers", self.num_workers),
+               "batch_size": state["batch_size"], "open_blocks": state.get("open_blocks", self.open_blocks)}
         self.epoch = int(state["epoch"])
-        self.batches_consumed = int(state["batches_consumed"])
+        if old == self.layout():
+            self.segment = state.get("segment")
+            self.batches_consumed = int(state["batches_consumed"])
+            return None
+        self.segment = self._reshard(old, state.get("segment"), int(state["batches_consumed"]))
+        self.batches_consumed = 0
+        changed = ", ".join(f"{k} {old[k]} -> {v}" for k, v in self.layout().items() if old[k] != v)
+        pieces = sum(len(p) for p in self.segment["pieces"])
+        return f"the stream layout changed ({changed}): {pieces} unconsumed pieces re-sharded"
+
+    def _reshard(self, old: dict, old_segment: dict | None, batches: int) -> dict:
+        shards = old["world_size"] * old["num_workers"]
+        replays = []
+        for rank in range(old["world_size"]):
+            for worker in range(old["num_workers"]):
+                shard = rank * old["num_workers"] + worker
+                replay = ShardSchedule(self.blocks, self.weights, self.seed, self.epoch, shard, shards,
+                                       old["open_blocks"], old_segment)
+                done = math.ceil(max(0, batches - worker) / old["num_workers"]) * (old["batch_size"] or 1)
+                for _ in range(done):
+                    next(replay)
+                replays.append(replay)
+        pieces, epochs = [], []
+        for source in range(len(self.blocks)):
+            reached = max(replay.queues[source].epoch for replay in replays)  # the next epoch of the furthest shard
+            mine = []
+            for replay in replays:
+                mine += replay.unconsumed(source)
+                for epoch in range(replay.queues[source].epoch, reached):  # epochs this shard had not started
+                    mine += replay.queues[source].epoch_share(epoch)
+            pieces.append([[b.episode, b.start, b.end] for b in mine])
+            epochs.append(reached)
+        index = (old_segment or {}).get("index", 0) + 1
+        return {"index": index, "source_epochs": epochs, "pieces": pieces}
 
     # ---- iteration -----------------------------------------------------------------------------------------------
     def shard_schedule(self, worker_id: int, num_workers: int) -> Iterator[tuple[int, Block, int, int]]:
@@ -251,7 +386,8 @@ class EpisodeShuffleStream(IterableDataset):
                     f"(world_size {self.world_size} x num_workers {num_workers}); use fewer workers or processes"
                 )
         shard = self.rank * num_workers + worker_id
-        return schedule(self.blocks, self.weights, self.seed, self.epoch, shard, num_shards, self.open_blocks)
+        return schedule(self.blocks, self.weights, self.seed, self.epoch, shard, num_shards, self.open_blocks,
+                        self.segment)
 
     def __iter__(self):
         worker_id, num_workers = _shard()
