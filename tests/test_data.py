@@ -178,6 +178,9 @@ def test_resume_continues_exactly_without_replaying(datasets, workers, monkeypat
         loader(state | {"seed": 12})
     with pytest.raises(ValueError, match="the training data changed since the checkpoint"):
         loader(state | {"data_fingerprint": "0" * 16})
+    fresh, _ = loader()
+    message = fresh.load_state_dict(state | {"data_fingerprint": "0" * 16}, on_data_change="restart_epoch")
+    assert message.startswith("the data changed: starting epoch 1") and fresh.batches_consumed == 0
 
 
 def _frames(blocks) -> Counter:

@@ -337,7 +337,7 @@ class EpisodeShuffleStream(IterableDataset):
             self.epoch = int(state["epoch"]) + 1 + max([int(e) for e in (state.get("segment") or {}).get(
                 "source_epochs", [0])])
             self.segment, self.batches_consumed = None, 0
-            return "the data changed: starting epoch %d on the new data" % self.epoch
+            return f"the data changed: starting epoch {self.epoch} on the new data"
         old = {"world_size": state["world_size"], "num_workers": state.get("num_workers", self.num_workers),
                "batch_size": state["batch_size"], "open_blocks": state.get("open_blocks", self.open_blocks)}
         self.epoch = int(state["epoch"])
