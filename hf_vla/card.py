@@ -11,14 +11,15 @@ POLICY_NAMES = {"pi05": "pi0.5", "pi0": "pi0"}
 
 def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, training_args: dict | None = None,
                model_name: str = "policy", repo_id: str | None = None, base_model: str | None = None, lora=None,
-               rollouts: dict | None = None):
+               rollouts: dict | None = None, weights: str | None = None):
     """A `huggingface_hub.ModelCard` for a policy.
 
     config: the policy's config. datasets: one dict per dataset (name, source, weight, head, cameras, example_task),
     as `hf_vla.data.Provenance.datasets` has them. eval_metrics: the trainer's `eval_*` metrics (per-dataset table).
     training_args: the arguments to list. lora: the peft adapter config, if any. rollouts: the last closed-loop
     figures of `hf_vla.rollouts` (`env`, `step`, `episodes`, `success` per task), listed in the card and as model-index
-    results (metric `success_rate` per task).
+    results (metric `success_rate` per task). weights: which weights the files hold (e.g. the EMA's), when not the
+    raw ones.
     """
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
@@ -64,7 +65,7 @@ def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, t
         datasets=[{k: d.get(k) for k in ("name", "source", "weight", "head", "cameras")} for d in datasets],
         eval_rows=eval_rows, eval_loss=fmt(metrics["eval_loss"]) if "eval_loss" in metrics else None,
         mixture_mse=fmt(metrics.get("eval_mixture_mse")), training_args=list((training_args or {}).items()),
-        lora=lora_text, rollout_rows=rollout_rows, rollouts=rollouts,
+        lora=lora_text, rollout_rows=rollout_rows, rollouts=rollouts, weights=weights,
     )
 
 

@@ -58,6 +58,19 @@ def write_json_atomic(path: str | os.PathLike, data) -> None:
     _fsync(path.parent)
 
 
+def save_tensor_file(path: str | os.PathLike, data) -> None:
+    """`torch.save` under a temporary name, flushed to disk, then renamed into place."""
+    import torch
+
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as handle:
+        torch.save(data, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
 def read_marker(folder: str | os.PathLike) -> dict:
     """What the completion marker of a checkpoint records (step, world size, ...); {} when it has none."""
     path = Path(folder) / MARKER

@@ -18,6 +18,7 @@ The `_` keeps the snapshots out of the Trainer's Hub uploads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -126,7 +127,9 @@ class RolloutCallback(TrainerCallback):
         folder = self.root / f"step-{step}"
         if trainer.is_world_process_zero() and folder.exists():  # left by an earlier, interrupted run
             shutil.rmtree(folder)
-        trainer.save_model(str(folder), _internal_call=True)  # collective under FSDP2 / DeepSpeed
+        ema = getattr(trainer, "_ema", None)
+        with ema.swapped() if ema is not None else contextlib.nullcontext():  # rollouts measure the EMA when set
+            trainer.save_model(str(folder), _internal_call=True)  # collective under FSDP2 / DeepSpeed
         if trainer.is_world_process_zero():
             args = trainer.args
             spec = {"checkpoint": str(folder), "env": args.rollout_env, "episodes": args.rollout_episodes,

@@ -430,7 +430,11 @@ def _train(model_args, data_args, training_args):
         raise Preempted(f"stopped by {signal.Signals(trainer._preemption.received).name} at step {step}: the "
                         f"checkpoint {folder} is complete; run the same command with --resume_from_checkpoint true "
                         f"to continue (exit status 75)")
-    trainer.save_model()
+    if trainer._ema is not None and not training_args.ema_save_raw:
+        with trainer._ema.swapped():  # the averaged weights are the model (every rank swaps its part)
+            trainer.save_model()
+    else:
+        trainer.save_model()
     if training_args.should_save:  # the normalization of every head, next to the weights
         stats = {"head_names": mixture.head_names, "norm_stats": mixture.norm_stats}
         (Path(training_args.output_dir) / "norm_stats.json").write_text(json.dumps(stats, indent=2))

@@ -74,6 +74,12 @@ class VLATrainingArguments(TrainingArguments):
     on_nonfinite (`str`, defaults to `"stop"`): what a NaN/inf loss or gradient norm does. `stop` raises an error
         naming the step and the batch's provenance before the optimizer steps (so no NaN reaches the weights or a
         checkpoint); `skip` drops that optimizer step, counts it (`nonfinite_skipped` in the logs) and goes on.
+    ema_decay (`float`, *optional*): keep an fp32 exponential moving average of the trainable weights with this decay
+        (openpi's pi0.5 recipes: 0.999), updated after every optimizer step (`hf_vla.ema`); evaluation, rollouts and
+        the final model use it. Off by default.
+    ema_start_step (`int`, defaults to 0): until this step the average follows the weights.
+    ema_save_raw (`bool`, defaults to `False`): save the raw weights as the final model instead of the average.
+    ema_eval_raw (`bool`, defaults to `False`): also evaluate the raw weights (`eval_raw_loss`, ...): a second pass.
     on_data_change (`str`, defaults to `"error"`): resuming when the training data changed since the checkpoint
         (datasets, episodes, kept ranges, split or weights) is refused (`error`), or starts the next epoch on the new
         data (`restart_epoch`).
@@ -101,6 +107,10 @@ class VLATrainingArguments(TrainingArguments):
     decoder_threads: int | None = field(default=None, metadata={"help": "threads per video decoder (default: auto)"})
     action_metrics_batches: int = field(default=0, metadata={"help": "validation batches with sample_actions"})
     on_nonfinite: str = field(default="stop", metadata={"help": f"one of {NONFINITE_CHOICES}"})
+    ema_decay: float | None = field(default=None, metadata={"help": "EMA of the weights (e.g. 0.999); off if unset"})
+    ema_start_step: int = field(default=0, metadata={"help": "the EMA follows the weights until this step"})
+    ema_save_raw: bool = field(default=False, metadata={"help": "final model: the raw weights, not the EMA"})
+    ema_eval_raw: bool = field(default=False, metadata={"help": "also evaluate the raw weights (eval_raw_*)"})
     on_data_change: str = field(default="error", metadata={"help": "resume on changed data: error | restart_epoch"})
     rollout_env: str | None = field(default=None, metadata={"help": "closed-loop rollouts: metaworld | libero | gym id"})
     rollout_tasks: str | None = field(default=None, metadata={"help": "the benchmark's tasks (as evaluate --task)"})
@@ -162,6 +172,10 @@ class VLATrainingArguments(TrainingArguments):
             raise ConfigError(f"freeze={self.freeze!r}: choose one of {FREEZE_CHOICES}")
         if self.on_nonfinite not in NONFINITE_CHOICES:
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: choose one of {NONFINITE_CHOICES}")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay={self.ema_decay}: must be in (0, 1), e.g. 0.999 (or unset for no EMA)")
+        if self.ema_start_step < 0:
+            raise ConfigError(f"ema_start_step={self.ema_start_step}: must be >= 0")
         if self.on_data_change not in ("error", "restart_epoch"):
             raise ConfigError(f"on_data_change={self.on_data_change!r}: choose 'error' or 'restart_epoch'")
         from .rollouts import check_rollout_args
@@ -227,6 +241,12 @@ class VLATrainer(Trainer):
         # SIGTERM / SIGINT / SIGUSR1: a checkpoint at the end of the current step, then a clean stop (hf_vla.preemption)
         self._preemption = PreemptionCallback(self)
         self.add_callback(self._preemption)
+        self._ema = None
+        if args.ema_decay is not None:  # before the rollouts: a rollout of step N sees the average of step N
+            from .ema import WeightEMA
+
+            self._ema = WeightEMA(self, args.ema_decay, args.ema_start_step)
+            self.add_callback(self._ema)
         if args.rollout_env is not None:  # closed-loop success every rollout_steps steps (hf_vla.rollouts)
             from .rollouts import RolloutCallback
 
@@ -522,6 +542,16 @@ class VLATrainer(Trainer):
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval") -> EvalLoopOutput:
+        # With EMA the pass runs on the averaged weights (and, with ema_eval_raw, once more on the raw ones).
+        if self._ema is None:
+            return self._evaluation_pass(dataloader, metric_key_prefix)
+        with self._ema.swapped():
+            output = self._evaluation_pass(dataloader, metric_key_prefix)
+        if self.args.ema_eval_raw:
+            output.metrics.update(self._evaluation_pass(dataloader, f"{metric_key_prefix}_raw").metrics)
+        return output
+
+    def _evaluation_pass(self, dataloader, metric_key_prefix: str) -> EvalLoopOutput:
         # One deterministic pass; one gather_for_metrics per batch carries sums, counts and provenance together;
         # buckets are sum(sum) / sum(count), never a mean of means.
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
@@ -646,6 +676,9 @@ class VLATrainer(Trainer):
                     "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                 }
                 checkpoints.write_json_atomic(os.path.join(folder, STREAM_STATE), state)
+            if self._ema is not None:  # every rank's part of the average, before the completion marker
+                os.makedirs(folder, exist_ok=True)
+                self._ema.save(folder)
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 checkpoints.mark_complete(folder, self._run_info | {
@@ -734,6 +767,7 @@ class VLATrainer(Trainer):
             if changed is not None:
                 logger.warning("resuming at step %d: %s", step, changed)
             resume_from_checkpoint = str(folder)
+        self._resumed_from = resume_from_checkpoint or None  # the EMA loads its part from there
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def _wants_master_weights(self) -> bool:
@@ -763,10 +797,14 @@ def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_m
         model_name=model_name or Path(trainer.args.output_dir).name,
         repo_id=trainer.args.hub_model_id or model_name or Path(trainer.args.output_dir).name, base_model=base_model,
         lora=next(iter(peft_config.values())) if peft_config else None, rollouts=rollouts,
+        weights=None if trainer.args.ema_decay is None else (
+            f"the raw training weights (an EMA with decay {trainer.args.ema_decay} was kept beside them)"
+            if trainer.args.ema_save_raw else f"the exponential moving average of the training weights (decay "
+            f"{trainer.args.ema_decay}, as openpi's recipes ship), not the last step's raw weights"),
     )
 
 
-CARD_ARGS = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "learning_rate",
+CARD_ARGS = ("ema_decay", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "learning_rate",
              "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "loss_aggregation", "master_weights",
              "freeze", "bf16", "seed")
 
