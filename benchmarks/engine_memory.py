@@ -6,8 +6,8 @@ For each engine it runs `accelerate launch --config_file configs/accelerate/<eng
 (gloo; `hf_vla.engines.allow_sharding_on_cpu`), training a tiny pi0.5 held in bfloat16 with fp32 master weights (the
 production setting) through `VLATrainer` on a real dataset. Right after the first optimizer step it measures, on each
 rank, the tensors the run holds: the model's parameters (the local shard), gradients, fp32 masters (the optimizer's
-own parameters when they are not the model's) and optimizer state. Parameters are divided by the model's parameter
-count, the rest by its trainable count. The full-size figures apply them to pi0.5 at the published dims (counted on the
+own parameters when they are not the model's), optimizer state and the EMA of the weights (`ema_decay` 0.999,
+`hf_vla.ema`). Parameters are divided by the model's parameter count, the rest by its trainable count. The full-size figures apply them to pi0.5 at the published dims (counted on the
 meta device) on 8 GPUs, with each engine's sharded parts divided by 8 instead of 2. Activations, communication buckets
 and the allocator's slack are not included. Prints JSON.
 """
@@ -23,8 +23,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARDED = {"ddp": set(), "fsdp2": {"params", "grads", "masters", "optimizer_state"},
-           "zero2": {"grads", "masters", "optimizer_state"}, "zero3": {"params", "grads", "masters", "optimizer_state"}}
+SHARDED = {"ddp": set(), "fsdp2": {"params", "grads", "masters", "optimizer_state", "ema"},
+           "zero2": {"grads", "masters", "optimizer_state"},
+           "zero3": {"params", "grads", "masters", "optimizer_state", "ema"}}
+PARTS = ("grads", "masters", "optimizer_state", "ema")
 
 
 def _tensor_bytes(tensor) -> int:
@@ -67,7 +69,7 @@ def worker(engine: str, dataset: str, out: str):
                                           head_names=mixture.head_names)
     args = VLATrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=2, report_to=[], use_cpu=True,
                                 ddp_backend="gloo", save_strategy="no", disable_tqdm=True, stream_open_blocks=2,
-                                warmup_steps=0, learning_rate=1e-4, bf16=engine.startswith("zero"))
+                                warmup_steps=0, learning_rate=1e-4, bf16=engine.startswith("zero"), ema_decay=0.999)
     train, _ = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=config.chunk_size)
     trainer = VLATrainer(model, args, train_dataset=train, processing_class=processor)
     measured = {}
@@ -104,6 +106,9 @@ def worker(engine: str, dataset: str, out: str):
                 return result
 
             inner.step = step
+
+        def on_step_end(self, args, state, control, **kwargs):  # after the EMA's own update of this step
+            measured["ema"] = sum(_tensor_bytes(t) for t in trainer._ema.shadow)
 
     trainer.add_callback(Measure())
     trainer.train()
@@ -158,19 +163,22 @@ def main(argv=None):
             if result.returncode != 0:
                 raise SystemExit(f"{engine}: the run failed:\n{result.stderr[-4000:]}")
             data = json.loads(Path(out, "measured.json").read_text())
-        rank = max(data["ranks"], key=lambda r: r["params"] + r["grads"] + r["masters"] + r["optimizer_state"])
+        rank = max(data["ranks"], key=lambda r: r["params"] + sum(r[k] for k in PARTS))
         per_param = {"params": rank["params"] / data["total"]}
-        per_param.update({k: rank[k] / data["trainable"] for k in ("grads", "masters", "optimizer_state")})
+        per_param.update({k: rank[k] / data["trainable"] for k in PARTS})
         shrink = 2 / args.gpus
         full = {"params": per_param["params"] * full_total}
-        full.update({k: per_param[k] * full_trainable for k in ("grads", "masters", "optimizer_state")})
+        full.update({k: per_param[k] * full_trainable for k in PARTS})
         full = {k: v * (shrink if k in SHARDED[engine] else 1.0) for k, v in full.items()}
         report["engines"][engine] = {
             "accelerate_engine": data["engine"], "optimizer": rank["optimizer"],
             "masters_are_the_sharded_params": rank["masters_are_params"],
             "bytes_per_param_per_rank_2_processes": {k: round(v, 3) for k, v in per_param.items()},
+            "bytes_per_param_per_rank_total_without_ema": round(sum(v for k, v in per_param.items() if k != "ema"), 3),
             "bytes_per_param_per_rank_total": round(sum(per_param.values()), 3),
             f"full_pi05_per_gpu_GiB_{args.gpus}_gpus": {k: round(v / 2**30, 2) for k, v in full.items()},
+            f"full_pi05_per_gpu_GiB_{args.gpus}_gpus_total_without_ema": round(
+                sum(v for k, v in full.items() if k != "ema") / 2**30, 2),
             f"full_pi05_per_gpu_GiB_{args.gpus}_gpus_total": round(sum(full.values()) / 2**30, 2),
         }
     print(json.dumps(report, indent=2))
