@@ -111,3 +111,20 @@ def test_ema_arguments_are_checked():
 
     with pytest.raises(ConfigError, match="ema_decay=1.5"):
         parse_config(REPO / "configs/demo.json", ["--ema_decay", "1.5"])
+
+
+def test_evaluation_runs_on_the_average_and_lora_averages_only_what_trains(data, tmp_path):
+    from hf_vla.train import main
+
+    config = base_config(data, tmp_path / "lora", max_steps=4, ema_decay=DECAY, ema_eval_raw=True, lora_preset="expert",
+                         validation_ratio=0.3, per_device_train_batch_size=2)
+    trainer = main([str(write_config(tmp_path, config, "lora.json"))])
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainer._ema.names == trainable and len(trainable) < sum(1 for _ in trainer.model.parameters())
+    assert all("lora_" in n or "action_" in n or "time_mlp" in n for n in trainable)
+    final = next(entry for entry in reversed(trainer.state.log_history) if "eval_loss" in entry)
+    assert "eval_raw_loss" in final and final["eval_loss"] != final["eval_raw_loss"]  # two passes, two weight sets
+    loader = trainer.get_eval_dataloader()
+    assert trainer._evaluation_pass(loader, "check").metrics["check_loss"] == final["eval_raw_loss"]
+    with trainer._ema.swapped():  # eval_loss measured the average
+        assert trainer._evaluation_pass(loader, "check").metrics["check_loss"] == final["eval_loss"]
