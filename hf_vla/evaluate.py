@@ -278,6 +278,26 @@ def benchmark_tasks(env_id: str, task: str | None) -> list[str]:
     return module.task_names(spec) if env_id == "metaworld" else module.task_suites(spec)
 
 
+def check_env(env: str, task: str | None, env_label: str = "env=", task_label: str = "task=") -> None:
+    """An env (and tasks) a run can make, checked before any model loads: a benchmark's task names (and LIBERO being
+    installed), or a registered gymnasium id without tasks. The labels name the flag or field in the message."""
+    if env in BENCHMARKS:
+        benchmark_tasks(env, task)
+        if env == "libero":
+            from .envs.libero import require_libero
+
+            require_libero()
+        return
+    import hf_vla.envs  # noqa: F401  (registers the demo env)
+
+    if task is not None:
+        raise ConfigError(f"{task_label}{task!r}: only a benchmark env ({', '.join(BENCHMARKS)}) has tasks")
+    try:
+        gym.spec(env)
+    except gym.error.Error as error:
+        raise ConfigError(f"{env_label}{env!r}: {error}") from error
+
+
 @dataclass
 class BenchmarkResult:
     env: str
@@ -337,25 +357,12 @@ def main(argv=None):
     positive("--image_size", args.image_size)
     positive("--max_episode_steps", args.max_episode_steps)
     env_kwargs = {}
+    check_env(args.env, args.task, "--env ", "--task ")  # an unknown env or task stops here, by name
     if args.env in BENCHMARKS:
-        benchmark_tasks(args.env, args.task)  # an unknown task stops here, by name
-        if args.env == "libero":
-            from .envs.libero import require_libero
-
-            require_libero()
         env_kwargs = {k: v for k, v in (("image_size", args.image_size), ("max_episode_steps", args.max_episode_steps))
                       if v is not None}
         if "OMP_NUM_THREADS" not in os.environ:  # leave a core to the env's worker: 30 ms a step instead of 150 on 2
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    else:
-        import hf_vla.envs  # noqa: F401  (registers the demo env)
-
-        if args.task is not None:
-            raise ConfigError(f"--task {args.task!r}: only --env metaworld or --env libero has tasks")
-        try:
-            gym.spec(args.env)
-        except gym.error.Error as error:
-            raise ConfigError(f"--env {args.env!r}: {error}") from error
     from .cli import setup_logging
 
     setup_logging()

@@ -54,25 +54,9 @@ def check_rollout_args(args) -> None:
             raise ConfigError(f"rollout_env_kwargs={args.rollout_env_kwargs!r}: not a JSON object ({error})") from error
     if args.rollout_env_kwargs is not None and not isinstance(args.rollout_env_kwargs, dict):
         raise ConfigError(f"rollout_env_kwargs={args.rollout_env_kwargs!r}: must be an object of env arguments")
-    from .evaluate import BENCHMARKS, benchmark_tasks
+    from .evaluate import check_env
 
-    if args.rollout_env in BENCHMARKS:
-        benchmark_tasks(args.rollout_env, args.rollout_tasks)
-        if args.rollout_env == "libero":
-            from .envs.libero import require_libero
-
-            require_libero()
-    else:
-        import gymnasium as gym
-
-        import hf_vla.envs  # noqa: F401  (registers the demo env)
-
-        if args.rollout_tasks is not None:
-            raise ConfigError(f"rollout_tasks={args.rollout_tasks!r}: only a benchmark env (metaworld, libero) has tasks")
-        try:
-            gym.spec(args.rollout_env)
-        except gym.error.Error as error:
-            raise ConfigError(f"rollout_env={args.rollout_env!r}: {error}") from error
+    check_env(args.rollout_env, args.rollout_tasks, "rollout_env=", "rollout_tasks=")
 
 
 def rollout_metrics(result: dict, env: str) -> dict[str, float]:
