@@ -242,7 +242,7 @@ def test_evaluate_argument_errors(served_checkpoint, tmp_path, capsys):
         (ckpt + ["--output_dir", str(a_file / "out")], f"{a_file} is a file, not a directory"),
         (ckpt + ["--head", "nope::x", "--episodes", "1"], "head: unknown normalization head 'nope::x'"),
         (ckpt + ["--n_action_steps", "9", "--episodes", "1"], "n_action_steps=9: must be 1..8"),
-        (["--checkpoint", "some-org/not-cached"], "checkpoint 'some-org/not-cached' could not be loaded"),
+        (["--checkpoint", "some-org/not-cached"], "Hub checkpoint 'some-org/not-cached' is not in the local Hub cache"),
     ]
     for argv, culprit in cases:
         line = fails(capsys, cli, argv)
