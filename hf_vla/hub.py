@@ -108,13 +108,14 @@ def _local_key(directory: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def resolve_pretrained(name_or_path: str | os.PathLike, revision: str | None = None, tokenizer=None) -> str:
+def resolve_pretrained(name_or_path: str | os.PathLike, revision: str | None = None, tokenizer=None,
+                       label: str | None = None) -> str:
     """A local directory or Hub id that `AutoModel` / `AutoProcessor.from_pretrained` load.
 
     A lerobot pi0 / pi0.5 checkpoint is converted (once: the copy is cached under `cache_dir()/converted`, keyed by
     the Hub commit or the local files' content) and the copy's path returned; anything else is returned as given.
     `tokenizer`: a name, path or tokenizer for the converted processor (default: the one lerobot's pre-processor
-    names, else PaliGemma's).
+    names, else PaliGemma's). `label` names the argument in error messages (e.g. `model_name_or_path`).
     """
     source = str(name_or_path)
     path = Path(source).expanduser()
@@ -129,10 +130,11 @@ def resolve_pretrained(name_or_path: str | os.PathLike, revision: str | None = N
         key = f"{path.resolve().name}--{_local_key(path)}"
         return _converted(path, key, tokenizer, source)
     if source.startswith((".", "/", "~")) or not HUB_ID.match(source) or source.count("/") != 1:
-        raise ConfigError(f"{source!r}: no such directory, and not a Hub id (namespace/name)")
+        raise ConfigError(f"{label + '=' if label else ''}{source!r}: no such directory, and not a Hub id "
+                          "(namespace/name)")
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    what = f"Hub checkpoint {source!r}"
+    what = f"{label}={source!r} (Hub checkpoint)" if label else f"Hub checkpoint {source!r}"
     config_file = _hub_call(hf_hub_download, what, source, "config.json", revision=revision)
     try:
         config = json.loads(Path(config_file).read_text())

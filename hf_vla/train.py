@@ -376,7 +376,8 @@ def _train(model_args, data_args, training_args):
         from .hub import resolve_pretrained
 
         with training_args.main_process_first(local=True, desc="checkpoint conversion"):
-            model_args.model_name_or_path = resolve_pretrained(source, model_args.model_revision, tokenizer=tokenizer)
+            model_args.model_name_or_path = resolve_pretrained(source, model_args.model_revision, tokenizer=tokenizer,
+                                                               label="model_name_or_path")
         if model_args.model_name_or_path != source:
             model_args.model_revision = None  # the converted copy is local
     config = model_config(model_args)
