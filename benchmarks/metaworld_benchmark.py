@@ -222,15 +222,18 @@ def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_step
         return
     out = work / tag
     checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    if tag != "hf_vla" and (out / "model.safetensors").is_file():  # the final model, when no checkpoint is at the end
+        checkpoints.append(out)
     closed = {}
     for index, checkpoint in enumerate(checkpoints):
         last = index == len(checkpoints) - 1
         if not last and not checkpoint_episodes:
             continue
+        name = "final" if checkpoint == out else checkpoint.name
         started = time.perf_counter()
-        closed[checkpoint.name] = _evaluate(checkpoint, episodes if last else checkpoint_episodes, max_steps,
-                                            work / "eval" / checkpoint.name)
-        closed[checkpoint.name]["seconds"] = round(time.perf_counter() - started, 1)
+        closed[name] = _evaluate(checkpoint, episodes if last else checkpoint_episodes, max_steps,
+                                 work / "eval" / f"{tag}_{name}")
+        closed[name]["seconds"] = round(time.perf_counter() - started, 1)
     results.setdefault(tag, {})["closed_loop"] = closed
     results["max_episode_steps"] = max_steps
     if tag != "hf_vla":
