@@ -76,22 +76,22 @@ class PreemptionCallback(TrainerCallback):
             flag = bool(tensor.item())
         return flag
 
+    def _stop(self, state, control) -> None:
+        self.stopped_at = state.global_step
+        if self.received is None:  # another rank got it
+            self.received = int(signal.SIGTERM)
+        control.should_training_stop = True
+
     def on_step_end(self, args, state, control, **kwargs):
         if self._agreed():
-            self.stopped_at = state.global_step
-            if self.received is None:  # another rank got it
-                self.received = int(signal.SIGTERM)
+            self._stop(state, control)
             control.should_save = True  # this step's checkpoint, in the usual atomic format
-            control.should_training_stop = True
         return control
 
     def on_save(self, args, state, control, **kwargs):
         # a signal that came during the save: the save finished; stop here instead of after one more step
         if self.stopped_at is None and self._agreed():
-            self.stopped_at = state.global_step
-            if self.received is None:
-                self.received = int(signal.SIGTERM)
-            control.should_training_stop = True
+            self._stop(state, control)
         return control
 
     @property
