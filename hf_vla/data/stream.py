@@ -162,6 +162,11 @@ def schedule(
     return ShardSchedule(blocks, weights, seed, epoch, shard, num_shards, open_blocks, segment)
 
 
+def samples_done(batches: int, worker: int, num_workers: int, batch_size: int | None) -> int:
+    """Samples logical worker `worker` has emitted after its rank's DataLoader took `batches` batches round-robin."""
+    return math.ceil(max(0, batches - worker) / num_workers) * (batch_size or 1)
+
+
 def _shard() -> tuple[int, int]:
     info = get_worker_info()
     return (info.id, info.num_workers) if info is not None else (0, 1)
@@ -359,7 +364,7 @@ class EpisodeShuffleStream(IterableDataset):
                 shard = rank * old["num_workers"] + worker
                 replay = ShardSchedule(self.blocks, self.weights, self.seed, self.epoch, shard, shards,
                                        old["open_blocks"], old_segment)
-                done = math.ceil(max(0, batches - worker) / old["num_workers"]) * (old["batch_size"] or 1)
+                done = samples_done(batches, worker, old["num_workers"], old["batch_size"])
                 for _ in range(done):
                     next(replay)
                 replays.append(replay)
@@ -395,8 +400,7 @@ class EpisodeShuffleStream(IterableDataset):
         # B % W's turn, so DataLoader worker i plays logical worker (i + B) % W (same blocks, same position).
         logical = (worker_id + self.batches_consumed) % num_workers
         samples = self.shard_schedule(logical, num_workers)
-        per_item = self.batch_size or 1
-        done = math.ceil(max(0, self.batches_consumed - logical) / num_workers) * per_item
+        done = samples_done(self.batches_consumed, logical, num_workers, self.batch_size)
         for _ in range(done):  # fast-forward the schedule only: nothing is decoded, readers seek on first use
             next(samples)
         reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size,
