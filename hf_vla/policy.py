@@ -24,8 +24,9 @@ class RequestError(ValueError):
 class InputLimits:
     """What a request may carry; anything outside is refused before inference (a sensor fault must not become an
     action). `max_image_side`: pixels per image side; `max_prompt_chars`: task string length; `max_state_range`: how
-    far a state value may lie outside the head's training range, in multiples of its q01..q99 width (a reading 10,000
-    widths away is a sensor fault or a wrong unit, not a state the policy has seen)."""
+    far a state value, or an action of an RTC leftover (`prev_chunk_left_over`), may lie outside the head's training
+    range, in multiples of its q01..q99 width (a reading 10,000 widths away is a sensor fault or a wrong unit, not a
+    state the policy has seen, and a leftover that far out would be blended into the next chunk)."""
 
     max_image_side: int = 2048
     max_prompt_chars: int = 2000
@@ -262,15 +263,23 @@ class PolicyRunner:
         if state.shape[-1] != expected:
             raise RequestError(f"state {self.obs_map.state or 'vector'} has {state.shape[-1]} values; head {head!r} "
                                f"expects {expected}")
-        stats = self.processor.norm_stats[head]["state"]
+        self._check_range(state, head, "state", "state value")
+
+    def _check_range(self, values: np.ndarray, head: str, key: str, what: str) -> None:
+        """Every value lies within `limits.max_state_range` q01..q99 widths of the head's training range of `key`
+        (state, or actions for an RTC leftover): a value 10,000 widths away is a sensor fault, a wrong unit or an
+        attack, never something to act on or blend into a chunk."""
+        stats = self.processor.norm_stats[head][key]
         q01, q99 = np.asarray(stats["q01"], np.float64), np.asarray(stats["q99"], np.float64)
         width = np.maximum(q99 - q01, 1e-6)  # a constant dim still gets a finite tolerance
-        distance = np.maximum(q01 - state, state - q99) / width
-        far = np.flatnonzero(distance > self.limits.max_state_range)
+        distance = (np.maximum(q01 - values, values - q99) / width).reshape(-1, len(q01))
+        far = np.argwhere(distance > self.limits.max_state_range)
         if far.size:
-            i = int(far[0])
-            raise RequestError(f"state value {float(state[i]):g} at index {i} lies {float(distance[i]):.3g} widths "
-                               f"outside head {head!r}'s training range [{q01[i]:g}, {q99[i]:g}] (limit "
+            row, i = (int(v) for v in far[0])
+            value = float(np.asarray(values, np.float64).reshape(-1, len(q01))[row, i])
+            at = f"index {i}" if values.ndim == 1 else f"step {row}, dim {i}"
+            raise RequestError(f"{what} {value:g} at {at} lies {float(distance[row, i]):.3g} widths outside head "
+                               f"{head!r}'s training range [{q01[i]:g}, {q99[i]:g}] (limit "
                                f"{self.limits.max_state_range:g}): a sensor fault or a wrong unit?")
 
     def _leftover(self, head: str, inference_delay: int, executed_steps, prev_chunk_left_over):
@@ -288,6 +297,11 @@ class PolicyRunner:
             if leftover.ndim != 2 or leftover.shape[0] > chunk_size:
                 raise RequestError(f"prev_chunk_left_over: expected [steps <= {chunk_size}, action_dim], got "
                                    f"{leftover.shape}")
+            dims = len(self.processor.norm_stats[head]["actions"]["q01"])
+            if leftover.shape[1] != dims:
+                raise RequestError(f"prev_chunk_left_over: actions has {leftover.shape[1]} dims but head {head!r} has "
+                                   f"stats for {dims}")
+            self._check_range(leftover, head, "actions", "prev_chunk_left_over: action")
             try:
                 return self.processor.normalize(leftover, "actions", head)
             except ValueError as error:

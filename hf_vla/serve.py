@@ -71,8 +71,25 @@ DEFAULT_CAMERA_BYTES = 1920 * 1080 * 3 * 4
 DEFAULT_CAMERAS = 3
 
 
+# What one connection can hold at its worst, in multiples of the message bound: the frame websockets is receiving, the
+# assembled message and the decoded copies of its images (benchmarks/serve_load.py --memory measures it: see README).
+CONNECTION_MEMORY_FACTOR = 3
+MAX_CONNECTIONS_CAP = 256
+
+
 def default_max_message_mb(num_cameras: int | None) -> float:
     return math.ceil((num_cameras or DEFAULT_CAMERAS) * DEFAULT_CAMERA_BYTES / 2**20) + 1
+
+
+def default_max_connections(max_message_mb: float, available_bytes: int | None = None) -> int:
+    """As many connections as half the memory available now holds when every one of them sends a message of
+    `max_message_mb` at once (`CONNECTION_MEMORY_FACTOR` x the bound each); at least 1, at most 256."""
+    if available_bytes is None:
+        import psutil
+
+        available_bytes = psutil.virtual_memory().available
+    per_connection = CONNECTION_MEMORY_FACTOR * max_message_mb * 2**20
+    return int(min(MAX_CONNECTIONS_CAP, max(1, available_bytes // 2 // per_connection)))
 
 
 # ---- msgpack-numpy, the wire format of openpi_client.msgpack_numpy ---------------------------------------------------
@@ -86,11 +103,83 @@ def _pack_array(obj):
     return obj
 
 
+# What a request's arrays may be: plain numbers. numpy builds an array of any dtype over the received bytes, and an
+# object dtype (or a structured one with an object field) turns them into pointers that crash the process when read;
+# strings, dates, void and complex numbers mean nothing to a policy. 16-byte floats (long double) torch cannot take.
+WIRE_KINDS = "biuf"
+MAX_WIRE_DIMS = 8
+
+
+def _wire_dtype(spec) -> np.dtype:
+    """The dtype of a received array or scalar, refused unless it is a plain bool/int/float (any byte order)."""
+    if isinstance(spec, bytes):
+        spec = spec.decode("ascii", "replace")
+    if not isinstance(spec, str):  # a dict/list spec builds a structured dtype
+        raise RequestError(f"array dtype must be a numpy type string such as '<f4', got a {type(spec).__name__}")
+    try:
+        dtype = np.dtype(spec)
+    except (TypeError, ValueError, SyntaxError) as error:
+        raise RequestError(f"array dtype {spec[:40]!r} is not a numpy dtype") from error
+    if (dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in WIRE_KINDS
+            or dtype.itemsize > 8):
+        raise RequestError(f"array dtype {spec[:40]!r} ({dtype.kind!r} kind): only bool, integer and float arrays "
+                           f"(up to 64 bits) are accepted")
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class RefusedArray:
+    """What the decoder puts in place of an array or numpy scalar it will not build (`reason` says why); the server
+    answers a request holding one as a bad request naming its key."""
+
+    reason: str
+
+
 def _unpack_array(obj):
+    """openpi_client.msgpack_numpy's decoding, with the client's dtype and shape checked before a byte is read as an
+    array: anything but a plain numeric array whose shape fits its bytes becomes a `RefusedArray`."""
+    try:
+        return _decode_array(obj)
+    except RequestError as error:
+        return RefusedArray(str(error))
+
+
+def refused_arrays(value, key: str = "", depth: int = 0):
+    """(key path, reason) of every `RefusedArray` in a decoded message (dicts and lists, a few levels deep)."""
+    if isinstance(value, RefusedArray):
+        yield key or "message", value.reason
+    elif depth < 4 and isinstance(value, dict):
+        for name, item in value.items():
+            yield from refused_arrays(item, f"{key}.{name}" if key else str(name), depth + 1)
+    elif depth < 4 and isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from refused_arrays(item, f"{key}[{index}]", depth + 1)
+
+
+def _decode_array(obj):
     if b"__ndarray__" in obj:
-        return np.ndarray(buffer=obj[b"data"], dtype=np.dtype(obj[b"dtype"]), shape=obj[b"shape"])
+        dtype = _wire_dtype(obj.get(b"dtype"))
+        data, shape = obj.get(b"data"), obj.get(b"shape")
+        if not isinstance(data, bytes):
+            raise RequestError(f"array data must be bytes, got {type(data).__name__}")
+        if (not isinstance(shape, list | tuple) or len(shape) > MAX_WIRE_DIMS
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+            raise RequestError(f"array shape must be a list of at most {MAX_WIRE_DIMS} non-negative integers, got "
+                               f"{str(shape)[:80]}")
+        if math.prod(shape) * dtype.itemsize != len(data):
+            raise RequestError(f"array of shape {tuple(shape)[:MAX_WIRE_DIMS]} and dtype {dtype.str} needs "
+                               f"{math.prod(shape) * dtype.itemsize} bytes, the message has {len(data)}")
+        array = np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape))
+        return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
     if b"__npgeneric__" in obj:
-        return np.dtype(obj[b"dtype"]).type(obj[b"data"])
+        dtype = _wire_dtype(obj.get(b"dtype"))
+        value = obj.get(b"data")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RequestError(f"numpy scalar data must be a number, got {type(value).__name__}")
+        try:
+            return dtype.type(value)
+        except (OverflowError, ValueError) as error:
+            raise RequestError(f"numpy scalar {value!r} does not fit {dtype.str}") from error
     return obj
 
 
@@ -150,14 +239,19 @@ class PolicyServer:
     max_message_mb: the largest message read (larger ones are refused unread); None: `default_max_message_mb`.
     max_batch: most requests of waiting clients run in one forward (1: one at a time).
     api_key: required at the websocket handshake when set (`Authorization: Api-Key <key>` or `Bearer <key>`).
+    max_connections: open connections at most; a client beyond them is refused at the handshake (HTTP 503) and may
+        retry later. None: `default_max_connections` (what half the available memory holds at the worst case).
     """
 
     def __init__(self, runner: PolicyRunner, metadata: dict | None = None, max_message_mb: float | None = None,
-                 api_key: str | None = None, max_batch: int = 8):
+                 api_key: str | None = None, max_batch: int = 8, max_connections: int | None = None):
         self.runner = runner
         self.batcher = Batcher(runner.model, runner.device, max_batch)
         cameras = len(runner.obs_map.cameras) if runner.obs_map.cameras else runner.num_camera_slots
         self.max_message_mb = max_message_mb or default_max_message_mb(cameras)
+        self.max_connections = int(max_connections or default_max_connections(self.max_message_mb))
+        self._open = 0  # connections being served
+        self._open_lock = threading.Lock()
         self.api_key = api_key or None
         self.metadata = {**self.default_metadata(), **(metadata or {})}
 
@@ -173,7 +267,8 @@ class PolicyServer:
                     "prefix_attention_schedule": runner.rtc.prefix_attention_schedule,
                     "jacobian": runner.rtc.jacobian, "method": runner.rtc.method,
                     "trained_max_delay": getattr(runner.model.config, "rtc_max_delay", 0)},
-            "limits": {"max_message_mb": self.max_message_mb, **dataclasses.asdict(runner.limits)},
+            "limits": {"max_message_mb": self.max_message_mb, "max_connections": self.max_connections,
+                       **dataclasses.asdict(runner.limits)},
             "max_batch": self.batcher.max_batch,
         }
 
@@ -187,6 +282,9 @@ class PolicyServer:
             request = unpackb(message)
         except Exception as error:  # msgpack raises several unrelated classes
             raise RequestError(f"not a msgpack-numpy message ({type(error).__name__}: {error})") from error
+        refused = next(refused_arrays(request), None)  # checked before any value is read
+        if refused is not None:
+            raise RequestError(f"{refused[0][:100]}: {refused[1]}")
         if not isinstance(request, dict):
             raise RequestError(f"expected an observation dict, got {type(request).__name__}")
         not_text = [key for key in request if not isinstance(key, str)]
@@ -212,13 +310,28 @@ class PolicyServer:
         return reply
 
     def handler(self, connection) -> None:
-        from websockets.exceptions import ConnectionClosed
-
         peer = _peer(connection)
         if peer is None:  # the client left before the handler started: nothing to serve, nothing went wrong
             logger.info("a client disconnected before it was served")
             return
-        logger.info("connection from %s", peer)
+        with self._open_lock:  # the handshake's check (process_request) can race; this one cannot
+            full = self._open >= self.max_connections
+            self._open += not full
+        if full:
+            logger.warning("refused a connection from %s: %d connections open (--max_connections %d)", peer,
+                           self.max_connections, self.max_connections)
+            connection.close(1013, f"server full: --max_connections {self.max_connections}; try again later")
+            return
+        logger.info("connection from %s (%d open)", peer, self._open)
+        try:
+            self._serve_connection(connection, peer)
+        finally:
+            with self._open_lock:
+                self._open -= 1
+
+    def _serve_connection(self, connection, peer: str) -> None:
+        from websockets.exceptions import ConnectionClosed
+
         runner = self.connection_runner()
         try:
             connection.send(packb(self.metadata))
@@ -258,6 +371,12 @@ class PolicyServer:
             logger.warning("refused a connection from %s: %s API key", _peer(connection) or "a client that left",
                            "wrong" if request.headers.get("Authorization") else "no")
             return connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
+        if self._open >= self.max_connections:
+            logger.warning("refused a connection from %s: %d connections open (--max_connections %d)",
+                           _peer(connection) or "a client that left", self._open, self.max_connections)
+            return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE,
+                                      f"server full: {self._open} connections open, --max_connections "
+                                      f"{self.max_connections}; try again later\n")
         return None
 
     def _authorized(self, header: str | None) -> bool:
@@ -273,8 +392,10 @@ class PolicyServer:
                    process_request=self.process_request) as server:
             self._server = server
             bound = server.socket.getsockname()[1]
-            logger.info("serving %s on ws://%s:%d (messages up to %g MB, %s)", self.metadata["policy"], host, bound,
-                        self.max_message_mb, "API key required" if self.api_key else "no API key")
+            logger.info("serving %s on ws://%s:%d (messages up to %g MB, %d connections at most: %.1f GB at their "
+                        "worst, %s)", self.metadata["policy"], host, bound, self.max_message_mb, self.max_connections,
+                        self.max_connections * CONNECTION_MEMORY_FACTOR * self.max_message_mb / 1024,
+                        "API key required" if self.api_key else "no API key")
             if self.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
                 logger.warning("listening on %s without an API key: anyone who reaches port %d can drive this policy "
                                "(set %s, or --host 127.0.0.1)", host, bound, API_KEY_ENV)
@@ -301,10 +422,14 @@ def _peer(connection) -> str | None:
 def _optional_int(value, key: str):
     if value is None:
         return None
-    array = np.asarray(value) if not isinstance(value, str | bytes) else None
-    if array is None or array.size != 1 or array.dtype.kind not in "iu":
-        raise RequestError(f"{key}: expected an integer, got {value!r}"[:200])
-    return int(array.item())
+    if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+        return int(value)
+    if isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "iu":
+        return int(value.item())
+    shown = repr(value)[:40] if isinstance(value, str | bytes | float | bool) else type(value).__name__
+    if isinstance(value, np.ndarray):
+        shown = f"an array of shape {value.shape} and dtype {value.dtype.str}"
+    raise RequestError(f"{key}: expected an integer, got {shown}")
 
 
 def main(argv=None):
@@ -331,9 +456,14 @@ def main(argv=None):
     limits.add_argument("--max_image_side", type=int, default=InputLimits.max_image_side,
                         help="largest image side accepted, in pixels")
     limits.add_argument("--max_state_range", type=float, default=InputLimits.max_state_range,
-                        help="refuse a state value this many q01..q99 widths outside the training range")
+                        help="refuse a state value (or an RTC leftover action) this many q01..q99 widths "
+                        "outside the training range")
     limits.add_argument("--max_batch", type=int, default=8, help="most requests of clients waiting at once that run "
                         "in one forward (1: one request at a time)")
+    limits.add_argument("--max_connections", type=int, default=None, help="open connections at most; more are "
+                        "refused at the handshake (HTTP 503) (default: what half the available memory holds when each "
+                        f"sends a --max_message_mb message at once, {CONNECTION_MEMORY_FACTOR}x the bound per "
+                        f"connection, at most {MAX_CONNECTIONS_CAP})")
     limits.add_argument("--api_key", default=None, help=f"require this key at the handshake (prefer the {API_KEY_ENV} "
                         "environment variable: a flag is visible in the process list)")
     add_rtc_arguments(parser)
@@ -354,7 +484,8 @@ def main(argv=None):
     for field_name, value in (("cameras", args.cameras), ("state", args.state), ("prompt", args.prompt_key)):
         if value:
             setattr(obs_map, field_name, value)
-    for name in ("max_message_mb", "max_image_side", "max_state_range", "num_camera_slots", "max_batch"):
+    for name in ("max_message_mb", "max_image_side", "max_state_range", "num_camera_slots", "max_batch",
+                 "max_connections"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name}: must be positive, got {value}")
@@ -370,7 +501,8 @@ def main(argv=None):
     else:
         logger.warning("several heads %s and no --head: every request must name its `head`", heads)
     server = PolicyServer(runner, metadata={"checkpoint": str(args.checkpoint)}, max_message_mb=args.max_message_mb,
-                          api_key=args.api_key or os.environ.get(API_KEY_ENV), max_batch=args.max_batch)
+                          api_key=args.api_key or os.environ.get(API_KEY_ENV), max_batch=args.max_batch,
+                          max_connections=args.max_connections)
     logger.info("metadata %s", json.dumps(server.metadata))
     try:
         server.serve(args.host, args.port)
@@ -388,4 +520,4 @@ if __name__ == "__main__":
     cli()
 
 
-__all__ = ["Batcher", "PolicyServer", "default_max_message_mb", "packb", "unpackb", "main"]
+__all__ = ["Batcher", "PolicyServer", "RefusedArray", "refused_arrays", "default_max_connections", "default_max_message_mb", "packb", "unpackb", "main"]

@@ -378,7 +378,6 @@ def _garbage(observation: dict) -> list[tuple[dict, str]]:
         (observation | {"observation.state": np.array([0.0, np.inf], np.float32)}, "at index [1] are NaN or inf"),
         (observation | {"observation.state": np.array([0.0, 1e39])}, "at index [1] are NaN or inf"),  # float32 overflow
         (observation | {"observation.state": np.array([0.0, 3e4], np.float32)}, "lies 1.5e+04 widths outside head"),
-        (observation | {"observation.state": np.array(["a", "b"])}, "state 'observation.state': expected numbers"),
         (observation | {"observation.image": np.where(float_image > 0.5, np.inf, float_image)},
          "pixel value(s) are NaN or inf"),
         (observation | {"observation.image": float_image * 255}, "float pixels must lie in [0, 1], got "),
@@ -404,6 +403,7 @@ def test_runner_refuses_garbage(demo_policy):
     try:
         for request, message in _garbage(good) + [
             (good | {"observation.image": np.zeros((65, 32, 3), np.uint8)}, "each side must be 1...64"),
+            (good | {"observation.state": np.array(["a", "b"])}, "state 'observation.state': expected numbers"),
         ]:
             with pytest.raises(RequestError, match=re.escape(message)):
                 runner(request)
@@ -440,6 +440,8 @@ def test_server_refuses_garbage_and_stays_up(guarded_server):
         ({k: v for k, v in good.items() if k != "observation.image"}, "missing camera(s) ['observation.image']"),
         (good | {"observation.image": np.zeros((300, 32, 3), np.uint8)}, "image of 300x32 pixels; each side must be"),
         (good | {"rtc/inference_delay": "2"}, "rtc/inference_delay: expected an integer"),
+        (good | {"observation.state": np.array(["a", "b"])}, "observation.state: array dtype '<U1' ('U' kind): only "
+                                                             "bool, integer and float arrays"),
         (good | {"head": ["a"]}, "head: expected a string"),
     ]
     for request, message in cases:
@@ -447,6 +449,158 @@ def test_server_refuses_garbage_and_stays_up(guarded_server):
             client.infer(request)
         assert "Traceback" not in str(caught.value) and "bad request (request " in str(caught.value)
         assert client.infer(good)["actions"].shape == (8, 2)
+
+
+# ---- hostile input (issue: nothing a client sends can crash the server) ------------------------------------------
+FUZZ_FIELDS = ("observation.image", "observation.state", "prompt", "head", "rtc/inference_delay", "rtc/executed_steps",
+               "rtc/prev_chunk_left_over", "rtc/execution_horizon")
+
+
+def _wire(dtype, shape, data=None, item=None):
+    """An ndarray as openpi's msgpack_numpy writes it, with whatever dtype/shape/data a client claims."""
+    if item is not None:
+        return {b"__npgeneric__": True, b"data": item, b"dtype": dtype}
+    if data is None:
+        itemsize = np.dtype(dtype).itemsize if isinstance(dtype, str) else 8
+        data = bytes(range(256)) * (int(np.prod(shape)) * itemsize // 256 + 1)
+        data = data[: int(np.prod(shape)) * itemsize]
+    return {b"__ndarray__": True, b"data": data, b"dtype": dtype, b"shape": shape}
+
+
+FUZZ_VALUES = {
+    "object": _wire("|O", [2]),
+    "structured object field": _wire({"names": ["a"], "formats": ["|O"]}, [2]),
+    "structured object string": _wire("f4,O", [2], data=b"\x01" * 24),
+    "subarray": _wire("(2,)f4", [2], data=b"\x01" * 16),
+    "void": _wire("|V8", [2]),
+    "datetime": _wire("<M8[ns]", [2]),
+    "bytes": _wire("|S4", [2]),
+    "unicode": _wire("<U4", [2]),
+    "complex": _wire("<c8", [2]),
+    "long double": _wire("<f16", [2], data=b"\x01" * 32),
+    "big-endian float": _wire(">f4", [2]),
+    "big-endian image": _wire(">f4", [32, 32, 3], data=np.full((32, 32, 3), 0.5, ">f4").tobytes()),
+    "zero-size": _wire("<f4", [0]),
+    "zero-size image": _wire("|u1", [0, 0, 3], data=b""),
+    "huge shape": _wire("<f4", [2**40, 2**40], data=b"\x00" * 8),
+    "negative shape": _wire("<f4", [-1], data=b""),
+    "shape not a list": _wire("<f4", "ab", data=b"\x00" * 8),
+    "too many dims": _wire("|u1", [1] * 40, data=b"\x00"),
+    "data not bytes": _wire("<f4", [2], data="abcdefgh"),
+    "dtype not a string": _wire(7, [2], data=b"\x00" * 8),
+    "object scalar": _wire("|O", None, item=12345),
+    "datetime scalar": _wire("<M8[ns]", None, item=5),
+    "scalar of a string": _wire("<i8", None, item="7"),
+    "nested object": [_wire("|O", [2])],
+}
+
+
+def test_server_survives_every_dtype_in_every_field(server):
+    """A fuzz over the wire format: every field of a request, every dtype kind a client can claim (object, structured,
+    void, datetime, strings, complex, long double, big-endian, zero-size, huge or malformed shapes). Each request
+    gets a reply on the same connection (an action chunk or a bad request naming the field, never an internal error),
+    and the server process stays alive and serves a good request after all of them."""
+    import websockets.sync.client
+
+    from hf_vla.serve import packb, unpackb
+
+    observation, task = next(observations(1, seed=90))
+    good = {**observation, "prompt": task}
+    with websockets.sync.client.connect(server.uri, max_size=None) as ws:
+        unpackb(ws.recv())  # metadata
+        answered = {}
+        for field in FUZZ_FIELDS:
+            for name, value in FUZZ_VALUES.items():
+                request = good | {field: value}
+                if field.startswith("rtc/") and field != "rtc/inference_delay":
+                    request["rtc/inference_delay"] = 1
+                ws.send(packb(request))
+                reply = ws.recv(timeout=60)
+                assert server.process.poll() is None, f"the server died on {field} = {name}"
+                if isinstance(reply, str):
+                    assert reply.startswith("bad request"), (field, name, reply)
+                    answered[field, name] = reply
+                else:
+                    actions = unpackb(reply)["actions"]
+                    assert np.isfinite(actions).all() and actions.shape == (8, 2), (field, name)
+                    answered[field, name] = "actions"
+        assert len(answered) == len(FUZZ_FIELDS) * len(FUZZ_VALUES)
+        # what must be refused is refused, naming the field
+        for field in FUZZ_FIELDS:
+            for name in ("object", "structured object field", "void", "datetime", "unicode", "complex",
+                         "huge shape", "object scalar"):
+                assert answered[field, name].startswith("bad request") and field in answered[field, name], \
+                    (field, name, answered[field, name])
+        assert "only bool, integer and float arrays" in answered["rtc/executed_steps", "object"]
+        assert answered["observation.state", "big-endian float"] == "actions"  # a numeric array in any byte order
+        ws.send(packb(good))
+        assert unpackb(ws.recv(timeout=60))["actions"].shape == (8, 2)
+    assert server.process.poll() is None
+
+
+def test_rtc_leftover_is_range_checked(server, demo_policy):
+    """A leftover far outside the head's action range is a bad request (the state's range policy), in the server and
+    in-process, never blended into the chunk and never an internal error."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    observation, task = next(observations(1, seed=91))
+    good = {**observation, "prompt": task}
+    client = WebsocketClientPolicy(server.uri)
+    client.infer(good)
+    for value, shown in ((1e6, "1e+06"), (3e38, "3e+38"), (-1e6, "-1e+06")):
+        with pytest.raises(RuntimeError, match=re.escape(f"prev_chunk_left_over: action {shown} at step 0, dim 0 "
+                                                         f"lies ")) as caught:
+            client.infer(good | {"rtc/inference_delay": 2,
+                                 "rtc/prev_chunk_left_over": np.full((5, 2), value, np.float32)})
+        assert "bad request" in str(caught.value) and "widths outside head 'color_reach::delta_xy'" in str(caught.value)
+    near = np.full((5, 2), 0.15, np.float32)  # outside q01..q99 (+-0.1) but within the limit: accepted
+    assert client.infer(good | {"rtc/inference_delay": 2, "rtc/prev_chunk_left_over": near})["actions"].shape == (8, 2)
+    model, processor = demo_policy
+    runner = PolicyRunner(model, processor)
+    with pytest.raises(RequestError, match="prev_chunk_left_over: action 1e\\+06 at step 3, dim 1"):
+        leftover = np.zeros((5, 2), np.float32)
+        leftover[3, 1] = 1e6
+        runner(good, inference_delay=1, prev_chunk_left_over=leftover)
+
+
+def test_default_max_connections():
+    from hf_vla.serve import CONNECTION_MEMORY_FACTOR, default_max_connections
+
+    assert CONNECTION_MEMORY_FACTOR == 3
+    assert default_max_connections(73, available_bytes=24 * 2**30) == 24 * 2**30 // 2 // (3 * 73 * 2**20) == 56
+    assert default_max_connections(73, available_bytes=100 * 2**20) == 1  # always room for one robot
+    assert default_max_connections(1, available_bytes=2**50) == 256
+
+
+def test_server_refuses_connections_beyond_max_connections(checkpoint):
+    """With --max_connections 2, a third client is refused at the handshake with HTTP 503 and a message saying why; a
+    closed connection frees its place."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+    from websockets.exceptions import InvalidStatus
+
+    running = Server("--checkpoint", str(checkpoint), "--max_connections", "2")
+    try:
+        first, second = WebsocketClientPolicy(running.uri), WebsocketClientPolicy(running.uri)
+        assert first.get_server_metadata()["limits"]["max_connections"] == 2
+        with pytest.raises(InvalidStatus) as refused:
+            WebsocketClientPolicy(running.uri)
+        assert refused.value.response.status_code == 503
+        assert b"server full: 2 connections open, --max_connections 2" in refused.value.response.body
+        observation, task = next(observations(1, seed=92))
+        assert second.infer({**observation, "prompt": task})["actions"].shape == (8, 2)
+        first._ws.close()
+        deadline = time.monotonic() + 20
+        while True:  # the server notices the close on its handler thread
+            try:
+                third = WebsocketClientPolicy(running.uri)
+                break
+            except InvalidStatus:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert third.infer({**observation, "prompt": task})["actions"].shape == (8, 2)
+    finally:
+        log = running.stop()
+    assert re.search(r"refused a connection from 127\.0\.0\.1:\d+: 2 connections open \(--max_connections 2\)", log), log
 
 
 def test_server_limits_and_api_key(guarded_server):
