@@ -236,20 +236,25 @@ def _step(folder: Path) -> int:
     return int(_CHECKPOINT.match(folder.name).group(1))
 
 
-def describe_save_error(folder: str | os.PathLike, error: BaseException) -> str:
-    """What went wrong writing `folder`, with the free space when the disk is the likely cause."""
-    folder = Path(folder)
-    probe = folder
+def no_space(folder: str | os.PathLike, error: BaseException) -> tuple[bool, int | None]:
+    """Whether the disk is the likely cause of `error` writing `folder`, and the free bytes there (None: unknown)."""
+    probe = Path(folder)
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     try:
         free = shutil.disk_usage(probe).free
     except OSError:
         free = None
-    text = f"{type(error).__name__}: {error}"
-    no_space = getattr(error, "errno", None) == errno.ENOSPC or "iostream error" in str(error) or (
+    full = getattr(error, "errno", None) == errno.ENOSPC or "iostream error" in str(error) or (
         free is not None and free < 64 * 2**20)
-    if no_space:
+    return full, free
+
+
+def describe_save_error(folder: str | os.PathLike, error: BaseException) -> str:
+    """What went wrong writing `folder`, with the free space when the disk is the likely cause."""
+    full, free = no_space(folder, error)
+    text = f"{type(error).__name__}: {error}"
+    if full:
         text = f"no space left on the device ({free / 2**20:.1f} MiB free)" if free is not None else \
             "no space left on the device"
         text += f" [{type(error).__name__}: {error}]"
@@ -263,6 +268,7 @@ __all__ = [
     "incomplete_reason",
     "last_complete_checkpoint",
     "mark_complete",
+    "no_space",
     "resolve_resume",
     "rotate",
 ]

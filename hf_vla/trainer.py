@@ -688,7 +688,7 @@ class VLATrainer(Trainer):
             if self.args.should_save and os.path.isdir(folder):
                 shutil.rmtree(folder, ignore_errors=True)
             raise CheckpointError(checkpoints.describe_save_error(folder, error) + self._previous_checkpoint_note(
-                run_dir)) from error
+                run_dir, checkpoints.no_space(folder, error)[0])) from error
         finally:
             self.args.save_total_limit = limit
             self._defer_push = False
@@ -699,11 +699,12 @@ class VLATrainer(Trainer):
             self._push_from_checkpoint(folder)
 
     @staticmethod
-    def _previous_checkpoint_note(run_dir: str) -> str:
+    def _previous_checkpoint_note(run_dir: str, disk_full: bool = False) -> str:
         previous, _ = checkpoints.last_complete_checkpoint(run_dir)
         if previous is None:
             return "; there is no earlier complete checkpoint"
-        return f"; the previous checkpoint {previous} is intact (free space, then --resume_from_checkpoint true)"
+        then = "free space, then " if disk_full else ""
+        return f"; the previous checkpoint {previous} is intact ({then}--resume_from_checkpoint true resumes from it)"
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # save_pretrained writes PaliGemma's legacy key layout and only from_pretrained maps it back; the Trainer's raw

@@ -390,7 +390,8 @@ def test_disk_full_during_a_save_names_path_and_cause_and_keeps_the_previous(pri
     config = base_config(pristine, out, max_steps=4, save_strategy="steps", save_steps=2, save_total_limit=1)
     _, message = run_fails(capsys, write_config(tmp_path, config), code=1)
     assert f"saving checkpoint {out / 'checkpoint-4'} failed: no space left on the device" in message
-    assert f"the previous checkpoint {out / 'checkpoint-2'} is intact" in message
+    assert f"the previous checkpoint {out / 'checkpoint-2'} is intact (free space, then --resume_from_checkpoint" \
+        in message
     assert not (out / "checkpoint-4").exists()
     assert checkpoints.incomplete_reason(out / "checkpoint-2") is None
 

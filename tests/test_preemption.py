@@ -58,6 +58,42 @@ def start_and_signal(command, env, after_steps: int, signals=1, pid_of=None):
     return process.returncode, err
 
 
+def test_sigterm_to_the_whole_process_group_with_dataloader_workers(setup):
+    """`timeout`, `kill -TERM -PGID` and batch systems signal every process of the job, DataLoader workers included.
+    The workers ignore it; the main process finishes the step, writes that step's checkpoint and exits 75 with the
+    resume command (not a failed save), no worker is left behind, and the resumed run is bitwise the uninterrupted
+    one."""
+    base, config, env, expected = setup
+    out = base / "group"
+    path = write_config(base, config | {"output_dir": str(out), "dataloader_num_workers": 1}, "group.json")
+    process = subprocess.Popen([sys.executable, "-m", "hf_vla.train", str(path)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    seen = 0
+    for line in process.stdout:
+        seen += "'loss'" in line
+        if seen >= 4:
+            break
+    group = os.getpgid(process.pid)
+    workers = subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True).stdout.split()
+    assert len(workers) >= 2, "the DataLoader worker runs in the run's process group"
+    os.killpg(group, signal.SIGTERM)
+    _, err = process.communicate(timeout=600)
+    last = err.strip().splitlines()[-1]
+    assert process.returncode == 75, err[-3000:]
+    assert "killed by signal" not in err and "failed" not in last and "free space" not in err
+    assert last.startswith("hf_vla.train: stopped: stopped by SIGTERM at step ") and "--resume_from_checkpoint" in last
+    step = int(last.split("at step ")[1].split(":")[0])
+    assert checkpoints.last_complete_checkpoint(out)[0] == out / f"checkpoint-{step}" and 4 <= step < STEPS
+    deadline = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-g", str(group)], capture_output=True).returncode == 0:  # workers follow the main
+        assert time.monotonic() < deadline, "a DataLoader worker outlived the run"
+        time.sleep(0.5)
+    resumed = subprocess.run([sys.executable, "-m", "hf_vla.train", str(path), "--resume_from_checkpoint", "true"],
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_equal(load_file(out / "model.safetensors"), expected)
+
+
 @pytest.mark.slow
 def test_sigterm_at_a_random_step_saves_that_step_and_resume_is_bitwise(setup):
     base, config, env, expected = setup

@@ -14,6 +14,7 @@ decoding anything twice.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -485,10 +486,31 @@ class ValidationStream(IterableDataset):
             reader.close()
 
 
+def _worker_init(worker_id: int, then: Callable | None = None) -> None:
+    """In each DataLoader worker: ignore the signals that announce a preemption (`hf_vla.preemption.SIGNALS`).
+
+    `timeout`, `kill -TERM -PGID` and batch systems that signal every process of a job step reach the workers too;
+    torch's worker dies on SIGTERM, and the main process, which is finishing its step and writing the preemption
+    checkpoint, then fails with "DataLoader worker ... is killed by signal". The main process decides when to stop;
+    its workers leave when it shuts them down or exits (torch's workers watch their parent)."""
+    import signal
+
+    from ..preemption import SIGNALS
+
+    for number in SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+    if then is not None:
+        then(worker_id)
+
+
 class ForkFriendlyDataLoader(DataLoader):
     """Forks its workers with the parent's objects frozen out of the garbage collector: a collection in a forked
     worker would otherwise touch every inherited object and copy its memory page (about 100 MB per worker measured
-    at DROID's size). The parent unfreezes right after the fork."""
+    at DROID's size). The parent unfreezes right after the fork. Its workers ignore preemption signals
+    (`_worker_init`): the main process handles them."""
+
+    def __init__(self, *args, worker_init_fn: Callable | None = None, **kwargs):
+        super().__init__(*args, worker_init_fn=functools.partial(_worker_init, then=worker_init_fn), **kwargs)
 
     def __iter__(self):
         if not self.num_workers:
