@@ -10,6 +10,8 @@ then, with the real `openpi-client`:
   the whole run, latency p50/p95/p99 as the clients see it, and how many replies were not a finite action chunk;
 - `churn`: the server's RSS after a warm-up, then after `--cycles` connect / metadata / disconnect cycles (one request
   every 10th cycle), and the growth;
+- `memory` (with `--memory N ...`): the server's peak RSS while N clients each send a message near the bound at once
+  (a float32 image of `--memory_side`), as a factor of N x the message size (`hf_vla.serve.CONNECTION_MEMORY_FACTOR`);
 - `batching`: in this process, `sample_actions` on the same model at batch 1 and at batch N: the time one forward of N
   requests takes against N forwards of one (speedup > 1 is what batching concurrent requests gains; the server does
   it, see `hf_vla.serve.Batcher`).
@@ -167,6 +169,50 @@ def churn(server: ServerProcess, cycles: int, kind: str) -> dict:
             "rss_growth_mb": round(after - before, 1)}
 
 
+def memory(server: ServerProcess, clients: int, side: int, rounds: int) -> dict:
+    """Peak RSS while `clients` connections each send a message near the bound at once: one float32 image of
+    side x side x 3 (what `--max_message_mb` is sized for), `rounds` times. `factor` = the peak growth per connection
+    in multiples of the message: what `hf_vla.serve.CONNECTION_MEMORY_FACTOR` must cover."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    message_mb = side * side * 3 * 4 / 2**20
+    policies = [WebsocketClientPolicy(server.uri) for _ in range(clients)]
+    rng = np.random.default_rng(0)
+    image = rng.uniform(0, 1, (side, side, 3)).astype(np.float32)
+    request = {"observation/image": image, "observation/state": np.zeros(2, np.float32), "prompt": "reach"}
+    time.sleep(0.5)
+    before, peak, stop = server.rss_mb(), [0.0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], server.rss_mb())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    answered = []
+    for _ in range(rounds):
+        start_line = threading.Barrier(clients)
+
+        def send(policy, start_line=start_line):
+            start_line.wait()
+            answered.append(_good(policy.infer(request)))
+
+        threads = [threading.Thread(target=send, args=(policy,)) for policy in policies]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    stop.set()
+    sampler.join()
+    for policy in policies:
+        policy._ws.close()
+    growth = peak[0] - before
+    return {"clients": clients, "message_mb": round(message_mb, 1), "rounds": rounds, "answered": sum(answered),
+            "rss_before_mb": round(before, 1), "rss_peak_mb": round(peak[0], 1), "growth_mb": round(growth, 1),
+            "factor": round(growth / (clients * message_mb), 2)}
+
+
 def batching(model, processor, sizes: list[int], kind: str, repeats: int) -> dict:
     """One `sample_actions` over N observations vs N over one (the model the server holds, in this process)."""
     import torch
@@ -211,6 +257,9 @@ def main(argv=None):
     parser.add_argument("--compare_unbatched", action="store_true",
                         help="also run the load against a server with --max_batch 1")
     parser.add_argument("--batching_repeats", type=int, default=10, help="0 skips the batching measurement")
+    parser.add_argument("--memory", type=int, nargs="*", default=[], help="client counts for the peak-memory stage "
+                        "(each sends a --memory_side float32 image at once)")
+    parser.add_argument("--memory_side", type=int, default=2048, help="image side of the memory stage (2048: 48 MiB)")
     parser.add_argument("--output", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
 
@@ -240,6 +289,14 @@ def main(argv=None):
         finally:
             log = server.stop()
         results["server_log_errors"] = [line for line in log.splitlines() if " ERROR " in line][:5]
+        for clients in args.memory:  # a fresh server per count, bounds sized for the message
+            bound = args.memory_side**2 * 12 / 2**20 + 2
+            server = ServerProcess(checkpoint, "--max_message_mb", f"{bound:.0f}", "--max_connections",
+                                   str(clients + 1), "--max_image_side", str(args.memory_side))
+            try:
+                results.setdefault("memory", []).append(memory(server, clients, args.memory_side, rounds=3))
+            finally:
+                server.stop()
     if args.batching_repeats and model is not None:
         torch.set_num_threads(os.cpu_count() or 1)  # the server has stopped: the cores it had
         results["batching"] = batching(model, processor, sorted({n for n in args.clients if n > 1}), args.observation,

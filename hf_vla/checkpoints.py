@@ -236,6 +236,36 @@ def _step(folder: Path) -> int:
     return int(_CHECKPOINT.match(folder.name).group(1))
 
 
+def norm_stats_change(folder: str | os.PathLike, norm_stats: dict | None) -> str | None:
+    """The first difference between the normalisation statistics saved with the checkpoint in `folder` (its
+    processor_config.json) and `norm_stats`, as `head 'h': actions q99[0] 0.1017 -> 0.1043`; None when they are
+    equal, or when either side has none (a processor without statistics, a checkpoint without a processor)."""
+    path = Path(folder) / "processor_config.json"
+    if norm_stats is None or not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text()).get("norm_stats")
+    except (OSError, ValueError):
+        return None
+    if saved is None:
+        return None
+    current = json.loads(json.dumps(norm_stats))  # as it would be saved (lists of floats)
+    for head in sorted(set(saved) | set(current)):
+        if head not in saved or head not in current:
+            return f"head {head!r} is {'new' if head not in saved else 'gone'}"
+        for key in ("state", "actions"):
+            for stat in ("q01", "q99", "mean", "std"):
+                old, new = (saved[head].get(key) or {}).get(stat), (current[head].get(key) or {}).get(stat)
+                if old is None or new is None:
+                    continue
+                if len(old) != len(new):
+                    return f"head {head!r}: {key} {stat} has {len(new)} dims, the checkpoint's {len(old)}"
+                for index, (a, b) in enumerate(zip(old, new)):
+                    if a != b:
+                        return f"head {head!r}: {key} {stat}[{index}] {a:.6g} -> {b:.6g}"
+    return None
+
+
 def no_space(folder: str | os.PathLike, error: BaseException) -> tuple[bool, int | None]:
     """Whether the disk is the likely cause of `error` writing `folder`, and the free bytes there (None: unknown)."""
     probe = Path(folder)
@@ -269,6 +299,7 @@ __all__ = [
     "last_complete_checkpoint",
     "mark_complete",
     "no_space",
+    "norm_stats_change",
     "resolve_resume",
     "rotate",
 ]

@@ -164,12 +164,30 @@ def dims_from_weights(shapes: dict[str, tuple]) -> dict:
     return dims
 
 
+def _unreadable(path, error) -> DataError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return DataError(f"{path}: not a complete safetensors file ({first}); a download or copy cut off? fetch it again")
+
+
 def weight_shapes(path: str | Path) -> dict[str, tuple]:
     """Tensor shapes of a safetensors file, read from its header (no tensor is loaded)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as handle:
-        return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except (SafetensorError, OSError) as error:
+        raise _unreadable(path, error) from error
+
+
+def read_weights(path: str | Path) -> dict:
+    """`safetensors.torch.load_file`, with a truncated or damaged file as one `DataError` naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise _unreadable(path, error) from error
 
 
 def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = None):
@@ -229,7 +247,7 @@ def read_lerobot_norm_stats(checkpoint_dir: Path) -> dict | None:
     files = sorted(p for p in checkpoint_dir.glob("*normalizer*.safetensors") if "unnormalizer" not in p.name)
     if not files:
         return None
-    tensors = load_file(str(files[0]))
+    tensors = read_weights(files[0])
     stats: dict = {}
     for key, value in tensors.items():
         feature, _, stat = key.rpartition(".")
@@ -290,7 +308,7 @@ def convert_checkpoint(
     else:  # a tokenizer object (hf_vla.train passes the one it trains with)
         tok = tokenizer
     stats = read_lerobot_norm_stats(input_dir)
-    state_dict = convert_lerobot_state_dict(load_file(str(weights_file)), config)
+    state_dict = convert_lerobot_state_dict(read_weights(weights_file), config)
     if config.model_type == "pi05":
         from .models.pi05 import PI05ForConditionalGeneration as model_class
         from .models.pi05 import PI05Processor

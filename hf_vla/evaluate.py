@@ -298,6 +298,38 @@ def check_env(env: str, task: str | None, env_label: str = "env=", task_label: s
         raise ConfigError(f"{env_label}{env!r}: {error}") from error
 
 
+def env_camera_keys(env: str) -> list[str]:
+    """The image keys an env's observations carry (a benchmark's from its wrapper; a gymnasium env's from its
+    observation space: every HxWxC array)."""
+    if env == "metaworld":
+        from .envs.metaworld import CAMERA
+
+        return [CAMERA]
+    if env == "libero":
+        from .envs.libero import CAMERAS
+
+        return list(CAMERAS.values())
+    made = gym.make(env)
+    try:
+        spaces = getattr(made.observation_space, "spaces", {})
+        return sorted(key for key, space in spaces.items() if len(getattr(space, "shape", None) or ()) == 3)
+    finally:
+        made.close()
+
+
+def check_cameras(flag: str, cameras: list[str] | None, available: list[str]) -> None:
+    """`cameras` (camera-slot order) name distinct image keys the env has; one line naming the culprit otherwise."""
+    if not cameras:
+        return
+    twice = sorted({key for key in cameras if cameras.count(key) > 1})
+    if twice:
+        raise ConfigError(f"{flag}: {twice} given more than once; each camera fills one slot")
+    unknown = [key for key in cameras if key not in available]
+    if unknown:
+        raise ConfigError(f"{flag}: {unknown} {'is not an image' if len(unknown) == 1 else 'are not images'} of the "
+                          f"env's observations; it has {available}")
+
+
 @dataclass
 class BenchmarkResult:
     env: str
@@ -358,6 +390,7 @@ def main(argv=None):
     positive("--max_episode_steps", args.max_episode_steps)
     env_kwargs = {}
     check_env(args.env, args.task, "--env ", "--task ")  # an unknown env or task stops here, by name
+    check_cameras("--cameras", args.cameras, env_camera_keys(args.env))
     if args.env in BENCHMARKS:
         env_kwargs = {k: v for k, v in (("image_size", args.image_size), ("max_episode_steps", args.max_episode_steps))
                       if v is not None}

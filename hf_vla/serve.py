@@ -11,9 +11,12 @@ HxWx3 uint8, state arrays, `prompt`) and the reply is `{"actions": [chunk, actio
 actions un-normalised for the head. A request the policy cannot use gets a text reply naming the key and the problem
 (the client raises it), no actions, and the connection stays open: a missing camera, a wrong state size or an unknown
 head, and input that is garbage (NaN/inf in the state or in float images, float pixels outside [0, 1], images larger
-than `--max_image_side`, a state far outside the training range, a prompt that is not a string). A message larger than
-`--max_message_mb` is refused unread (the connection closes with code 1009). An internal error replies with a request
-id, never a traceback; the traceback is in the server log under that id. `GET /healthz` answers OK.
+than `--max_image_side`, a state or RTC leftover far outside the training range, a prompt that is not a string, an
+array whose dtype is not plain bool/int/float or whose shape does not fit its bytes). A message larger than
+`--max_message_mb` is refused unread (the connection closes with code 1009); a client beyond `--max_connections` is
+refused at the handshake (HTTP 503). An internal error replies with a request id, never a traceback; the traceback is
+in the server log under that id. `GET /healthz` answers OK. Concurrent requests of equal shapes run in one forward
+(`--max_batch`); such a reply differs from a lone one by float rounding (~3e-8), `--max_batch 1` is exact.
 
 Access: `--host` defaults to 0.0.0.0 (all interfaces, as openpi's server does); with `--api_key` or `HF_VLA_API_KEY`
 set, a websocket handshake without the header `Authorization: Api-Key <key>` (what openpi-client sends for
@@ -72,8 +75,9 @@ DEFAULT_CAMERAS = 3
 
 
 # What one connection can hold at its worst, in multiples of the message bound: the frame websockets is receiving, the
-# assembled message and the decoded copies of its images (benchmarks/serve_load.py --memory measures it: see README).
-CONNECTION_MEMORY_FACTOR = 3
+# assembled message, the decoded copy of its images and the pre-processing's temporaries. Measured peak growth per
+# connection (benchmarks/serve_load.py --memory, 48 MiB float32 images): 5.0x for 1 client, 4.3x for 4, 3.3x for 8.
+CONNECTION_MEMORY_FACTOR = 6
 MAX_CONNECTIONS_CAP = 256
 
 

@@ -747,6 +747,17 @@ class VLATrainer(Trainer):
                 core.config.to_json_string(use_diff=True))
             checkpoints.check_compatible(folder, self._run_info | {"master_weights": self._wants_master_weights()},
                                          config)
+            # the statistics this run computed from its data against those the checkpoint was trained under
+            stats_change = checkpoints.norm_stats_change(folder, getattr(self.processing_class, "norm_stats", None))
+            if stats_change is not None and self.args.on_data_change != "restart_epoch":
+                raise CheckpointError(
+                    f"the normalisation statistics of this run's data differ from the checkpoint's ({stats_change}): "
+                    "the data changed since it was written, and resuming would train the same weights under another "
+                    "normalisation; resume on the same data, or pass --on_data_change restart_epoch to continue under "
+                    "the new statistics")
+            if stats_change is not None:
+                logger.warning("resuming under new normalisation statistics (%s), as --on_data_change restart_epoch "
+                               "allows", stats_change)
             with open(folder / STREAM_STATE) as handle:
                 stream_state = json.load(handle)
             marker = checkpoints.read_marker(folder)

@@ -448,3 +448,19 @@ def test_fewer_blocks_than_shards_fails_fast(datasets):
     stream = mixture.train_stream(image_size=16, chunk_size=2, rank=0, world_size=2)
     with pytest.raises(ValueError, match="2 blocks .* for 4 shards"):
         next(iter(DataLoader(stream, batch_size=None, num_workers=2)))
+
+
+def test_a_chunk_longer_than_every_episode_is_warned_with_the_numbers(datasets, caplog):
+    """Episodes of 12..21 frames and a 30-step chunk: training goes on (padding is masked) but the log says it."""
+    from types import SimpleNamespace
+
+    mixture = WeightedDatasetMixture([spec_a(datasets["a"])])
+    args = SimpleNamespace(data_seed=None, seed=0, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                           process_index=0, world_size=1)
+    with caplog.at_level("WARNING", logger="hf_vla.data"):
+        mixture.training_datasets(args, image_size=32, chunk_size=21)
+    assert "longer than every episode" not in caplog.text  # the longest episode has 21 frames
+    with caplog.at_level("WARNING", logger="hf_vla.data"):
+        mixture.training_datasets(args, image_size=32, chunk_size=30)
+    assert ("dataset 'a': chunk_size 30 is longer than every episode (longest 21 frames, median 16): at least 9 of "
+            "each chunk's 30 steps are padding") in caplog.text

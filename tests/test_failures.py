@@ -453,6 +453,40 @@ def test_resume_true_skips_incomplete_checkpoints_and_an_explicit_one_is_refused
         assert torch.equal(tensor, expected[name]), name
 
 
+def _rewrite_action(root: Path, row: int, value) -> None:
+    """Set one action value (dim 0 of `row` of the first data file) by rewriting the parquet file, episodes unchanged;
+    `value(column)` gives the new value from the column's dim-0 values."""
+    path = sorted((root / "data").rglob("*.parquet"))[0]
+    table = pq.read_table(path)
+    actions = np.stack(table["action"].to_numpy(zero_copy_only=False)).astype(np.float32)
+    actions[row, 0] = value(actions[:, 0])
+    column = pa.array(list(actions), type=table.schema.field("action").type)
+    pq.write_table(table.set_column(table.schema.get_field_index("action"), "action", column), path)
+
+
+def test_a_changed_value_in_the_data_is_refused_at_resume(pristine, tmp_path, capsys, caplog):
+    """One action value changed (episodes unchanged) is refused at resume like an appended episode: a value inside the
+    range by the content hash, the largest value by the normalisation statistics it shifts; `--on_data_change
+    restart_epoch` accepts both, saying so."""
+    data = tmp_path / "toy"
+    shutil.copytree(pristine, data)
+    out = tmp_path / "out"
+    config = base_config(data, out, max_steps=2, save_strategy="steps", save_steps=2)
+    main([str(write_config(tmp_path, config))])
+    resume = config | {"max_steps": 4, "resume_from_checkpoint": str(out / "checkpoint-2")}
+    _rewrite_action(data, 5, lambda column: np.median(column))  # inside the range: the quantiles stay
+    _resume_fails(capsys, tmp_path, resume, str(out / "checkpoint-2"),
+                  ["values in the training data changed since the checkpoint", "--on_data_change restart_epoch"])
+    _rewrite_action(data, 6, lambda column: column.max() + 1.0)  # a new maximum: q99 moves
+    _resume_fails(capsys, tmp_path, resume, str(out / "checkpoint-2"),
+                  ["the normalisation statistics of this run's data differ from the checkpoint's (head",
+                   "actions q99[0] ", "--on_data_change restart_epoch"])
+    with caplog.at_level("WARNING", logger="hf_vla"):
+        trainer = main([str(write_config(tmp_path, resume | {"on_data_change": "restart_epoch"}, "accept.json"))])
+    assert trainer.state.global_step == 4
+    assert "resuming under new normalisation statistics (head" in caplog.text and "the data changed" in caplog.text
+
+
 def test_a_bf16_checkpoint_into_a_float32_run(pristine, tmp_path, capsys):
     out = tmp_path / "bf16"
     config = base_config(pristine, out, max_steps=2, save_strategy="steps", save_steps=2, dtype="bfloat16")

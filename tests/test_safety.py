@@ -86,6 +86,20 @@ def test_convert_failure_leaves_nothing(source, tmp_path, capsys):
     assert tree_hash(path) == before
 
 
+def test_convert_a_truncated_weights_file_is_one_line(source, tmp_path, capsys, tiny_tokenizer_dir):
+    """A model.safetensors cut off by a download or copy: one line naming the file, exit 1, nothing written."""
+    path, _ = source
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    tok = ["--tokenizer", str(tiny_tokenizer_dir)]
+    for size in (len(data) // 2, 40):  # tensors cut off; the header itself cut off
+        weights.write_bytes(data[:size])
+        with _tiny_variants():
+            line = fails(capsys, convert.cli, ["--input", str(path), "--output", str(tmp_path / "out"), *tok], code=1)
+        assert line.startswith(f"hf_vla.convert: error: {weights}: not a complete safetensors file ("), line
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.converting-*"))
+
+
 def test_convert_replaces_an_existing_output_only_when_asked(source, tmp_path, capsys, tiny_tokenizer_dir):
     from transformers import AutoModel
 
@@ -243,7 +257,23 @@ def test_evaluate_argument_errors(served_checkpoint, tmp_path, capsys):
         (ckpt + ["--head", "nope::x", "--episodes", "1"], "head: unknown normalization head 'nope::x'"),
         (ckpt + ["--n_action_steps", "9", "--episodes", "1"], "n_action_steps=9: must be 1..8"),
         (["--checkpoint", "some-org/not-cached"], "Hub checkpoint 'some-org/not-cached' is not in the local Hub cache"),
+        (ckpt + ["--cameras", "observation.nope"], "--cameras: ['observation.nope'] is not an image of the env's "
+                                                   "observations; it has ['observation.image']"),
+        (ckpt + ["--cameras", "observation.image", "observation.image"], "--cameras: ['observation.image'] given more "
+                                                                         "than once"),
+        (ckpt + ["--env", "metaworld", "--task", "reach-v3", "--cameras", "top"], "--cameras: ['top'] is not an image"),
     ]
+    import transformers
+
+    loads = []
+    original = transformers.AutoModel.from_pretrained
+    transformers.AutoModel.from_pretrained = lambda *a, **k: loads.append(a) or original(*a, **k)
+    try:
+        for argv, _ in cases[-3:]:  # refused before the model loads
+            fails(capsys, cli, argv)
+        assert loads == []
+    finally:
+        transformers.AutoModel.from_pretrained = original
     for argv, culprit in cases:
         line = fails(capsys, cli, argv)
         assert line.startswith("hf_vla.evaluate: error: ") and culprit in line, line

@@ -566,8 +566,8 @@ def test_rtc_leftover_is_range_checked(server, demo_policy):
 def test_default_max_connections():
     from hf_vla.serve import CONNECTION_MEMORY_FACTOR, default_max_connections
 
-    assert CONNECTION_MEMORY_FACTOR == 3
-    assert default_max_connections(73, available_bytes=24 * 2**30) == 24 * 2**30 // 2 // (3 * 73 * 2**20) == 56
+    assert CONNECTION_MEMORY_FACTOR == 6
+    assert default_max_connections(73, available_bytes=24 * 2**30) == 24 * 2**30 // 2 // (6 * 73 * 2**20) == 28
     assert default_max_connections(73, available_bytes=100 * 2**20) == 1  # always room for one robot
     assert default_max_connections(1, available_bytes=2**50) == 256
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -11,6 +12,8 @@ from ..errors import ConfigError, DataError
 from .scan import MAX_STATS_FRAMES, scan_source
 from .sources import BlockList, DatasetConfig, LeRobotSource
 from .stream import EpisodeShuffleStream, Provenance, ValidationStream
+
+logger = logging.getLogger("hf_vla.data")
 
 
 class WeightedDatasetMixture:
@@ -131,6 +134,7 @@ class WeightedDatasetMixture:
         sharded for this rank (`per_device_train_batch_size`, `data_seed` or `seed`, `stream_open_blocks`,
         `decoder_threads`) and the validation stream (None without a validation split). Both yield lists of samples
         per batch, for the trainer's `data_collator`, and carry `provenance`."""
+        self.warn_long_chunks(chunk_size)
         seed = args.data_seed if args.data_seed is not None else args.seed
         threads = getattr(args, "decoder_threads", None)
         train = self.train_stream(image_size, chunk_size, batch_size=args.per_device_train_batch_size, seed=seed,
@@ -142,6 +146,18 @@ class WeightedDatasetMixture:
                                                 rank=args.process_index, world_size=args.world_size,
                                                 decoder_threads=threads)
         return train, validation
+
+    def warn_long_chunks(self, chunk_size: int) -> None:
+        """A chunk longer than every episode of a dataset trains, its steps past the episode end masked out of the
+        loss, but that is more often a wrong chunk_size (or fps) than an intent: say so with the numbers."""
+        for source in self.sources:
+            lengths = source.episodes["length"][source.used_rows()]
+            if len(lengths) and chunk_size > int(lengths.max()):
+                longest = int(lengths.max())
+                logger.warning("dataset %r: chunk_size %d is longer than every episode (longest %d frames, median %d): "
+                               "at least %d of each chunk's %d steps are padding, masked out of the loss; lower "
+                               "chunk_size (or check the data's fps)", source.name, chunk_size, longest,
+                               int(np.median(lengths)), chunk_size - longest, chunk_size)
 
     def train_stream(self, image_size: int, chunk_size: int, batch_size: int | None = None,
                      collate_fn: Callable | None = None, seed: int = 0, open_blocks: int = 32, rank: int = 0,

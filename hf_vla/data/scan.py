@@ -42,7 +42,7 @@ from ..errors import DataError
 from .sources import LeRobotSource, vector_column
 
 logger = logging.getLogger("hf_vla.data")
-SCAN_VERSION = 3
+SCAN_VERSION = 4  # 4: the content hash of the used rows
 MAX_STATS_FRAMES = 2_000_000
 
 
@@ -104,6 +104,10 @@ class ScanResult:
     state: np.ndarray  # [m, state_dim] sample (all rows when frames <= max_frames), in the data's dtype
     actions: np.ndarray  # [m, action_dim]
     cached: bool = False
+    # A hash of what training reads from the data files: every kept row's episode, frame, state, actions and task
+    # index. Unlike the cache key (sizes and modification times) it does not change when a dataset is copied or moved,
+    # and it does change when a value does (a resume compares it: `EpisodeShuffleStream.load_state_dict`).
+    content: str = ""
 
 
 def cache_dir() -> Path:
@@ -313,6 +317,7 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
     known_tasks = np.asarray(sorted(source.tasks), dtype=np.int64)
     states, actions = [], []
     extremes = _Extremes()
+    content = hashlib.blake2b(digest_size=16)
     offset = 0
     used_files = source.data_files()
     writers, offsets, cursor = None, None, 0
@@ -350,6 +355,9 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
             writers["task_index"].append(table["task_index"].to_numpy()[rows])
         state, action = all_state[keep], all_action[keep]
         kept_episodes, kept_frames = episodes[keep], frames[keep]
+        for part in (kept_episodes.astype(np.int64), kept_frames.astype(np.int64), state.astype(np.float32),
+                     action.astype(np.float32), table["task_index"].to_numpy()[keep].astype(np.int64)):
+            content.update(np.ascontiguousarray(part).data)
         _check_finite(source, path, config.state_key, state, kept_episodes, kept_frames)
         _check_finite(source, path, config.action_key, action, kept_episodes, kept_frames)
         extremes.add(config.state_key, path, state, kept_episodes, kept_frames)
@@ -387,21 +395,29 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
     check_videos(source)
     # the sample stays in the data's own dtype (float32 for lerobot's features): a float64 copy of 2M x dims x 2 would
     # dominate the start-up's peak memory; quantiles are computed per column in float64
-    return ScanResult(total, state_sample, action_sample)
+    return ScanResult(total, state_sample, action_sample, content=content.hexdigest())
 
 
 def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed: int = 0,
                 use_cache: bool = True) -> ScanResult:
     """The checked frame count and quantile sample of `source`, from the cache when the dataset is unchanged.
 
-    With the cache, the source also reads its episodes from the cached rows afterwards (`source.episode_rows`).
+    With the cache, the source also reads its episodes from the cached rows afterwards (`source.episode_rows`). The
+    source keeps the content hash (`source.content_fingerprint`) for the training stream's resume check.
     """
+    result = _scan_or_cached(source, max_frames, seed, use_cache)
+    source.content_fingerprint = result.content
+    return result
+
+
+def _scan_or_cached(source: LeRobotSource, max_frames: int, seed: int, use_cache: bool) -> ScanResult:
     key = fingerprint(source, max_frames, seed)
     directory = cache_dir() / key
     if use_cache and (directory / "scan.npz").is_file():
         try:
             with np.load(directory / "scan.npz") as data:
-                result = ScanResult(int(data["frames"]), data["state"], data["actions"], cached=True)
+                result = ScanResult(int(data["frames"]), data["state"], data["actions"], cached=True,
+                                    content=str(data["content"]))
             source.episode_rows = EpisodeRows(directory, source.state_dim, source.action_dim)
             logger.info("dataset %r: checks, statistics and episode rows from the cache %s", source.name, directory)
             return result
@@ -422,7 +438,8 @@ def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed:
     try:
         temporary.mkdir(parents=True, exist_ok=True)
         result = _scan(source, max_frames, seed, rows_dir=temporary)
-        np.savez(temporary / "scan.npz", frames=result.frames, state=result.state, actions=result.actions)
+        np.savez(temporary / "scan.npz", frames=result.frames, state=result.state, actions=result.actions,
+                 content=result.content)
         if directory.exists():  # written meanwhile by another process: keep that one
             shutil.rmtree(temporary, ignore_errors=True)
         else:

@@ -243,6 +243,7 @@ class LeRobotSource:
         self._check_files()
         self._parquet_metadata: OrderedDict[Path, tuple] = OrderedDict()
         self.episode_rows = None  # set by the start-up scan when its cache holds every used episode's rows
+        self.content_fingerprint: str | None = None  # set by the start-up scan: a hash of the kept rows' values
 
     # ---- metadata ------------------------------------------------------------------------------------------------
     def _metadata(self, config: DatasetConfig):

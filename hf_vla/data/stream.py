@@ -312,9 +312,20 @@ class EpisodeShuffleStream(IterableDataset):
             digest.update(np.ascontiguousarray(np.asarray(ranges, dtype=np.int64)).tobytes())
         return digest.hexdigest()[:16]
 
+    def content_fingerprint(self) -> str | None:
+        """Changes when a value training reads changes (a state, an action, a task index of a kept row), whatever
+        the files' names, sizes or times: the start-up scan's hash of each dataset (None when a source has none)."""
+        import hashlib
+
+        parts = [getattr(source, "content_fingerprint", None) for source in self.sources]
+        if not parts or any(part is None for part in parts):
+            return None
+        return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_consumed": self.batches_consumed, "seed": self.seed,
-                **self.layout(), "segment": self.segment, "data_fingerprint": self.data_fingerprint()}
+                **self.layout(), "segment": self.segment, "data_fingerprint": self.data_fingerprint(),
+                "content_fingerprint": self.content_fingerprint()}
 
     def load_state_dict(self, state: dict, on_data_change: str = "error") -> str | None:
         """Restore the position. Returns None when the stream continues as it was, or what changed.
@@ -334,12 +345,18 @@ class EpisodeShuffleStream(IterableDataset):
             raise CheckpointError(f"cannot resume the stream: the checkpoint has seed={state.get('seed')}, this run "
                                   f"{self.seed}")
         saved = state.get("data_fingerprint")
-        if saved is not None and saved != self.data_fingerprint():
+        blocks_changed = saved is not None and saved != self.data_fingerprint()
+        # a checkpoint written before content hashes (or by a source without a scan) is compared by its blocks only
+        saved_content, content = state.get("content_fingerprint"), self.content_fingerprint()
+        values_changed = None not in (saved_content, content) and saved_content != content
+        if blocks_changed or values_changed:
             if on_data_change != "restart_epoch":
-                raise CheckpointError(
-                    "the training data changed since the checkpoint (datasets, episodes, kept ranges, validation split "
-                    "or weights): its stream position does not apply to these blocks; resume on the same data, or "
-                    "pass --on_data_change restart_epoch to start the next epoch on the new data")
+                what = ("the training data changed since the checkpoint (datasets, episodes, kept ranges, validation "
+                        "split or weights): its stream position does not apply to these blocks" if blocks_changed else
+                        "values in the training data changed since the checkpoint (the same episodes, but a state, "
+                        "action or task index differs): the normalisation and the samples are not the checkpoint's")
+                raise CheckpointError(f"{what}; resume on the same data, or pass --on_data_change restart_epoch to "
+                                      "start the next epoch on the new data")
             self.epoch = int(state["epoch"]) + 1 + max([int(e) for e in (state.get("segment") or {}).get(
                 "source_epochs", [0])])
             self.segment, self.batches_consumed = None, 0
