@@ -7,7 +7,6 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import HUMANOID
 from torch.utils.data import DataLoader
 
 from hf_vla import PI05Processor
@@ -76,14 +75,14 @@ def test_samples_decode_the_right_frames_and_chunks(datasets):
         assert sample["task"] == f"reach target {episode}"
 
 
-def test_training_frames_match_the_processor_resize_at_inference():
+def test_training_frames_match_the_processor_resize_at_inference(humanoid):
     """On real 640x480 video, the stream's frames are what `resize_with_pad` makes of the full frame at inference
     (decoder-side scaling must not shift colours: AREA gives mean 0.9, p99 6 levels here; FAST_BILINEAR gave 2.7, 28)."""
     import av
 
     from hf_vla.data.sources import DatasetConfig, LeRobotSource, VideoReader
 
-    source = LeRobotSource(DatasetConfig(root=str(HUMANOID), name="humanoid", cameras=["image"], state_key="state",
+    source = LeRobotSource(DatasetConfig(root=str(humanoid), name="humanoid", cameras=["image"], state_key="state",
                                          action_key="actions"), 0)
     path, start = source.video_path(3, "image")
     reader = VideoReader(path, start, source.meta.fps, image_size=224)
@@ -246,11 +245,11 @@ def test_a_new_layout_continues_every_epoch_without_repeating_or_skipping(datase
         assert {k: v for k, v in total.items() if k[0] == source} == {k: expected for k in frames}
 
 
-def test_worker_batches_equal_in_process_batches_on_real_video(tiny_tokenizer):
+def test_worker_batches_equal_in_process_batches_on_real_video(tiny_tokenizer, humanoid):
     """A DataLoader worker writes pixel_values into shared memory faulted in ahead on a helper thread, packs the
     other tensors into one shared segment, and scales frames with one swscale context per decoder: the batches must
     be the in-process ones, bit for bit."""
-    mixture = WeightedDatasetMixture([dict(root=str(HUMANOID), name="humanoid", cameras=["image"], state_key="state",
+    mixture = WeightedDatasetMixture([dict(root=str(humanoid), name="humanoid", cameras=["image"], state_key="state",
                                            action_key="actions")])
     processor = PI05Processor(tokenizer=tiny_tokenizer, norm_stats=mixture.norm_stats, image_size=64,
                               max_state_dim=34, max_action_dim=34, chunk_size=4, prompt_max_length=160)
@@ -286,8 +285,8 @@ def test_shared_pixel_buffers_are_fresh_and_exact(monkeypatch):
     assert not resize_with_pad(torch.rand(1, 3, 8, 8), 8).is_shared()  # float input: no worker transport buffer
 
 
-def test_decorrelated_batches_on_real_data():
-    mixture = WeightedDatasetMixture([dict(root=str(HUMANOID), name="humanoid", cameras=["image"], state_key="state",
+def test_decorrelated_batches_on_real_data(humanoid):
+    mixture = WeightedDatasetMixture([dict(root=str(humanoid), name="humanoid", cameras=["image"], state_key="state",
                                            action_key="actions")])
     stream = mixture.train_stream(image_size=32, chunk_size=50, batch_size=32, seed=0)
     for batch, _ in zip(stream, range(3)):
