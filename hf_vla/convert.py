@@ -296,9 +296,10 @@ def convert_checkpoint(
                                    "model.safetensors")
     _check_paths(input_dir, output_dir, overwrite)
     try:
-        config = config_from_lerobot(json.loads(config_file.read_text()), weight_shapes(weights_file))
+        lerobot_config = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise ConfigError(f"{config_file}: not valid JSON ({error})") from error
+    config = config_from_lerobot(lerobot_config, weight_shapes(weights_file))
     if isinstance(tokenizer, str | os.PathLike):
         try:
             tok = AutoTokenizer.from_pretrained(tokenizer)
@@ -341,6 +342,10 @@ def convert_checkpoint(
         result = staging / "result"
         model.save_pretrained(result)
         processor.save_pretrained(result)
+        from . import deployment  # how to run it: lerobot's n_action_steps, cameras and normalisation mode
+
+        deployment.from_lerobot(lerobot_config, head, image_size=getattr(processor, "image_size", None) or 224,
+                                chunk_size=config.chunk_size, source=str(input_dir)).save(result)
         if output_dir.exists():  # --overwrite: the old output goes only once the new one is complete
             old = staging / "previous"
             os.replace(output_dir, old)

@@ -21,10 +21,9 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
-from PIL import Image
-from tqdm.auto import tqdm
 
 from .cli import ArgumentParser, model_source, output_dir, positive, run, websocket_uri
+from .deployment import FILE_NAME, ContractError
 from .errors import ConfigError, ConnectionFailedError
 from .models.pi05.rtc import RTCConfig
 from .policy import ObservationMap, RequestError, add_rtc_arguments, load_policy, rtc_config_from_args
@@ -47,6 +46,23 @@ class EvalResult:
     boundary_jerk: float = float("nan")
     interior_jerk: float = float("nan")  # the same second difference at every other step, for scale
     rtc_method: str | None = None  # with rtc: "guidance" (inference-time) or "prefix" (training-time), as used
+    episode_records: list[dict] = field(default_factory=list)  # every episode: {"seed", "success", "steps", "reward"}
+    num_envs: int = 1
+    settings: dict = field(default_factory=dict)  # what it ran with and where each came from (evaluate_checkpoint)
+
+    @classmethod
+    def from_episodes(cls, episodes: list, inference_delay: int = 0, rtc: bool = False, rtc_methods=(),
+                      num_envs: int = 1) -> EvalResult:
+        def mean(values):
+            values = np.asarray(values, dtype=np.float64)
+            return float(np.nanmean(values)) if len(values) and not np.isnan(values).all() else float("nan")
+
+        successes = sum(e.success for e in episodes)
+        used = "+".join(sorted(m for m in rtc_methods if m)) or None  # as the policy reported it, per chunk
+        return cls(successes / len(episodes), len(episodes), successes, float(np.mean([e.steps for e in episodes])),
+                   [e.video for e in episodes if e.video], inference_delay, rtc,
+                   mean([e.boundary_jump for e in episodes]), mean([e.boundary_jerk for e in episodes]),
+                   mean([e.interior_jerk for e in episodes]), used, [e.record() for e in episodes], num_envs)
 
 
 class RemotePolicy:
@@ -74,34 +90,33 @@ class RemotePolicy:
             raise ConnectionFailedError(f"cannot connect to the policy server {uri}: {error}") from error
         self.metadata = self.client.get_server_metadata()
         self.last_rtc_method: str | None = None
+        self.uri, self.api_key = uri, api_key
+        self._episode_seed: int | None = None
+
+    def fork(self) -> RemotePolicy:
+        """Another connection to the same server (one per env slot: each keeps its own noise and last chunk)."""
+        return RemotePolicy(self.uri, self.api_key)
+
+    def reset(self, seed: int | None = None) -> None:
+        """A new episode: the next request carries `episode_seed`, which re-seeds this connection's noise."""
+        self._episode_seed = seed
 
     def __call__(self, observation: dict, task: str, inference_delay: int = 0, executed_steps: int | None = None):
         request = {**observation, "prompt": task, "rtc/inference_delay": int(inference_delay)}
         if executed_steps is not None:
             request["rtc/executed_steps"] = int(executed_steps)
+        if self._episode_seed is not None:
+            request["episode_seed"], self._episode_seed = int(self._episode_seed), None
         reply = self.client.infer(request)
         self.last_rtc_method = reply.get("rtc/method")
         return np.asarray(reply["actions"])
 
 
-def _boundary_metrics(actions: list[np.ndarray], switches: list[int]) -> tuple[float, float, float]:
-    if len(actions) < 3:
-        return float("nan"), float("nan"), float("nan")
-    a = np.stack(actions).astype(np.float64)
-    jump = np.linalg.norm(np.diff(a, axis=0), axis=-1)  # jump[k - 1] = |a_k - a_(k-1)|
-    jerk = np.linalg.norm(a[2:] - 2 * a[1:-1] + a[:-2], axis=-1)  # jerk[k - 1] is centred on a_k
-    at = np.zeros(len(a), dtype=bool)
-    at[[k for k in switches if 0 < k < len(a) - 1]] = True
-    inner = at[1:-1]
-    if not inner.any():
-        return float("nan"), float("nan"), float(jerk.mean())
-    return float(jump[at[1:]].mean()), float(jerk[inner].mean()), float(jerk[~inner].mean()) if (~inner).any() else float("nan")
-
-
-def run_episodes(env: gym.Env, policy, episodes: int, n_action_steps: int, seed: int = 0, save_videos: int = 0,
+def run_episodes(env, policy, episodes: int, n_action_steps: int, seed: int = 0, save_videos: int = 0,
                  output_dir: str | Path | None = None, progress: bool = True, inference_delay: int = 0,
-                 rtc: bool = False, chunk_size: int | None = None) -> EvalResult:
-    """Closed-loop episodes with receding-horizon chunks.
+                 rtc: bool = False, chunk_size: int | None = None, seeds: list[int] | None = None) -> EvalResult:
+    """Closed-loop episodes with receding-horizon chunks in `env` (one env, or a list of envs run at once), through
+    the one episode loop (`hf_vla.episodes.EpisodeRunner`); episode i has seed `seed + i` (or `seeds[i]`).
 
     `policy(observation, task, inference_delay=, executed_steps=)` returns a chunk. With `inference_delay` d > 0,
     inference is simulated as asynchronous: after `n_action_steps` (H) actions of a chunk the next one is requested
@@ -109,70 +124,16 @@ def run_episodes(env: gym.Env, policy, episodes: int, n_action_steps: int, seed:
     the new chunk at its index d (so every chunk drives H actions, from an observation d steps old). With `rtc` the
     request asks the policy to continue the current chunk (real-time chunking); without, chunks are independent.
     """
+    from .episodes import EpisodeRunner
+
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: must be positive")
-    if not 1 <= n_action_steps <= (chunk_size or n_action_steps):
-        raise ConfigError(f"n_action_steps={n_action_steps}: must be 1..{chunk_size or 'the chunk size'} (actions "
-                          f"executed from each chunk)")
-    if inference_delay < 0:
-        raise ConfigError(f"inference_delay={inference_delay}: must be >= 0")
-    if inference_delay and chunk_size is not None and n_action_steps + inference_delay > chunk_size:
-        raise ConfigError(f"n_action_steps ({n_action_steps}) + inference_delay ({inference_delay}) exceeds the chunk "
-                         f"size ({chunk_size}): the robot would run out of actions while waiting")
-    successes, steps_taken, videos, metrics, methods = 0, [], [], [], set()
-    bar = tqdm(range(episodes), desc="closed-loop episodes", unit="ep", disable=not progress)
-    for episode in bar:
-        observation, info = env.reset(seed=seed + episode)
-        task = info.get("task") or getattr(env.unwrapped, "task", "")
-        frames = [env.render()] if episode < save_videos else None
-        state = {"done": False, "success": False}
-        executed, switches = [], []
-
-        def act(actions, state=state, executed=executed, frames=frames):
-            """Execute actions until the episode ends; returns the last observation."""
-            for action in actions:
-                state["observation"], _, terminated, truncated, step_info = env.step(action)
-                executed.append(np.asarray(action))
-                if frames is not None:
-                    frames.append(env.render())
-                state["success"] = state["success"] or bool(step_info.get("is_success", False))
-                state["done"] = terminated or truncated
-                if state["done"]:
-                    break
-
-        state["observation"] = observation
-        chunk, index = policy(observation, task), 0
-        while True:
-            act(chunk[index:n_action_steps])
-            if state["done"]:
-                break
-            request = state["observation"]
-            if inference_delay:
-                act(chunk[n_action_steps : n_action_steps + inference_delay])  # executed while the policy runs
-                if state["done"]:
-                    break
-                chunk = policy(request, task, inference_delay=inference_delay if rtc else 0,
-                               executed_steps=n_action_steps if rtc else None)
-                methods.add(getattr(policy, "last_rtc_method", None))
-            else:
-                chunk = policy(request, task)
-            index = inference_delay
-            switches.append(len(executed))
-        successes += state["success"]
-        steps_taken.append(len(executed))
-        metrics.append(_boundary_metrics(executed, switches))
-        bar.set_postfix(success=f"{successes}/{episode + 1}")
-        if frames is not None and output_dir is not None:
-            path = Path(output_dir) / f"rollout_{episode:03d}_{'success' if state['success'] else 'failure'}.gif"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            pictures = [Image.fromarray(f).resize((f.shape[1] * 4, f.shape[0] * 4), Image.NEAREST) for f in frames]
-            pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=100, loop=0)
-            videos.append(str(path))
-    jump, jerk, interior = (float(np.nanmean(column)) if not np.isnan(column).all() else float("nan")
-                            for column in np.array(metrics, dtype=np.float64).T)
-    used = "+".join(sorted(m for m in methods if m)) or None  # as the policy reported it, per chunk
-    return EvalResult(successes / episodes, episodes, successes, float(np.mean(steps_taken)), videos,
-                      inference_delay, rtc, jump, jerk, interior, used)
+    envs = list(env) if isinstance(env, list | tuple) else [env]
+    runner = EpisodeRunner(envs, policy, n_action_steps, inference_delay=inference_delay, rtc=rtc,
+                           chunk_size=chunk_size)
+    done = runner.run(list(seeds) if seeds is not None else [seed + i for i in range(episodes)],
+                      save_videos=save_videos, output_dir=output_dir, progress=progress)
+    return EvalResult.from_episodes(done, inference_delay, rtc, runner.rtc_methods, num_envs=len(envs))
 
 
 def _check_dims(policy, env, where: str) -> None:
@@ -189,76 +150,253 @@ def _check_dims(policy, env, where: str) -> None:
                               f"{ours}: a checkpoint trained on another robot or env")
 
 
-def _policy(checkpoint, server, device, head, seed, rtc_config, cameras, revision=None):
-    if server is not None:
-        policy = RemotePolicy(websocket_uri("server", server))
-        return policy, int(policy.metadata.get("chunk_size", 0)) or None
-    policy = load_policy(checkpoint, device=device, revision=revision, head=head, seed=seed, rtc=rtc_config or RTCConfig(),
-                         obs_map=ObservationMap(cameras=cameras or None))
+DEFAULT_ENV = "hf_vla/ColorReach-v0"
+DEFAULT_SEED = 10_000
+OVERRIDABLE = ("image_size", "n_action_steps", "max_episode_steps", "cameras", "seed")
+
+
+def _env_takes(env_id: str, argument: str) -> bool:
+    """Whether the env's constructor takes `argument` (the benchmarks' wrappers take image_size and
+    max_episode_steps; a gymnasium id is asked through its entry point)."""
+    if env_id in BENCHMARKS:
+        return True
+    import importlib
+    import inspect
+
+    import hf_vla.envs  # noqa: F401
+
+    entry = gym.spec(env_id).entry_point
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(module), name)
     try:
-        policy.head_name()
-    except RequestError as error:
-        raise ConfigError(f"head: {error}") from error
-    return policy, policy.model.config.chunk_size
+        return argument in inspect.signature(entry).parameters
+    except (TypeError, ValueError):
+        return False
 
 
-def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str = "hf_vla/ColorReach-v0", episodes: int = 50,
-                        n_action_steps: int | None = None, seed: int = 10_000, head=None, cameras=None,
+def evaluation_settings(contract, head: str | None, env_id: str | None, task: str | None, episodes: int,
+                        n_action_steps: int | None = None, seed: int | None = None, cameras: list[str] | None = None,
+                        image_size: int | None = None, max_episode_steps: int | None = None,
+                        overrides=(), chunk_size: int | None = None) -> dict:
+    """What an evaluation runs with: `{name: Setting(value, source)}` for env, task, image_size, n_action_steps,
+    max_episode_steps, cameras, seed, head and control_mode. Each comes from its flag, else the checkpoint's deployment
+    contract (`hf_vla.deployment`), else the default; a flag that contradicts the contract is a `ContractError`
+    naming both values and `--override NAME`, unless NAME is in `overrides`."""
+    from .deployment import Setting, choose, square_size
+
+    overrides = set(overrides or ())
+    unknown = sorted(overrides - set(OVERRIDABLE))
+    if unknown:
+        raise ConfigError(f"--override {' '.join(unknown)}: choose from {' '.join(OVERRIDABLE)}")
+    spec = head_spec(contract, head)
+    bench = (spec or {}).get("benchmark") or {}
+    settings = {"env": choose("env", env_id, bench.get("env"), DEFAULT_ENV, overrides, equal=lambda a, b: True)}
+    env_id = settings["env"].value
+    same_env = bench.get("env") == env_id  # the benchmark settings apply to the env the data was recorded in
+    recorded_tasks = ",".join(bench["tasks"]) if same_env and bench.get("tasks") else None
+    settings["task"] = choose("task", task, recorded_tasks, None, overrides, equal=lambda a, b: True)
+    if env_id not in BENCHMARKS and settings["task"].value is not None and task is None:
+        settings["task"] = Setting(None, "default")
+    recorded_size = (bench.get("image_size") if same_env else None) or square_size((spec or {}).get("cameras", []))
+    takes_size = _env_takes(env_id, "image_size")
+    if image_size is not None and not takes_size:
+        raise ConfigError(f"--image_size {image_size}: env {env_id!r} takes no image size (its images are what it "
+                          f"renders)")
+    settings["image_size"] = choose("image_size", image_size, recorded_size if takes_size else None, None, overrides)
+    settings["max_episode_steps"] = choose("max_episode_steps", max_episode_steps,
+                                           bench.get("max_episode_steps") if same_env else None, None, overrides)
+    default_steps = max(1, (chunk_size or (contract.chunk_size if contract else 2)) // 2)
+    settings["n_action_steps"] = choose("n_action_steps", n_action_steps, contract.n_action_steps if contract else None,
+                                        default_steps, overrides)
+    trained = [c["key"] for c in (spec or {}).get("cameras", []) if c.get("key") is not None] or None
+    if cameras:
+        twice = sorted({key for key in cameras if cameras.count(key) > 1})
+        if twice:
+            raise ConfigError(f"--cameras: {twice} given more than once; each camera fills one slot")
+    settings["cameras"] = choose("cameras", list(cameras) if cameras else None, trained, None, overrides)
+    if trained and settings["cameras"].source == "flag" and len(cameras) != len(trained):
+        raise ConfigError(f"--cameras {' '.join(cameras)}: {len(cameras)} camera(s), but the checkpoint was trained "
+                          f"with {len(trained)} ({' '.join(trained)}); pass --override cameras to run it anyway")
+    settings["seed"] = choose("seed", seed, None, DEFAULT_SEED, overrides)
+    data_seeds = bench.get("data_seeds") if same_env else None
+    first = int(settings["seed"].value)
+    if data_seeds and first <= data_seeds[1] and first + episodes - 1 >= data_seeds[0] and "seed" not in overrides:
+        raise ContractError(f"--seed {first}: episodes {first}..{first + episodes - 1} overlap the env seeds "
+                            f"{data_seeds[0]}..{data_seeds[1]} the training data was recorded with; evaluate on held-out "
+                            f"seeds (default {DEFAULT_SEED}), or pass --override seed")
+    if data_seeds and "seed" in overrides and settings["seed"].source == "flag":
+        settings["seed"] = Setting(first, "flag (override)")
+    head_name = head if head is not None else (contract.default_head if contract else None)
+    settings["head"] = Setting(head_name, "flag" if head is not None else "checkpoint" if head_name else "default")
+    settings["control_mode"] = Setting((spec or {}).get("control_mode"), "checkpoint" if spec else "default")
+    return settings
+
+
+def head_spec(contract, head: str | None) -> dict | None:
+    """The contract's settings of `head` (default: its default or only head); None without a contract, or when the
+    checkpoint has several heads and none is named (the robot must say which; the processor refuses that later)."""
+    if contract is None:
+        return None
+    try:
+        return contract.head(head)
+    except KeyError:
+        if head is None:
+            return None
+        raise ConfigError(f"--head {head!r}: the checkpoint has the heads {sorted(contract.heads)}") from None
+
+
+def _contract(checkpoint, revision):
+    from .deployment import for_checkpoint
+
+    return for_checkpoint(checkpoint, revision)
+
+
+def _make_envs(env_id: str, task: str | None, num_envs: int, env_kwargs: dict, max_episode_steps: int | None):
+    """`num_envs` envs of `env_id` (a benchmark task, or a gymnasium id): one gymnasium env in this process, else
+    each in a worker process (hf_vla.envs.worker)."""
+    import functools
+
+    from .envs.worker import InWorker, make_gym
+
+    if env_id in BENCHMARKS:
+        kwargs = dict(env_kwargs) | ({"max_episode_steps": max_episode_steps} if max_episode_steps else {})
+        return [_benchmark_module(env_id).in_worker(task, **kwargs) for _ in range(num_envs)]
+    kwargs = dict(env_kwargs) | ({"max_episode_steps": max_episode_steps} if max_episode_steps else {})
+    try:
+        if num_envs == 1:
+            return [make_gym(env_id, **kwargs)]
+        return [InWorker(functools.partial(make_gym, env_id, **kwargs), name=env_id) for _ in range(num_envs)]
+    except (gym.error.Error, TypeError) as error:
+        raise ConfigError(f"env {env_id!r}: {error}") from error
+
+
+def _close(envs) -> None:
+    for env in envs:
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001  (a worker that died: nothing left to close)
+            logger.debug("closing an env failed", exc_info=True)
+
+
+def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None = None, episodes: int = 50,
+                        n_action_steps: int | None = None, seed: int | None = None, head=None, cameras=None,
                         save_videos: int = 3, output_dir: str | Path | None = None, device: str = "cpu",
                         env_kwargs: dict | None = None, progress: bool = True, server: str | None = None,
                         inference_delay: int = 0, rtc: bool = False, rtc_config: RTCConfig | None = None,
-                        task: str | None = None, revision: str | None = None):
+                        task: str | None = None, revision: str | None = None, num_envs: int | None = None,
+                        overrides=()):
     """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client.
 
-    `env_id="metaworld"` with `task` (names or a difficulty group) or `env_id="libero"` with `task` (suites such as
-    `libero_spatial`, or `suite/index`); `env_kwargs` may set `image_size`, the size the data was recorded at, and
-    `max_episode_steps`: each task in lerobot's env wrapper in its own worker process; returns a `BenchmarkResult`
-    (per-task results and their mean success rate) instead of an `EvalResult`.
+    Every setting the checkpoint's deployment contract knows (env and tasks of the recorded benchmark, image size,
+    actions per chunk, episode limit, cameras) is taken from it; an argument that contradicts it is refused unless
+    named in `overrides` (see `evaluation_settings`). `env_id="metaworld"` with `task` (names or a difficulty group) or
+    `env_id="libero"` with `task` (suites such as `libero_spatial`, or `suite/index`) runs lerobot's env wrappers;
+    `env_kwargs` may set `image_size` and `max_episode_steps` (as flags) and other env arguments. `num_envs` envs run
+    at once (default: `hf_vla.episodes.default_num_envs`); each episode's outcome depends on its seed alone. Returns a
+    `BenchmarkResult` (per-task results, their mean) for a benchmark env, else an `EvalResult`; both carry the
+    settings and every episode, also written to `output_dir/eval_result.json`.
     """
     import hf_vla.envs  # noqa: F401  (registers the demo env)
+
+    from .deployment import DeploymentConfig
+    from .episodes import default_num_envs
 
     if (checkpoint is None) == (server is None):
         raise ConfigError("pass exactly one of checkpoint (in-process) and server (ws://HOST:PORT)")
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: must be positive")
+    positive("num_envs", num_envs)
+    env_kwargs = dict(env_kwargs or {})
+    flags = {"image_size": env_kwargs.pop("image_size", None), "max_episode_steps": env_kwargs.pop("max_episode_steps",
+                                                                                                     None)}
+    remote = None
+    if server is not None:
+        remote = RemotePolicy(websocket_uri("server", server))
+        contract = remote.metadata.get("deployment")
+        contract = DeploymentConfig.from_dict(contract, f"{server} metadata") if contract else None
+        chunk_size = int(remote.metadata.get("chunk_size", 0)) or None
+    else:
+        contract = _contract(checkpoint, revision)
+        chunk_size = contract.chunk_size if contract else None
+    settings = evaluation_settings(contract, head, env_id, task, episodes, n_action_steps, seed, cameras,
+                                   flags["image_size"], flags["max_episode_steps"], overrides, chunk_size)
+    env_id, task = settings["env"].value, settings["task"].value
+    check_env(env_id, task)
+    env_cameras = env_camera_keys(env_id)
+    chosen = settings["cameras"].value
+    if chosen and settings["cameras"].source == "checkpoint" and not set(chosen) <= set(env_cameras):
+        raise ConfigError(f"the checkpoint's cameras {chosen} are not all images of env {env_id!r}'s observations "
+                          f"{env_cameras}; pass --cameras with the env's keys in the checkpoint's slot order")
+    check_cameras("--cameras", chosen if settings["cameras"].source != "checkpoint" else None, env_cameras)
+    if settings["image_size"].value is not None:
+        env_kwargs["image_size"] = settings["image_size"].value
+    spec = head_spec(contract, settings["head"].value)
+    bench = (spec or {}).get("benchmark") or {}
+    if bench.get("env") == env_id:  # the arguments the data was recorded with (ColorReach's layout, ...)
+        env_kwargs = dict(bench.get("env_kwargs") or {}) | env_kwargs
     if output_dir is None:
         output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
     output_dir = Path(output_dir)
-    common = dict(seed=seed, save_videos=save_videos, progress=progress, inference_delay=inference_delay, rtc=rtc)
-    if env_id in BENCHMARKS:
-        names = benchmark_tasks(env_id, task)
-        policy, chunk_size = _policy(checkpoint, server, device, head, seed, rtc_config, cameras, revision)
-        steps = n_action_steps or max(1, (chunk_size or 2) // 2)
-        results = {}
-        for name in names:
-            env = _benchmark_module(env_id).in_worker(name, **(env_kwargs or {}))
-            try:
-                _check_dims(policy, env, f"{BENCHMARKS[env_id]} {name}")
-                if hasattr(policy, "reset"):
-                    policy.reset()
-                results[name] = run_episodes(env, policy, episodes, steps, output_dir=output_dir / name,
-                                             chunk_size=chunk_size, **common)
-            finally:
-                env.close()
+    if remote is not None:
+        policy = remote
+    else:
+        policy = load_policy(checkpoint, device=device, revision=revision, head=head, seed=int(settings["seed"].value),
+                             rtc=rtc_config or RTCConfig(), obs_map=ObservationMap(cameras=chosen or None),
+                             num_camera_slots=len(spec["cameras"]) if spec else None)
+        try:
+            settings["head"].value = policy.head_name()
+        except RequestError as error:
+            raise ConfigError(f"head: {error}") from error
+        chunk_size = policy.model.config.chunk_size
+    steps = int(settings["n_action_steps"].value)
+    count = int(num_envs or default_num_envs(episodes))
+    seeds = [int(settings["seed"].value) + i for i in range(episodes)]
+    common = dict(save_videos=save_videos, progress=progress, inference_delay=inference_delay, rtc=rtc,
+                  chunk_size=chunk_size, seeds=seeds)
+    recorded = {name: {"value": setting.value, "source": setting.source} for name, setting in settings.items()}
+    recorded["num_envs"] = {"value": count, "source": "flag" if num_envs else "default"}
+    names = benchmark_tasks(env_id, task) if env_id in BENCHMARKS else [None]
+    results = {}
+    for name in names:
+        envs = _make_envs(env_id, name, count, env_kwargs, settings["max_episode_steps"].value)
+        try:
+            label = f"{BENCHMARKS[env_id]} {name}" if name else f"env {env_id!r}"
+            _check_dims(policy, envs[0], label)
+            if "image_size" not in set(overrides or ()):
+                _check_image_size(envs[0], spec, settings, label)
+            results[name] = run_episodes(envs, policy, episodes, steps, output_dir=output_dir / (name or ""),
+                                         **common)
+        finally:
+            _close(envs)
+        if name:
             logger.info("%s: success %.1f%% (%d/%d), mean steps %.1f", name, 100 * results[name].success_rate,
                         results[name].successes, episodes, results[name].mean_steps)
-        result = BenchmarkResult.from_tasks(env_id, results)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
-        return result
-    if task is not None:
-        raise ConfigError(f"task={task!r}: only a benchmark env ({', '.join(BENCHMARKS)}) has tasks to choose")
-    policy, chunk_size = _policy(checkpoint, server, device, head, seed, rtc_config, cameras, revision)
-    try:
-        env = gym.make(env_id, **(env_kwargs or {}))
-    except gym.error.Error as error:
-        raise ConfigError(f"env {env_id!r}: {error}") from error
-    _check_dims(policy, env, f"env {env_id!r}")
-    steps = n_action_steps or max(1, (chunk_size or 2) // 2)
-    result = run_episodes(env, policy, episodes, steps, output_dir=output_dir, chunk_size=chunk_size, **common)
     output_dir.mkdir(parents=True, exist_ok=True)
+    if env_id in BENCHMARKS:
+        result = BenchmarkResult.from_tasks(env_id, results)
+        result.settings = recorded
+    else:
+        result = results[None]
+        result.settings = recorded
     (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
     return result
+
+
+def _check_image_size(env, spec: dict | None, settings: dict, where: str) -> None:
+    """The env's images are the size the checkpoint's data was recorded at (an env that takes no image size)."""
+    if spec is None or settings["image_size"].value is not None:
+        return
+    spaces = getattr(env.observation_space, "spaces", {})
+    for camera in spec["cameras"]:
+        space = spaces.get(camera.get("key"))
+        if space is None or camera.get("height") is None:
+            continue
+        height, width = space.shape[:2]
+        if (height, width) != (camera["height"], camera["width"]):
+            raise ContractError(f"{where} renders {camera['key']} at {height}x{width}, but the checkpoint's data was "
+                                f"recorded at {camera['height']}x{camera['width']} ({FILE_NAME}); pass --override "
+                                f"image_size to run it anyway")
 
 
 BENCHMARKS = {"metaworld": "Meta-World", "libero": "LIBERO"}  # envs with tasks, each in hf_vla.envs.<name>
@@ -335,6 +473,7 @@ class BenchmarkResult:
     env: str
     success_rate: float  # mean over tasks
     tasks: dict[str, EvalResult]
+    settings: dict = field(default_factory=dict)  # what it ran with and where each came from
 
     @classmethod
     def from_tasks(cls, env: str, results: dict[str, EvalResult]) -> BenchmarkResult:
@@ -356,22 +495,35 @@ def main(argv=None):
                         "converted on load), run in-process")
     parser.add_argument("--revision", default=None, help="Hub revision of --checkpoint")
     source.add_argument("--server", help="ws://HOST:PORT of a policy server (python -m hf_vla.serve)")
-    parser.add_argument("--env", default="hf_vla/ColorReach-v0", help="gymnasium env id, or `metaworld` / `libero` "
-                        "(lerobot's env wrappers; with --task)")
-    parser.add_argument("--task", default=None, help="Meta-World task names (comma-separated) or a difficulty group "
-                        "(easy, medium, hard, very_hard); LIBERO suites (libero_spatial, ...) or suite/index")
-    parser.add_argument("--image_size", type=int, default=None, help="Meta-World / LIBERO: the image side the training "
-                        "data was recorded at (default: 128 for Meta-World, as hf_vla.record; 256 for LIBERO)")
-    parser.add_argument("--max_episode_steps", type=int, default=None, help="benchmark envs: episode limit (default: "
-                        "500 for Meta-World, the suite's limit for LIBERO)")
-    parser.add_argument("--episodes", type=int, default=50)
-    parser.add_argument("--n_action_steps", type=int, default=None, help="actions executed per chunk (default: half)")
+    contract = parser.add_argument_group(
+        "settings the checkpoint's deployment contract (deployment_config.json) provides; a flag that contradicts it "
+        "is refused unless --override names it")
+    contract.add_argument("--env", default=None, help=f"gymnasium env id, or `metaworld` / `libero` (lerobot's env "
+                          f"wrappers; with --task) (default: the env the data was recorded in, else {DEFAULT_ENV})")
+    contract.add_argument("--task", default=None, help="Meta-World task names (comma-separated) or a difficulty group "
+                          "(easy, medium, hard, very_hard); LIBERO suites (libero_spatial, ...) or suite/index "
+                          "(default: the recorded tasks)")
+    contract.add_argument("--image_size", type=int, default=None, help="the image side the env renders (default: the "
+                          "size the data was recorded at; else the env's own)")
+    contract.add_argument("--max_episode_steps", type=int, default=None, help="episode limit (default: the "
+                          "checkpoint's, else the env's: 500 for Meta-World, the suite's for LIBERO)")
+    contract.add_argument("--n_action_steps", type=int, default=None, help="actions executed per chunk (default: the "
+                          "checkpoint's, else half the chunk)")
+    contract.add_argument("--cameras", nargs="*", default=None, help="observation image keys in camera-slot order "
+                          "(default: the checkpoint's)")
+    contract.add_argument("--seed", type=int, default=None, help=f"first episode seed (default {DEFAULT_SEED}; seeds "
+                          "the training data was recorded with are refused)")
+    contract.add_argument("--override", nargs="+", default=[], choices=OVERRIDABLE, metavar="FIELD",
+                          help=f"accept these flags against the checkpoint's contract ({', '.join(OVERRIDABLE)}); "
+                          "recorded in eval_result.json")
+    parser.add_argument("--episodes", type=int, default=50, help="episodes per task")
+    parser.add_argument("--num_envs", type=int, default=None, help="envs run at once, each in a worker process, one "
+                        "policy call per control step for all of them (default: 70%% of the cores, as lerobot-eval; "
+                        "per-seed outcomes do not depend on it)")
     parser.add_argument("--inference_delay", type=int, default=0,
                         help="simulated inference delay in control steps (actions of the old chunk run meanwhile)")
     parser.add_argument("--rtc", action="store_true", help="real-time chunking: continue the chunk being executed")
-    parser.add_argument("--seed", type=int, default=10_000, help="first episode seed (training data used 0..)")
     parser.add_argument("--head", default=None, help="normalization head (default: the processor's only one)")
-    parser.add_argument("--cameras", nargs="*", default=None, help="observation image keys, in camera-slot order")
     parser.add_argument("--save_videos", type=int, default=3)
     parser.add_argument("--output_dir", default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -382,20 +534,24 @@ def main(argv=None):
     positive("--n_action_steps", args.n_action_steps)
     positive("--inference_delay", args.inference_delay, allow_zero=True)
     positive("--save_videos", args.save_videos, allow_zero=True)
+    positive("--num_envs", args.num_envs)
     checkpoint = model_source("--checkpoint", args.checkpoint) if args.checkpoint else None
     if args.server:
         websocket_uri("--server", args.server)
     output_dir("--output_dir", args.output_dir)
     positive("--image_size", args.image_size)
     positive("--max_episode_steps", args.max_episode_steps)
-    env_kwargs = {}
-    check_env(args.env, args.task, "--env ", "--task ")  # an unknown env or task stops here, by name
-    check_cameras("--cameras", args.cameras, env_camera_keys(args.env))
-    if args.env in BENCHMARKS:
-        env_kwargs = {k: v for k, v in (("image_size", args.image_size), ("max_episode_steps", args.max_episode_steps))
-                      if v is not None}
-        if "OMP_NUM_THREADS" not in os.environ:  # leave a core to the env's worker: 30 ms a step instead of 150 on 2
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    if args.env is not None:
+        check_env(args.env, args.task, "--env ", "--task ")  # an unknown env or task stops here, by name
+        check_cameras("--cameras", args.cameras, env_camera_keys(args.env))
+    env = args.env
+    if env is None and checkpoint is not None:
+        env = (head_spec(_contract(checkpoint, args.revision), args.head) or {}).get("benchmark", {}) or {}
+        env = env.get("env") if isinstance(env, dict) else None
+    if "OMP_NUM_THREADS" not in os.environ and (env in BENCHMARKS or (args.num_envs or 1) > 1):
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # leave a core to the env workers
+    env_kwargs = {k: v for k, v in (("image_size", args.image_size), ("max_episode_steps", args.max_episode_steps))
+                  if v is not None}
     from .cli import setup_logging
 
     setup_logging()
@@ -403,11 +559,19 @@ def main(argv=None):
                                  args.cameras, args.save_videos, args.output_dir, args.device, server=args.server,
                                  inference_delay=args.inference_delay, rtc=args.rtc,
                                  rtc_config=rtc_config_from_args(args), task=args.task, env_kwargs=env_kwargs or None,
-                                 revision=args.revision)
+                                 revision=args.revision, num_envs=args.num_envs, overrides=args.override)
     if isinstance(result, BenchmarkResult):
         print(result.table())
-    print(json.dumps(asdict(result), indent=2))
+    print(json.dumps(_summary(result), indent=2))
     return result
+
+
+def _summary(result) -> dict:
+    """The printed result: everything but the per-episode records (they are in eval_result.json)."""
+    data = asdict(result)
+    for part in [data] + list((data.get("tasks") or {}).values()):
+        part.pop("episode_records", None)
+    return data
 
 
 def cli(argv=None):

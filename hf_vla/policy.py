@@ -198,8 +198,16 @@ class PolicyRunner:
         self.last_chunk: torch.Tensor | None = None  # [chunk, max_action_dim], normalised
         self.last_rtc_method: str | None = None  # how the last chunk continued the previous one (None: it did not)
 
-    def reset(self) -> None:
+    def reset(self, seed: int | None = None) -> None:
+        """A new episode: forget the last chunk; with `seed`, re-seed the noise generator (an episode's noise then
+        depends on its seed alone, however many episodes ran before or beside it)."""
         self.last_chunk = None
+        if seed is not None:
+            self.generator.manual_seed(int(seed))
+
+    def fork(self) -> PolicyRunner:
+        """The same model and settings with a noise generator and chunk memory of its own (one per env slot)."""
+        return replace(self)
 
     def head_name(self, head=None) -> str:
         try:

@@ -58,8 +58,11 @@ def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, on
     stats = stats if stats is not None else {}
     stats.setdefault("kept", 0)
     stats.setdefault("rejected", 0)
-    for attempt, seed in enumerate(seeds):
-        if kept >= count or attempt >= max_attempts:
+    for _ in range(max_attempts):
+        if kept >= count:
+            break
+        seed = next(seeds, None)  # drawn only when an episode is tried: the seeds used are exactly those drawn
+        if seed is None:
             break
         observation, info = env.reset(seed=int(seed))
         task = info.get("task") or getattr(env, "task", "")
@@ -133,6 +136,7 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
             name, image_size=image_size or 128, max_episode_steps=max_episode_steps or metaworld.DEFAULT_STEPS))
             for name in names}
         fps, state_dim, action_dim, robot_type, size = metaworld.FPS, 4, 4, metaworld.ROBOT_TYPE, image_size or 128
+        kwargs, default_steps = {}, metaworld.DEFAULT_STEPS
     else:
         from .envs.generate import ROBOT_TYPE
         from .envs.reach import ColorReachEnv
@@ -148,7 +152,15 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         make = {"color_reach": lambda: _ColorReachWithExpert(seed, **kwargs)}
         probe = ColorReachEnv(**kwargs)
         fps, state_dim, action_dim, robot_type, size = probe.metadata["render_fps"], 2, 2, ROBOT_TYPE, probe.image_size
+        default_steps = probe.max_steps
     seeds = seeds or (lambda first: iter(range(first, first + 10**9)))
+    used_seeds: list[int] = []  # every env seed an episode was tried with: evaluation must stay off them
+
+    def tried(first):
+        for value in seeds(first):
+            used_seeds.append(int(value))
+            yield value
+
     result = RecordResult(str(output), env)
     started = time.perf_counter()
     bar = tqdm(total=episodes * len(names), desc=f"recording {env}", unit="ep", disable=not progress)
@@ -159,7 +171,7 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
             stats = result.tasks.setdefault(name, {"description": getattr(live, "task", name)})
             try:
                 bar.set_description(f"recording {name}")
-                for frames in expert_episodes(live, episodes, seeds(seed), max_attempts=3 * episodes + 10,
+                for frames in expert_episodes(live, episodes, tried(seed), max_attempts=3 * episodes + 10,
                                               stats=stats, bar=bar):
                     result.frames += len(frames)
                     yield frames
@@ -181,7 +193,10 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         result.seconds = round(time.perf_counter() - started, 1)
         (dataset / "meta" / RECORD_MARKER).write_text(json.dumps(
             asdict(result) | {"seed": seed, "image_size": size, "episodes_per_task": episodes,
-                              "max_episode_steps": max_episode_steps, "fast_render": env == "metaworld"}, indent=2))
+                              "max_episode_steps": max_episode_steps or default_steps, "fast_render": env == "metaworld",
+                              "env_kwargs": {k: v for k, v in kwargs.items() if k not in ("image_size", "max_steps")},
+                              "data_seeds": [min(used_seeds, default=seed), max(used_seeds, default=seed)]},
+            indent=2))
         if output.exists():
             os.replace(output, staging / "previous")
         os.replace(dataset, output)

@@ -27,7 +27,12 @@ this connection returned that were executed when the observation was taken) gets
 first d actions are the previous chunk's s..s+d-1 (they execute while the server works) and the next ones blend into
 it; switch to the new chunk at index d. `rtc/prev_chunk_left_over` ([steps, action_dim], un-normalised) may be sent
 instead of `rtc/executed_steps`, `rtc/execution_horizon` overrides the server's. An optional `head` selects the
-normalisation head per request.
+normalisation head per request. An optional integer `episode_seed` starts a new episode: the connection's noise
+generator is seeded with it and the previous chunk forgotten (`hf_vla.evaluate --server` sends it, so a remote episode
+is the same function of its seed as an in-process one).
+
+The server's metadata carries the checkpoint's deployment contract under `deployment` (`hf_vla.deployment`: cameras
+with their recorded sizes, actions per chunk, heads, benchmark settings), and its cameras default to the contract's.
 """
 
 from __future__ import annotations
@@ -297,6 +302,9 @@ class PolicyServer:
         head = request.get("head")
         if head is not None and not isinstance(head, str):
             raise RequestError(f"head: expected a string robot_type::control_mode, got {type(head).__name__}")
+        episode_seed = _optional_int(request.get("episode_seed"), "episode_seed")
+        if episode_seed is not None:  # a new episode: its noise from this seed, no chunk to continue
+            runner.reset(seed=episode_seed)
         delay = _optional_int(request.get("rtc/inference_delay", 0), "rtc/inference_delay")
         start = time.monotonic()
         prepared = runner.prepare(request, head=head, inference_delay=delay,
@@ -448,12 +456,15 @@ def main(argv=None):
     parser.add_argument("--head", default=None, help="normalization head robot_type::control_mode (default: the "
                         "processor's only one; a request may name another under `head`)")
     parser.add_argument("--obs_map", default=None, help="JSON file {cameras: [...], state: [...], prompt: key}")
-    parser.add_argument("--cameras", nargs="*", default=None, help="image keys in camera-slot order (default: every "
-                        "HxWx3 array of the observation, sorted)")
+    parser.add_argument("--cameras", nargs="*", default=None, help="image keys in camera-slot order (default: the "
+                        "checkpoint's contract; without one, every HxWx3 array of the observation, sorted)")
     parser.add_argument("--state", nargs="*", default=None, help="state keys, concatenated (default: the first of "
                         "observation/state, observation.state, state)")
     parser.add_argument("--prompt_key", default=None, help="key of the task string (default: prompt)")
-    parser.add_argument("--num_camera_slots", type=int, default=None, help="pad with masked cameras up to this many")
+    parser.add_argument("--num_camera_slots", type=int, default=None, help="pad with masked cameras up to this many "
+                        "(default: the checkpoint's)")
+    parser.add_argument("--override", nargs="+", default=[], choices=("cameras", "num_camera_slots"), metavar="FIELD",
+                        help="accept --cameras / --num_camera_slots against the checkpoint's deployment contract")
     limits = parser.add_argument_group("limits and access")
     limits.add_argument("--max_message_mb", type=float, default=None, help="largest request read, in MiB (default: "
                         "every camera at 1920x1080 float32 + 1, e.g. 73 for 3 cameras)")
@@ -493,8 +504,9 @@ def main(argv=None):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name}: must be positive, got {value}")
+    contract, slots = _contract_cameras(parser, checkpoint, args, obs_map)
     runner = load_policy(checkpoint, device=args.device, revision=args.revision, obs_map=obs_map, seed=args.seed,
-                         rtc=rtc_config_from_args(args), num_camera_slots=args.num_camera_slots,
+                         rtc=rtc_config_from_args(args), num_camera_slots=slots,
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
     heads = runner.processor.head_names
     if args.head is not None or len(heads) == 1:
@@ -504,7 +516,8 @@ def main(argv=None):
             parser.error(f"--head: {error}")
     else:
         logger.warning("several heads %s and no --head: every request must name its `head`", heads)
-    server = PolicyServer(runner, metadata={"checkpoint": str(args.checkpoint)}, max_message_mb=args.max_message_mb,
+    metadata = {"checkpoint": str(args.checkpoint), "deployment": contract.to_dict() if contract else None}
+    server = PolicyServer(runner, metadata=metadata, max_message_mb=args.max_message_mb,
                           api_key=args.api_key or os.environ.get(API_KEY_ENV), max_batch=args.max_batch,
                           max_connections=args.max_connections)
     logger.info("metadata %s", json.dumps(server.metadata))
@@ -514,6 +527,37 @@ def main(argv=None):
         logger.info("stopped")
     except OSError as error:  # the port is taken, the host is not an address of this machine
         raise ConnectionFailedError(f"cannot listen on {args.host}:{args.port}: {error}") from error
+
+
+def _contract_cameras(parser, checkpoint, args, obs_map: ObservationMap):
+    """The checkpoint's deployment contract and the camera slots to serve: the contract's camera keys unless
+    --cameras (or --obs_map) names the client's keys, which must be as many, once each; --num_camera_slots must
+    agree with it. A contradiction is refused unless --override names it."""
+    from .deployment import ContractError, choose, for_checkpoint
+
+    contract = for_checkpoint(checkpoint, args.revision)
+    spec = None
+    if contract is not None:
+        from .evaluate import head_spec
+
+        spec = head_spec(contract, args.head)
+    cameras = obs_map.cameras
+    if cameras:
+        twice = sorted({key for key in cameras if cameras.count(key) > 1})
+        if twice:
+            parser.error(f"--cameras: {twice} given more than once; each camera fills one slot")
+    trained = [c["key"] for c in spec["cameras"]] if spec else None
+    if trained and cameras and len(cameras) != len(trained) and "cameras" not in args.override:
+        raise ContractError(f"--cameras {' '.join(cameras)}: {len(cameras)} camera(s), but the checkpoint was trained "
+                            f"with {len(trained)} ({' '.join(str(k) for k in trained)}); pass --override cameras to "
+                            "serve it anyway")
+    if trained and not cameras:
+        obs_map.cameras = [key for key in trained if key is not None]  # the keys the data had, in slot order
+    elif trained and cameras and cameras != trained:
+        logger.info("cameras %s fill the checkpoint's slots %s", cameras, trained)
+    slots = choose("num_camera_slots", args.num_camera_slots, len(trained) if trained else None, None,
+                   set(args.override)).value
+    return contract, slots
 
 
 def cli(argv=None):

@@ -381,6 +381,9 @@ def _train(model_args, data_args, training_args):
         if model_args.model_name_or_path != source:
             model_args.model_revision = None  # the converted copy is local
     config = model_config(model_args)
+    if training_args.n_action_steps is not None and training_args.n_action_steps > config.chunk_size:
+        raise ConfigError(f"n_action_steps={training_args.n_action_steps}: at most the chunk size "
+                          f"({config.chunk_size}); it is how many actions of each predicted chunk are executed")
     if data_args.generate_demo_data:
         from .envs.generate import ensure_demo_dataset
 
@@ -409,6 +412,16 @@ def _train(model_args, data_args, training_args):
         processor = PI0HeadProcessor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
                                                  head_names=mixture.head_names)
         collator = PI0Collator(processor)
+    from . import deployment
+
+    # how the result must be run (cameras and their recorded sizes, actions per chunk, heads, benchmark settings):
+    # saved with the processor in every checkpoint, the final output and rollout snapshots
+    processor.deployment = deployment.from_training(
+        mixture, processor, model.config, model_args.policy, n_action_steps=training_args.n_action_steps,
+        # the limit the run validates with: its own, else its rollouts' (rollout_env_kwargs)
+        max_episode_steps=training_args.max_episode_steps or (training_args.rollout_env_kwargs or {}).get(
+            "max_episode_steps"),
+        source={"made_by": "hf_vla.train", "base_model": source or model_args.model_name_or_path}).to_dict()
     train_dataset, eval_dataset = mixture.training_datasets(training_args, image_size=processor.image_size,
                                                             chunk_size=model.config.chunk_size)
     peft_config = None

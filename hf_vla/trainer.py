@@ -83,6 +83,11 @@ class VLATrainingArguments(TrainingArguments):
     on_data_change (`str`, defaults to `"error"`): resuming when the training data changed since the checkpoint
         (datasets, episodes, kept ranges, split or weights) is refused (`error`), or starts the next epoch on the new
         data (`restart_epoch`).
+    n_action_steps (`int`, *optional*): actions of each predicted chunk executed before the next is predicted, saved
+        in the checkpoint's deployment contract (`deployment_config.json`, `hf_vla.deployment`) so evaluation,
+        rollouts and serving use it without a flag; default half the chunk.
+    max_episode_steps (`int`, *optional*): the closed-loop episode limit the policy is validated with, saved in the
+        contract's benchmark settings (default: the limit the data was recorded with).
     rollout_env (`str`, *optional*): closed-loop rollouts during training (`hf_vla.rollouts`) in this env:
         `metaworld`, `libero` or a gymnasium id such as `hf_vla/ColorReach-v0`. Every `rollout_steps` steps the
         weights are snapshotted and evaluated in a separate process while training goes on; the figures are logged
@@ -112,6 +117,10 @@ class VLATrainingArguments(TrainingArguments):
     ema_save_raw: bool = field(default=False, metadata={"help": "final model: the raw weights, not the EMA"})
     ema_eval_raw: bool = field(default=False, metadata={"help": "also evaluate the raw weights (eval_raw_*)"})
     on_data_change: str = field(default="error", metadata={"help": "resume on changed data: error | restart_epoch"})
+    n_action_steps: int | None = field(default=None, metadata={"help": "actions executed per chunk, saved in the "
+                                                                         "deployment contract (default: half the chunk)"})
+    max_episode_steps: int | None = field(default=None, metadata={"help": "closed-loop episode limit, saved in the "
+                                                                           "contract (default: the recording's)"})
     rollout_env: str | None = field(default=None, metadata={"help": "closed-loop rollouts: metaworld | libero | gym id"})
     rollout_tasks: str | None = field(default=None, metadata={"help": "the benchmark's tasks (as evaluate --task)"})
     rollout_steps: int | None = field(default=None, metadata={"help": "optimizer steps between rollouts"})
@@ -145,8 +154,9 @@ class VLATrainingArguments(TrainingArguments):
                      "stream_open_blocks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
-        if self.decoder_threads is not None and self.decoder_threads <= 0:
-            raise ConfigError(f"decoder_threads={self.decoder_threads}: must be positive (or unset for automatic)")
+        for name in ("decoder_threads", "n_action_steps", "max_episode_steps"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be positive (or unset for the default)")
         for name in ("dataloader_num_workers", "action_metrics_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")

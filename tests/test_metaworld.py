@@ -63,9 +63,16 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
     assert rollout["step"] == 3 and set(rollout["metrics"]) == {"rollout/reach-v3/success", "rollout/success",
                                                                  "rollout/step"}
     assert rollout["result"]["tasks"]["reach-v3"]["episodes"] == 1 and "reach-v3" in (out / "README.md").read_text()
-    result = evaluate_checkpoint(out, env_id="metaworld", task="reach", episodes=2, save_videos=1, progress=False,
-                                 env_kwargs={"image_size": IMAGE, "max_episode_steps": 12}, output_dir=tmp_path / "eval")
+    contract = json.loads((out / "deployment_config.json").read_text())  # how the checkpoint must be run
+    bench = contract["heads"]["metaworld::delta_xyz_gripper"]["benchmark"]
+    assert bench["env"] == "metaworld" and bench["tasks"] == ["reach-v3"] and bench["image_size"] == IMAGE
+    assert bench["max_episode_steps"] == 12 and bench["data_seeds"] == [0, 1] and contract["n_action_steps"] == 8
+    # every setting from the checkpoint: env, task, image size, episode limit, actions per chunk, camera
+    result = evaluate_checkpoint(out, episodes=2, save_videos=1, progress=False, output_dir=tmp_path / "eval")
     assert isinstance(result, BenchmarkResult) and list(result.tasks) == ["reach-v3"]
+    assert {k: v["value"] for k, v in result.settings.items() if v["source"] == "checkpoint"} == {
+        "env": "metaworld", "task": "reach-v3", "image_size": IMAGE, "max_episode_steps": 12, "n_action_steps": 8,
+        "cameras": ["observation.image"], "head": "metaworld::delta_xyz_gripper", "control_mode": "delta_xyz_gripper"}
     task = result.tasks["reach-v3"]
     assert task.episodes == 2 and 1 <= task.mean_steps <= 12 and 0.0 <= result.success_rate <= 1.0
     assert (tmp_path / "eval" / "reach-v3" / "rollout_000_failure.gif").exists() or task.successes

@@ -118,10 +118,10 @@ class LiberoEnv(gym.Env):
 
 def in_worker(task: str, **kwargs):
     """A `LiberoEnv` in its own process (one GL context per process, as for Meta-World)."""
-    from .metaworld import InWorker
+    from .worker import InWorker
 
     require_libero()  # not installed: one line here, not a traceback from the worker
-    return InWorker(functools.partial(LiberoEnv, task=task, **kwargs))
+    return InWorker(functools.partial(LiberoEnv, task=task, **kwargs), name=f"LIBERO {task}")
 
 
 __all__ = ["CAMERAS", "LiberoEnv", "SUITES", "in_worker", "require_libero", "task_suites"]

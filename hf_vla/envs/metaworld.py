@@ -13,8 +13,8 @@ the first frame: 7-16 ms instead of 55-140 ms a frame, the same scene with harde
 use the same setting, and do (both go through this class).
 
 A process holds one GL context well; a second one in the same process gave broken frames. `in_worker(...)` therefore
-runs each env in its own process (gymnasium's `AsyncVectorEnv` with one env) and drives it from this one: the recorder
-and the evaluator use it, one worker per task.
+runs each env in its own process (`hf_vla.envs.worker`) and drives it from this one: the recorder and the evaluator
+use it, one worker per env.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 from gymnasium import spaces
 
 from ..errors import ConfigError
+from .worker import InWorker
 
 os.environ.setdefault("MUJOCO_GL", "egl")  # before mujoco is first imported: headless rendering
 if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):
@@ -167,45 +168,9 @@ class MetaWorldEnv(gym.Env):
         self.inner.close()
 
 
-class InWorker(gym.Env):
-    """One env in its own process (gymnasium's `AsyncVectorEnv` of one), driven like the env itself: `reset`, `step`,
-    `render`, `expert_action`, `task`."""
-
-    def __init__(self, factory):
-        self.vector = gym.vector.AsyncVectorEnv([factory], context="spawn", shared_memory=False,
-                                                autoreset_mode=gym.vector.AutoresetMode.DISABLED)
-        self.observation_space = self.vector.single_observation_space
-        self.action_space = self.vector.single_action_space
-        self.task = self.vector.get_attr("task")[0]
-        self.metadata = self.vector.metadata
-
-    @staticmethod
-    def _one(batched):
-        if isinstance(batched, dict):
-            return {k: InWorker._one(v) for k, v in batched.items() if not k.startswith("_")}
-        return batched[0]
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
-        observation, info = self.vector.reset(seed=[seed] if seed is not None else None)
-        return self._one(observation), self._one(info)
-
-    def step(self, action):
-        observation, reward, terminated, truncated, info = self.vector.step(np.asarray(action)[None])
-        return self._one(observation), float(reward[0]), bool(terminated[0]), bool(truncated[0]), self._one(info)
-
-    def render(self):
-        return self.vector.call("render")[0]
-
-    def expert_action(self):
-        return self.vector.call("expert_action")[0]
-
-    def close(self):
-        self.vector.close()
-
-
 def in_worker(task: str, **kwargs) -> InWorker:
-    """A `MetaWorldEnv` in its own process."""
-    return InWorker(functools.partial(MetaWorldEnv, task=task, **kwargs))
+    """A `MetaWorldEnv` in its own process (`hf_vla.envs.worker`)."""
+    return InWorker(functools.partial(MetaWorldEnv, task=task, **kwargs), name=f"Meta-World {task}")
 
 
 __all__ = ["ACTION", "CAMERA", "FPS", "InWorker", "MetaWorldEnv", "ROBOT_TYPE", "STATE", "in_worker", "task_description",

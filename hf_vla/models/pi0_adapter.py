@@ -22,6 +22,8 @@ from transformers import BatchFeature, ProcessorMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
 
+from .pi05.processing_pi05 import DeploymentContractMixin
+
 
 class PI0RootKeptLayer(GradientCheckpointingLayer):
     """pi0's last VLM layer under FSDP2: the same module and parameters running `GemmaDecoderLayer.forward`, under a
@@ -30,7 +32,7 @@ class PI0RootKeptLayer(GradientCheckpointingLayer):
     forward = GemmaDecoderLayer.forward
 
 
-class PI0HeadProcessor(ProcessorMixin):
+class PI0HeadProcessor(DeploymentContractMixin, ProcessorMixin):
     r"""
     Model inputs for transformers' pi0, per normalization head; the one batch path of training and inference.
 

@@ -91,7 +91,41 @@ def _as_tensor(value, dtype=torch.float32) -> torch.Tensor:
     return torch.as_tensor(np.asarray(value), dtype=dtype)
 
 
-class PI05Processor(ProcessorMixin):
+DEPLOYMENT_FILE = "deployment_config.json"
+
+
+class DeploymentContractMixin:
+    """A processor that carries its checkpoint's deployment contract (`hf_vla.deployment`: camera keys and recorded
+    sizes, actions executed per chunk, heads, benchmark settings) as the dict `deployment`: `save_pretrained` writes it
+    to `deployment_config.json` beside `processor_config.json` (so every save of the processor, in checkpoints, rollout
+    snapshots, conversions and Hub pushes, carries it) and `from_pretrained` reads it back (None when absent)."""
+
+    deployment: dict | None = None
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        if self.deployment is not None:  # before the processor's own files: a push_to_hub=True save uploads it too
+            import json
+
+            os.makedirs(save_directory, exist_ok=True)
+            with open(os.path.join(save_directory, DEPLOYMENT_FILE), "w") as handle:
+                handle.write(json.dumps(self.deployment, indent=2) + "\n")
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        import json
+
+        from transformers.utils import cached_file
+
+        processor = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        path = cached_file(pretrained_model_name_or_path, DEPLOYMENT_FILE, revision=kwargs.get("revision"),
+                           _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+        processor.deployment = json.loads(open(path).read()) if path else None
+        return processor
+
+
+class PI05Processor(DeploymentContractMixin, ProcessorMixin):
     r"""
     Turns raw robot observations into pi0.5 inputs and predicted chunks back into robot actions.
 

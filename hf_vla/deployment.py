@@ -1,0 +1,271 @@
+"""The deployment contract: how a checkpoint must be run, saved beside it as `deployment_config.json`.
+
+A policy's closed-loop success depends on settings that are not in its weights: the image size the data was recorded
+at, the actions executed per predicted chunk, which observation keys fill which camera slot, the control mode and
+normalisation head, the episode step limit it was validated with. Retyped by hand, a wrong one silently changes
+success (lerobot #4614: `n_action_steps` 50 instead of 10 costs 15-23 points on LIBERO). So every checkpoint hf_vla
+writes (training checkpoints and the final output, rollout snapshots, `hf_vla.convert`, the Hub push) carries them,
+in the spirit of transformers' `generation_config.json`, and `hf_vla.evaluate` / `hf_vla.serve` take them from there:
+a flag is needed only for what the checkpoint cannot know, and a flag that contradicts it is refused by name unless
+`--override FIELD` accepts it (`resolve`).
+
+The file is plain JSON, versioned (`version`), readable without torch or hf_vla (`json.load`). Fields (version 1):
+
+- `policy`: "pi05" or "pi0".
+- `chunk_size`: actions per predicted chunk. `n_action_steps`: how many of them are executed before the next chunk
+  is predicted (training argument `n_action_steps`; default half the chunk, what `hf_vla.evaluate` always used).
+- `image_size`: the side of the model's input images (the processor resizes with padding to it).
+- `default_head`: the normalisation head used when a request names none (None: the checkpoint has several heads and
+  the robot must say which).
+- `heads`: per normalisation head `robot_type::control_mode`, what its data looked like:
+  - `robot_type`, `control_mode`, `fps` (frames per second of the data: one chunk step);
+  - `cameras`: the observation key of each camera slot in slot order, with the height and width the data was
+    recorded at (`{"key": "observation.image", "height": 96, "width": 96}`; a slot the data leaves empty has key null);
+  - `state` / `action`: `{"key": ..., "dim": ...}`;
+  - `instruction`: "task" (each episode's task string from the data) or the fixed string every frame was trained with;
+  - `datasets`: the names of the datasets of this head;
+  - `benchmark`: for data recorded in a simulator by `hf_vla.record`, the settings to evaluate it with: `env`
+    (`metaworld`, a gymnasium id, ...), `tasks`, `max_episode_steps` (the training argument `max_episode_steps` when
+    set, else the recording's), `image_size` (the render size), `env_kwargs` (other arguments the env was recorded
+    with), `data_seeds` ([lowest, highest] env seed the recording tried: evaluation seeds must avoid them) and
+    `fast_render`. None for other data.
+- `source`: what wrote it (`hf_vla.train`, `hf_vla.convert`, ...) and from what.
+- `overrides`: settings a user accepted against the contract when the checkpoint was written (informational).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+FILE_NAME = "deployment_config.json"
+VERSION = 1
+
+
+@dataclass
+class DeploymentConfig:
+    """The contract of one checkpoint (see the module docstring for every field)."""
+
+    policy: str
+    chunk_size: int
+    n_action_steps: int
+    image_size: int
+    heads: dict[str, dict]
+    default_head: str | None = None
+    source: dict = field(default_factory=dict)
+    overrides: dict = field(default_factory=dict)
+    version: int = VERSION
+
+    def __post_init__(self):
+        if not 1 <= int(self.n_action_steps) <= int(self.chunk_size):
+            raise ValueError(f"n_action_steps={self.n_action_steps}: must be 1..chunk_size ({self.chunk_size})")
+
+    def head(self, name: str | None = None) -> dict:
+        """The settings of head `name` (default: `default_head`, or the only head)."""
+        if name is None:
+            name = self.default_head if self.default_head is not None else (
+                next(iter(self.heads)) if len(self.heads) == 1 else None)
+        if name not in self.heads:
+            raise KeyError(f"the deployment contract has no head {name!r}; it has {sorted(self.heads)}")
+        return self.heads[name]
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, **{k: v for k, v in asdict(self).items() if k != "version"}}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = FILE_NAME) -> DeploymentConfig:
+        version = data.get("version")
+        if version != VERSION:
+            raise ValueError(f"{where}: deployment contract version {version!r}; this hf_vla reads version {VERSION} "
+                             "(upgrade hf_vla, or rewrite the file)")
+        known = {"policy", "chunk_size", "n_action_steps", "image_size", "heads", "default_head", "source", "overrides",
+                 "version"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}")
+        return cls(**data)
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        path = Path(directory) / FILE_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+
+def read(checkpoint: str | os.PathLike, revision: str | None = None) -> DeploymentConfig | None:
+    """The contract of a checkpoint directory or Hub id; None when it has none (written before contracts, or by
+    another tool). A damaged file is a `ValueError` naming it."""
+    path = Path(checkpoint) / FILE_NAME
+    if not path.is_file():
+        if Path(checkpoint).exists():
+            return None
+        try:  # a Hub id: the file from the cache (or the Hub), when the repo has one
+            from huggingface_hub import hf_hub_download
+            from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+            path = Path(hf_hub_download(str(checkpoint), FILE_NAME, revision=revision))
+        except (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError, ValueError):
+            return None
+    try:
+        return DeploymentConfig.from_dict(json.loads(path.read_text()), str(path))
+    except (json.JSONDecodeError, TypeError) as error:
+        raise ValueError(f"{path}: not a deployment contract ({error})") from error
+
+
+def for_checkpoint(checkpoint: str | os.PathLike, revision: str | None = None) -> DeploymentConfig | None:
+    """`read` for what `hf_vla.evaluate` / `hf_vla.serve` take: a directory or Hub id (a lerobot checkpoint is
+    converted first, as loading it does); a damaged contract is a `ConfigError` naming the file."""
+    from .hub import resolve_pretrained
+
+    resolved = resolve_pretrained(checkpoint, revision=revision)
+    try:
+        return read(resolved, revision=None if resolved != str(checkpoint) else revision)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+# ---- from what a run knows -------------------------------------------------------------------------------------------
+RECORD_MARKER = "hf_vla_record.json"  # written by hf_vla.record into meta/
+
+
+def _camera_sizes(features: dict, key: str | None) -> dict:
+    if key is None:
+        return {"key": None, "height": None, "width": None}
+    shape = list((features.get(key) or {}).get("shape") or [])
+    names = list((features.get(key) or {}).get("names") or [])
+    height = width = None
+    if len(shape) == 3:  # LeRobot stores [height, width, channels] (names say so); older files [channels, h, w]
+        if names[:2] == ["channels", "height"] or (shape[0] == 3 and shape[-1] != 3):
+            height, width = shape[1], shape[2]
+        else:
+            height, width = shape[0], shape[1]
+    return {"key": key, "height": height, "width": width}
+
+
+def benchmark_of(root: str | os.PathLike, max_episode_steps: int | None = None) -> dict | None:
+    """The benchmark settings of a dataset recorded by `hf_vla.record` (its `meta/hf_vla_record.json`), else None."""
+    marker = Path(root) / "meta" / RECORD_MARKER
+    if not marker.is_file():
+        return None
+    record = json.loads(marker.read_text())
+    env = {"color_reach": "hf_vla/ColorReach-v0"}.get(record.get("env"), record.get("env"))
+    tasks = list(record.get("tasks") or {})
+    seeds = record.get("data_seeds")
+    if seeds is None:  # a recording from before data_seeds: seed, seed + 1, ... as many as the most tries of a task
+        tries = [int(t.get("kept", 0)) + int(t.get("rejected", 0)) for t in (record.get("tasks") or {}).values()]
+        first = int(record.get("seed", 0))
+        seeds = [first, first + max(tries, default=1) - 1]
+    return {"env": env, "tasks": tasks if env in ("metaworld", "libero") else None,
+            "max_episode_steps": max_episode_steps or record.get("max_episode_steps"),
+            "image_size": record.get("image_size"), "env_kwargs": record.get("env_kwargs") or {},
+            "data_seeds": seeds, "fast_render": record.get("fast_render")}
+
+
+def from_training(mixture, processor, config, policy: str, n_action_steps: int | None = None,
+                  max_episode_steps: int | None = None, source: dict | None = None) -> DeploymentConfig:
+    """The contract of a run: cameras, keys, dims and fps from each head's first dataset's metadata, the benchmark
+    from a recording's marker, the chunk settings from the model config and the training arguments."""
+    heads: dict[str, dict] = {}
+    for source_index, data in enumerate(mixture.sources):
+        head_name = mixture.head_names[mixture.head_of_source[source_index]]
+        entry = heads.get(head_name)
+        if entry is not None:
+            entry["datasets"].append(data.name)
+            continue
+        features = data.meta.features
+        heads[head_name] = {
+            "robot_type": data.robot_type, "control_mode": data.config.control_mode,
+            "fps": float(data.meta.fps) if data.meta.fps else None,
+            "cameras": [_camera_sizes(features, key) for key in data.config.cameras],
+            "state": {"key": data.config.state_key, "dim": int(data.state_dim)},
+            "action": {"key": data.config.action_key, "dim": int(data.action_dim)},
+            "instruction": data.config.task if data.config.task is not None else "task",
+            "datasets": [data.name],
+            "benchmark": benchmark_of(data.root, max_episode_steps),
+        }
+    chunk = int(config.chunk_size)
+    return DeploymentConfig(
+        policy=policy, chunk_size=chunk, n_action_steps=int(n_action_steps or max(1, chunk // 2)),
+        image_size=int(processor.image_size), heads=heads,
+        default_head=mixture.head_names[0] if len(mixture.head_names) == 1 else None,
+        source=dict(source or {"made_by": "hf_vla.train"}))
+
+
+def from_lerobot(lerobot_config: dict, head: str, image_size: int, chunk_size: int, source: str) -> DeploymentConfig:
+    """The contract of a lerobot pi0/pi0.5 checkpoint, from its `config.json`: `n_action_steps`, the image features
+    (slot order, recorded size), the state/action features and the normalisation mode."""
+    features = lerobot_config.get("input_features") or {}
+    cameras = [{"key": key, "height": (spec.get("shape") or [None] * 3)[-2], "width": (spec.get("shape") or [None] * 3)[-1]}
+               for key, spec in features.items() if (spec or {}).get("type") == "VISUAL"]
+    state_key = next((key for key, spec in features.items() if (spec or {}).get("type") == "STATE"), "observation.state")
+    outputs = lerobot_config.get("output_features") or {}
+    action_key = next((key for key, spec in outputs.items() if (spec or {}).get("type") == "ACTION"), "action")
+    state_dim = ((features.get(state_key) or {}).get("shape") or [None])[-1]
+    action_dim = ((outputs.get(action_key) or {}).get("shape") or [None])[-1]
+    robot_type, _, control_mode = head.partition("::")
+    steps = int(lerobot_config.get("n_action_steps") or max(1, chunk_size // 2))
+    return DeploymentConfig(
+        policy=str(lerobot_config.get("type", "pi05")), chunk_size=int(chunk_size),
+        n_action_steps=min(steps, int(chunk_size)), image_size=int(image_size),
+        heads={head: {"robot_type": robot_type or None, "control_mode": control_mode or None, "fps": None,
+                      "cameras": cameras, "state": {"key": state_key, "dim": state_dim},
+                      "action": {"key": action_key, "dim": action_dim}, "instruction": "task",
+                      "datasets": [], "benchmark": None,
+                      "normalization_mapping": lerobot_config.get("normalization_mapping")}},
+        default_head=head, source={"made_by": "hf_vla.convert", "from": source, "lerobot_type": lerobot_config.get("type")})
+
+
+# ---- what a run of evaluate / serve uses -----------------------------------------------------------------------------
+@dataclass
+class Setting:
+    value: object
+    source: str  # "checkpoint", "flag", "flag (override)" or "default"
+
+
+class ContractError(ConfigError):
+    """A flag contradicts the checkpoint's contract (the message names both values and the override)."""
+
+
+def choose(name: str, flag, contract_value, default, overrides: set[str], flag_name: str | None = None,
+           equal=None) -> Setting:
+    """One setting: the flag when given (refused when it contradicts the contract, unless `name` is in `overrides`),
+    else the contract's value, else the default."""
+    flag_name = flag_name or f"--{name}"
+    same = equal or (lambda a, b: a == b)
+    if flag is not None:
+        if contract_value is not None and not same(flag, contract_value):
+            if name not in overrides:
+                raise ContractError(f"{flag_name} {_show(flag)} contradicts the checkpoint, which was trained with "
+                                    f"{name}={_show(contract_value)} ({FILE_NAME}); drop the flag, or pass "
+                                    f"--override {name} to run with {_show(flag)} anyway")
+            return Setting(flag, "flag (override)")
+        return Setting(flag, "flag")
+    if contract_value is not None:
+        return Setting(contract_value, "checkpoint")
+    return Setting(default, "default")
+
+
+def _show(value) -> str:
+    if isinstance(value, list | tuple):
+        return " ".join(str(v) for v in value)
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        return str(int(value))
+    return str(value)
+
+
+def square_size(cameras: list[dict]) -> int | None:
+    """The common side of the recorded camera images when they are all square and of one size, else None."""
+    sizes = {(c.get("height"), c.get("width")) for c in cameras if c.get("key") is not None}
+    if len(sizes) == 1:
+        height, width = next(iter(sizes))
+        if height is not None and height == width:
+            return int(height)
+    return None
+
+
+__all__ = ["ContractError", "DeploymentConfig", "FILE_NAME", "Setting", "VERSION", "benchmark_of", "choose",
+           "for_checkpoint", "from_lerobot", "from_training", "read", "square_size"]
