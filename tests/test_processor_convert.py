@@ -97,9 +97,15 @@ def _write_lerobot_checkpoint(path, model, policy_type, tokenizer_dir):
     embed = "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
     state["model.paligemma_with_expert.paligemma.lm_head.weight"] = state.pop(embed)
     save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
-    config = {"type": policy_type, "chunk_size": 5, "n_action_steps": 5, "max_state_dim": 8, "max_action_dim": 6,
+    config = {"type": policy_type, "chunk_size": 5, "n_action_steps": 4, "max_state_dim": 8, "max_action_dim": 6,
               "image_resolution": [IMAGE_SIZE, IMAGE_SIZE], "paligemma_variant": "gemma_2b",
-              "action_expert_variant": "gemma_300m"}
+              "action_expert_variant": "gemma_300m",
+              # as lerobot writes them: the features the policy was trained on and how each is normalised
+              "input_features": {"observation.images.base_0_rgb": {"type": "VISUAL", "shape": [3, 224, 224]},
+                                 "observation.images.left_wrist_0_rgb": {"type": "VISUAL", "shape": [3, 224, 224]},
+                                 "observation.state": {"type": "STATE", "shape": [3]}},
+              "output_features": {"action": {"type": "ACTION", "shape": [2]}},
+              "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}}
     (path / "config.json").write_text(json.dumps(config))
     stats = {"observation.state.q01": torch.zeros(3), "observation.state.q99": torch.ones(3),
              "action.q01": torch.zeros(2), "action.q99": torch.ones(2),
@@ -128,6 +134,14 @@ def test_convert_cli_pi05(tmp_path, tiny_tokenizer_dir):
     assert isinstance(model, PI05ForConditionalGeneration)
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     assert processor.norm_stats["arm::joint"]["state"]["q99"] == [1.0, 1.0, 1.0]
+    # how to run it, from lerobot's config: its n_action_steps, cameras in order, keys, normalisation mode
+    contract = processor.deployment
+    assert contract == json.loads((tmp_path / "hf" / "deployment_config.json").read_text())
+    assert contract["n_action_steps"] == 4 and contract["chunk_size"] == 5 and contract["default_head"] == "arm::joint"
+    head = contract["heads"]["arm::joint"]
+    assert [c["key"] for c in head["cameras"]] == ["observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb"]
+    assert head["cameras"][0]["height"] == 224 and head["state"] == {"key": "observation.state", "dim": 3}
+    assert head["normalization_mapping"]["STATE"] == "QUANTILES" and contract["source"]["made_by"] == "hf_vla.convert"
     x = sample_inputs()
     cams = [x["images"][:, i] for i in range(2)]
     masks = [x["camera_mask"][:, i] for i in range(2)]

@@ -49,6 +49,11 @@ def test_synchronous_rollouts_equal_evaluating_the_saved_weights(demo_data, tmp_
     snapshot = out / "_rollouts" / "step-4"
     assert not list(snapshot.glob("*.safetensors"))  # the weights are gone once evaluated, the figures stay
     assert (snapshot / "eval" / "eval_result.json").is_file() and list((snapshot / "eval").glob("*.gif"))
+    # the snapshot carries the run's deployment contract, and the rollout ran with it
+    assert json.loads((snapshot / "deployment_config.json").read_text()) == json.loads(
+        (out / "deployment_config.json").read_text())
+    assert lines[1]["result"]["settings"]["n_action_steps"] == {"value": 4, "source": "checkpoint"}
+    assert [e["seed"] for e in lines[1]["result"]["episode_records"]] == [10_000, 10_001]
     card = (out / "README.md").read_text()
     assert "model-index" in card and "success_rate" in card and "weights of step 4" in card
 
