@@ -98,6 +98,7 @@ def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict,
         "--rollout_episodes", str(rollout_episodes), "--rollout_env_kwargs",
         json.dumps({"image_size": IMAGE, "max_episode_steps": max_episode_steps})]
     seconds = _train(work, out, ["--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", str(save),
+                                 "--max_episode_steps", str(max_episode_steps),
                                  "--eval_strategy", "steps", "--eval_steps", str(save), "--validation_ratio", "0.05",
                                  "--lr_scheduler_kwargs", json.dumps({"num_decay_steps": max(1, steps // 4),
                                                                       "min_lr_ratio": 0.1}), *rollouts])
@@ -146,9 +147,9 @@ def stage_lerobot(work: Path, budget_min: float, results: dict, batch: int = 32)
 
 
 def _evaluate(checkpoint: Path, episodes: int, max_steps: int, out: Path) -> dict:
+    # image size, episode limit and actions per chunk come from the checkpoint's deployment contract
     subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(checkpoint), "--env", "metaworld",
-                    "--task", ",".join(TASKS), "--episodes", str(episodes), "--image_size", str(IMAGE),
-                    "--max_episode_steps", str(max_steps), "--n_action_steps", "8", "--save_videos", "1",
+                    "--task", ",".join(TASKS), "--episodes", str(episodes), "--save_videos", "1",
                     "--output_dir", str(out)], check=True, cwd=REPO, stdout=subprocess.DEVNULL,
                    env=dict(os.environ, OMP_NUM_THREADS="1"))  # 30 ms a step; with 2 threads beside an env: 150
     saved = json.loads((out / "eval_result.json").read_text())

@@ -23,13 +23,14 @@ def run(config: Path, overrides: list[str], episodes: int, tag: str, n_action_st
     from .train import main as train_main
 
     start = time.perf_counter()
+    if n_action_steps is not None:  # trained into the checkpoint's deployment contract, which evaluation reads
+        overrides = [*overrides, "--n_action_steps", str(n_action_steps)]
     trainer = train_main([str(config), *overrides])
     train_seconds = time.perf_counter() - start
     output_dir = Path(trainer.args.output_dir)
     model = AutoModel.from_pretrained(output_dir)  # the saved checkpoint is a plain transformers model
     assert type(model).__name__ == "PI05ForConditionalGeneration"
-    result = evaluate_checkpoint(output_dir, episodes=episodes, output_dir=output_dir / "rollouts",
-                                 n_action_steps=n_action_steps)
+    result = evaluate_checkpoint(output_dir, episodes=episodes, output_dir=output_dir / "rollouts")
     summary = {"run": tag, "checkpoint": str(output_dir), "success_rate": result.success_rate,
                "episodes": result.episodes, "train_seconds": round(train_seconds, 1),
                "total_seconds": round(time.perf_counter() - start, 1), "videos": result.videos}

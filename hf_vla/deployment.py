@@ -165,6 +165,22 @@ def benchmark_of(root: str | os.PathLike, max_episode_steps: int | None = None) 
             "data_seeds": seeds, "fast_render": record.get("fast_render")}
 
 
+def _merge_benchmarks(first: dict | None, other: dict | None) -> dict | None:
+    """One head's benchmark over several recordings of one env (e.g. one dataset per Meta-World task): the tasks of
+    all, the seeds of all; recordings of different envs or image sizes keep the first's settings."""
+    if first is None or other is None or first.get("env") != other.get("env") or \
+            first.get("image_size") != other.get("image_size"):
+        return first or other
+    merged = dict(first)
+    if first.get("tasks") is not None or other.get("tasks") is not None:
+        merged["tasks"] = list(dict.fromkeys((first.get("tasks") or []) + (other.get("tasks") or [])))
+    seeds = [s for s in (first.get("data_seeds"), other.get("data_seeds")) if s]
+    merged["data_seeds"] = [min(s[0] for s in seeds), max(s[1] for s in seeds)] if seeds else None
+    steps = [s for s in (first.get("max_episode_steps"), other.get("max_episode_steps")) if s]
+    merged["max_episode_steps"] = max(steps) if steps else None
+    return merged
+
+
 def from_training(mixture, processor, config, policy: str, n_action_steps: int | None = None,
                   max_episode_steps: int | None = None, source: dict | None = None) -> DeploymentConfig:
     """The contract of a run: cameras, keys, dims and fps from each head's first dataset's metadata, the benchmark
@@ -173,8 +189,9 @@ def from_training(mixture, processor, config, policy: str, n_action_steps: int |
     for source_index, data in enumerate(mixture.sources):
         head_name = mixture.head_names[mixture.head_of_source[source_index]]
         entry = heads.get(head_name)
-        if entry is not None:
+        if entry is not None:  # another dataset of the head: its name, and its recording merged into the benchmark
             entry["datasets"].append(data.name)
+            entry["benchmark"] = _merge_benchmarks(entry["benchmark"], benchmark_of(data.root, max_episode_steps))
             continue
         features = data.meta.features
         heads[head_name] = {
