@@ -196,8 +196,6 @@ def evaluation_settings(contract, head: str | None, env_id: str | None, task: st
     same_env = bench.get("env") == env_id  # the benchmark settings apply to the env the data was recorded in
     recorded_tasks = ",".join(bench["tasks"]) if same_env and bench.get("tasks") else None
     settings["task"] = choose("task", task, recorded_tasks, None, overrides, equal=lambda a, b: True)
-    if env_id not in BENCHMARKS and settings["task"].value is not None and task is None:
-        settings["task"] = Setting(None, "default")
     recorded_size = (bench.get("image_size") if same_env else None) or square_size((spec or {}).get("cameras", []))
     takes_size = _env_takes(env_id, "image_size")
     if image_size is not None and not takes_size:
@@ -214,10 +212,8 @@ def evaluation_settings(contract, head: str | None, env_id: str | None, task: st
         twice = sorted({key for key in cameras if cameras.count(key) > 1})
         if twice:
             raise ConfigError(f"--cameras: {twice} given more than once; each camera fills one slot")
+    # other keys than the trained ones (another camera, another order, another count) contradict the checkpoint
     settings["cameras"] = choose("cameras", list(cameras) if cameras else None, trained, None, overrides)
-    if trained and settings["cameras"].source == "flag" and len(cameras) != len(trained):
-        raise ConfigError(f"--cameras {' '.join(cameras)}: {len(cameras)} camera(s), but the checkpoint was trained "
-                          f"with {len(trained)} ({' '.join(trained)}); pass --override cameras to run it anyway")
     settings["seed"] = choose("seed", seed, None, DEFAULT_SEED, overrides)
     data_seeds = bench.get("data_seeds") if same_env else None
     first = int(settings["seed"].value)

@@ -98,6 +98,8 @@ CONTRADICTIONS = [
     (["--max_episode_steps", "100"], "--max_episode_steps 100 contradicts the checkpoint, which was trained with "
                                      "max_episode_steps=30"),
     (["--cameras", "observation.image", "observation.image"], "--cameras: ['observation.image'] given more than once"),
+    (["--cameras", "observation.other"], "--cameras observation.other contradicts the checkpoint, which was trained "
+                                         "with cameras=observation.image"),
     (["--seed", "0"], "--seed 0: episodes 0..1 overlap the env seeds 0..3 the training data was recorded with"),
     (["--override", "nope"], "argument --override: invalid choice: 'nope'"),
 ]
