@@ -30,7 +30,6 @@ The file is plain JSON, versioned (`version`), readable without torch or hf_vla 
     with), `data_seeds` ([lowest, highest] env seed the recording tried: evaluation seeds must avoid them) and
     `fast_render`. None for other data.
 - `source`: what wrote it (`hf_vla.train`, `hf_vla.convert`, ...) and from what.
-- `overrides`: settings a user accepted against the contract when the checkpoint was written (informational).
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ class DeploymentConfig:
     heads: dict[str, dict]
     default_head: str | None = None
     source: dict = field(default_factory=dict)
-    overrides: dict = field(default_factory=dict)
     version: int = VERSION
 
     def __post_init__(self):
@@ -83,8 +81,7 @@ class DeploymentConfig:
         if version != VERSION:
             raise ValueError(f"{where}: deployment contract version {version!r}; this hf_vla reads version {VERSION} "
                              "(upgrade hf_vla, or rewrite the file)")
-        known = {"policy", "chunk_size", "n_action_steps", "image_size", "heads", "default_head", "source", "overrides",
-                 "version"}
+        known = {"policy", "chunk_size", "n_action_steps", "image_size", "heads", "default_head", "source", "version"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}")
