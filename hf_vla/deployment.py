@@ -35,6 +35,7 @@ The file is plain JSON, versioned (`version`), readable without torch or hf_vla 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -83,9 +84,13 @@ class DeploymentConfig:
                              "(upgrade hf_vla, or rewrite the file)")
         known = {"policy", "chunk_size", "n_action_steps", "image_size", "heads", "default_head", "source", "version"}
         unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {unknown}")
-        return cls(**data)
+        if unknown:  # fields a later hf_vla added within this version: read what this one knows
+            logging.getLogger("hf_vla.deployment").warning("%s: ignoring field(s) %s that this hf_vla does not know",
+                                                           where, unknown)
+        missing = sorted({"policy", "chunk_size", "n_action_steps", "image_size", "heads"} - set(data))
+        if missing:
+            raise ValueError(f"{where}: missing field(s) {missing}")
+        return cls(**{k: v for k, v in data.items() if k in known})
 
     def save(self, directory: str | os.PathLike) -> Path:
         path = Path(directory) / FILE_NAME

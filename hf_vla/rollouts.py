@@ -54,6 +54,12 @@ def check_rollout_args(args) -> None:
             raise ConfigError(f"rollout_env_kwargs={args.rollout_env_kwargs!r}: not a JSON object ({error})") from error
     if args.rollout_env_kwargs is not None and not isinstance(args.rollout_env_kwargs, dict):
         raise ConfigError(f"rollout_env_kwargs={args.rollout_env_kwargs!r}: must be an object of env arguments")
+    limit = (args.rollout_env_kwargs or {}).get("max_episode_steps")
+    if limit is not None and args.max_episode_steps is not None and limit != args.max_episode_steps:
+        # the snapshot's deployment contract holds max_episode_steps: a rollout with another limit would be refused
+        raise ConfigError(f"rollout_env_kwargs max_episode_steps={limit} contradicts max_episode_steps="
+                          f"{args.max_episode_steps} (the episode limit saved in the checkpoint's deployment contract); "
+                          "set one of them")
     from .evaluate import check_env
 
     check_env(args.rollout_env, args.rollout_tasks, "rollout_env=", "rollout_tasks=")

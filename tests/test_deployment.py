@@ -8,6 +8,7 @@ one line naming both values and the override. Batched evaluation gives every see
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -222,3 +223,22 @@ def test_batched_evaluation_of_a_checkpoint_equals_serial(trained, tmp_path):
     assert two.boundary_jump == pytest.approx(one.boundary_jump, abs=1e-5)
     assert two.interior_jerk == pytest.approx(one.interior_jerk, abs=1e-5)
     assert two.settings["num_envs"] == {"value": 2, "source": "flag"}
+
+
+def test_reading_a_contract_is_versioned_and_forward_compatible(tmp_path, caplog):
+    """A field added later within the same version is ignored with a warning (an older hf_vla still runs the
+    checkpoint); another version or a missing field is refused naming the file."""
+    from hf_vla import deployment
+
+    base = {"version": 1, "policy": "pi05", "chunk_size": 8, "n_action_steps": 4, "image_size": 32, "heads": {}}
+    (tmp_path / deployment.FILE_NAME).write_text(json.dumps(base | {"camera_rig": "later"}))
+    with caplog.at_level("WARNING", logger="hf_vla.deployment"):
+        assert deployment.read(tmp_path).n_action_steps == 4
+    assert "ignoring field(s) ['camera_rig']" in caplog.text
+    for data, message in ((base | {"version": 2}, "deployment contract version 2; this hf_vla reads version 1"),
+                          ({k: v for k, v in base.items() if k != "heads"}, "missing field(s) ['heads']"),
+                          (base | {"n_action_steps": 9}, "n_action_steps=9: must be 1..chunk_size (8)")):
+        (tmp_path / deployment.FILE_NAME).write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            deployment.read(tmp_path)
+    assert deployment.read(tmp_path / "nowhere") is None and deployment.read(REPO) is None

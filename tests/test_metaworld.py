@@ -57,8 +57,7 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
                 str(out), "--max_steps", "3", "--save_strategy", "no", "--validation_ratio", "0",
                 "--stream_open_blocks", "2", "--per_device_train_batch_size", "4", "--logging_steps", "1",
                 "--warmup_steps", "0", "--rollout_env", "metaworld", "--rollout_tasks", "reach", "--rollout_steps", "3",
-                "--rollout_episodes", "1", "--rollout_wait", "true", "--rollout_env_kwargs",
-                json.dumps({"image_size": IMAGE, "max_episode_steps": 12})])
+                "--rollout_episodes", "1", "--rollout_wait", "true", "--max_episode_steps", "12"])
     rollout = json.loads((out / "rollout_results.jsonl").read_text())  # rollouts during training, same harness
     assert rollout["step"] == 3 and set(rollout["metrics"]) == {"rollout/reach-v3/success", "rollout/success",
                                                                  "rollout/step"}

@@ -80,6 +80,8 @@ def test_asynchronous_rollout_is_awaited_at_the_end_and_a_failed_one_does_not_st
     (["--rollout_env", ENV, "--rollout_steps", "5", "--rollout_tasks", "reach"], "only a benchmark env"),
     (["--rollout_env", "libero", "--rollout_steps", "5", "--rollout_tasks", "libero_nope"], "'libero_nope' is not"),
     (["--rollout_env", "libero", "--rollout_steps", "5", "--rollout_tasks", "libero_goal/10"], "tasks 0..9"),
+    (["--rollout_env", ENV, "--rollout_steps", "5", "--max_episode_steps", "30", "--rollout_env_kwargs",
+      '{"max_episode_steps": 12}'], "rollout_env_kwargs max_episode_steps=12 contradicts max_episode_steps=30"),
 ])
 def test_rollout_arguments_are_checked_before_anything_runs(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
