@@ -276,6 +276,13 @@ def _show(value) -> str:
     return str(value)
 
 
+def refuse_repeated_cameras(flag: str, cameras: list[str] | None) -> None:
+    """Each camera fills one slot: a key given twice is refused by name."""
+    twice = sorted({key for key in cameras or () if cameras.count(key) > 1})
+    if twice:
+        raise ConfigError(f"{flag}: {twice} given more than once; each camera fills one slot")
+
+
 def square_size(cameras: list[dict]) -> int | None:
     """The common side of the recorded camera images when they are all square and of one size, else None."""
     sizes = {(c.get("height"), c.get("width")) for c in cameras if c.get("key") is not None}
@@ -287,4 +294,4 @@ def square_size(cameras: list[dict]) -> int | None:
 
 
 __all__ = ["ContractError", "DeploymentConfig", "FILE_NAME", "Setting", "VERSION", "benchmark_of", "choose",
-           "for_checkpoint", "from_lerobot", "from_training", "read", "square_size"]
+           "for_checkpoint", "from_lerobot", "from_training", "read", "refuse_repeated_cameras", "square_size"]

@@ -75,6 +75,7 @@ class _Slot:
     seed: int = 0
     task: str = ""
     observation: dict | None = None
+    pending_observation: dict | None = None  # with an inference delay: what the next chunk is predicted from
     queue: deque = field(default_factory=deque)  # actions to execute before the next policy call
     request: dict | None = None  # the next policy call: observation and RTC arguments (None: still executing)
     after_queue: str = "request"  # what follows the queue: "request", "delay" (execute the delay, then request)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .cli import ArgumentParser, model_source, output_dir, positive, run, websocket_uri
-from .deployment import FILE_NAME, ContractError
+from .deployment import FILE_NAME, ContractError, for_checkpoint, refuse_repeated_cameras
 from .errors import ConfigError, ConnectionFailedError
 from .models.pi05.rtc import RTCConfig
 from .policy import ObservationMap, RequestError, add_rtc_arguments, load_policy, rtc_config_from_args
@@ -208,10 +208,7 @@ def evaluation_settings(contract, head: str | None, env_id: str | None, task: st
     settings["n_action_steps"] = choose("n_action_steps", n_action_steps, contract.n_action_steps if contract else None,
                                         default_steps, overrides)
     trained = [c["key"] for c in (spec or {}).get("cameras", []) if c.get("key") is not None] or None
-    if cameras:
-        twice = sorted({key for key in cameras if cameras.count(key) > 1})
-        if twice:
-            raise ConfigError(f"--cameras: {twice} given more than once; each camera fills one slot")
+    refuse_repeated_cameras("--cameras", cameras)
     # other keys than the trained ones (another camera, another order, another count) contradict the checkpoint
     settings["cameras"] = choose("cameras", list(cameras) if cameras else None, trained, None, overrides)
     settings["seed"] = choose("seed", seed, None, DEFAULT_SEED, overrides)
@@ -242,12 +239,6 @@ def head_spec(contract, head: str | None) -> dict | None:
         raise ConfigError(f"--head {head!r}: the checkpoint has the heads {sorted(contract.heads)}") from None
 
 
-def _contract(checkpoint, revision):
-    from .deployment import for_checkpoint
-
-    return for_checkpoint(checkpoint, revision)
-
-
 def _make_envs(env_id: str, task: str | None, num_envs: int, env_kwargs: dict, max_episode_steps: int | None):
     """`num_envs` envs of `env_id` (a benchmark task, or a gymnasium id): one gymnasium env in this process, else
     each in a worker process (hf_vla.envs.worker)."""
@@ -255,10 +246,9 @@ def _make_envs(env_id: str, task: str | None, num_envs: int, env_kwargs: dict, m
 
     from .envs.worker import InWorker, make_gym
 
-    if env_id in BENCHMARKS:
-        kwargs = dict(env_kwargs) | ({"max_episode_steps": max_episode_steps} if max_episode_steps else {})
-        return [_benchmark_module(env_id).in_worker(task, **kwargs) for _ in range(num_envs)]
     kwargs = dict(env_kwargs) | ({"max_episode_steps": max_episode_steps} if max_episode_steps else {})
+    if env_id in BENCHMARKS:
+        return [_benchmark_module(env_id).in_worker(task, **kwargs) for _ in range(num_envs)]
     try:
         if num_envs == 1:
             return [make_gym(env_id, **kwargs)]
@@ -313,7 +303,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
         contract = DeploymentConfig.from_dict(contract, f"{server} metadata") if contract else None
         chunk_size = int(remote.metadata.get("chunk_size", 0)) or None
     else:
-        contract = _contract(checkpoint, revision)
+        contract = for_checkpoint(checkpoint, revision)
         chunk_size = contract.chunk_size if contract else None
     settings = evaluation_settings(contract, head, env_id, task, episodes, n_action_steps, seed, cameras,
                                    flags["image_size"], flags["max_episode_steps"], overrides, chunk_size)
@@ -455,9 +445,7 @@ def check_cameras(flag: str, cameras: list[str] | None, available: list[str]) ->
     """`cameras` (camera-slot order) name distinct image keys the env has; one line naming the culprit otherwise."""
     if not cameras:
         return
-    twice = sorted({key for key in cameras if cameras.count(key) > 1})
-    if twice:
-        raise ConfigError(f"{flag}: {twice} given more than once; each camera fills one slot")
+    refuse_repeated_cameras(flag, cameras)
     unknown = [key for key in cameras if key not in available]
     if unknown:
         raise ConfigError(f"{flag}: {unknown} {'is not an image' if len(unknown) == 1 else 'are not images'} of the "
@@ -542,7 +530,7 @@ def main(argv=None):
         check_cameras("--cameras", args.cameras, env_camera_keys(args.env))
     env = args.env
     if env is None and checkpoint is not None:
-        env = (head_spec(_contract(checkpoint, args.revision), args.head) or {}).get("benchmark", {}) or {}
+        env = (head_spec(for_checkpoint(checkpoint, args.revision), args.head) or {}).get("benchmark", {}) or {}
         env = env.get("env") if isinstance(env, dict) else None
     if "OMP_NUM_THREADS" not in os.environ and (env in BENCHMARKS or (args.num_envs or 1) > 1):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # leave a core to the env workers

@@ -533,7 +533,7 @@ def _contract_cameras(parser, checkpoint, args, obs_map: ObservationMap):
     """The checkpoint's deployment contract and the camera slots to serve: the contract's camera keys unless
     --cameras (or --obs_map) names the client's keys, which must be as many, once each; --num_camera_slots must
     agree with it. A contradiction is refused unless --override names it."""
-    from .deployment import ContractError, choose, for_checkpoint
+    from .deployment import ContractError, choose, for_checkpoint, refuse_repeated_cameras
 
     contract = for_checkpoint(checkpoint, args.revision)
     spec = None
@@ -542,10 +542,7 @@ def _contract_cameras(parser, checkpoint, args, obs_map: ObservationMap):
 
         spec = head_spec(contract, args.head)
     cameras = obs_map.cameras
-    if cameras:
-        twice = sorted({key for key in cameras if cameras.count(key) > 1})
-        if twice:
-            parser.error(f"--cameras: {twice} given more than once; each camera fills one slot")
+    refuse_repeated_cameras("--cameras", cameras)
     trained = [c["key"] for c in spec["cameras"]] if spec else None
     if trained and cameras and len(cameras) != len(trained) and "cameras" not in args.override:
         raise ContractError(f"--cameras {' '.join(cameras)}: {len(cameras)} camera(s), but the checkpoint was trained "
