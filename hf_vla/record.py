@@ -11,13 +11,20 @@ descriptions `lerobot-eval` sees), each task in its own worker process; its expe
 counted and reported); episode seeds are `--seed`, `--seed`+1, ... per task (evaluate on other seeds: `hf_vla.evaluate`
 starts at 10,000).
 
-Atomic: the dataset is written into a hidden directory beside `--output` and renamed into place when complete, with
-`meta/hf_vla_record.json` (what was recorded, episodes kept and rejected per task): a killed recording leaves no
-directory that looks like a dataset. An existing `--output` is refused (or replaced with `--overwrite`).
+Atomic and resumable: each task is recorded into its own part in `.<output name>.recording/` beside `--output`, the
+parts are joined (lerobot's `aggregate_datasets`) and renamed into place when all are done, with
+`meta/hf_vla_record.json` (what was recorded; episodes kept and rejected, seeds tried and seconds per task; the
+`shortfall` of tasks whose expert missed `--episodes` successes within `--max_tries`). A killed recording leaves no
+directory that looks like a dataset; the same command run again continues from the first task not done (other
+settings are refused while an interrupted recording waits; `--overwrite` starts over). An existing `--output` is
+refused (or replaced with `--overwrite`).
+
+    python -m hf_vla.record --env metaworld --task mt50 --episodes 50 --output data/mt50 --image_size 224  # ~2.5 h
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -37,6 +44,7 @@ from .errors import ConfigError
 logger = logging.getLogger("hf_vla.record")
 ENVS = ("metaworld", "color_reach")
 RECORD_MARKER = "hf_vla_record.json"
+PART_MARKER = "hf_vla_record_part.json"  # a recorded task in the staging directory: done
 # (image key, state key, action key) of the recorded datasets: lerobot's Meta-World names, also the demo's
 CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
 
@@ -48,6 +56,7 @@ class RecordResult:
     tasks: dict[str, dict] = field(default_factory=dict)  # task name -> {"kept", "rejected", "description"}
     frames: int = 0
     seconds: float = 0.0
+    shortfall: dict[str, int] = field(default_factory=dict)  # task name -> episodes missing after --max_tries
 
 
 def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, only_successful: bool = True,
@@ -111,10 +120,21 @@ class _ColorReachWithExpert:
         return expert_action(self.env, self.rng)
 
 
+def _part_stats(part: Path) -> dict | None:
+    marker = part / PART_MARKER
+    return json.loads(marker.read_text()) if marker.exists() else None
+
+
 def record(env: str, output: str | Path, episodes: int, tasks: str | None = None, image_size: int | None = None,
            seed: int = 0, max_episode_steps: int | None = None, overwrite: bool = False, progress: bool = True,
-           seeds: Callable[[int], Iterator[int]] | None = None, env_kwargs: dict | None = None) -> RecordResult:
-    """Record `episodes` successful expert episodes per task into a new LeRobot dataset at `output` (atomic)."""
+           seeds: Callable[[int], Iterator[int]] | None = None, env_kwargs: dict | None = None,
+           max_tries: int | None = None) -> RecordResult:
+    """Record `episodes` successful expert episodes per task into a new LeRobot dataset at `output`.
+
+    Each task is recorded into its own part under `.<output name>.recording/` beside `output` and marked done when
+    complete; the parts are joined with lerobot's `aggregate_datasets` and the result renamed into place. Killed and
+    rerun with the same arguments, the recording continues from the first task not done. A task gets at most
+    `max_tries` episodes (default 3 x episodes + 10); a shortfall is reported in the result, not hidden."""
     from .data.writer import write_lerobot_dataset
 
     if env not in ENVS:
@@ -122,6 +142,10 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     positive("episodes", episodes)
     positive("image_size", image_size)
     positive("max_episode_steps", max_episode_steps)
+    positive("max_tries", max_tries)
+    max_tries = max_tries or 3 * episodes + 10
+    if max_tries < episodes:
+        raise ConfigError(f"--max_tries {max_tries} is below --episodes {episodes}: a task could never be complete")
     output = Path(output)
     if output.exists() and not (output.is_dir() and not any(output.iterdir())) and not overwrite:
         raise ConfigError(f"output {str(output)!r} exists: choose a new directory, or pass --overwrite to replace it")
@@ -154,71 +178,148 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         fps, state_dim, action_dim, robot_type, size = probe.metadata["render_fps"], 2, 2, ROBOT_TYPE, probe.image_size
         default_steps = probe.max_steps
     seeds = seeds or (lambda first: iter(range(first, first + 10**9)))
-    used_seeds: list[int] = []  # every env seed an episode was tried with: evaluation must stay off them
+    plan = {"env": env, "tasks": names, "episodes_per_task": episodes, "image_size": size, "seed": seed,
+            "max_episode_steps": max_episode_steps or default_steps, "max_tries": max_tries,
+            "env_kwargs": {k: v for k, v in kwargs.items() if k not in ("image_size", "max_steps")}}
 
-    def tried(first):
-        for value in seeds(first):
-            used_seeds.append(int(value))
-            yield value
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.recording"
+    plan_file = staging / "plan.json"
+    if staging.exists():
+        previous = json.loads(plan_file.read_text()) if plan_file.exists() else None
+        if previous != plan and not overwrite:
+            raise ConfigError(
+                f"{staging} holds an interrupted recording with other settings ({_plan_difference(previous, plan)}): "
+                "rerun with its settings to continue it, or pass --overwrite to start over")
+        if previous != plan:
+            shutil.rmtree(staging)
+    parts = staging / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    plan_file.write_text(json.dumps(plan, indent=2))
+    for leftover in parts.glob("*.partial"):  # a task killed mid-way: recorded again from its first seed
+        shutil.rmtree(leftover)
 
     result = RecordResult(str(output), env)
     started = time.perf_counter()
-    bar = tqdm(total=episodes * len(names), desc=f"recording {env}", unit="ep", disable=not progress)
-
-    def all_episodes():
+    done = {name: _part_stats(parts / name) for name in names}
+    resumed = [name for name, stats in done.items() if stats is not None]
+    if resumed:
+        logger.info("continuing the recording in %s: %d of %d tasks already done", staging, len(resumed), len(names))
+    bar = tqdm(total=episodes * len(names), desc=f"recording {env}", unit="ep", disable=not progress,
+               initial=sum(done[name]["kept"] for name in resumed))
+    try:
         for name in names:
+            if done[name] is not None:
+                continue
             live = make[name]()
-            stats = result.tasks.setdefault(name, {"description": getattr(live, "task", name)})
+            used_seeds: list[int] = []  # every env seed an episode was tried with: evaluation must stay off them
+
+            def tried(first, used_seeds=used_seeds):
+                for value in seeds(first):
+                    used_seeds.append(int(value))
+                    yield value
+
+            stats = {"description": getattr(live, "task", name)}
+            frames_count = [0]
+            task_started = time.perf_counter()
+
+            def task_episodes(live=live, stats=stats, used_seeds=used_seeds, frames_count=frames_count):
+                for frames in expert_episodes(live, episodes, tried(seed), max_attempts=max_tries, stats=stats,
+                                              bar=bar):
+                    frames_count[0] += len(frames)
+                    yield frames
+
+            partial = parts / f"{name}.partial"
             try:
                 bar.set_description(f"recording {name}")
-                for frames in expert_episodes(live, episodes, tried(seed), max_attempts=3 * episodes + 10,
-                                              stats=stats, bar=bar):
-                    result.frames += len(frames)
-                    yield frames
+                episodes_iter = task_episodes()
+                first = next(episodes_iter, None)
+                if first is not None:
+                    write_lerobot_dataset(
+                        partial / "dataset", itertools.chain([first], episodes_iter), fps=fps,
+                        cameras={CAMERA: (size, size)}, state_dim=state_dim, action_dim=action_dim,
+                        robot_type=robot_type, state_key=STATE, action_key=ACTION, repo_id=f"local/{name}",
+                        # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env
+                        # renders.
+                        pix_fmt="yuv444p", crf=0)
+                else:
+                    partial.mkdir(parents=True, exist_ok=True)
             finally:
                 if hasattr(live, "close"):
                     live.close()
             if stats["kept"] < episodes:
-                logger.warning("%s: only %d of %d episodes succeeded in %d attempts", name, stats["kept"], episodes,
-                               stats["kept"] + stats["rejected"])
-
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.recording-", dir=output.parent))
-    try:
-        dataset = staging / "dataset"
-        # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env renders.
-        write_lerobot_dataset(dataset, all_episodes(), fps=fps, cameras={CAMERA: (size, size)}, state_dim=state_dim,
-                              action_dim=action_dim, robot_type=robot_type, state_key=STATE, action_key=ACTION,
-                              repo_id=f"local/{output.name}", pix_fmt="yuv444p", crf=0)
-        result.seconds = round(time.perf_counter() - started, 1)
-        (dataset / "meta" / RECORD_MARKER).write_text(json.dumps(
-            asdict(result) | {"seed": seed, "image_size": size, "episodes_per_task": episodes,
-                              "max_episode_steps": max_episode_steps or default_steps, "fast_render": env == "metaworld",
-                              "env_kwargs": {k: v for k, v in kwargs.items() if k not in ("image_size", "max_steps")},
-                              "data_seeds": [min(used_seeds, default=seed), max(used_seeds, default=seed)]},
-            indent=2))
-        if output.exists():
-            os.replace(output, staging / "previous")
-        os.replace(dataset, output)
+                logger.warning("%s: only %d of %d episodes succeeded in %d tries (--max_tries %d)", name,
+                               stats["kept"], episodes, stats["kept"] + stats["rejected"], max_tries)
+            stats |= {"frames": frames_count[0], "seeds": [min(used_seeds, default=seed), max(used_seeds, default=seed)],
+                      "seconds": round(time.perf_counter() - task_started, 1)}
+            (partial / PART_MARKER).write_text(json.dumps(stats, indent=2))
+            os.replace(partial, parts / name)  # the task is done: a rerun skips it
+            done[name] = stats
     finally:
         bar.close()
-        shutil.rmtree(staging, ignore_errors=True)
+
+    for name in names:
+        stats = dict(done[name])
+        result.frames += stats.pop("frames")
+        result.tasks[name] = stats
+    recorded = [parts / name / "dataset" for name in names if (parts / name / "dataset").exists()]
+    if not recorded:
+        raise ConfigError(f"no successful expert episode in {sum(s['rejected'] for s in result.tasks.values())} tries "
+                          f"of {names}: nothing to write ({staging} is kept; --overwrite starts over)")
+    dataset = staging / "dataset"
+    shutil.rmtree(dataset, ignore_errors=True)
+    if len(recorded) == 1:
+        shutil.copytree(recorded[0], dataset)
+    else:
+        from lerobot.datasets.aggregate import aggregate_datasets
+
+        logger.info("joining %d tasks into one dataset", len(recorded))
+        aggregate_datasets([f"local/{p.parent.name}" for p in recorded], f"local/{output.name}", roots=recorded,
+                           aggr_root=dataset)
+    result.seconds = round(time.perf_counter() - started + sum(s.get("seconds", 0) for n, s in result.tasks.items()
+                                                                if n in resumed), 1)
+    all_seeds = [s["seeds"] for s in result.tasks.values()]
+    shortfall = {n: episodes - s["kept"] for n, s in result.tasks.items() if s["kept"] < episodes}
+    (dataset / "meta" / RECORD_MARKER).write_text(json.dumps(
+        asdict(result) | {"seed": seed, "image_size": size, "episodes_per_task": episodes,
+                          "max_episode_steps": plan["max_episode_steps"], "max_tries": max_tries,
+                          "fast_render": env == "metaworld", "env_kwargs": plan["env_kwargs"],
+                          "shortfall": shortfall,
+                          "data_seeds": [min(s[0] for s in all_seeds), max(s[1] for s in all_seeds)]},
+        indent=2))
+    if output.exists():
+        os.replace(output, staging / "previous")
+    os.replace(dataset, output)
+    shutil.rmtree(staging, ignore_errors=True)
+    result.shortfall = shortfall
     total = sum(t["kept"] for t in result.tasks.values())
     logger.info("recorded %d episodes (%d frames; %d rejected) into %s in %.0f s", total, result.frames,
                 sum(t["rejected"] for t in result.tasks.values()), output, result.seconds)
+    if shortfall:
+        logger.warning("%d task(s) short of %d episodes: %s", len(shortfall), episodes,
+                       ", ".join(f"{n} ({episodes - k} of {episodes} kept)" for n, k in shortfall.items()))
     return result
+
+
+def _plan_difference(previous: dict | None, plan: dict) -> str:
+    if previous is None:
+        return "no plan.json"
+    keys = [k for k in plan if previous.get(k) != plan[k]]
+    return ", ".join(f"{k}: {previous.get(k)!r} there, {plan[k]!r} now" for k in keys)[:300]
 
 
 def main(argv=None):
     parser = ArgumentParser(prog="python -m hf_vla.record", description=__doc__.split("\n")[0])
     parser.add_argument("--env", required=True, choices=ENVS)
-    parser.add_argument("--task", default=None, help="Meta-World: task names (comma-separated, -v3 optional) or a "
-                        "difficulty group: easy, medium, hard, very_hard")
+    parser.add_argument("--task", default=None, help="Meta-World: task names (comma-separated, -v3 optional), a "
+                        "difficulty group (easy, medium, hard, very_hard), or mt50 / all (the 50 tasks)")
     parser.add_argument("--episodes", type=int, required=True, help="successful episodes per task")
     parser.add_argument("--output", required=True, help="the dataset directory to create")
     parser.add_argument("--image_size", type=int, default=None, help="square image side (Meta-World default 128)")
     parser.add_argument("--seed", type=int, default=0, help="first episode seed of each task")
     parser.add_argument("--max_episode_steps", type=int, default=None)
+    parser.add_argument("--max_tries", type=int, default=None, help="expert episodes tried per task before its "
+                        "shortfall is reported (default 3 x --episodes + 10)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output once the new one is "
                         "complete")
     args = parser.parse_args(argv)
@@ -226,7 +327,8 @@ def main(argv=None):
 
     setup_logging()
     result = record(args.env, args.output, args.episodes, tasks=args.task, image_size=args.image_size,
-                    seed=args.seed, max_episode_steps=args.max_episode_steps, overwrite=args.overwrite)
+                    seed=args.seed, max_episode_steps=args.max_episode_steps, overwrite=args.overwrite,
+                    max_tries=args.max_tries)
     print(json.dumps(asdict(result), indent=2))
     return result
 

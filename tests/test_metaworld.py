@@ -125,3 +125,52 @@ def test_metaworld_errors(recorded, tmp_path, tiny_tokenizer):
                      "--episodes", "1")
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and "Meta-World reach-v3 has 4 action dims but the checkpoint's head" in last, last
+
+
+def test_a_killed_multi_task_recording_continues_where_it_stopped(tmp_path, caplog):
+    """`--task mt50` is hours here: each task is a part marked done; a rerun skips the done parts, the joined dataset
+    has every task, a task whose expert misses the count within --max_tries is reported as a shortfall, and an
+    interrupted recording with other settings is refused rather than mixed."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    from hf_vla.errors import ConfigError
+    from hf_vla.record import record
+
+    out, calls = tmp_path / "two", []
+
+    def dies_on_second_task(first):
+        calls.append(first)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # killed while the second task records
+        return iter(range(first, first + 100))
+
+    with pytest.raises(KeyboardInterrupt):
+        record("metaworld", out, episodes=1, tasks="reach,button-press-topdown", image_size=32, progress=False,
+               seeds=dies_on_second_task)
+    assert not out.exists() and (tmp_path / ".two.recording" / "parts" / "reach-v3").is_dir()
+    with pytest.raises(ConfigError, match=r"interrupted recording with other settings \(episodes_per_task: 1 there"):
+        record("metaworld", out, episodes=2, tasks="reach,button-press-topdown", image_size=32, progress=False)
+
+    def counted(first):
+        calls.append(first)
+        return iter(range(first, first + 100))
+
+    calls.clear()
+    with caplog.at_level("INFO", logger="hf_vla.record"):
+        result = record("metaworld", out, episodes=1, tasks="reach,button-press-topdown", image_size=32,
+                        progress=False, seeds=counted)
+    assert len(calls) == 1  # only the second task was recorded again
+    assert "1 of 2 tasks already done" in caplog.text
+    assert set(result.tasks) == {"reach-v3", "button-press-topdown-v3"} and result.shortfall == {}
+    dataset = LeRobotDataset("local/two", root=out)
+    assert dataset.num_episodes == 2 and set(dataset.meta.tasks.index) == {
+        "Reach a goal position", "Press a button from the top"}
+    assert not (tmp_path / ".two.recording").exists()
+    marker = json.loads((out / "meta" / "hf_vla_record.json").read_text())
+    assert marker["tasks"]["reach-v3"]["kept"] == 1 and marker["data_seeds"][0] == 0
+
+    # fewer tries than episodes (here: the seeds run out after one): the shortfall is in the result and the marker
+    short = record("metaworld", tmp_path / "short", episodes=3, tasks="reach", image_size=32, progress=False,
+                   seeds=lambda first: iter([first]))
+    assert short.shortfall == {"reach-v3": 2}
+    assert json.loads((tmp_path / "short" / "meta" / "hf_vla_record.json").read_text())["shortfall"] == {"reach-v3": 2}

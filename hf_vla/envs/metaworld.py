@@ -60,13 +60,20 @@ def _no_renderer(error: BaseException) -> ConfigError:
                        f"{library} (apt-get install {library.replace(' and ', ' ')}), or set MUJOCO_GL=egl")
 
 
+GROUPS = ("easy", "medium", "hard", "very_hard")  # lerobot's difficulty groups, the published MT50 breakdown
+MT50 = ("mt50", "all")
+
+
 def task_names(spec: str) -> list[str]:
-    """`reach-v3,push-v3`, a difficulty group (`easy`, `medium`, `hard`, `very_hard`) or a mix -> task names.
-    A name may leave out `-v3`."""
+    """`reach-v3,push-v3`, a difficulty group (`easy`, `medium`, `hard`, `very_hard`), `mt50` / `all` (the 50 tasks,
+    group by group) or a mix -> task names. A name may leave out `-v3`."""
     module = _lerobot_metaworld()
     names: list[str] = []
     for part in (p.strip() for p in str(spec).split(",")):
         if not part:
+            continue
+        if part.lower() in MT50:
+            names += [name for group in GROUPS for name in module.DIFFICULTY_TO_TASKS[group]]
             continue
         if part in module.DIFFICULTY_TO_TASKS:
             names += module.DIFFICULTY_TO_TASKS[part]
@@ -75,11 +82,17 @@ def task_names(spec: str) -> list[str]:
         if name not in module.TASK_DESCRIPTIONS:
             known = sorted(module.TASK_DESCRIPTIONS)
             raise ConfigError(f"Meta-World task {part!r} is not known; choose from {len(known)} tasks such as "
-                              f"{known[:4]} or a group {sorted(module.DIFFICULTY_TO_TASKS)}")
+                              f"{known[:4]}, a group {sorted(module.DIFFICULTY_TO_TASKS)} or mt50")
         names.append(name)
     if not names:
         raise ConfigError(f"no Meta-World task in {spec!r}")
     return list(dict.fromkeys(names))
+
+
+def task_group(name: str) -> str:
+    """The difficulty group of a task (lerobot's grouping)."""
+    groups = _lerobot_metaworld().DIFFICULTY_TO_TASKS
+    return next(group for group in GROUPS if name in groups[group])
 
 
 def task_description(name: str) -> str:
@@ -173,5 +186,5 @@ def in_worker(task: str, **kwargs) -> InWorker:
     return InWorker(functools.partial(MetaWorldEnv, task=task, **kwargs), name=f"Meta-World {task}")
 
 
-__all__ = ["ACTION", "CAMERA", "FPS", "InWorker", "MetaWorldEnv", "ROBOT_TYPE", "STATE", "in_worker", "task_description",
-           "task_names"]
+__all__ = ["ACTION", "CAMERA", "FPS", "GROUPS", "InWorker", "MetaWorldEnv", "MT50", "ROBOT_TYPE", "STATE", "in_worker",
+           "task_description", "task_group", "task_names"]
