@@ -56,6 +56,7 @@ def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, t
         targets = lora.target_modules
         lora_text = f"rank {lora.r}, alpha {lora.lora_alpha}, " + (
             f"{len(targets)} linear layers" if isinstance(targets, list | set) else f"targets `{targets}`")
+    lora_base = getattr(lora, "base_model_name_or_path", None) if lora is not None else None
     first = datasets[0] if datasets else {}
     return ModelCard.from_template(
         card_data, template_path=str(MODEL_CARD_TEMPLATE), model_name=model_name,
@@ -64,9 +65,22 @@ def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, t
         example_task=first.get("example_task", "..."), example_head=first.get("head", "..."),
         datasets=[{k: d.get(k) for k in ("name", "source", "weight", "head", "cameras")} for d in datasets],
         eval_rows=eval_rows, eval_loss=fmt(metrics["eval_loss"]) if "eval_loss" in metrics else None,
-        mixture_mse=fmt(metrics.get("eval_mixture_mse")), training_args=list((training_args or {}).items()),
-        lora=lora_text, rollout_rows=rollout_rows, rollouts=rollouts, weights=weights,
+        mixture_mse=fmt(metrics.get("eval_mixture_mse")),
+        training_args=[(key, _arg(value)) for key, value in (training_args or {}).items()],
+        lora=lora_text, lora_base=lora_base, rollout_rows=rollout_rows, rollouts=rollouts, weights=weights,
     )
+
+
+def _arg(value):
+    """A training argument as a user writes it: `warmup_stable_decay`, not `SchedulerType.WARMUP_STABLE_DECAY`;
+    `3000`, not `3000.0`."""
+    from enum import Enum
+
+    if isinstance(value, Enum):
+        value = value.value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value
 
 
 __all__ = ["MODEL_CARD_TEMPLATE", "model_card"]

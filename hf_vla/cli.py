@@ -67,8 +67,12 @@ def model_source(flag: str, value: str) -> str:
     if path.exists():
         if not path.is_dir():
             raise ConfigError(f"{flag} {value!r}: is a file, not a checkpoint directory")
+        if (path / "adapter_config.json").is_file():
+            return str(path)  # LoRA adapters: merged with their base when loaded (hf_vla.hub.merged_adapter)
         if not (path / "config.json").is_file():
-            raise ConfigError(f"{flag} {value!r}: not a checkpoint directory (it has no config.json)")
+            inner = sorted(p.name for p in path.iterdir() if (p / "config.json").is_file())
+            hint = f"; it holds {inner[-1]}/, a checkpoint" if inner else ""
+            raise ConfigError(f"{flag} {value!r}: not a checkpoint directory (it has no config.json){hint}")
         return str(path)
     if value.startswith((".", "/", "~")) or not HUB_ID.match(value):
         raise ConfigError(f"{flag} {value!r}: no such directory")

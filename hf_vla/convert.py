@@ -5,6 +5,11 @@
 
 reads `config.json` + `model.safetensors` (+ lerobot's normalizer state, when present) and writes a directory that
 `AutoModel.from_pretrained` / `AutoProcessor.from_pretrained` load: weights, config, processor with normalization stats.
+
+    python -m hf_vla.convert --input outputs/lora_run/checkpoint-500 --output merged_dir
+
+merges the LoRA adapters of a checkpoint of a LoRA run with their base model (the run's output directory already holds
+the merged model). A Hub id needs no conversion (train / evaluate / serve convert lerobot checkpoints on load).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .cli import ArgumentParser, run
+from .cli import HUB_ID, ArgumentParser, run
 from .errors import ConfigError, DataError, MissingFileError
 from .validation import check_writable_dir
 
@@ -359,7 +364,8 @@ def convert_checkpoint(
 def main(argv=None):
     """The command; raises `hf_vla.errors.VLAError` for bad arguments (`cli` prints them as one line)."""
     parser = ArgumentParser(prog="python -m hf_vla.convert", description=__doc__.split("\n")[0])
-    parser.add_argument("--input", required=True, help="lerobot checkpoint directory (config.json + model.safetensors)")
+    parser.add_argument("--input", required=True, help="lerobot checkpoint directory (config.json + model.safetensors), "
+                        "or LoRA adapters (a checkpoint of a LoRA run): merged with their base")
     parser.add_argument("--output", required=True, help="directory to write (new, or replaced with --overwrite); never "
                         "the input or a directory inside or around it")
     parser.add_argument("--tokenizer", default="google/paligemma-3b-pt-224", help="tokenizer id or local path")
@@ -368,8 +374,24 @@ def main(argv=None):
                         "is complete)")
     args = parser.parse_args(argv)
     source = Path(args.input)
+    if not source.exists() and HUB_ID.match(args.input) and args.input.count("/") == 1:
+        raise ConfigError(f"--input {args.input!r}: convert reads a local directory; a Hub id needs no conversion "
+                          "step: pass it to train (--model_name_or_path), evaluate or serve (--checkpoint), which "
+                          "convert a lerobot checkpoint on load, or call hf_vla.resolve_pretrained(id) for the path")
     if not source.is_dir():
         raise ConfigError(f"--input {args.input!r}: {'is a file, not' if source.exists() else 'no such'} directory")
+    if (source / "adapter_config.json").is_file() and not (source / "config.json").is_file():
+        return _merge_adapter(source, Path(args.output), args.overwrite)
+    config_file = source / "config.json"
+    if config_file.is_file():
+        try:
+            model_type = json.loads(config_file.read_text()).get("model_type")
+        except (json.JSONDecodeError, AttributeError):
+            model_type = None
+        if model_type:
+            raise ConfigError(f"--input {args.input!r}: already a transformers checkpoint (model_type {model_type!r}), "
+                              "nothing to convert: load it with AutoModel.from_pretrained, or pass it to evaluate / "
+                              "serve --checkpoint as it is")
     missing = [name for name in ("config.json", "model.safetensors") if not (source / name).is_file()]
     if missing:
         raise ConfigError(f"--input {args.input!r}: not a lerobot checkpoint directory (no {' or '.join(missing)})")
@@ -380,6 +402,23 @@ def main(argv=None):
     setup_logging()
     return convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer, head=args.head,
                               overwrite=args.overwrite)
+
+
+def _merge_adapter(source: Path, output: Path, overwrite: bool) -> Path:
+    """`--input` holds LoRA adapters (a checkpoint of a LoRA run): write the merged model to `--output`."""
+    from .hub import merged_adapter
+
+    if output.exists() and any(output.iterdir()) and not overwrite:
+        raise ConfigError(f"--output {str(output)!r} exists: choose a new directory, or pass --overwrite")
+    merged = Path(merged_adapter(source, label="--input"))
+    staging = output.parent / f".{output.name}.merging"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(merged, staging)
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(staging, output)
+    logger.info("merged the LoRA adapters of %s with their base into %s", source, output)
+    return output
 
 
 def cli(argv=None):

@@ -119,6 +119,8 @@ def resolve_pretrained(name_or_path: str | os.PathLike, revision: str | None = N
     """
     source = str(name_or_path)
     path = Path(source).expanduser()
+    if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        return merged_adapter(path, revision=revision, label=label)
     if path.is_dir():
         config_file = path / "config.json"
         try:
@@ -146,6 +148,75 @@ def resolve_pretrained(name_or_path: str | os.PathLike, revision: str | None = N
                               allow_patterns=LEROBOT_FILES))
     commit = snapshot.name  # the snapshot folder is named by the commit it holds
     return _converted(snapshot, f"{source.replace('/', '--')}--{commit}", tokenizer, source)
+
+
+# files of a LoRA checkpoint that are not the processor's: left out of its merged copy
+_TRAINING_FILES = ("adapter_", "optimizer", "scheduler", "rng_state", "training_args", "trainer_state", "ema_", "README",
+                   "stream_state", "hf_vla_checkpoint")
+
+
+def merged_adapter(directory: str | os.PathLike, revision: str | None = None, label: str | None = None) -> str:
+    """A LoRA adapter directory (a `checkpoint-N` of a LoRA run, or the `adapter/` of its output) merged with its base
+    (`base_model_name_or_path` of adapter_config.json, itself resolved: a Hub id, a lerobot checkpoint, a local
+    directory), once, into `cache_dir()/merged/`; the processor files come from the adapter's directory (the
+    Trainer saves them beside the adapters), else from its parent or the base. Returns the merged copy's path."""
+    directory = Path(directory).expanduser()
+    what = f"{label + '=' if label else ''}{str(directory)!r}"
+    try:
+        adapter_config = json.loads((directory / "adapter_config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{what}: adapter_config.json is not valid JSON ({error})") from error
+    base = adapter_config.get("base_model_name_or_path")
+    weights = next((directory / n for n in ("adapter_model.safetensors", "adapter_model.bin")
+                    if (directory / n).is_file()), None)
+    if weights is None:
+        raise ConfigError(f"{what}: a LoRA adapter directory without adapter_model.safetensors")
+    stat = weights.stat()
+    digest = hashlib.sha256((directory / "adapter_config.json").read_bytes())
+    digest.update(f"{stat.st_size}:{stat.st_mtime_ns}:{directory.resolve()}".encode())
+    target = cache_dir() / "merged" / f"{directory.resolve().name}--{digest.hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        logger.info("%s: LoRA adapters, using their merged copy %s", directory, target)
+        return str(target)
+    if not base:
+        raise ConfigError(f"{what}: LoRA adapters whose adapter_config.json names no base model "
+                          "(base_model_name_or_path); load them onto their base with peft yourself")
+    base_path = Path(base).expanduser()
+    if not base_path.is_dir() and (base.startswith((".", "/", "~")) or not HUB_ID.match(base)):
+        raise ConfigError(f"{what}: LoRA adapters on the base model {base!r} (adapter_config.json "
+                          "base_model_name_or_path), which no longer exists: a run trained from a freshly built model "
+                          "has no base to load; use its output directory (the merged model) instead")
+    resolved = resolve_pretrained(base, label=f"{what}'s base model")
+    logger.info("%s: LoRA adapters; merging them into their base %s once, into %s", directory, base, target)
+    import shutil
+    import tempfile
+
+    from peft import PeftModel
+    from transformers import AutoModel
+
+    import hf_vla  # noqa: F401  (registers pi05)
+
+    try:
+        model = AutoModel.from_pretrained(resolved)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{what}: its base model {base!r} could not be loaded: "
+                          f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}"
+                          ) from error
+    merged = PeftModel.from_pretrained(model, directory).merge_and_unload()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        merged.save_pretrained(staging)
+        sources = [directory, directory.parent, Path(resolved)]
+        processor_dir = next((d for d in sources if (d / "processor_config.json").is_file()), None)
+        if processor_dir is not None:
+            for item in processor_dir.iterdir():
+                if item.is_file() and not item.name.startswith(_TRAINING_FILES) and not (staging / item.name).exists():
+                    shutil.copy2(item, staging / item.name)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
 
 
 def _converted(directory: Path, key: str, tokenizer, source: str) -> str:

@@ -9,15 +9,24 @@
   tower stays frozen.
 The small action/time heads train in full (`modules_to_save`). Targets and heads come from the model itself
 (`lora_target_modules`, `trained_heads`: pi0.5's methods, or `hf_vla.models.pi0_adapter.PI0Structure` for pi0).
+
+What a LoRA run saves for use (its output directory, rollout snapshots): the merged model at the root (base weights
+with the adapters folded in, the trained heads in place), which `AutoModel.from_pretrained`, `hf_vla.evaluate` and
+`hf_vla.serve` load as any checkpoint, and the adapters alone in `adapter/` (`PeftModel.from_pretrained(base, dir,
+subfolder="adapter")`). Checkpoints (`checkpoint-N`) keep the Trainer's layout (adapters at the root) to resume from;
+`hf_vla.hub.resolve_pretrained` merges such a directory with its base when it is evaluated, served or converted.
 """
 
 from __future__ import annotations
 
+import torch
 from peft import LoraConfig
 
 from .models.pi0_adapter import policy_structure
 
 PRESETS = ("expert", "all_linear")
+ADAPTER_DIR = "adapter"  # the adapters of a merged save
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
 
 def lora_config(preset: str = "expert", r: int = 16, alpha: int | None = None, dropout: float = 0.0, *,
@@ -37,3 +46,45 @@ def lora_config(preset: str = "expert", r: int = 16, alpha: int | None = None, d
         modules_to_save=policy.trained_heads(),
         **kwargs,
     )
+
+
+def merged_state_dict(model, state_dict: dict | None = None, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The state dict of the base model with the LoRA adapters folded in (W + scaling * B @ A, in float32, cast back)
+    and the trained heads (`modules_to_save`) in place of the originals: what `merge_and_unload()` would leave,
+    computed from `state_dict` (the PeftModel's own by default; a full gathered one under FSDP / DeepSpeed) without
+    touching the live model. Keys are the base model's."""
+    from peft.tuners.lora import LoraLayer
+
+    prefix = "base_model.model."
+    scalings = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            if module.use_dora.get(adapter):
+                raise ValueError(f"{name}: DoRA adapters are not merged here; use peft's merge_and_unload()")
+            scalings[name.removeprefix(prefix)] = module.scaling[adapter]
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    unprefixed = {key.removeprefix(prefix): value for key, value in state_dict.items()}
+    merged = {}
+    for key, value in unprefixed.items():
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        if f".modules_to_save.{adapter}." in key:
+            merged[key.replace(f".modules_to_save.{adapter}.", ".")] = value
+            continue
+        if ".base_layer." not in key:
+            merged.setdefault(key, value)
+            continue
+        owner, param = key.split(".base_layer.", 1)
+        if param == "weight" and owner in scalings:
+            a, b = unprefixed[f"{owner}.lora_A.{adapter}.weight"], unprefixed[f"{owner}.lora_B.{adapter}.weight"]
+            value = (value.float() + scalings[owner] * (b.float() @ a.float())).to(value.dtype)
+        merged[f"{owner}.{param}"] = value
+    return merged
+
+
+def trainable_parameters(model) -> tuple[int, int]:
+    """(trainable, all) parameter counts (what peft's print_trainable_parameters reports)."""
+    if hasattr(model, "get_nb_trainable_parameters"):
+        return model.get_nb_trainable_parameters()
+    total = sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), total

@@ -241,6 +241,14 @@ class VLATrainer(Trainer):
             "lora": hasattr(model, "get_base_model"),  # a PeftModel (its base model gets a peft_config too)
             "dtype": "bfloat16" if any(p.dtype == torch.bfloat16 for p in model.parameters()) else "float32",
         }
+        if args.process_index == 0:
+            from .lora import trainable_parameters
+
+            trainable, total = trainable_parameters(model)
+            logger.info("trainable parameters: %s of %s (%.2f%%)%s", f"{trainable:,}", f"{total:,}",
+                        100 * trainable / max(total, 1), " (LoRA adapters and trained heads)"
+                        if self._run_info["lora"] else "")
+        self._saving_checkpoint = False
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         finish_engine(self.accelerator)
@@ -661,7 +669,32 @@ class VLATrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None):
         # Under FSDP2 the model's class is torch's FSDP subclass: save the auto_map and code files of its own class.
         with saved_as_own_class(self.model):
-            return super()._save(output_dir, state_dict)
+            super()._save(output_dir, state_dict)
+        if self._run_info["lora"] and not self._saving_checkpoint:
+            self._save_merged(output_dir or self.args.output_dir, state_dict)
+
+    def _save_merged(self, output_dir: str, state_dict=None):
+        # A LoRA model saved for use (the output directory, rollout snapshots): the Trainer wrote the adapters at the
+        # root, where transformers' from_pretrained would load the base's heads instead of the trained ones. The
+        # merged model goes to the root (every loader reads it as a checkpoint), the adapters into adapter/.
+        from .lora import ADAPTER_DIR, ADAPTER_FILES, merged_state_dict
+
+        model = self.accelerator.unwrap_model(self.model)
+        merged = merged_state_dict(model, state_dict)
+        if any(value.numel() == 0 for value in merged.values()):  # ZeRO-3 without gathered weights
+            logger.warning("%s: the weights were not gathered for saving (ZeRO-3: set "
+                           "stage3_gather_16bit_weights_on_model_save); only the adapters are saved", output_dir)
+            return
+        folder = Path(output_dir)
+        adapter = folder / ADAPTER_DIR
+        shutil.rmtree(adapter, ignore_errors=True)
+        adapter.mkdir(parents=True)
+        for name in (*ADAPTER_FILES, "README.md"):  # README.md: peft's adapter card
+            if (folder / name).exists():
+                os.replace(folder / name, adapter / name)
+        core = model.get_base_model()
+        with saved_as_own_class(core):
+            core.save_pretrained(output_dir, state_dict=merged)
 
     def _save_checkpoint(self, model, trial):
         # Complete or absent: everything (model, processor, optimizer with masters, scheduler, RNG, trainer state, stream
@@ -676,6 +709,7 @@ class VLATrainer(Trainer):
         self.accelerator.wait_for_everyone()
         limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation before completion
         self._defer_push = True
+        self._saving_checkpoint = True  # the Trainer's layout (adapters at the root) to resume from
         try:
             super()._save_checkpoint(model, trial)
             if self.args.should_save:
@@ -702,6 +736,7 @@ class VLATrainer(Trainer):
         finally:
             self.args.save_total_limit = limit
             self._defer_push = False
+            self._saving_checkpoint = False
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             checkpoints.rotate(run_dir, limit, protect={self.state.best_model_checkpoint, folder})
