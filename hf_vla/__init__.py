@@ -25,6 +25,7 @@ AutoProcessor.register(PI05Config, PI05Processor, exist_ok=True)
 # save_pretrained writes an auto_map, so a checkpoint also loads with trust_remote_code=True without hf_vla.
 PI05Config.register_for_auto_class()
 PI05ForConditionalGeneration.register_for_auto_class("AutoModel")
+PI05Processor.register_for_auto_class("AutoProcessor")  # processor_config.json gets its auto_map too
 
 __all__ = [
     "MasterWeightOptimizer",

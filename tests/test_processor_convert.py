@@ -1,6 +1,10 @@
 """PI05Processor (prompt, images, quantiles, round trip) and checkpoint conversion (function and CLI)."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from unittest import mock
 
 import numpy as np
@@ -183,3 +187,68 @@ def test_numpy_uint8_images_read_as_pixels(processor):
     from_torch = processor(images=torch.from_numpy(images), text=["reach"], state=np.zeros((1, 3)), head=0)["pixel_values"]
     torch.testing.assert_close(from_numpy, from_torch, rtol=0, atol=0)
     assert from_numpy.min() >= -1 and from_numpy.max() <= 1
+
+
+def _processor(tiny_tokenizer):
+    from test_serve import NORM_STATS, demo_config
+
+    from hf_vla.models.pi05 import PI05Processor
+
+    return PI05Processor.from_config(demo_config(), tiny_tokenizer, norm_stats=NORM_STATS)
+
+
+def test_processor_takes_frames_as_cameras_and_envs_give_them(tiny_tokenizer):
+    """HxWx3 uint8 (env, server), PIL, CHW uint8 and float in [0, 1] give the same pixels; float 0..255, other dtypes
+    and non-RGB shapes are refused in one line naming the problem."""
+    from PIL import Image
+
+    processor = _processor(tiny_tokenizer)
+    head = processor.head_names[0]
+    dims = len(processor.norm_stats[head]["state"]["q01"])
+    rng = np.random.default_rng(0)
+    hwc = rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)
+
+    def pixels(images, text="pick", state=None):
+        state = np.zeros(dims, np.float32) if state is None else state
+        return processor(images=images, text=text, state=state, head=head)["pixel_values"]
+
+    expected = pixels(torch.from_numpy(hwc).permute(2, 0, 1)[None])  # the documented [n_cams, 3, H, W]
+    assert expected.shape == (1, 1, 3, processor.image_size, processor.image_size)
+    for given in (hwc, hwc[None], hwc[None, None], torch.from_numpy(hwc), Image.fromarray(hwc), [Image.fromarray(hwc)],
+                  [[Image.fromarray(hwc)]], torch.from_numpy(hwc).permute(2, 0, 1),
+                  torch.from_numpy(hwc).permute(2, 0, 1).float() / 255, hwc.astype(np.float32) / 255):
+        torch.testing.assert_close(pixels(given), expected, atol=1e-5, rtol=0)
+    batch = processor(images=np.stack([hwc, hwc[::-1]]), text=["a", "b"], state=np.zeros((2, dims), np.float32),
+                      head=head)["pixel_values"]
+    assert batch.shape[:2] == (2, 1)  # [B, H, W, 3] with B prompts: one camera per sample
+    for given, message in ((hwc.astype(np.float32), r"float pixels must be in \[0, 1\], got values in \[0, 255\]"),
+                           (hwc.astype(np.int64), "dtype torch.int64 is not accepted"),
+                           (hwc[..., :2], r"expected RGB images"),
+                           (hwc[0], r"expected \[3, H, W\]")):
+        with pytest.raises(ValueError, match=message):
+            pixels(given)
+
+
+def test_processor_loads_with_remote_code_where_hf_vla_is_absent(tmp_path, tiny_tokenizer):
+    processor = _processor(tiny_tokenizer)
+    processor.save_pretrained(tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "processor_config.json").read_text())
+    assert config["auto_map"] == {"AutoProcessor": "processing_pi05.PI05Processor"}
+    head = processor.head_names[0]
+    dims = len(processor.norm_stats[head]["state"]["q01"])
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["hf_vla"] = None  # hf_vla is not installed here
+        import numpy as np
+        from transformers import AutoProcessor
+        processor = AutoProcessor.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True)
+        assert type(processor).__name__ == "PI05Processor", type(processor)
+        assert type(processor).__module__.startswith("transformers_modules"), type(processor).__module__
+        out = processor(images=np.zeros((32, 32, 3), np.uint8), text="pick", state=np.zeros({dims}, np.float32),
+                        head={head!r})
+        print("REMOTE_OK", tuple(out["pixel_values"].shape), processor.head_names)
+        """)
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert "REMOTE_OK" in result.stdout, result.stderr[-3000:]
+    assert repr(processor.head_names) in result.stdout

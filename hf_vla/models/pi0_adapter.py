@@ -94,12 +94,10 @@ class PI0HeadProcessor(DeploymentContractMixin, ProcessorMixin):
     def __call__(self, images=None, text=None, state=None, actions=None, head=None, camera_mask=None, **kwargs):
         """images `[B, n_cams, 3, H, W]` (uint8 or float in [0, 1]), text, raw state per row, optional raw action
         chunks per row, one head for all rows or one per row, camera presence `[B, n_cams]`."""
-        from .pi05.processing_pi05 import resize_with_pad
+        from .pi05.processing_pi05 import as_image_batch, resize_with_pad
 
         texts = [text] if isinstance(text, str) else list(text)
-        images = torch.as_tensor(images)
-        if images.ndim == 4:
-            images = images[None]
+        images = as_image_batch(images, len(texts))
         mask = torch.ones(images.shape[:2], dtype=torch.bool) if camera_mask is None else \
             torch.as_tensor(camera_mask, dtype=torch.bool)
         heads = head.tolist() if torch.is_tensor(head) else head

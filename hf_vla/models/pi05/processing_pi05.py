@@ -85,6 +85,57 @@ def resize_with_pad(images: torch.Tensor, size: int) -> torch.Tensor:
     return flat.reshape(*lead, channels, size, size)
 
 
+def _pil_to_array(images):
+    """PIL images, in (nested) lists, -> a uint8 array [..., H, W, 3]; anything else unchanged."""
+    from PIL import Image
+
+    if isinstance(images, Image.Image):
+        return np.asarray(images.convert("RGB"))
+    if isinstance(images, list | tuple) and images and (
+            isinstance(images[0], Image.Image) or (isinstance(images[0], list | tuple) and images[0]
+                                                   and isinstance(images[0][0], Image.Image))):
+        return np.stack([_pil_to_array(item) for item in images])
+    return images
+
+
+def as_image_batch(images, batch_size: int | None = None) -> torch.Tensor:
+    """Camera images as the model's `[B, n_cams, 3, H, W]` tensor, uint8 or float in [0, 1].
+
+    Accepted: torch tensors or numpy arrays, channels-first `[..., 3, H, W]` or channels-last `[..., H, W, 3]` (what
+    cameras, gym envs and the policy server deliver); uint8 (0..255) or float in [0, 1]; PIL images (one, a list of
+    cameras, or a list of such lists per sample). Leading dims: `[B, n_cams]`; `[n_cams]` (one sample), or `[B]` (one
+    camera each) when `batch_size` > 1 is the first dim; or none (one image, one camera). Anything else is refused in
+    one line."""
+    images = _pil_to_array(images)
+    if not isinstance(images, torch.Tensor):
+        array = np.asarray(images)
+        if array.dtype == object:
+            raise ValueError("images: expected an array of pixels (uint8 0..255 or float 0..1) or PIL images; got "
+                             "ragged or mixed values (cameras of different sizes go in as one array per size)")
+        images = torch.from_numpy(np.ascontiguousarray(array))
+    if images.ndim not in (3, 4, 5):
+        raise ValueError(f"images: expected [3, H, W], [n_cams, 3, H, W] or [B, n_cams, 3, H, W] (or channels last), "
+                         f"got shape {tuple(images.shape)}")
+    if images.shape[-3] != 3 and images.shape[-1] == 3:  # channels last: H x W x 3
+        images = images.movedim(-1, -3)
+    if images.shape[-3] != 3:
+        raise ValueError(f"images: expected RGB images [..., 3, H, W] or [..., H, W, 3], got shape {tuple(images.shape)}")
+    if images.ndim == 4 and batch_size is not None and batch_size > 1 and images.shape[0] == batch_size:
+        images = images[:, None]  # one camera per sample
+    while images.ndim < 5:
+        images = images[None]
+    if images.dtype == torch.uint8:
+        return images
+    if not images.is_floating_point():
+        raise ValueError(f"images: dtype {images.dtype} is not accepted; pass uint8 (0..255) or float in [0, 1]")
+    if images.numel():
+        low, high = float(images.min()), float(images.max())
+        if not (low >= -1e-3 and high <= 1.0 + 1e-3):  # NaN fails this too
+            raise ValueError(f"images: float pixels must be in [0, 1], got values in [{low:g}, {high:g}]; divide "
+                             "0..255 values by 255 (or pass them as uint8)")
+    return images
+
+
 def _as_tensor(value, dtype=torch.float32) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
@@ -279,7 +330,8 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
     ) -> BatchFeature:
         """Build model inputs for a batch: the one path for training (the collator) and inference.
 
-        images: `[B, n_cams, 3, H, W]` (uint8 or float in [0, 1]) or one sample `[n_cams, 3, H, W]`.
+        images: `[B, n_cams, 3, H, W]`, one sample `[n_cams, 3, H, W]` or one image `[3, H, W]`; channels last
+            (`[..., H, W, 3]`) and PIL images too; uint8 (0..255) or float in [0, 1] (`as_image_batch`).
         text: task strings. state: `[B, state_dim]` raw (or already normalized with `normalized=True`), or one vector
             per row when rows have different heads (and widths).
         actions: optional raw targets, `[B, chunk, action_dim]` or one `[chunk, dim]` per row.
@@ -307,11 +359,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         data = {"input_ids": torch.tensor(tokens["input_ids"], dtype=torch.long),
                 "attention_mask": torch.tensor(tokens["attention_mask"], dtype=torch.bool), "state": padded_state}
         if images is not None:
-            if not isinstance(images, torch.Tensor):  # numpy uint8 stays uint8 (0..255), anything else is float (0..1)
-                images = np.asarray(images)
-                images = torch.from_numpy(images) if images.dtype == np.uint8 else _as_tensor(images)
-            if images.ndim == 4:
-                images = images[None]
+            images = as_image_batch(images, len(texts))
             data["pixel_values"] = resize_with_pad(images, self.image_size)
             mask = torch.ones(images.shape[:2], dtype=torch.bool) if camera_mask is None else _as_tensor(camera_mask, torch.bool)
             data["pixel_attention_mask"] = mask
@@ -330,4 +378,4 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         return ["input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state"]
 
 
-__all__ = ["PI05Processor", "resize_with_pad"]
+__all__ = ["PI05Processor", "as_image_batch", "resize_with_pad"]
