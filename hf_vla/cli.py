@@ -30,8 +30,62 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+VERBOSE_ENV = "HF_VLA_VERBOSE"  # set by --verbose; inherited by workers and rollout processes
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(fragment in str(record.msg) for fragment in self.fragments)
+
+
+def quiet_libraries() -> None:
+    """Silence what libraries print on every run and that tells a user nothing (unless `--verbose` /
+    `HF_VLA_VERBOSE=1`): FFmpeg's encoder statistics and muxer notes (`[libx264 @ ...]`, thousands of lines per
+    recording), `datasets`' `Map` bars (one per episode written), lerobot's ~200-line torchcodec traceback when system
+    FFmpeg is absent (PyAV decodes instead: hf_vla's choice, see the README), DeepSpeed's "Setting accelerator to CPU".
+    Warnings and errors of every library still show. Environment variables carry it to worker processes."""
+    if os.environ.get(VERBOSE_ENV):
+        return
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported
+    logging.getLogger("lerobot.utils.import_utils").setLevel(logging.ERROR)
+    # DeepSpeed sets its logger's level when imported: a filter survives that
+    deepspeed = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropMessages) for f in deepspeed.filters):
+        deepspeed.addFilter(_DropMessages("Setting accelerator to CPU"))
+    import warnings
+
+    # Meta-World's scripted experts warn on every episode that their outputs exceed [-1, 1]: hf_vla clips them
+    warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high")
+    # lerobot's SuppressProgressBars re-enables the bars on exit: the environment variable wins, with this warning
+    warnings.filterwarnings("ignore", message="Cannot enable progress bars")
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    try:
+        import av.logging
+
+        av.logging.set_libav_level(av.logging.ERROR)  # lerobot restores FFmpeg's printing callback after encoding
+    except ImportError:
+        pass
+
+
+def take_verbose(argv: list[str] | None) -> list[str] | None:
+    """Remove `--verbose` from the arguments (every command takes it) and let library logs through."""
+    given = sys.argv[1:] if argv is None else list(argv)
+    if "--verbose" not in given:
+        return argv
+    os.environ[VERBOSE_ENV] = "1"
+    return [a for a in given if a != "--verbose"]
+
+
 def run(prog: str, main: Callable, argv=None):
-    """`main(argv)`, with a `VLAError` turned into one line on stderr and its exit code."""
+    """`main(argv)`, with a `VLAError` turned into one line on stderr and its exit code. Every command takes
+    `--verbose` (library logs: FFmpeg, datasets, lerobot, DeepSpeed); without it they are quieted."""
+    argv = take_verbose(argv)
+    quiet_libraries()
     try:
         return main(argv)
     except VLAError as error:
@@ -51,6 +105,8 @@ def setup_logging(level: int = logging.INFO) -> None:
     """
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("hf_vla").setLevel(level)
+    # other libraries' INFO lines (OpenGL, httpx, ...) only with --verbose; their warnings always
+    logging.getLogger().setLevel(level if os.environ.get(VERBOSE_ENV) else max(level, logging.WARNING))
 
 
 def positive(flag: str, value, allow_zero: bool = False):
@@ -95,5 +151,5 @@ def websocket_uri(flag: str, value: str) -> str:
     return value
 
 
-__all__ = ["ArgumentParser", "HUB_ID", "model_source", "output_dir", "positive", "run", "setup_logging",
+__all__ = ["ArgumentParser", "HUB_ID", "quiet_libraries", "take_verbose", "model_source", "output_dir", "positive", "run", "setup_logging",
            "websocket_uri"]

@@ -55,5 +55,11 @@ def main(argv=None):
     return summaries
 
 
+def cli(argv=None):
+    from .cli import run as run_command
+
+    return run_command("hf_vla.demo", main, argv)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

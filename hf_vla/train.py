@@ -461,6 +461,10 @@ def _train(model_args, data_args, training_args):
         trainer.push_to_hub()  # writes the model card too
     elif training_args.should_save:  # the model card (data, evaluation, closed-loop figures) beside the weights
         trainer.create_model_card()
+    if training_args.should_save:
+        print(f"saved the trained model to {training_args.output_dir}: load it with "
+              f"AutoModel.from_pretrained({training_args.output_dir!r}), or run python -m hf_vla.evaluate --checkpoint "
+              f"{training_args.output_dir}", flush=True)
     # every rank leaves together: a rank that exited while the main one still saved was seen to abort in gloo
     trainer.accelerator.wait_for_everyone()
     return trainer

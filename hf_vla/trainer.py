@@ -249,6 +249,12 @@ class VLATrainer(Trainer):
                         100 * trainable / max(total, 1), " (LoRA adapters and trained heads)"
                         if self._run_info["lora"] else "")
         self._saving_checkpoint = False
+        tokenizer = getattr(processing_class, "tokenizer", None)
+        if tokenizer is not None:  # what the Trainer would align (and warn about, a text-generation concern), silently
+            for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+                setattr(core.config, name, getattr(tokenizer, name))
+                if getattr(core, "generation_config", None) is not None:
+                    setattr(core.generation_config, name, getattr(tokenizer, name))
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         finish_engine(self.accelerator)

@@ -201,3 +201,34 @@ def test_cli_trains_pi0_and_pi05(tmp_path, caplog):
         stats = json.loads((tmp_path / policy / "norm_stats.json").read_text())
         assert stats["head_names"] == ["arm_a::joint"]
         assert torch.isfinite(torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])).all()
+
+
+def test_commands_print_their_results_not_library_noise(tmp_path):
+    """Generating demo data and training print a progress bar, hf_vla's lines and the results: no FFmpeg encoder
+    statistics, no datasets Map bars, no torchcodec traceback, no DeepSpeed accelerator or tokenizer-alignment
+    warnings. `--verbose` brings the library logs back, and the run ends by saying where the model is."""
+    import os
+    import subprocess
+    import sys
+
+    def train(*extra):
+        out = tmp_path / f"out{len(extra)}"
+        datasets = json.dumps([{"root": str(tmp_path / f"data{len(extra)}"), "name": "color_reach",
+                                "cameras": ["observation.image"], "state_key": "observation.state",
+                                "action_key": "action", "control_mode": "delta_xy"}])
+        result = subprocess.run(
+            [sys.executable, "-m", "hf_vla.train", str(REPO / "configs/demo.json"), "--datasets", datasets,
+             "--demo_episodes", "6", "--max_steps", "1", "--output_dir", str(out), *extra],
+            capture_output=True, text=True, cwd=tmp_path, timeout=600,
+            env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result, out
+
+    result, out = train()
+    noise = ("[libx264", "Map:", "torchcodec", "Setting accelerator to CPU", "PAD/BOS/EOS", "[mp4 @", "Traceback")
+    for text in noise:
+        assert text not in result.stderr + result.stdout, text
+    assert len(result.stderr.replace("\r", "\n").splitlines()) < 60
+    assert f"saved the trained model to {out}" in result.stdout
+    verbose, _ = train("--verbose")
+    assert "[libx264" in verbose.stderr  # the library logs are only hidden

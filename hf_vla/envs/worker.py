@@ -29,6 +29,9 @@ def _serve(connection, factory: Callable) -> None:
     for number in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGUSR1", signal.SIGTERM)):
         signal.signal(number, signal.SIG_IGN)
     try:
+        from ..cli import quiet_libraries
+
+        quiet_libraries()  # a fresh interpreter: the driving command's settings do not carry over
         env = factory()
         connection.send(("ok", {"observation_space": env.observation_space, "action_space": env.action_space,
                                 "task": getattr(env, "task", None), "metadata": getattr(env, "metadata", {})}))
