@@ -20,9 +20,26 @@ from .errors import ConfigError, VLAError
 HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in `--help` (argparse shows none by default), the description as written."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or not action.option_strings or any(
+                action.default is value for value in (None, False, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line (`hf_vla.<command>: error: ... (see --help)`) and exit 2, like a bad
-    config."""
+    config; `--help` shows every default, and `--verbose` (taken by `run`) is listed."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.add_argument("--verbose", action="store_true", help="show library logs (FFmpeg, datasets, lerobot, "
+                          "DeepSpeed), hidden by default")
 
     def error(self, message: str):
         name = self.prog.removeprefix("python -m ")  # the same prefix as `run`'s errors

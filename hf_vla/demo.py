@@ -8,7 +8,6 @@ Extra arguments are passed to the trainer as config overrides (e.g. `--max_steps
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -39,7 +38,9 @@ def run(config: Path, overrides: list[str], episodes: int, tag: str, n_action_st
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m hf_vla.demo", description=__doc__.split("\n")[0])
+    from .cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m hf_vla.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(CONFIG))
     parser.add_argument("--episodes", type=int, default=50, help="closed-loop evaluation episodes")
     parser.add_argument("--blind", action="store_true", help="also train the language-blind control")

@@ -184,17 +184,90 @@ def _apply_overrides(config: dict, overrides: list[str], annotations: dict) -> N
             value = "true"
         key = key.replace("-", "_")
         target, *path_keys = key.split(".")
+        if target not in annotations:  # a typo on the command line is the command line's, not the config file's
+            from .validation import _suggest
+
+            raise ConfigError(f"command line: --{key}: unknown argument{_suggest([target], annotations)} (not a "
+                              "model, data or training argument; python -m hf_vla.train --help lists them)")
         if path_keys:
-            node = config.setdefault(target, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override --{key}: {target!r} is not an object")
+            node = config.setdefault(target, [] if target == "datasets" else {})
+            where = target
             for part in path_keys[:-1]:
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    raise ConfigError(f"override --{key}: {part!r} is not an object")
-            node[path_keys[-1]] = _decode(value)
+                node = _child(node, part, key, where)
+                where = f"{where}.{part}"
+            leaf = path_keys[-1]
+            if isinstance(node, list):  # --datasets.0 '{...}': one whole entry
+                node[_index(node, leaf, key, where)] = _decode(value)
+            elif isinstance(node, dict):
+                node[leaf] = _decode(value)
+            else:
+                raise ConfigError(f"override --{key}: {where!r} is not an object")
         else:
             config[target] = _decode(value)
+
+
+def _index(node: list, part: str, key: str, where: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"override --{key}: {where} is a list of {len(node)} entr{'y' if len(node) == 1 else 'ies'}; "
+                          f"use an index 0..{len(node) - 1} (--{where}.0.<field> VALUE), or give the whole list")
+    return int(part)
+
+
+def _child(node, part: str, key: str, where: str):
+    """One step of a dotted override into dicts (created when missing) and lists (by index: `datasets.0.cameras`)."""
+    if isinstance(node, list):
+        child = node[_index(node, part, key, where)]
+    elif isinstance(node, dict):
+        child = node.setdefault(part, {})
+    else:
+        raise ConfigError(f"override --{key}: {where!r} is not an object")
+    if not isinstance(child, dict | list):
+        raise ConfigError(f"override --{key}: {where}.{part} is {child!r}, not an object or list")
+    return child
+
+
+def help_text(width: int = 110) -> str:
+    """`--help`: the module's usage text, then every field with its type, default and help, grouped: model, data,
+    hf_vla training, transformers' TrainingArguments."""
+    import dataclasses
+    import textwrap
+
+    from transformers import TrainingArguments
+
+    inherited = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    groups = [("model (ModelArguments)", ModelArguments, None), ("data (DataArguments)", DataArguments, None),
+              ("hf_vla training (VLATrainingArguments)", VLATrainingArguments, False),
+              ("transformers TrainingArguments (all apply)", VLATrainingArguments, True)]
+    lines = [__doc__.strip(), "", "Every field below is a JSON key of the config and a --key VALUE override.",
+             "Library logs (FFmpeg, datasets, lerobot, DeepSpeed) are hidden unless --verbose is given."]
+    for title, kind, from_transformers in groups:
+        lines += ["", f"{title}:"]
+        for item in dataclasses.fields(kind):
+            if not item.init or item.name.startswith("_"):
+                continue
+            if from_transformers is not None and (item.name in inherited) != from_transformers:
+                continue
+            if item.default is not dataclasses.MISSING:
+                default = item.default
+            elif item.default_factory is not dataclasses.MISSING:
+                default = item.default_factory()
+            else:
+                default = "(required)"
+            default = getattr(default, "value", default)  # enums as written in a config
+            kind_name = getattr(item.type, "__name__", None) or str(item.type).replace("typing.", "")
+            kind_name = kind_name.replace("transformers.training_args.", "")
+            shown = json.dumps(default) if default is None or isinstance(default, bool | list | dict) else default
+            original = inherited.get(item.name)
+            ours = ""
+            if original is not None and original.default is not dataclasses.MISSING and getattr(
+                    original.default, "value", original.default) != default:
+                ours = f"; hf_vla's default, transformers' is {getattr(original.default, 'value', original.default)}"
+            lines.append(f"  --{item.name} ({kind_name}, default: {shown}{ours})")
+            text = item.metadata.get("help") or (original.metadata.get("help", "") if original is not None else "")
+            text = " ".join(str(text).split())
+            if text:
+                lines += textwrap.wrap(text, width, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
 
 
 def parse_config(path: str | Path, overrides: list[str] | None = None):
@@ -351,7 +424,7 @@ def main(argv: list[str] | None = None):
     """Train from a config; raises `hf_vla.errors.VLAError` subclasses for bad input (see `cli`)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(help_text())
         return None
     if os.environ.get("HF_VLA_CPU_SHARDING") == "1":  # dry-run an FSDP/DeepSpeed launch config on CPU processes
         from .engines import allow_sharding_on_cpu

@@ -50,7 +50,7 @@ def test_overrides_on_top_of_the_json(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["--max_stepz", "3"], r"unknown key\(s\) \['max_stepz'\]"),
+    (["--max_stepz", "3"], r"command line: --max_stepz: unknown argument"),
     (["--loss_aggregation", "median"], "loss_aggregation='median'"),
     (["--policy", "pi9"], "policy='pi9'"),
     (["--datasets", '[{"root": "x", "cameras": ["c"], "camera": 1}]'], r"datasets\[0\]: unknown key\(s\) \['camera'\]"),
@@ -232,3 +232,44 @@ def test_commands_print_their_results_not_library_noise(tmp_path):
     assert f"saved the trained model to {out}" in result.stdout
     verbose, _ = train("--verbose")
     assert "[libx264" in verbose.stderr  # the library logs are only hidden
+
+
+def test_help_lists_every_field_with_its_default_and_the_commands():
+    import dataclasses
+    import subprocess
+    import sys
+
+    from hf_vla.train import DataArguments, ModelArguments, VLATrainingArguments, help_text
+
+    text = help_text()
+    for kind in (ModelArguments, DataArguments, VLATrainingArguments):
+        for item in dataclasses.fields(kind):
+            if item.init and not item.name.startswith("_"):
+                assert f"\n  --{item.name} (" in text, item.name
+    for group in ("model (ModelArguments):", "data (DataArguments):", "hf_vla training (VLATrainingArguments):",
+                  "transformers TrainingArguments"):
+        assert group in text
+    assert "--rollout_episodes (int, default: 10)" in text and "episodes per task and rollout" in text
+    assert "--max_steps (int, default: 30000; hf_vla's default, transformers' is -1)" in text
+    shown = subprocess.run([sys.executable, "-m", "hf_vla.record", "--help"], capture_output=True, text=True,
+                           cwd=REPO, timeout=120).stdout
+    assert "(default: 0)" in shown and "--verbose" in shown  # --seed's default; every command takes --verbose
+    listed = subprocess.run([sys.executable, "-m", "hf_vla"], capture_output=True, text=True, cwd=REPO,
+                            timeout=120).stdout
+    for command in ("demo", "train", "evaluate", "serve", "record", "convert"):
+        assert f"python -m hf_vla.{command} " in listed
+
+
+def test_a_command_line_typo_is_the_command_line_s_and_one_dataset_field_can_be_overridden(tmp_path):
+    from hf_vla.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^command line: --max_step: unknown argument \(did you mean 'max_step' -> "
+                                          r"'max_steps'\?\)"):
+        parse_config(REPO / "configs/demo.json", ["--max_step", "3"])
+    _, data_args, _ = parse_config(REPO / "configs/demo.json", ["--datasets.0.weight", "2.5",
+                                                                  "--datasets.0.cameras", '["observation.image"]'])
+    assert data_args.datasets[0]["weight"] == 2.5 and data_args.datasets[0]["name"] == "color_reach"
+    with pytest.raises(ConfigError, match=r"datasets is a list of 1 entry; use an index 0..0"):
+        parse_config(REPO / "configs/demo.json", ["--datasets.3.weight", "2"])
+    with pytest.raises(ConfigError, match=r"datasets\[0\].*camera"):
+        parse_config(REPO / "configs/demo.json", ["--datasets.0.camera", "x"])
