@@ -124,6 +124,10 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.getLogger("hf_vla").setLevel(level)
     # other libraries' INFO lines (OpenGL, httpx, ...) only with --verbose; their warnings always
     logging.getLogger().setLevel(level if os.environ.get(VERBOSE_ENV) else max(level, logging.WARNING))
+    # huggingface_hub prints through its own handler and propagates to the root's too: each line appeared twice
+    hub = logging.getLogger("huggingface_hub")
+    if hub.handlers:
+        hub.propagate = False
 
 
 def positive(flag: str, value, allow_zero: bool = False):

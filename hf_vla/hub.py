@@ -71,6 +71,35 @@ def hub_error(error: BaseException, what: str, revision: str | None = None) -> C
     return ConfigError(f"{what}{at}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}")
 
 
+GATED = {"google/paligemma-3b-pt-224", "google/paligemma-3b-pt-448", "google/paligemma-3b-pt-896",
+         "google/paligemma2-3b-pt-224"}  # the tokenizers and VLMs pi0 / pi0.5 users load
+
+
+def load_error(error: BaseException, what: str, name: str) -> ConfigError:
+    """One line for a failed `from_pretrained(name)` (transformers wraps the Hub's errors in OSError): a gated repo
+    says so and how to get access, an uncached one offline says that."""
+    chain, cause = [], error
+    while cause is not None and len(chain) < 8:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    from huggingface_hub.errors import GatedRepoError
+
+    text = " ".join(str(e) for e in chain).lower()
+    gated = any(isinstance(e, GatedRepoError) for e in chain) or "gated repo" in text
+    offline = "offline" in text or "couldn't connect" in text or "cannot find the requested files" in text
+    access = (f"{name!r} is a gated repository: accept its license at https://huggingface.co/{name}, then log in "
+              "(`hf auth login` or HF_TOKEN)")
+    if gated:
+        return ConfigError(f"{what}: {access}")
+    if offline:
+        extra = f"; note: {access}" if name in GATED else ""
+        return ConfigError(f"{what}: {name!r} is not in the local Hub cache and the Hub cannot be reached "
+                           f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): download it once with a "
+                           f"connection{extra}")
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ConfigError(f"{what}: {first}")
+
+
 def _hub_call(function, what: str, *args, **kwargs):
     """`function(*args, **kwargs)` (a huggingface_hub download), its Hub errors as one line naming `what`."""
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled

@@ -339,7 +339,9 @@ def build_tokenizer(name: str):
     try:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as error:
-        raise ConfigError(f"tokenizer={name!r} could not be loaded: {error}") from error
+        from .hub import load_error
+
+        raise load_error(error, f"tokenizer={name!r} could not be loaded", name) from error
 
 
 def model_config(model_args: ModelArguments):
@@ -431,14 +433,25 @@ def main(argv: list[str] | None = None):
 
         allow_sharding_on_cpu()
     model_args, data_args, training_args = parse_config(argv[0], argv[1:])
+    if training_args.process_index == 0:  # the Hub and wandb, before any data is read or model built
+        from .preflight import check_services
+
+        check_services(training_args)
     from .cli import setup_logging
 
     setup_logging(logging.INFO if training_args.should_log else logging.WARNING)
     # one run per output_dir: the main process holds its lock until the run ends (hf_vla.run_lock)
     from .run_lock import RunLock
 
-    with RunLock(training_args.output_dir) if training_args.process_index == 0 else contextlib.nullcontext():
-        return _train(model_args, data_args, training_args)
+    output = Path(training_args.output_dir)
+    created = not output.exists()
+    try:
+        with RunLock(training_args.output_dir) if training_args.process_index == 0 else contextlib.nullcontext():
+            return _train(model_args, data_args, training_args)
+    except BaseException:
+        if created and training_args.process_index == 0 and output.is_dir() and not any(output.iterdir()):
+            output.rmdir()  # a run that failed before writing anything leaves no empty output directory
+        raise
 
 
 def _train(model_args, data_args, training_args):

@@ -136,7 +136,7 @@ class VLATrainingArguments(TrainingArguments):
     adam_beta2: float = 0.95
     weight_decay: float = 0.01
     lr_scheduler_type: str = "cosine_with_min_lr"
-    lr_scheduler_kwargs: dict | str | None = field(default_factory=lambda: {"min_lr": 2.5e-6})
+    lr_scheduler_kwargs: dict | str | None = field(default_factory=lambda: dict(DEFAULT_SCHEDULER_KWARGS))
     warmup_steps: float = 1000
     # The stream restores its own position from the checkpoint; letting the Trainer skip batches would decode them.
     ignore_data_skip: bool = True
@@ -191,9 +191,42 @@ class VLATrainingArguments(TrainingArguments):
         from .rollouts import check_rollout_args
 
         check_rollout_args(self)
+        self._check_scheduler_kwargs()
         if self.on_nonfinite == "skip" and self.deepspeed:
             raise ConfigError("on_nonfinite='skip' is not supported under DeepSpeed, which steps the optimizer inside "
                               "backward; use 'stop'")
+
+
+    def _check_scheduler_kwargs(self):
+        """`lr_scheduler_kwargs` against the chosen schedule's arguments, before anything is built (transformers
+        raises a TypeError when the scheduler is created, after the model and data)."""
+        import difflib
+        import inspect
+
+        from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+        from transformers.trainer_utils import SchedulerType
+
+        kwargs = self.lr_scheduler_kwargs
+        kind = SchedulerType(self.lr_scheduler_type)
+        if kwargs == DEFAULT_SCHEDULER_KWARGS and kind not in (SchedulerType.COSINE_WITH_MIN_LR,
+                                                              SchedulerType.COSINE_WARMUP_WITH_MIN_LR):
+            self.lr_scheduler_kwargs = kwargs = {}  # hf_vla's default belongs to its default schedule
+        if not isinstance(kwargs, dict) or not kwargs:
+            return
+        parameters = inspect.signature(TYPE_TO_SCHEDULER_FUNCTION[kind]).parameters
+        if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+            return
+        given = set(parameters) - {"optimizer", "num_warmup_steps", "num_training_steps", "last_epoch"}
+        unknown = sorted(set(kwargs) - given)
+        if unknown:
+            hints = [f"{key!r} -> {match[0]!r}" for key in unknown
+                     if (match := difflib.get_close_matches(key, sorted(given), n=1, cutoff=0.6))]
+            raise ConfigError(f"lr_scheduler_kwargs: unknown key(s) {unknown} for lr_scheduler_type "
+                              f"{kind.value!r}{' (did you mean ' + ', '.join(hints) + '?)' if hints else ''}; it "
+                              f"takes {sorted(given) or 'none'}")
+
+
+DEFAULT_SCHEDULER_KWARGS = {"min_lr": 2.5e-6}
 
 
 class VLATrainer(Trainer):

@@ -573,3 +573,68 @@ def test_the_module_entry_point_exits_with_the_code_and_one_line(pristine, tmp_p
     assert result.stderr.strip().splitlines()[-1] == \
         "hf_vla.train: error: max_steps: expected an integer, got 'abc' (str)"
     assert "Traceback" not in result.stderr
+
+
+# ---- services and start-up: checked before the data scan, one line each ---------------------------------------------
+def test_hub_and_wandb_problems_stop_the_run_before_it_starts(tmp_path, capsys, monkeypatch):
+    """push_to_hub offline / without a token / with the Hub unreachable, and report_to wandb without an API key, end
+    the run in one line before any data is read (the dataset here does not exist: its error would come first
+    otherwise) and leave no output directory behind."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    out = tmp_path / "never"
+    path = write_config(tmp_path, base_config(tmp_path / "no_such_dataset", out, push_to_hub=True,
+                                              hub_model_id="me/policy"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    _, message = run_fails(capsys, path, code=2)
+    assert "push_to_hub=true (to 'me/policy') but the Hub is offline (HF_HUB_OFFLINE=1)" in message
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    _, message = run_fails(capsys, path, code=2)
+    assert "no Hugging Face token is set: log in with `hf auth login`" in message
+
+    def unreachable(token=None):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_token")
+    monkeypatch.setattr(huggingface_hub, "whoami", unreachable)
+    _, message = run_fails(capsys, path, code=2)
+    assert "the Hub cannot be reached (Name or service not known)" in message
+    assert not out.exists()
+
+    path = write_config(tmp_path, base_config(tmp_path / "no_such_dataset", out, report_to=["wandb"]), "wandb.json")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    _, message = run_fails(capsys, path, code=2)
+    assert "report_to includes 'wandb' but no wandb API key is set: run `wandb login`" in message
+    assert not out.exists()
+
+
+def test_scheduler_kwargs_typo_gated_tokenizer_and_no_empty_output(tmp_path, capsys, monkeypatch):
+    path = write_config(tmp_path, base_config(tmp_path / "x", tmp_path / "out", lr_scheduler_type="warmup_stable_decay",
+                                              lr_scheduler_kwargs={"num_decay_step": 10}))
+    _, message = run_fails(capsys, path, code=2)
+    assert ("lr_scheduler_kwargs: unknown key(s) ['num_decay_step'] for lr_scheduler_type 'warmup_stable_decay' "
+            "(did you mean 'num_decay_step' -> 'num_decay_steps'?)") in message
+    # another schedule without kwargs: hf_vla's default min_lr (for its default schedule) does not break it
+    assert parse_config(write_config(tmp_path, base_config(tmp_path / "x", tmp_path / "out", lr_scheduler_type="linear"),
+                                     "linear.json"))[2].lr_scheduler_kwargs == {}
+
+    from huggingface_hub.errors import GatedRepoError
+    from transformers import AutoTokenizer
+
+    def gated(*args, **kwargs):
+        error = GatedRepoError.__new__(GatedRepoError)  # as huggingface_hub raises it (built from an HTTP response)
+        Exception.__init__(error, "401 Client Error. Cannot access gated repo for url ...")
+        raise OSError("You are trying to access a gated repo.") from error
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", gated)
+    out = tmp_path / "fresh_output"
+    path = write_config(tmp_path, base_config(tmp_path / "x", out, tokenizer="google/paligemma-3b-pt-224"), "gated.json")
+    _, message = run_fails(capsys, path)
+    assert ("'google/paligemma-3b-pt-224' is a gated repository: accept its license at "
+            "https://huggingface.co/google/paligemma-3b-pt-224, then log in (`hf auth login`") in message
+    assert not out.exists()  # the run failed before writing anything: no empty output directory
