@@ -209,8 +209,9 @@ class EpisodeRunner:
         jump, jerk, interior = boundary_metrics(slot.executed, slot.switches)
         episode = Episode(slot.seed, slot.success, len(slot.executed), slot.reward, jump, jerk, interior)
         if slot.frames is not None and output_dir is not None:
-            episode.video = save_gif(slot.frames, Path(output_dir) / f"rollout_{slot.index:03d}_"
-                                     f"{'success' if slot.success else 'failure'}.gif")
+            outcome = "success" if slot.success else "failure"
+            episode.video = save_gif(slot.frames, Path(output_dir) / f"rollout_{slot.index:03d}_{outcome}.gif",
+                                     caption=f"{slot.task} ({outcome}, seed {slot.seed})")
         return episode
 
 
@@ -253,13 +254,40 @@ def _call_policies(requests: list[tuple]) -> list[np.ndarray]:
     return chunks
 
 
-def save_gif(frames: list[np.ndarray], path: Path) -> str:
-    from PIL import Image
+def save_gif(frames: list[np.ndarray], path: Path, caption: str = "") -> str:
+    """The episode's frames as a GIF, enlarged (nearest) to at least 256 px wide, with `caption` (the instruction,
+    the outcome) written in a band above the frames."""
+    from PIL import Image, ImageDraw, ImageFont
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    pictures = [Image.fromarray(f).resize((f.shape[1] * 4, f.shape[0] * 4), Image.NEAREST) for f in frames]
+    height, width = frames[0].shape[:2]
+    scale = max(1, -(-256 // width))
+    font = ImageFont.load_default()
+    lines = _wrap(caption, font, width * scale - 8) if caption else []
+    band = 4 + 14 * len(lines) if lines else 0
+    pictures = []
+    for frame in frames:
+        picture = Image.new("RGB", (width * scale, height * scale + band), (255, 255, 255))
+        picture.paste(Image.fromarray(np.asarray(frame)).resize((width * scale, height * scale), Image.NEAREST),
+                      (0, band))
+        draw = ImageDraw.Draw(picture)
+        for i, line in enumerate(lines):
+            draw.text((4, 2 + 14 * i), line, fill=(0, 0, 0), font=font)
+        pictures.append(picture)
     pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=100, loop=0)
     return str(path)
+
+
+def _wrap(text: str, font, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        candidate = f"{line} {word}".strip()
+        if line and font.getlength(candidate) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = candidate
+    return [*lines, line] if line else lines
 
 
 __all__ = ["Episode", "EpisodeRunner", "boundary_metrics", "default_num_envs", "save_gif"]

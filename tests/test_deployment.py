@@ -128,7 +128,10 @@ def test_an_override_is_accepted_and_recorded(trained, tmp_path):
     assert settings["image_size"] == {"value": 32, "source": "flag (override)"}
     assert settings["n_action_steps"] == {"value": 8, "source": "flag (override)"}
     assert settings["seed"] == {"value": 0, "source": "flag (override)"}
-    assert Image.open(next(tmp_path.glob("*.gif"))).size == (32 * 4, 32 * 4)
+    gif = Image.open(next(tmp_path.glob("*.gif")))
+    assert gif.size[0] == 32 * 8 and gif.size[1] > 32 * 8  # 32 px frames enlarged, the instruction in a band above
+    band = np.asarray(gif.convert("RGB"))[: gif.size[1] - 32 * 8]
+    assert (band.sum(-1) < 100).sum() > 50  # dark text pixels on the white band
 
 
 def test_serve_takes_the_cameras_from_the_checkpoint_and_sends_the_contract(trained):
