@@ -174,3 +174,25 @@ def test_a_killed_multi_task_recording_continues_where_it_stopped(tmp_path, capl
                    seeds=lambda first: iter([first]))
     assert short.shortfall == {"reach-v3": 2}
     assert json.loads((tmp_path / "short" / "meta" / "hf_vla_record.json").read_text())["shortfall"] == {"reach-v3": 2}
+
+
+def test_mt50_figures_are_the_published_group_means():
+    """The published MT50 figure: success per difficulty group (lerobot's grouping: 28 / 11 / 6 / 5 tasks) and the
+    mean of the four group means, computed here from made-up per-task results against a hand computation."""
+    from hf_vla.envs.metaworld import task_group, task_names
+    from hf_vla.evaluate import BenchmarkResult, EvalResult
+
+    names = task_names("mt50")
+    assert len(names) == 50 and [task_group(n) for n in names].count("easy") == 28
+    rates = {name: (i % 5) / 4 for i, name in enumerate(names)}
+    result = BenchmarkResult.from_tasks("metaworld", {n: EvalResult(r, 4, int(4 * r), 10.0) for n, r in rates.items()})
+    expected = {g: sum(r for n, r in rates.items() if task_group(n) == g) / count
+                for g, count in (("easy", 28), ("medium", 11), ("hard", 6), ("very_hard", 5))}
+    assert result.groups == pytest.approx(expected) and result.group_tasks == {"easy": 28, "medium": 11, "hard": 6,
+                                                                               "very_hard": 5}
+    assert result.average == pytest.approx(sum(expected.values()) / 4)
+    assert result.success_rate == pytest.approx(sum(rates.values()) / 50)  # the task mean differs from the published
+    table = result.table()
+    figures = " / ".join(f"{100 * v:.1f}" for v in expected.values())
+    assert f"(easy / medium / hard / very_hard: {figures} -> {100 * result.average:.1f})" in table
+    assert "MT50 average" in table
