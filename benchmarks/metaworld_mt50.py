@@ -1,0 +1,188 @@
+"""Meta-World MT50 as published: one policy for all 50 tasks, success per difficulty group and the mean of the four
+group means, hf_vla next to lerobot's trainer at the same budget, both evaluated by the same harness.
+
+    python benchmarks/metaworld_mt50.py --stage record                  # 50 tasks x 50 expert episodes, resumable
+    python benchmarks/metaworld_mt50.py --stage hf_vla --budget_min 120  # configs/pi05_metaworld_mt50.json
+    python benchmarks/metaworld_mt50.py --stage lerobot --budget_min 120 # lerobot-train (ACT) on the same data
+    python benchmarks/metaworld_mt50.py --stage evaluate --episodes 10
+
+Stages share `--work` (default data_cache/mt50_bench, git-ignored; `--data` points at an existing recording) and
+write `--output` (default benchmarks/results/metaworld_mt50_cpu.json):
+`{"hf_vla": R, "lerobot": R, "record": {...}}`, each `R = {"groups": {easy, medium, hard, very_hard}, "average",
+"tasks": {50 names: success}, "budget", "episodes_per_task", "seeds"}` (fractions in [0, 1]; `average` is the mean of
+the group means, the published figure). Both policies run through `hf_vla.evaluate`'s episode engine on lerobot's
+Meta-World wrapper, held-out seeds from 10,000, the recording's image size and the step limit of the hf_vla
+checkpoint's deployment contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+CONFIG = REPO / "configs" / "pi05_metaworld_mt50.json"
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save(output: Path, results: dict) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tasks"} if isinstance(v, dict) else v
+                      for k, v in results.items()}, indent=2))
+
+
+def _dataset(data: Path) -> list[dict]:
+    return [{"root": str(data), "name": "mt50", "cameras": ["observation.image"], "control_mode": "delta_xyz_gripper"}]
+
+
+def stage_record(data: Path, episodes: int, image_size: int, results: dict) -> None:
+    if not (data / "meta" / "hf_vla_record.json").exists():  # a rerun continues an interrupted recording
+        subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "metaworld", "--task", "mt50", "--episodes",
+                        str(episodes), "--output", str(data), "--image_size", str(image_size)], check=True, cwd=REPO)
+    marker = _load(data / "meta" / "hf_vla_record.json")
+    results["record"] = {"episodes_per_task": marker["episodes_per_task"], "image_size": marker["image_size"],
+                         "seconds": marker["seconds"], "frames": marker["frames"], "shortfall": marker["shortfall"],
+                         "expert_success": {n: t["kept"] / max(1, t["kept"] + t["rejected"])
+                                            for n, t in marker["tasks"].items()}}
+
+
+def _train(data: Path, out: Path, overrides: list[str]) -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hf_vla.train", str(CONFIG), "--datasets", json.dumps(_dataset(data)),
+                    "--output_dir", str(out), *overrides], check=True, cwd=REPO,
+                   env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"))
+    return time.perf_counter() - started
+
+
+def stage_hf_vla(data: Path, work: Path, budget_min: float, results: dict, rate: float | None = None) -> None:
+    if rate is None:  # steps per second including start-up: a safe under-estimate of the run's rate
+        probe_steps = 100
+        rate = probe_steps / _train(data, work / "hf_vla_probe", ["--max_steps", str(probe_steps),
+                                                                  "--save_strategy", "no"])
+    steps = int(rate * budget_min * 60 / 100) * 100
+    out = work / "hf_vla"
+    decay = max(1, steps // 4)
+    resume = ["--resume_from_checkpoint", "true"] if list(out.glob("checkpoint-*")) else []
+    seconds = _train(data, out, ["--max_steps", str(steps), "--save_steps", str(max(100, steps // 10 // 100 * 100)),
+                                 "--lr_scheduler_kwargs", json.dumps({"num_decay_steps": decay, "min_lr_ratio": 0.1}),
+                                 *resume])
+    results["hf_vla_train"] = {"budget_min": budget_min, "probe_steps_per_s": round(rate, 3), "max_steps": steps,
+                               "train_seconds": round(seconds, 1)}
+
+
+def stage_lerobot(data: Path, work: Path, budget_min: float, results: dict, policy: str = "act",
+                  batch: int = 32, chunk: int = 16, n_action_steps: int = 8) -> None:
+    """lerobot-train from scratch on the same recording for the same wall-clock budget (steps from a probe)."""
+
+    def run(steps: int, output: Path, save: bool) -> float:
+        started = time.perf_counter()
+        command = ["lerobot-train", f"--policy.type={policy}", "--policy.device=cpu", "--policy.push_to_hub=false",
+                   "--dataset.repo_id=local/mt50", f"--dataset.root={data}", f"--batch_size={batch}",
+                   f"--steps={steps}", f"--output_dir={output}", "--wandb.enable=false", f"--save_freq={steps}",
+                   f"--save_checkpoint={'true' if save else 'false'}", "--num_workers=1", "--log_freq=100"]
+        if policy == "act":  # nothing to download: no pretrained ResNet
+            command += ["--policy.pretrained_backbone_weights=null", f"--policy.chunk_size={chunk}",
+                        f"--policy.n_action_steps={n_action_steps}"]
+        subprocess.run([str(Path(sys.executable).parent / command[0]), *command[1:]], check=True, cwd=work,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        return time.perf_counter() - started
+
+    probe_steps = 50
+    rate = probe_steps / run(probe_steps, work / f"lerobot_{policy}_probe", save=False)
+    steps = int(rate * budget_min * 60 / 100) * 100
+    seconds = run(steps, work / f"lerobot_{policy}", save=True)
+    results["lerobot_train"] = {"policy": policy, "budget_min": budget_min, "probe_steps_per_s": round(rate, 3),
+                                "steps": steps, "train_seconds": round(seconds, 1), "batch_size": batch}
+
+
+def _summary(result: dict, budget: dict, episodes: int, seed: int) -> dict:
+    return {"groups": result["groups"], "average": result["average"],
+            "tasks": {name: task["success_rate"] for name, task in result["tasks"].items()},
+            "budget": budget, "episodes_per_task": episodes, "seeds": [seed, seed + episodes - 1]}
+
+
+def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results: dict, which: str) -> None:
+    seed = 10_000
+    if which in ("both", "hf_vla"):
+        started = time.perf_counter()
+        out = work / "eval" / "hf_vla"
+        # env, the 50 tasks, image size, step limit and actions per chunk: from the checkpoint's deployment contract
+        subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(work / "hf_vla"), "--episodes",
+                        str(episodes), "--num_envs", str(num_envs), "--save_videos", "1", "--output_dir", str(out)],
+                       check=True, cwd=REPO)
+        budget = dict(results.get("hf_vla_train", {}), eval_seconds=round(time.perf_counter() - started, 1))
+        results["hf_vla"] = _summary(json.loads((out / "eval_result.json").read_text()), budget, episodes, seed)
+    if which in ("both", "lerobot"):
+        from metaworld_benchmark import LeRobotChunks
+
+        from hf_vla.deployment import for_checkpoint
+        from hf_vla.envs import metaworld
+        from hf_vla.evaluate import BenchmarkResult, run_episodes
+
+        contract = for_checkpoint(str(work / "hf_vla")) if (work / "hf_vla").exists() else None
+        limit = 500 if contract is None else next(iter(contract.heads.values()))["benchmark"]["max_episode_steps"]
+        image = _load(data / "meta" / "hf_vla_record.json")["image_size"]
+        policy_dir = sorted((work / f"lerobot_{results['lerobot_train']['policy']}" / "checkpoints").glob(
+            "*/pretrained_model"))[-1]
+        policy = LeRobotChunks(policy_dir)
+        started, tasks = time.perf_counter(), {}
+        for name in metaworld.task_names("mt50"):
+            env = metaworld.in_worker(name, image_size=image, max_episode_steps=limit)
+            try:
+                policy.policy.reset()
+                steps = getattr(policy.policy.config, "n_action_steps", 8)
+                tasks[name] = run_episodes(env, policy, episodes, steps, seed=seed, save_videos=1,
+                                           output_dir=work / "eval" / "lerobot" / name, progress=False)
+            finally:
+                env.close()
+        result = BenchmarkResult.from_tasks("metaworld", tasks)
+        data_out = {"groups": result.groups, "average": result.average,
+                    "tasks": {n: {"success_rate": r.success_rate} for n, r in result.tasks.items()}}
+        budget = dict(results.get("lerobot_train", {}), eval_seconds=round(time.perf_counter() - started, 1))
+        results["lerobot"] = _summary(data_out, budget, episodes, seed)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stage", choices=["record", "hf_vla", "lerobot", "evaluate"], required=True)
+    parser.add_argument("--work", default=str(REPO / "data_cache" / "mt50_bench"))
+    parser.add_argument("--data", default=None, help="the MT50 recording (default: <work>/data)")
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "metaworld_mt50_cpu.json"))
+    parser.add_argument("--record_episodes", type=int, default=50, help="expert episodes per task (lerobot's "
+                        "metaworld_mt50 has 50)")
+    parser.add_argument("--image_size", type=int, default=160, help="render size of the recording")
+    parser.add_argument("--budget_min", type=float, default=120.0)
+    parser.add_argument("--steps_per_s", type=float, default=None, help="hf_vla stage: a measured rate (no probe)")
+    parser.add_argument("--lerobot_policy", default="act", choices=["act", "diffusion"])
+    parser.add_argument("--episodes", type=int, default=10, help="evaluation episodes per task")
+    parser.add_argument("--num_envs", type=int, default=1)
+    parser.add_argument("--which", choices=["both", "hf_vla", "lerobot"], default="both")
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    data = Path(args.data) if args.data else work / "data"
+    output = Path(args.output)
+    results = _load(output)
+    if args.stage == "record":
+        stage_record(data, args.record_episodes, args.image_size, results)
+    elif args.stage == "hf_vla":
+        stage_hf_vla(data, work, args.budget_min, results, args.steps_per_s)
+    elif args.stage == "lerobot":
+        stage_lerobot(data, work, args.budget_min, results, args.lerobot_policy)
+    else:
+        stage_evaluate(data, work, args.episodes, args.num_envs, results, args.which)
+    _save(output, results)
+
+
+if __name__ == "__main__":
+    main()
