@@ -274,3 +274,15 @@ def test_a_command_line_typo_is_the_command_line_s_and_one_dataset_field_can_be_
         parse_config(REPO / "configs/demo.json", ["--datasets.3.weight", "2"])
     with pytest.raises(ConfigError, match=r"datasets\[0\].*camera"):
         parse_config(REPO / "configs/demo.json", ["--datasets.0.camera", "x"])
+
+
+def test_hub_lines_are_printed_once():
+    """huggingface_hub logs through its own handler and the root's: each retry line appeared twice."""
+    import subprocess
+    import sys
+
+    script = ("import logging, hf_vla.train\nfrom hf_vla.cli import setup_logging\nsetup_logging()\n"
+              "logging.getLogger('huggingface_hub.utils._http').warning('Retrying in 1s [Retry 1/5].')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.count("Retrying in 1s [Retry 1/5].") == 1, result.stderr
