@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
 CONFIG = REPO / "configs" / "pi05_metaworld_mt50.json"
 
 
@@ -123,7 +122,13 @@ def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results
         budget = dict(results.get("hf_vla_train", {}), eval_seconds=round(time.perf_counter() - started, 1))
         results["hf_vla"] = _summary(json.loads((out / "eval_result.json").read_text()), budget, episodes, seed)
     if which in ("both", "lerobot"):
-        from metaworld_benchmark import LeRobotChunks
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("metaworld_benchmark", REPO / "benchmarks" /
+                                                      "metaworld_benchmark.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # its lerobot policy adapter (LeRobotChunks), shared by both benchmarks
+        LeRobotChunks = module.LeRobotChunks
 
         from hf_vla.deployment import for_checkpoint
         from hf_vla.envs import metaworld
