@@ -228,9 +228,7 @@ def merged_adapter(directory: str | os.PathLike, revision: str | None = None, la
     try:
         model = AutoModel.from_pretrained(resolved)
     except (OSError, ValueError) as error:
-        raise ConfigError(f"{what}: its base model {base!r} could not be loaded: "
-                          f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}"
-                          ) from error
+        raise load_error(error, f"{what}: its base model {base!r} could not be loaded", base) from error
     merged = PeftModel.from_pretrained(model, directory).merge_and_unload()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))

@@ -196,11 +196,9 @@ class VLATrainingArguments(TrainingArguments):
             raise ConfigError("on_nonfinite='skip' is not supported under DeepSpeed, which steps the optimizer inside "
                               "backward; use 'stop'")
 
-
     def _check_scheduler_kwargs(self):
         """`lr_scheduler_kwargs` against the chosen schedule's arguments, before anything is built (transformers
         raises a TypeError when the scheduler is created, after the model and data)."""
-        import difflib
         import inspect
 
         from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
@@ -219,11 +217,10 @@ class VLATrainingArguments(TrainingArguments):
         given = set(parameters) - {"optimizer", "num_warmup_steps", "num_training_steps", "last_epoch"}
         unknown = sorted(set(kwargs) - given)
         if unknown:
-            hints = [f"{key!r} -> {match[0]!r}" for key in unknown
-                     if (match := difflib.get_close_matches(key, sorted(given), n=1, cutoff=0.6))]
+            from .validation import _suggest
+
             raise ConfigError(f"lr_scheduler_kwargs: unknown key(s) {unknown} for lr_scheduler_type "
-                              f"{kind.value!r}{' (did you mean ' + ', '.join(hints) + '?)' if hints else ''}; it "
-                              f"takes {sorted(given) or 'none'}")
+                              f"{kind.value!r}{_suggest(unknown, sorted(given))}; it takes {sorted(given) or 'none'}")
 
 
 DEFAULT_SCHEDULER_KWARGS = {"min_lr": 2.5e-6}
