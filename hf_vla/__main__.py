@@ -4,6 +4,7 @@ COMMANDS = {
     "demo": "the built-in demo end to end: data, training, closed-loop evaluation (what `make demo` runs)",
     "train": "train or fine-tune from a JSON config (CONFIG.json [--key value ...]; also under accelerate launch)",
     "evaluate": "closed-loop success of a checkpoint or a policy server in a simulator (ColorReach, Meta-World, LIBERO)",
+    "rl": "improve a policy from its own rollouts in a simulator (GRPO on Flow-SDE likelihoods; CONFIG.json [--key value])",
     "serve": "serve a checkpoint to robots over websocket (openpi's protocol)",
     "record": "record a simulator's scripted expert as a LeRobot dataset (Meta-World, ColorReach)",
     "convert": "convert a lerobot pi0 / pi0.5 checkpoint, or merge a LoRA checkpoint with its base",

@@ -16,6 +16,7 @@ order episodes finish (tested: `num_envs` 1 and 4 give the same success and step
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections import deque
@@ -26,6 +27,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .errors import ConfigError
+
+logger = logging.getLogger("hf_vla.episodes")
+_DIED = object()  # what `EpisodeRunner._guard` returns when an env worker died and was restarted
 
 
 def default_num_envs(episodes: int) -> int:
@@ -45,6 +49,9 @@ class Episode:
     boundary_jerk: float = float("nan")
     interior_jerk: float = float("nan")
     video: str | None = None
+    noise_seed: int | None = None  # the policy's noise seed (the env seed unless `run(noise_seeds=...)` says)
+    step_rewards: list[float] = field(default_factory=list, repr=False)  # the env's reward at each step
+    discarded: bool = False  # its env worker died mid-episode: not an outcome (see `EpisodeRunner(restart=...)`)
 
     def record(self) -> dict:
         return {"seed": self.seed, "success": self.success, "steps": self.steps, "reward": round(self.reward, 6)}
@@ -73,6 +80,7 @@ class _Slot:
     policy: object
     index: int = -1  # the episode's position in `seeds`
     seed: int = 0
+    noise_seed: int = 0
     task: str = ""
     observation: dict | None = None
     pending_observation: dict | None = None  # with an inference delay: what the next chunk is predicted from
@@ -84,6 +92,7 @@ class _Slot:
     switches: list = field(default_factory=list)
     frames: list | None = None
     reward: float = 0.0
+    rewards: list = field(default_factory=list)
     success: bool = False
     done: bool = True
 
@@ -94,10 +103,13 @@ class EpisodeRunner:
     policy: a `PolicyRunner`, a `RemotePolicy` or any callable `policy(observation, task, inference_delay=,
         executed_steps=) -> chunk`; with several envs it must have `fork()` (a copy with its own noise generator and
         chunk memory, or its own server connection). `reset(seed=)` is called at each episode start when present.
+    restart: with it, an env whose worker process dies (`EnvWorkerError`) is closed and replaced by `restart(slot)`,
+        and the episode it ran is returned with `discarded=True` (counted, not an outcome) instead of ending the run;
+        without it (evaluation), the error ends the run.
     """
 
     def __init__(self, envs: list, policy, n_action_steps: int, inference_delay: int = 0, rtc: bool = False,
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, restart=None):
         if not envs:
             raise ConfigError("no env to run episodes in")
         if not 1 <= n_action_steps <= (chunk_size or n_action_steps):
@@ -115,44 +127,92 @@ class EpisodeRunner:
         self.slots = [_Slot(env, p) for env, p in zip(envs, policies)]
         self.n_action_steps, self.inference_delay, self.rtc = n_action_steps, inference_delay, rtc
         self.rtc_methods: set = set()
+        self.restart = restart
+        self.discarded = 0  # episodes lost to a dead env worker (with `restart`)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self, seeds: list[int], save_videos: int = 0, output_dir: str | Path | None = None, progress: bool = True,
-            desc: str = "closed-loop episodes") -> list[Episode]:
-        """One episode per seed; the results in seed order."""
+            desc: str = "closed-loop episodes", noise_seeds: list[int] | None = None) -> list[Episode]:
+        """One episode per seed; the results in seed order. `noise_seeds[i]` seeds the policy's noise in episode i
+        (default: its env seed), so several episodes can start from one env seed and differ in the policy's noise
+        (the groups of GRPO)."""
+        if noise_seeds is not None and len(noise_seeds) != len(seeds):
+            raise ValueError(f"{len(noise_seeds)} noise seeds for {len(seeds)} episodes")
+        self._noise_seeds = list(noise_seeds) if noise_seeds is not None else list(seeds)
         pending = deque(enumerate(seeds))
         results: dict[int, Episode] = {}
         successes = 0
         bar = tqdm(total=len(seeds), desc=desc, unit="ep", disable=not progress)
         try:
             for slot in self.slots:
-                self._start(slot, pending, save_videos)
+                self._start_guarded(slot, pending, save_videos, results)
             while any(not slot.done for slot in self.slots):
                 self._serve_requests([slot for slot in self.slots if not slot.done and slot.request is not None])
                 stepping = [slot for slot in self.slots if not slot.done and slot.queue]
+                sent = []
                 for slot in stepping:
-                    _send_step(slot.env, slot.queue[0])
-                for slot in stepping:
-                    self._after_step(slot, _receive_step(slot.env))
+                    if self._guard(slot, _send_step, slot.env, slot.queue[0]) is not _DIED:
+                        sent.append(slot)
+                    else:
+                        self._discard(slot, results, bar)
+                        self._start_guarded(slot, pending, save_videos, results)
+                for slot in sent:
+                    outcome = self._guard(slot, _receive_step, slot.env)
+                    if outcome is _DIED:
+                        self._discard(slot, results, bar)
+                        self._start_guarded(slot, pending, save_videos, results)
+                        continue
+                    self._after_step(slot, outcome)
                     if slot.done:
                         episode = self._finish(slot, output_dir)
                         results[slot.index] = episode
                         successes += episode.success
                         bar.update(1)
-                        bar.set_postfix(success=f"{successes}/{len(results)}")
-                        self._start(slot, pending, save_videos)
+                        bar.set_postfix(success=f"{successes}/{len(results) - self.discarded}")
+                        self._start_guarded(slot, pending, save_videos, results)
         finally:
             bar.close()
         return [results[i] for i in range(len(seeds))]
+
+    # ---- dead env workers (with `restart`) ---------------------------------------------------------------------
+    def _guard(self, slot: _Slot, function, *args):
+        """`function(*args)`, or `_DIED` when the slot's env worker died and `restart` replaced it."""
+        from .envs.worker import EnvWorkerError
+
+        try:
+            return function(*args)
+        except EnvWorkerError as error:
+            if self.restart is None:
+                raise
+            logger.warning("%s; episode with seed %d discarded, env restarted", error, slot.seed)
+            try:
+                slot.env.close()
+            except Exception:  # noqa: BLE001  (the worker is gone)
+                pass
+            slot.env = self.restart(next(i for i, s in enumerate(self.slots) if s is slot))
+            return _DIED
+
+    def _discard(self, slot: _Slot, results: dict, bar) -> None:
+        results[slot.index] = Episode(slot.seed, False, len(slot.executed), slot.reward, noise_seed=slot.noise_seed,
+                                      step_rewards=slot.rewards, discarded=True)
+        self.discarded += 1
+        bar.update(1)
+
+    def _start_guarded(self, slot: _Slot, pending: deque, save_videos: int, results: dict) -> None:
+        while self._guard(slot, self._start, slot, pending, save_videos) is _DIED:
+            results[slot.index] = Episode(slot.seed, False, 0, 0.0, noise_seed=slot.noise_seed, discarded=True)
+            self.discarded += 1
 
     def _start(self, slot: _Slot, pending: deque, save_videos: int) -> None:
         if not pending:
             slot.done = True
             return
         slot.index, slot.seed = pending.popleft()
+        slot.noise_seed = self._noise_seeds[slot.index]
+        slot.done, slot.rewards, slot.executed = True, [], []  # until the reset below succeeds
         observation, info = slot.env.reset(seed=slot.seed)
         if hasattr(slot.policy, "reset"):
-            slot.policy.reset(seed=slot.seed)  # the episode's noise: a function of its seed alone
+            slot.policy.reset(seed=slot.noise_seed)  # the episode's noise: a function of its seed alone
         slot.task = info.get("task") or getattr(getattr(slot.env, "unwrapped", slot.env), "task", "") or ""
         slot.frames = [slot.env.render()] if slot.index < save_videos else None
         slot.observation, slot.done, slot.success, slot.reward = observation, False, False, 0.0
@@ -197,6 +257,7 @@ class EpisodeRunner:
         slot.executed.append(np.asarray(slot.queue.popleft()))
         slot.observation = observation
         slot.reward += float(reward)
+        slot.rewards.append(float(reward))
         if slot.frames is not None:
             slot.frames.append(slot.env.render())
         slot.success = slot.success or bool(info.get("is_success", False))
@@ -207,7 +268,8 @@ class EpisodeRunner:
 
     def _finish(self, slot: _Slot, output_dir) -> Episode:
         jump, jerk, interior = boundary_metrics(slot.executed, slot.switches)
-        episode = Episode(slot.seed, slot.success, len(slot.executed), slot.reward, jump, jerk, interior)
+        episode = Episode(slot.seed, slot.success, len(slot.executed), slot.reward, jump, jerk, interior,
+                          noise_seed=slot.noise_seed, step_rewards=slot.rewards)
         if slot.frames is not None and output_dir is not None:
             outcome = "success" if slot.success else "failure"
             episode.video = save_gif(slot.frames, Path(output_dir) / f"rollout_{slot.index:03d}_{outcome}.gif",
@@ -233,7 +295,7 @@ def _call_policies(requests: list[tuple]) -> list[np.ndarray]:
     """One chunk per (policy, observation, task, inference_delay, executed_steps). `PolicyRunner`s: validated and
     pre-processed each, then every group of requests that can share a forward (no RTC, equal input shapes) runs as one
     `sample_actions`; other policies are called one by one."""
-    from .policy import PolicyRunner, sample_batch
+    from .policy import PolicyRunner
 
     chunks: list = [None] * len(requests)
     groups: dict = {}
@@ -248,7 +310,7 @@ def _call_policies(requests: list[tuple]) -> list[np.ndarray]:
             chunks[i] = policy(observation, task)
     for members in groups.values():
         runner = requests[members[0][0]][0]
-        sampled = sample_batch(runner.model, [prepared for _, prepared in members], runner.device)
+        sampled = runner.sample_batch([prepared for _, prepared in members])
         for (i, prepared), chunk in zip(members, sampled):
             chunks[i] = requests[i][0].finish(prepared, chunk)
     return chunks

@@ -209,6 +209,11 @@ class PolicyRunner:
         """The same model and settings with a noise generator and chunk memory of its own (one per env slot)."""
         return replace(self)
 
+    def sample_batch(self, requests: list[PreparedRequest]) -> torch.Tensor:
+        """The normalised chunks of prepared requests that share one forward (`sample_batch`); the one place the
+        episode loop samples, so a subclass can sample otherwise (the stochastic policy of `hf_vla.rl`)."""
+        return sample_batch(self.model, requests, self.device)
+
     def head_name(self, head=None) -> str:
         try:
             return self.processor._head(head if head is not None else self.head)
@@ -220,7 +225,7 @@ class PolicyRunner:
                  execution_horizon: int | None = None) -> np.ndarray:
         request = self.prepare(observation, task, head, inference_delay, executed_steps, prev_chunk_left_over,
                                execution_horizon)
-        return self.finish(request, sample_batch(self.model, [request], self.device)[0])
+        return self.finish(request, self.sample_batch([request])[0])
 
     def prepare(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
                 executed_steps: int | None = None, prev_chunk_left_over=None,

@@ -99,4 +99,23 @@ class PreemptionCallback(TrainerCallback):
         return self.stopped_at is not None
 
 
-__all__ = ["EXIT_PREEMPTED", "PreemptionCallback", "SIGNALS"]
+
+
+def raise_if_preempted(trainer) -> None:
+    """After `trainer.train()` returned: `Preempted` (exit 75) naming the complete checkpoint of the step a signal
+    stopped at, so the command ends resumable (`python -m hf_vla.train`, `python -m hf_vla.rl`)."""
+    callback = trainer._preemption
+    if not callback.preempted:
+        return
+    from pathlib import Path
+
+    from .errors import Preempted
+
+    trainer.accelerator.wait_for_everyone()
+    step = callback.stopped_at
+    folder = Path(trainer.args.output_dir) / f"checkpoint-{step}"
+    raise Preempted(f"stopped by {signal.Signals(callback.received).name} at step {step}: the checkpoint {folder} is "
+                    f"complete; run the same command with --resume_from_checkpoint true to continue (exit status 75)")
+
+
+__all__ = ["EXIT_PREEMPTED", "PreemptionCallback", "SIGNALS", "raise_if_preempted"]

@@ -519,17 +519,9 @@ def _train(model_args, data_args, training_args):
     trainer = VLATrainer(model, training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          data_collator=collator, processing_class=processor, peft_config=peft_config)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if trainer._preemption.preempted:  # a complete checkpoint of this step is written: stop here, resumable
-        import signal
+    from .preemption import raise_if_preempted
 
-        from .errors import Preempted
-
-        trainer.accelerator.wait_for_everyone()
-        step = trainer._preemption.stopped_at
-        folder = Path(training_args.output_dir) / f"checkpoint-{step}"
-        raise Preempted(f"stopped by {signal.Signals(trainer._preemption.received).name} at step {step}: the "
-                        f"checkpoint {folder} is complete; run the same command with --resume_from_checkpoint true "
-                        f"to continue (exit status 75)")
+    raise_if_preempted(trainer)  # a complete checkpoint of this step is written: stop here, resumable
     if trainer._ema is not None and not training_args.ema_save_raw:
         with trainer._ema.swapped():  # the averaged weights are the model (every rank swaps its part)
             trainer.save_model()

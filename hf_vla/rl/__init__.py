@@ -1,0 +1,14 @@
+"""Reinforcement-learning fine-tuning of flow policies from their own rollouts (`python -m hf_vla.rl`).
+
+- `flow`: Flow-SDE (the Euler sampler as Gaussian steps with an exact chain likelihood), GRPO advantages, the clipped
+  objective;
+- `rollout`: the stochastic policy and the envs of a run, through the episode loop evaluation uses;
+- `trainer`: `RLConfig` (extends `VLATrainingArguments`) and `RLTrainer` (extends `VLATrainer`, as TRL's trainers
+  extend `Trainer`).
+"""
+
+from .flow import FlowSDE
+from .rollout import RolloutEngine, StochasticPolicy, Transition
+from .trainer import RLConfig, RLTrainer
+
+__all__ = ["FlowSDE", "RLConfig", "RLTrainer", "RolloutEngine", "StochasticPolicy", "Transition"]

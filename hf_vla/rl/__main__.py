@@ -1,0 +1,200 @@
+"""`python -m hf_vla.rl CONFIG.json [--key value ...]` (also under `torchrun` / `accelerate launch`): reinforcement-
+learning fine-tuning of a pi0.5 policy from its own rollouts.
+
+The JSON holds the fields of `hf_vla.rl.RLConfig` (the project's training arguments plus the rollout and
+policy-gradient settings; `max_steps` counts policy updates); `--key value` overrides come on top, decoded as
+`python -m hf_vla.train` decodes them. `model_name_or_path` is the policy to start from (an hf_vla output or
+checkpoint, a Hub id, a lerobot pi0.5 checkpoint, a LoRA adapter directory); env, tasks, image size, episode limit,
+actions per chunk and cameras come from its deployment contract unless the config names them. The run writes
+checkpoints in the training format (resume with `--resume_from_checkpoint true`; SIGTERM saves one and exits 75),
+keeps the best by held-out success, and ends with the final model, its card (start checkpoint, method, budget,
+success before -> after) and `rl_result.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ..errors import ConfigError, MissingFileError
+
+logger = logging.getLogger("hf_vla.rl")
+
+
+def help_text() -> str:
+    import dataclasses
+    import textwrap
+
+    from transformers import TrainingArguments
+
+    from .trainer import RLConfig
+
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    lines = [__doc__.strip(), "", "RL fields (every field of python -m hf_vla.train --help's training arguments "
+             "applies too):"]
+    for item in dataclasses.fields(RLConfig):
+        if item.name in inherited or not item.init or "help" not in item.metadata:
+            continue
+        if item.name in {f.name for f in dataclasses.fields(RLConfig.__mro__[1])} and item.name not in (
+                "n_action_steps", "max_episode_steps"):
+            continue
+        default = item.default if item.default is not dataclasses.MISSING else None
+        lines.append(f"  --{item.name} (default: {json.dumps(default) if default is None or isinstance(default, bool) else default})")
+        lines += textwrap.wrap(item.metadata["help"], 100, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
+    """JSON config + `--key value` overrides -> a validated `RLConfig` (nothing loaded yet)."""
+    from transformers import HfArgumentParser
+
+    from ..train import _apply_overrides
+    from ..validation import _suggest, check_fields, check_writable_dir, field_annotations
+    from .trainer import RLConfig
+
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"config file {path} not found")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: the configuration must be a JSON object, got {type(config).__name__}")
+    config.pop("//", None)
+    annotations = field_annotations(RLConfig)
+    _apply_overrides(config, overrides or [], annotations)
+    if isinstance(config.get("resume_from_checkpoint"), bool):
+        config["resume_from_checkpoint"] = "true" if config["resume_from_checkpoint"] else None
+    unknown = sorted(set(config) - set(annotations))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {unknown}{_suggest(unknown, annotations)} (not an RLConfig field; "
+                          "python -m hf_vla.rl --help lists them)")
+    config = check_fields(config, [RLConfig])
+    try:
+        (args,) = HfArgumentParser(RLConfig).parse_dict(config, allow_extra_keys=False)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{path}: {error}") from error
+    if not args.model_name_or_path:
+        raise ConfigError(f"{path}: set model_name_or_path (the policy to improve: an hf_vla output directory, a Hub id "
+                          "or a lerobot pi0.5 checkpoint)")
+    check_writable_dir("output_dir", args.output_dir)
+    resume = args.resume_from_checkpoint
+    if resume and resume.lower() not in ("true", "false"):
+        from ..checkpoints import check_resumable
+
+        check_resumable(resume)
+    return args
+
+
+def load_start(args):
+    """The start policy and its processor (a lerobot checkpoint converted, a LoRA adapter merged, on load)."""
+    import torch
+    from transformers import AutoModel
+
+    import hf_vla  # noqa: F401  (registers pi05)
+
+    from ..hub import load_error, resolve_pretrained
+    from ..models.pi05 import PI05Processor
+
+    with args.main_process_first(local=True, desc="checkpoint conversion"):
+        source = resolve_pretrained(args.model_name_or_path, args.model_revision, label="model_name_or_path")
+    revision = None if source != args.model_name_or_path else args.model_revision
+    try:
+        model = AutoModel.from_pretrained(source, revision=revision, dtype=torch.bfloat16 if args.bf16 else None)
+        processor = PI05Processor.from_pretrained(source, revision=revision)
+    except (OSError, ValueError) as error:
+        raise load_error(error, f"model_name_or_path={args.model_name_or_path!r} could not be loaded",
+                         args.model_name_or_path) from error
+    return model, processor
+
+
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(help_text())
+        return None
+    args = parse_rl_config(argv[0], argv[1:])
+    if args.process_index == 0:
+        from ..preflight import check_services
+
+        check_services(args)
+    from ..cli import setup_logging
+    from ..run_lock import RunLock
+
+    setup_logging(logging.INFO if args.should_log else logging.WARNING)
+    output = Path(args.output_dir)
+    created = not output.exists()
+    try:
+        with RunLock(args.output_dir) if args.process_index == 0 else contextlib.nullcontext():
+            return _run(args)
+    except BaseException:
+        if created and args.process_index == 0 and output.is_dir() and not any(output.iterdir()):
+            output.rmdir()
+        raise
+
+
+def _run(args):
+    from ..preemption import raise_if_preempted
+    from .trainer import RLTrainer
+
+    model, processor = load_start(args)
+    peft_config = None
+    if args.lora_preset:
+        from ..lora import lora_config
+
+        peft_config = lora_config(args.lora_preset, r=args.lora_r, alpha=args.lora_alpha, model=model)
+    trainer = RLTrainer(model, args, processing_class=processor, peft_config=peft_config)
+    try:
+        result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        raise_if_preempted(trainer)
+        trainer.save_model()
+        trainer.log_metrics("train", result.metrics)
+        summary = trainer.rl_summary()
+        if args.should_save:
+            (Path(args.output_dir) / "rl_result.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if args.push_to_hub:
+            trainer.push_to_hub()
+        elif args.should_save:
+            trainer.create_model_card()
+    finally:
+        trainer.engine.close()
+    if args.should_save:
+        before = "-" if summary["before"] is None else f"{100 * summary['before']:.1f}%"
+        after = "-" if summary["after"] is None else f"{100 * summary['after']:.1f}%"
+        print(f"held-out success {before} -> {after} after {summary['updates']} updates ({summary['episodes']} "
+              f"episodes); saved the model to {args.output_dir}" + (
+                  f"; best checkpoint {summary['best'][1]} ({100 * summary['best'][0]:.1f}%)"
+                  if summary["best"][0] is not None and summary["best"][1] else ""), flush=True)
+    trainer.accelerator.wait_for_everyone()
+    return trainer
+
+
+def cli(argv: list[str] | None = None):
+    from ..cli import run
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return run("hf_vla.rl", main, argv)
+    from ..train import _leave_launched_run
+
+    code = 1
+    try:
+        run("hf_vla.rl", main, argv)
+        code = 0
+    except SystemExit as error:
+        code = error.code if isinstance(error.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    _leave_launched_run(code)
+
+
+if __name__ == "__main__":
+    cli()

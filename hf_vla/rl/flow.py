@@ -1,0 +1,189 @@
+"""The flow policy as a stochastic policy with an exact likelihood (Flow-SDE), and the policy-gradient arithmetic.
+
+pi0 / pi0.5 sample a chunk by integrating the learned velocity from noise (t = 1) to actions (t = 0) with K Euler steps
+`x_{t+dt} = x_t + v(x_t, t) dt`, `dt = -1/K`, where `x_t = t * noise + (1 - t) * actions`. That ODE sample has no
+tractable likelihood. Flow-SDE (Flow-GRPO, arXiv 2505.05470, eq. 9; pi_RL's "Flow-SDE", arXiv 2510.25889) turns each
+Euler step into a Gaussian step with the same marginals,
+
+    mean = x_t (1 + sigma_t^2 / (2t) dt) + v(x_t, t) (1 + sigma_t^2 (1 - t) / (2t)) dt,   std = sigma_t sqrt(-dt),
+    sigma_t = a sqrt(t / (1 - t))   (at t = 1, the value of the next time, 1 - 1/K),
+
+so the chain x_1 -> x_{1-1/K} -> ... -> x_0 (the executed chunk) has the log-probability sum_k log N(x_{k+1}; mean_k,
+std_k^2). The sampled intermediate x_k are stored at rollout time; at update time the means are recomputed under the
+current weights (the prefix once, then K expert passes reading its cache) and the log-probability is differentiable.
+
+The derivation: the score of x_t is -(x_t + (1 - t) v) / t for this interpolant, and the reverse-time SDE with diffusion
+sigma_t that keeps the ODE's marginals has drift v - sigma_t^2 / 2 * score; `tests/test_rl.py` checks the sampler on a
+Gaussian target whose exact velocity is known (the samples' mean and variance match the target with SDE noise too).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FlowSDE:
+    """K Gaussian denoising steps with noise level `a` (`noise_level`); `a = 0` is the deterministic Euler sampler."""
+
+    num_steps: int
+    noise_level: float
+
+    def __post_init__(self):
+        if self.num_steps < 2:
+            raise ValueError(f"num_steps={self.num_steps}: the SDE sampler needs at least 2 denoising steps")
+        if not (math.isfinite(self.noise_level) and self.noise_level >= 0):
+            raise ValueError(f"noise_level={self.noise_level}: must be a finite number >= 0")
+
+    @property
+    def dt(self) -> float:
+        return -1.0 / self.num_steps
+
+    def times(self) -> list[float]:
+        """t_k = 1 - k/K, k = 0..K-1 (the time each step starts from)."""
+        return [1.0 + k * self.dt for k in range(self.num_steps)]
+
+    def sigma(self, t: float) -> float:
+        t = min(t, 1.0 + self.dt)  # sqrt(t / (1 - t)) is infinite at t = 1: use the next time's value
+        return self.noise_level * math.sqrt(t / (1.0 - t))
+
+    def stds(self) -> list[float]:
+        return [self.sigma(t) * math.sqrt(-self.dt) for t in self.times()]
+
+    def mean(self, x: torch.Tensor, velocity: torch.Tensor, t: float) -> torch.Tensor:
+        sigma2 = self.sigma(t) ** 2
+        return x * (1 + sigma2 / (2 * t) * self.dt) + velocity * (1 + sigma2 * (1 - t) / (2 * t)) * self.dt
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float, mask: torch.Tensor) -> torch.Tensor:
+    """sum over the masked trailing (chunk step, action dim) elements of log N(x; mean, std^2): `[...]`."""
+    z = (x.float() - mean.float()) / std
+    element = -0.5 * z * z - math.log(std) - 0.5 * math.log(2 * math.pi)
+    return (element * mask).sum(dim=(-2, -1))
+
+
+def _core(model):
+    """The policy module under DDP and peft wrappers (what takes `past_key_values`)."""
+    return getattr(model, "module", model)
+
+
+def velocity_fn(model, inputs: dict):
+    """A function (x, t) -> velocity of `model` on `inputs` (prompt, images), the prefix run once.
+
+    The first call goes through `model` itself (under DDP, its forward prepares the gradient all-reduce) with the
+    prefix and fills the prefix cache; later calls run only the expert on the cache. Parameters used by several calls
+    get their gradients summed by autograd before DDP's hooks fire, once per backward."""
+    state = {"cache": None}
+    core = _core(model)
+
+    def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
+        timestep = torch.full((x.shape[0],), t, dtype=torch.float32, device=x.device)
+        if state["cache"] is None:
+            out = model(noise=x, timestep=timestep, input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
+                        pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],
+                        use_cache=True)
+            state["cache"] = out.past_key_values
+            return out.logits
+        return core(noise=x, timestep=timestep, input_ids=inputs["input_ids"],
+                    pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],
+                    past_key_values=state["cache"]).logits
+
+    return velocity
+
+
+def chain_means(model, inputs: dict, chain: torch.Tensor, sde: FlowSDE) -> torch.Tensor:
+    """The Gaussian means of every step of stored chains `[B, K+1, chunk, dim]` under `model`: `[B, K, chunk, dim]`."""
+    velocity = velocity_fn(model, inputs)
+    means = []
+    for k, t in enumerate(sde.times()):
+        x = chain[:, k]
+        means.append(sde.mean(x.float(), velocity(x, t).float(), t))
+    return torch.stack(means, dim=1)
+
+
+@torch.no_grad()
+def sample_chain(model, inputs: dict, noise: torch.Tensor, step_noise: torch.Tensor, sde: FlowSDE):
+    """Sample chains from x_1 = `noise` `[B, chunk, dim]` with the Gaussian steps' standard normals `step_noise`
+    `[B, K, chunk, dim]`: returns (chain `[B, K+1, chunk, dim]`, means `[B, K, chunk, dim]`); chain[:, -1] is the
+    chunk."""
+    velocity = velocity_fn(model, inputs)
+    x = noise.float()
+    chain, means = [x], []
+    for k, (t, std) in enumerate(zip(sde.times(), sde.stds())):
+        mean = sde.mean(x, velocity(x, t).float(), t)
+        x = mean + std * step_noise[:, k].to(mean)
+        chain.append(x)
+        means.append(mean)
+    return torch.stack(chain, dim=1), torch.stack(means, dim=1)
+
+
+def step_log_probs(chain: torch.Tensor, means: torch.Tensor, sde: FlowSDE, mask: torch.Tensor) -> torch.Tensor:
+    """log N(x_{k+1}; mean_k, std_k^2) of each step, summed over the masked elements: `[B, K]`."""
+    return torch.stack([gaussian_log_prob(chain[:, k + 1], means[:, k], std, mask)
+                        for k, std in enumerate(sde.stds())], dim=1)
+
+
+def step_kl(means: torch.Tensor, reference: torch.Tensor, sde: FlowSDE, mask: torch.Tensor) -> torch.Tensor:
+    """KL between the Gaussian steps of two policies at the same x_k (equal stds): sum |m - m_ref|^2 / (2 std^2),
+    `[B, K]`; summed over k it is the KL of the chains along the sampled path (the chain rule of the KL)."""
+    out = []
+    for k, std in enumerate(sde.stds()):
+        diff = (means[:, k].float() - reference[:, k].float()) * mask
+        out.append((diff * diff).sum(dim=(-2, -1)) / (2 * std * std))
+    return torch.stack(out, dim=1)
+
+
+# ---- advantages and the clipped objective ---------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: bool = True, eps: float = 1e-4):
+    """GRPO (DeepSeekMath, arXiv 2402.03300; TRL's `scale_rewards="group"`): each episode's return minus its group's
+    mean, divided by the group's (unbiased) standard deviation + eps when `scale`. Returns (advantages, informative):
+    `informative` is False for episodes of groups whose returns are all equal (no learning signal: dropped by dynamic
+    sampling, DAPO arXiv 2503.14476)."""
+    rewards = rewards.double()
+    advantages = torch.zeros_like(rewards)
+    informative = torch.zeros_like(rewards, dtype=torch.bool)
+    for group in groups.unique():
+        members = groups == group
+        values = rewards[members]
+        centred = values - values.mean()
+        if values.numel() > 1:
+            std = values.std()
+            advantages[members] = centred / (std + eps) if scale else centred
+            informative[members] = bool(std > 0)
+    return advantages, informative
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, gamma: float, lam: float):
+    """Generalised advantage estimation (Schulman et al., arXiv 1506.02438) over one trajectory of decisions:
+    `rewards[T]`, `values[T+1]` (the last one bootstraps), `dones[T]` (no bootstrap past a terminal decision).
+    Returns (advantages[T], returns[T] = advantages + values[:T])."""
+    advantages = torch.zeros_like(rewards, dtype=torch.float64)
+    running = 0.0
+    for i in reversed(range(len(rewards))):
+        keep = 1.0 - float(dones[i])
+        delta = float(rewards[i]) + gamma * float(values[i + 1]) * keep - float(values[i])
+        running = delta + gamma * lam * keep * running
+        advantages[i] = running
+    return advantages, advantages + values[:-1].double()
+
+
+def clipped_objective(log_ratio: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float):
+    """PPO's clipped surrogate as a loss (Schulman et al., arXiv 1707.06347), with DAPO's separate upper clip:
+    `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)` elementwise, r = exp(log_ratio); advantages broadcast over
+    the trailing dims of `log_ratio`. Returns (loss elements, clipped mask: where the clipped term was the minimum and
+    differs from the unclipped one)."""
+    ratio = torch.exp(log_ratio)
+    while advantages.dim() < ratio.dim():
+        advantages = advantages[..., None]
+    advantages = advantages.to(ratio.dtype)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, clipped < unclipped
+
+
+__all__ = ["FlowSDE", "chain_means", "clipped_objective", "gae", "gaussian_log_prob", "group_advantages",
+           "sample_chain", "step_kl", "step_log_probs", "velocity_fn"]

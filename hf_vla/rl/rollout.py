@@ -1,0 +1,171 @@
+"""Rollouts for RL: the episode loop of evaluation (`hf_vla.episodes.EpisodeRunner`) with a stochastic policy that
+records what the update needs.
+
+`StochasticPolicy` is a `PolicyRunner` whose chunks come from the Flow-SDE sampler (`hf_vla.rl.flow`): every policy call
+keeps the model inputs, the sampled chain x_1 .. x_0 and its per-step log-probabilities as a `Transition`. The episode
+loop is the one `hf_vla.evaluate` runs: envs in worker processes, one batched policy call per control step across live
+envs, each episode a function of its env seed and noise seed (the Gaussian steps' normals are drawn per request from
+the slot's generator, so batching does not change an episode). `RolloutEngine` holds the envs of every task for the
+whole run and restarts an env whose worker died (its episode is discarded and counted).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..policy import MODEL_INPUTS, PolicyRunner, PreparedRequest, RequestError
+from .flow import FlowSDE, sample_chain, step_log_probs
+
+logger = logging.getLogger("hf_vla.rl")
+
+
+@dataclass
+class Transition:
+    """One policy decision: a chunk sampled from an observation, as the update recomputes it."""
+
+    inputs: dict  # MODEL_INPUTS, each [1, ...]
+    chain: torch.Tensor  # [K+1, chunk, max_action_dim], normalised; chain[-1] is the chunk
+    log_probs: torch.Tensor  # [K] per denoising step, over the executed steps and the head's action dims
+    noise_seed: int  # the episode's
+    index: int  # its position in the episode
+
+
+@dataclass
+class StochasticPolicy(PolicyRunner):
+    """A `PolicyRunner` sampling with `sde` (Flow-SDE) and recording a `Transition` per call (one list per fork)."""
+
+    sde: FlowSDE | None = None
+    n_action_steps: int = 1
+    action_dims: int | None = None  # the head's real action dims (the rest is padding); default all
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sde is None:
+            raise ValueError("StochasticPolicy needs an sde (hf_vla.rl.flow.FlowSDE)")
+        self.transitions: list[Transition] = []
+        self.noise_seed = 0
+        self._calls = 0
+
+    def fork(self) -> StochasticPolicy:
+        from dataclasses import replace
+
+        return replace(self)  # __post_init__ gives the copy its own generator and transition list
+
+    def reset(self, seed: int | None = None) -> None:
+        super().reset(seed)
+        self.noise_seed, self._calls = int(seed if seed is not None else 0), 0
+
+    def mask(self) -> torch.Tensor:
+        """[chunk, max_action_dim]: the executed steps' real action dims (what the env receives)."""
+        config = self.model.config
+        mask = torch.zeros(config.chunk_size, config.max_action_dim)
+        mask[: self.n_action_steps, : self.action_dims or config.max_action_dim] = 1.0
+        return mask
+
+    def prepare(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
+                executed_steps: int | None = None, prev_chunk_left_over=None,
+                execution_horizon: int | None = None) -> PreparedRequest:
+        if inference_delay or executed_steps is not None or prev_chunk_left_over is not None:
+            raise RequestError("RL rollouts sample independent chunks (no real-time chunking)")
+        request = super().prepare(observation, task, head)
+        config = self.model.config
+        # the Gaussian steps' normals, from this slot's generator: the episode does not depend on its batch-mates
+        request.step_noise = torch.randn(1, self.sde.num_steps, config.chunk_size, config.max_action_dim,
+                                         generator=self.generator)
+        return request
+
+    def sample_batch(self, requests: list[PreparedRequest]) -> torch.Tensor:
+        inputs = {key: torch.cat([r.inputs[key] for r in requests]).to(self.device) for key in MODEL_INPUTS}
+        noise = torch.cat([r.noise for r in requests]).to(self.device)
+        step_noise = torch.cat([r.step_noise for r in requests]).to(self.device)
+        chain, means = sample_chain(self.model, inputs, noise, step_noise, self.sde)
+        log_probs = step_log_probs(chain, means, self.sde, self.mask().to(chain.device))
+        for i, request in enumerate(requests):
+            request.chain, request.log_probs = chain[i].cpu(), log_probs[i].cpu()
+        return chain[:, -1].cpu()
+
+    def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
+        self.transitions.append(Transition({key: request.inputs[key] for key in MODEL_INPUTS}, request.chain,
+                                           request.log_probs, self.noise_seed, self._calls))
+        self._calls += 1
+        return super().finish(request, chunk)
+
+
+def _one_env(env_id: str, task: str | None, kwargs: dict, worker: bool):
+    from ..envs.worker import InWorker, make_gym
+    from ..evaluate import BENCHMARKS, _benchmark_module
+
+    if env_id in BENCHMARKS:
+        return _benchmark_module(env_id).in_worker(task, **kwargs)
+    if worker:
+        return InWorker(functools.partial(make_gym, env_id, **kwargs), name=env_id)
+    return make_gym(env_id, **kwargs)
+
+
+@dataclass
+class RolloutEngine:
+    """The envs of every task (`num_envs` each, built once) and the episodes run in them.
+
+    env_id: `metaworld`, `libero` or a gymnasium id; tasks: the benchmark's task names (`[None]` for a gymnasium id).
+    """
+
+    env_id: str
+    tasks: list
+    num_envs: int
+    env_kwargs: dict = field(default_factory=dict)
+    n_action_steps: int = 1
+    chunk_size: int | None = None
+
+    def __post_init__(self):
+        from ..evaluate import _make_envs
+
+        self.envs: dict = {}
+        try:
+            for task in self.tasks:
+                self.envs[task] = _make_envs(self.env_id, task, self.num_envs, self.env_kwargs, None)
+        except BaseException:
+            self.close()
+            raise
+        self.discarded = 0
+
+    def _restart(self, task, slot: int):
+        worker = self.num_envs > 1 or self.env_id in ("metaworld", "libero")
+        env = _one_env(self.env_id, task, self.env_kwargs, worker)
+        self.envs[task][slot] = env
+        return env
+
+    def run(self, policy, seeds: dict, noise_seeds: dict | None = None, progress: bool = False, desc: str = "rollouts"):
+        """Episodes of `policy` per task (`seeds[task]`, `noise_seeds[task]` aligned): `{task: [Episode]}` (in seed
+        order, dead-worker episodes marked `discarded`), and for a `StochasticPolicy` the transitions of every slot."""
+        from ..episodes import EpisodeRunner
+
+        episodes, transitions = {}, []
+        for task in self.tasks:
+            if not seeds.get(task):
+                continue
+            runner = EpisodeRunner(self.envs[task], policy, self.n_action_steps, chunk_size=self.chunk_size,
+                                   restart=functools.partial(self._restart, task))
+            label = f"{desc} {task}" if task else desc
+            episodes[task] = runner.run(seeds[task], progress=progress, desc=label,
+                                        noise_seeds=(noise_seeds or {}).get(task))
+            self.discarded += runner.discarded
+            for slot in runner.slots:
+                transitions += getattr(slot.policy, "transitions", [])
+                if hasattr(slot.policy, "transitions"):
+                    slot.policy.transitions = []
+        return episodes, transitions
+
+    def close(self):
+        from ..evaluate import _close
+
+        for envs in self.envs.values():
+            _close(envs)
+        self.envs = {}
+
+
+__all__ = ["RolloutEngine", "StochasticPolicy", "Transition"]

@@ -1,0 +1,46 @@
+"""What RL rollouts run with: env, tasks, image size, episode limit, actions per chunk, cameras and head, taken from
+the start checkpoint's deployment contract (`hf_vla.deployment`) as `hf_vla.evaluate` takes them, so the policy is
+improved under the settings it is deployed with; a field of `RLConfig` that contradicts the contract is refused by
+the same check as evaluate's flags."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+
+def rollout_settings(args, processor, config) -> dict:
+    from ..deployment import DeploymentConfig
+    from ..evaluate import BENCHMARKS, benchmark_tasks, check_env, evaluation_settings, head_spec
+
+    contract = None
+    if getattr(processor, "deployment", None):
+        try:
+            contract = DeploymentConfig.from_dict(processor.deployment)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+    env_kwargs = dict(args.env_kwargs or {})
+    settings = evaluation_settings(contract, None, args.env, args.task, args.eval_episodes,
+                                   n_action_steps=args.n_action_steps, image_size=env_kwargs.pop("image_size", None),
+                                   max_episode_steps=args.max_episode_steps or env_kwargs.pop("max_episode_steps", None),
+                                   chunk_size=config.chunk_size)
+    env, task = settings["env"].value, settings["task"].value
+    check_env(env, task, "env=", "task=")
+    spec = head_spec(contract, settings["head"].value)
+    bench = (spec or {}).get("benchmark") or {}
+    if bench.get("env") == env:  # the arguments the data was recorded with
+        env_kwargs = dict(bench.get("env_kwargs") or {}) | env_kwargs
+    if settings["image_size"].value is not None:
+        env_kwargs["image_size"] = settings["image_size"].value
+    if settings["max_episode_steps"].value is not None:
+        env_kwargs["max_episode_steps"] = settings["max_episode_steps"].value
+    try:
+        head = processor._head(settings["head"].value)
+    except (KeyError, ValueError, IndexError) as error:
+        raise ConfigError(f"head: {error}") from error
+    return {
+        "env": env, "tasks": benchmark_tasks(env, task) if env in BENCHMARKS else [None], "env_kwargs": env_kwargs,
+        "n_action_steps": int(settings["n_action_steps"].value), "cameras": settings["cameras"].value or None,
+        "camera_slots": len(spec["cameras"]) if spec else None, "head": head,
+        "action_dims": len(processor.norm_stats[head]["actions"]["q01"]),
+        "max_episode_steps": settings["max_episode_steps"].value,
+    }

@@ -1,0 +1,507 @@
+"""`RLTrainer`: reinforcement-learning fine-tuning of a flow policy from its own rollouts, a sibling of TRL's
+`GRPOTrainer` built on the SFT trainer (`VLATrainer`).
+
+Where TRL generates completions for prompts, this trainer rolls the policy out in envs: in `_prepare_inputs`, every
+`num_iterations` optimizer steps, each rank runs `groups_per_update` env seeds per task, `group_size` episodes from each
+seed (differing in the policy's noise), with the stochastic Flow-SDE sampler (`hf_vla.rl.flow`), and keeps every policy
+decision (one executed chunk) with its denoising chain and log-probability. Advantages are group-relative (GRPO) over
+the episodes of one seed; the loss, in `compute_loss`, is the clipped surrogate on each denoising step's likelihood
+ratio. Everything else is `VLATrainer`'s and so `Trainer`'s: the optimizer (fp32 master weights for bf16), the
+schedule, logging and `report_to`, the checkpoint format and run lock, the NaN guard, preemption (exit 75, resume),
+EMA, LoRA through peft, the Hub push. Evaluation (`evaluate`) runs held-out seeds (from 10,000, never rolled out)
+with the deterministic sampler the policy is deployed with, and the best checkpoint by held-out success is kept
+(`metric_for_best_model="success"`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ..errors import ConfigError, NonFiniteError
+from ..trainer import VLATrainer, VLATrainingArguments
+from .flow import FlowSDE, chain_means, clipped_objective, group_advantages, step_kl, step_log_probs
+
+logger = logging.getLogger("hf_vla.rl")
+ALGORITHMS = ("grpo",)
+REWARDS = ("success", "dense")
+EVAL_SEED = 10_000
+
+
+@dataclass
+class RLConfig(VLATrainingArguments):
+    r"""
+    Arguments of [`RLTrainer`]: `VLATrainingArguments` (so every `Trainer` argument) plus the rollout and policy-gradient
+    settings. `max_steps` counts policy updates (optimizer steps).
+
+    model_name_or_path (`str`): the policy to improve: an hf_vla output or checkpoint directory, a Hub id, a lerobot
+        pi0.5 checkpoint (converted on load) or a LoRA adapter directory (merged with its base).
+    model_revision (`str`, *optional*): its Hub revision.
+    lora_preset (`str`, *optional*): `expert` or `all_linear`: train peft LoRA adapters (pi_RL uses rank 8) instead of
+        the full model; `freeze="expert_only"` trains only the action expert.
+    lora_r (`int`, defaults to 8), lora_alpha (`int`, *optional*, default 2r).
+    env (`str`, *optional*): `metaworld`, `libero` or a gymnasium id; default the env the checkpoint's data was recorded
+        in (its deployment contract).
+    task (`str`, *optional*): the benchmark's tasks (as `hf_vla.evaluate --task`); default the recorded ones.
+    env_kwargs (`dict`, *optional*): env arguments (`image_size`, `max_episode_steps` are taken from the contract).
+    num_envs (`int`, defaults to 2): envs per task, each in a worker process; one batched policy call per control step.
+    algorithm (`str`, defaults to `"grpo"`): group-relative advantages over the episodes of one env seed (GRPO,
+        DeepSeekMath; SimpleVLA-RL and pi_RL's GRPO variant), no critic.
+    group_size (`int`, defaults to 8): episodes per env seed (TRL's `num_generations`).
+    groups_per_update (`int`, defaults to 2): env seeds per task and rank in each rollout batch.
+    num_iterations (`int`, defaults to 1): optimizer steps on each rollout batch (TRL's `num_iterations`); beyond the
+        first the update is off-policy and the clip range matters.
+    epsilon (`float`, defaults to 0.2), epsilon_high (`float`, *optional*, default 0.28): the clip range
+        `[1 - epsilon, 1 + epsilon_high]` of the likelihood ratio (DAPO's wider upper clip, as SimpleVLA-RL uses).
+    beta (`float`, defaults to 0.0): weight of the KL to the start policy in the loss (TRL's default is 0 too); the KL
+        is logged either way (`kl_to_start`) when `log_kl` is on.
+    log_kl (`bool`, defaults to `True`): compute the KL of the rollouts' chains to the start policy (a frozen copy, or
+        the base without adapters under LoRA).
+    noise_level (`float`, defaults to 0.5): Flow-SDE's `a` in `sigma_t = a sqrt(t / (1 - t))` (Flow-GRPO: 0.7;
+        RL.md: 0.5-0.7); exploration noise of the rollouts. Evaluation samples without it.
+    denoise_steps (`int`, *optional*): denoising steps K of the rollouts and the likelihood; default the model's
+        `num_inference_steps`, so the trained velocity is used as it is deployed.
+    reward (`str`, defaults to `"success"`): an episode's return: `success` (0/1, as SimpleVLA-RL and pi_RL) or `dense`
+        (the sum of the env's rewards).
+    scale_rewards (`bool`, defaults to `True`): divide group-centred returns by the group's standard deviation.
+    dynamic_sampling (`bool`, defaults to `True`): leave out groups whose episodes all have the same return (no
+        signal; DAPO's dynamic sampling without the re-sampling), so they do not dilute the loss.
+    episode_seed (`int`, defaults to 100000): the first env seed of the rollouts (recorded data starts at 0,
+        evaluation at 10,000; both stay disjoint from rollouts for runs of < 90,000 seeds).
+    eval_episodes (`int`, defaults to 10): held-out episodes per task at each evaluation (seeds from 10,000).
+    """
+
+    model_name_or_path: str | None = field(default=None, metadata={"help": "the policy to improve (dir, Hub id, "
+                                                                          "lerobot pi0.5, LoRA adapter dir)"})
+    model_revision: str | None = field(default=None, metadata={"help": "Hub revision of model_name_or_path"})
+    lora_preset: str | None = field(default=None, metadata={"help": "expert | all_linear: LoRA instead of full"})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank (pi_RL: 8)"})
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha (default 2r)"})
+    env: str | None = field(default=None, metadata={"help": "metaworld | libero | gym id (default: the checkpoint's)"})
+    task: str | None = field(default=None, metadata={"help": "the benchmark's tasks (default: the checkpoint's)"})
+    env_kwargs: dict | None = field(default=None, metadata={"help": "env arguments"})
+    num_envs: int = field(default=2, metadata={"help": "envs per task, each in a worker process"})
+    algorithm: str = field(default="grpo", metadata={"help": f"one of {ALGORITHMS}"})
+    group_size: int = field(default=8, metadata={"help": "episodes per env seed (GRPO group)"})
+    groups_per_update: int = field(default=2, metadata={"help": "env seeds per task and rank per rollout batch"})
+    num_iterations: int = field(default=1, metadata={"help": "optimizer steps per rollout batch"})
+    epsilon: float = field(default=0.2, metadata={"help": "lower clip of the ratio: 1 - epsilon"})
+    epsilon_high: float | None = field(default=0.28, metadata={"help": "upper clip: 1 + epsilon_high"})
+    beta: float = field(default=0.0, metadata={"help": "KL-to-start weight in the loss"})
+    log_kl: bool = field(default=True, metadata={"help": "log the rollouts' KL to the start policy"})
+    noise_level: float = field(default=0.5, metadata={"help": "Flow-SDE noise level a"})
+    denoise_steps: int | None = field(default=None, metadata={"help": "denoising steps K (default: the model's)"})
+    reward: str = field(default="success", metadata={"help": f"one of {REWARDS}"})
+    scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group's std"})
+    dynamic_sampling: bool = field(default=True, metadata={"help": "drop groups with equal returns"})
+    episode_seed: int = field(default=100_000, metadata={"help": "first env seed of the rollouts"})
+    eval_episodes: int = field(default=10, metadata={"help": "held-out episodes per task per evaluation"})
+
+    # pi_RL's learning rate for pi0 / pi0.5 (full size); small policies trained from scratch take larger ones.
+    learning_rate: float = 1e-5
+    # An RL run is a few hundred updates whose value is unknown in advance: no warm-up, no decay.
+    lr_scheduler_type: str = "constant"
+    warmup_steps: float = 0
+    max_steps: int = 100
+    # Every update is a batch of episodes: log each.
+    logging_steps: float = 1
+    # Held-out success is what the run is for: evaluate before training and with every checkpoint, keep the best.
+    eval_strategy: str = "steps"
+    eval_steps: float = 10
+    save_steps: float = 10
+    eval_on_start: bool = True
+    metric_for_best_model: str | None = "success"
+    greater_is_better: bool | None = True
+    save_total_limit: int | None = 2
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"algorithm={self.algorithm!r}: choose one of {ALGORITHMS}")
+        if self.reward not in REWARDS:
+            raise ConfigError(f"reward={self.reward!r}: choose one of {REWARDS}")
+        for name in ("num_envs", "group_size", "groups_per_update", "num_iterations", "eval_episodes", "lora_r"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
+        if self.algorithm == "grpo" and self.group_size < 2:
+            raise ConfigError(f"group_size={self.group_size}: GRPO compares episodes of one seed; use at least 2")
+        if not 0 < self.epsilon < 1:
+            raise ConfigError(f"epsilon={self.epsilon}: must be in (0, 1)")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if not self.epsilon_high > 0:
+            raise ConfigError(f"epsilon_high={self.epsilon_high}: must be positive")
+        if not (math.isfinite(self.beta) and self.beta >= 0):
+            raise ConfigError(f"beta={self.beta}: must be a finite number >= 0")
+        if not (math.isfinite(self.noise_level) and self.noise_level > 0):
+            raise ConfigError(f"noise_level={self.noise_level}: must be a positive number (the rollouts' exploration "
+                              "noise; 0 gives no likelihood to differentiate)")
+        if self.denoise_steps is not None and self.denoise_steps < 2:
+            raise ConfigError(f"denoise_steps={self.denoise_steps}: the SDE sampler needs at least 2")
+        if self.beta > 0 and not self.log_kl:
+            raise ConfigError("beta > 0 needs the start policy's means: leave log_kl on")
+        super().__post_init__()
+        if self.fsdp or self.deepspeed:
+            raise ConfigError("RL fine-tuning runs under DDP (torchrun / accelerate launch --multi_gpu); FSDP and "
+                              "DeepSpeed are not supported yet (the rollouts read the whole model on every rank)")
+
+
+class UpdateStream(IterableDataset):
+    """What the Trainer iterates: one empty item per micro-batch. The rollouts are made in `_prepare_inputs` from the
+    step count (each rank its own seeds), so the stream has no position of its own to save."""
+
+    num_workers = 0
+    provenance = None
+
+    def __iter__(self):
+        while True:
+            yield {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, on_data_change: str = "error"):
+        return None
+
+
+def _identity(item):
+    return item
+
+
+class RLTrainer(VLATrainer):
+    """Improves a flow policy (pi0.5) from its own rollouts; see the module's docstring.
+
+        trainer = RLTrainer(model, RLConfig(output_dir=..., env="metaworld", task="reach-v3"),
+                            processing_class=processor, peft_config=lora_config("expert", r=8, model=model))
+        trainer.train()
+
+    `processing_class` is the policy's `PI05Processor` (normalisation, prompt, deployment contract); `engine` an
+    `hf_vla.rl.RolloutEngine` to use instead of the one built from `args` (tests).
+    """
+
+    def __init__(self, model, args: RLConfig, processing_class=None, peft_config=None, engine=None, callbacks=None):
+        if not isinstance(args, RLConfig):
+            raise TypeError("RLTrainer needs an RLConfig")
+        if getattr(getattr(model, "config", None), "model_type", None) != "pi05":
+            raise ConfigError(f"RL fine-tuning samples through pi0.5's prefix cache; model type "
+                              f"{getattr(getattr(model, 'config', None), 'model_type', None)!r} is not supported yet")
+        from .settings import rollout_settings
+
+        self.rl_settings = rollout_settings(args, processing_class, model.config)
+        reference = None
+        if args.log_kl and peft_config is None:  # the start policy, frozen (under LoRA: the base, adapters off)
+            import copy
+
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
+        super().__init__(model, args, train_dataset=UpdateStream(), eval_dataset=UpdateStream(),
+                         data_collator=_identity, processing_class=processing_class, peft_config=peft_config,
+                         callbacks=callbacks)
+        self.reference = reference
+        self.sde = FlowSDE(args.denoise_steps or model.config.num_inference_steps, args.noise_level)
+        settings = self.rl_settings
+        if engine is None:
+            from .rollout import RolloutEngine
+
+            engine = RolloutEngine(settings["env"], settings["tasks"], args.num_envs, settings["env_kwargs"],
+                                   settings["n_action_steps"], model.config.chunk_size)
+        self.engine = engine
+        self._buffer: list[dict] | None = None
+        self._buffer_generation = -1
+        self._micro = 0
+        self._rl_metrics: dict[str, list[float]] = {}
+        self._episodes_total = 0
+
+    # ---- data: the rollouts ----------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        # Rollouts are made in the main process (the envs are worker processes of their own): no DataLoader workers.
+        return DataLoader(self.train_dataset, batch_size=None, collate_fn=_identity, num_workers=0)
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        # compute_loss normalises by the rollout batch's kept decisions (all ranks): the Trainer must not divide again.
+        return 1
+
+    def _policy(self, stochastic: bool):
+        from ..policy import ObservationMap, PolicyRunner
+        from .rollout import StochasticPolicy
+
+        model = self.accelerator.unwrap_model(self.model)
+        settings = self.rl_settings
+        common = dict(model=model, processor=self.processing_class, head=settings["head"],
+                      obs_map=ObservationMap(cameras=settings["cameras"]), device=str(self.args.device),
+                      num_camera_slots=settings["camera_slots"])
+        if not stochastic:
+            return PolicyRunner(**common)
+        return StochasticPolicy(**common, sde=self.sde, n_action_steps=settings["n_action_steps"],
+                                action_dims=settings["action_dims"])
+
+    def _seeds(self, generation: int) -> tuple[dict, dict]:
+        """Env seeds and noise seeds per task of one rollout batch on this rank: `groups_per_update` env seeds, each
+        `group_size` times with distinct noise seeds; a function of (generation, rank) alone, so a resumed run rolls
+        out what the uninterrupted one would have."""
+        args, tasks = self.args, self.rl_settings["tasks"]
+        block = (generation * args.world_size + args.process_index) * args.groups_per_update
+        seeds, noise = {}, {}
+        for t, task in enumerate(tasks):
+            seeds[task] = [args.episode_seed + block + g for g in range(args.groups_per_update)
+                           for _ in range(args.group_size)]
+            base = ((generation * args.world_size + args.process_index) * len(tasks) + t) * len(seeds[task])
+            noise[task] = [10**9 + base + i for i in range(len(seeds[task]))]
+        return seeds, noise
+
+    def _prepare_inputs(self, inputs):
+        # As TRL's GRPOTrainer: the batch is generated here, every num_iterations optimizer steps, and split into the
+        # step's gradient-accumulation micro-batches.
+        generation = self.state.global_step // self.args.num_iterations
+        if self._buffer is None or generation != self._buffer_generation:
+            self._buffer = self._generate(generation)
+            self._buffer_generation = generation
+        batch = self._buffer[self._micro % len(self._buffer)]
+        self._micro += 1
+        return batch
+
+    @torch.no_grad()
+    def _generate(self, generation: int) -> list[dict]:
+        args = self.args
+        started = time.perf_counter()
+        model = self.accelerator.unwrap_model(self.model)
+        was_training = model.training
+        policy = self._policy(stochastic=True)
+        seeds, noise_seeds = self._seeds(generation)
+        try:
+            episodes, transitions = self.engine.run(policy, seeds, noise_seeds, progress=self.is_world_process_zero()
+                                                    and not args.disable_tqdm, desc=f"rollouts (update {generation})")
+        finally:
+            model.train(was_training)
+        seconds = time.perf_counter() - started
+        # returns, group advantages (a group: one task's episodes from one env seed, all on this rank)
+        by_noise, rows = {}, []
+        for t, (task, items) in enumerate(episodes.items()):
+            kept = [e for e in items if not e.discarded]
+            if not kept:
+                continue
+            returns = torch.tensor([float(e.success) if args.reward == "success" else e.reward for e in kept])
+            groups = torch.tensor([t * 10**9 + e.seed for e in kept])
+            advantages, informative = group_advantages(returns, groups, scale=args.scale_rewards)
+            for e, a, keep in zip(kept, advantages.tolist(), informative.tolist()):
+                by_noise[e.noise_seed] = (a, keep or not args.dynamic_sampling)
+            rows.append((task, [e.success for e in kept], returns.tolist(), [e.steps for e in kept]))
+        used = [tr for tr in transitions if tr.noise_seed in by_noise and by_noise[tr.noise_seed][1]]
+        total = torch.tensor([float(len(used))], device=args.device)
+        if self.accelerator.num_processes > 1:
+            total = self.accelerator.reduce(total, reduction="sum")
+        total = float(total.item())
+        self._log_rollouts(episodes, rows, transitions, used, seconds, sum(len(v) for v in seeds.values()))
+        if self.reference is not None or (args.log_kl and hasattr(self.model, "disable_adapter")):
+            self._reference_means(used or transitions[:1])
+        return self._micro_batches(used, transitions, by_noise, total, generation)
+
+    def _reference_means(self, transitions: list) -> None:
+        """The start policy's means at each stored x_k (for the KL), in batches."""
+        model = self.accelerator.unwrap_model(self.model)
+        device = self.args.device
+        for start in range(0, len(transitions), 64):
+            part = transitions[start:start + 64]
+            inputs = {k: torch.cat([tr.inputs[k] for tr in part]).to(device) for k in part[0].inputs}
+            chain = torch.stack([tr.chain for tr in part]).to(device)
+            if self.reference is not None:
+                means = chain_means(self.reference, inputs, chain, self.sde)
+            else:
+                with model.disable_adapter():
+                    means = chain_means(model, inputs, chain, self.sde)
+            for tr, mean in zip(part, means.cpu()):
+                tr.reference_means = mean
+
+    def _micro_batches(self, used: list, transitions: list, by_noise: dict, total: float, generation: int):
+        """The kept decisions, shuffled (seeded by the generation), in `gradient_accumulation_steps` micro-batches of
+        the loss weight 1 / (kept decisions on all ranks); a part left empty holds one decision of weight 0, so every
+        rank runs the same number of forward/backward passes."""
+        parts = self.args.gradient_accumulation_steps
+        order = torch.randperm(len(used), generator=torch.Generator().manual_seed(generation)).tolist()
+        shuffled = [used[i] for i in order]
+        batches = []
+        policy_mask = self._policy(stochastic=True).mask()
+        for p in range(parts):
+            members = shuffled[p::parts]
+            weight = 1.0 / total if members else 0.0
+            if not members:
+                members = [transitions[0]]
+                if not hasattr(members[0], "reference_means") and self.reference is not None:
+                    self._reference_means(members)
+            batch = {k: torch.cat([tr.inputs[k] for tr in members]) for k in members[0].inputs}
+            batch["chain"] = torch.stack([tr.chain for tr in members])
+            batch["old_log_probs"] = torch.stack([tr.log_probs for tr in members])
+            batch["advantages"] = torch.tensor([by_noise.get(tr.noise_seed, (0.0, False))[0] for tr in members])
+            batch["weights"] = torch.full((len(members),), weight)
+            batch["mask"] = policy_mask
+            if all(hasattr(tr, "reference_means") for tr in members):
+                batch["reference_means"] = torch.stack([tr.reference_means for tr in members])
+            batches.append({k: v.to(self.args.device) for k, v in batch.items()})
+        return batches
+
+    # ---- the objective ---------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args = self.args
+        means = chain_means(model, inputs, inputs["chain"], self.sde)
+        log_probs = step_log_probs(inputs["chain"], means, self.sde, inputs["mask"])  # [b, K]
+        log_ratio = log_probs - inputs["old_log_probs"]
+        elements, clipped = clipped_objective(log_ratio, inputs["advantages"], args.epsilon, args.epsilon_high)
+        per_decision = elements.mean(dim=1)
+        kl = None
+        if "reference_means" in inputs:
+            kl = step_kl(means, inputs["reference_means"], self.sde, inputs["mask"]).mean(dim=1)
+            if args.beta > 0:
+                per_decision = per_decision + args.beta * kl
+        weights = inputs["weights"]
+        loss = (weights * per_decision).sum()
+        if not torch.isfinite(loss):
+            text = (f"non-finite RL loss ({loss.item()}) at update {self.state.global_step + 1} (rank "
+                    f"{args.process_index}): log-ratios {log_ratio.detach().min().item():.3g}..."
+                    f"{log_ratio.detach().max().item():.3g}")
+            if args.on_nonfinite == "stop":
+                raise NonFiniteError(text + "; no weights were updated. Lower learning_rate or raise noise_level, or "
+                                            "set on_nonfinite='skip'.")
+            self._nonfinite_batches.append(text)
+            loss = torch.zeros_like(loss)
+        live = weights > 0
+        if live.any():
+            with torch.no_grad():
+                ratio = log_ratio.detach()[live]
+                self._metric("clip_fraction", clipped[live].float().mean().item())
+                self._metric("approx_kl", ((ratio.exp() - 1) - ratio).mean().item())  # old -> new (Schulman's k3)
+                self._metric("ratio", ratio.exp().mean().item())
+                if kl is not None:
+                    self._metric("kl_to_start", kl.detach()[live].mean().item())
+        if self.accelerator.num_processes > 1:
+            loss = loss * self.accelerator.num_processes  # DDP averages gradients over ranks
+        return (loss, None) if return_outputs else loss
+
+    # ---- metrics ---------------------------------------------------------------------------------------------------
+    def _metric(self, name: str, value: float) -> None:
+        self._rl_metrics.setdefault(name, []).append(float(value))
+
+    def _log_rollouts(self, episodes: dict, rows: list, transitions: list, used: list, seconds: float, planned: int):
+        from accelerate.utils import gather_object
+
+        summary = [(task, successes, returns, steps) for task, successes, returns, steps in rows]
+        gathered = gather_object([summary]) if self.accelerator.num_processes > 1 else [summary]
+        counts = gather_object([(len(transitions), len(used), self.engine.discarded)]) \
+            if self.accelerator.num_processes > 1 else [(len(transitions), len(used), self.engine.discarded)]
+        per_task: dict = {}
+        for rank_rows in gathered:
+            for task, successes, returns, steps in rank_rows:
+                entry = per_task.setdefault(task, ([], [], []))
+                entry[0].extend(successes), entry[1].extend(returns), entry[2].extend(steps)
+        all_success = [s for v in per_task.values() for s in v[0]]
+        self._episodes_total += len(all_success)
+        for task, (successes, returns, steps) in per_task.items():
+            if task:
+                self._metric(f"rollout/{task}/success", sum(successes) / len(successes))
+                self._metric(f"rollout/{task}/return", sum(returns) / len(returns))
+                self._metric(f"rollout/{task}/episode_length", sum(steps) / len(steps))
+        self._metric("rollout/success", sum(all_success) / max(1, len(all_success)))
+        self._metric("rollout/return", sum(r for v in per_task.values() for r in v[1]) / max(1, len(all_success)))
+        self._metric("rollout/episode_length", sum(s for v in per_task.values() for s in v[2]) / max(1, len(all_success)))
+        self._metric("rollout/episodes_per_s", len(all_success) / max(seconds, 1e-9) / max(1, len(gathered)))
+        self._metric("rollout/episodes", self._episodes_total)
+        self._metric("rollout/decisions", sum(c[0] for c in counts))
+        self._metric("rollout/decisions_used", sum(c[1] for c in counts))
+        self._metric("rollout/discarded_episodes", sum(c[2] for c in counts))
+        stds = self.sde.stds()
+        self._metric("noise_std", sum(stds) / len(stds))
+        # the Gaussian steps' entropy per action element (fixed by the noise level under Flow-SDE)
+        self._metric("entropy", sum(0.5 * math.log(2 * math.pi * math.e * s * s) for s in stds) / len(stds))
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        # TRL's way: the metrics gathered since the last log, averaged, beside the Trainer's.
+        if "loss" in logs or "train_loss" in logs:
+            for name, values in self._rl_metrics.items():
+                if values:
+                    logs[name] = values[-1] if name.startswith("rollout/episodes") else sum(values) / len(values)
+            self._rl_metrics = {}
+        return super().log(logs, start_time)
+
+    # ---- held-out evaluation ---------------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """Held-out success: `eval_episodes` per task on seeds from 10,000 (never rolled out), deterministic sampling
+        as deployed; the ranks share the seeds. Logged as `eval_success` and `eval_<task>/success`."""
+        from accelerate.utils import gather_object
+
+        args = self.args
+        started = time.perf_counter()
+        model = self.accelerator.unwrap_model(self.model)
+        was_training = model.training
+        seeds = {task: [EVAL_SEED + i for i in range(args.eval_episodes)][args.process_index::args.world_size]
+                 for task in self.rl_settings["tasks"]}
+        try:
+            episodes, _ = self.engine.run(self._policy(stochastic=False), seeds, progress=self.is_world_process_zero()
+                                          and not args.disable_tqdm, desc="held-out evaluation")
+        finally:
+            model.train(was_training)
+        outcome = {task: [e.success for e in items if not e.discarded] for task, items in episodes.items()}
+        if self.accelerator.num_processes > 1:
+            merged: dict = {}
+            for part in gather_object([outcome]):
+                for task, values in part.items():
+                    merged.setdefault(task, []).extend(values)
+            outcome = merged
+        metrics = {}
+        for task, values in outcome.items():
+            if task:
+                metrics[f"{metric_key_prefix}_{task}/success"] = sum(values) / max(1, len(values))
+        rates = [sum(v) / max(1, len(v)) for v in outcome.values()]
+        metrics[f"{metric_key_prefix}_success"] = sum(rates) / max(1, len(rates))
+        metrics[f"{metric_key_prefix}_episodes"] = sum(len(v) for v in outcome.values())
+        metrics[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - started, 2)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    # ---- the model card --------------------------------------------------------------------------------------------
+    def rl_summary(self) -> dict:
+        """Start checkpoint, method, budget and held-out success before -> after (and best), from the log history."""
+        evals = [(int(e["step"]), e["eval_success"]) for e in self.state.log_history if "eval_success" in e]
+        args = self.args
+        return {
+            "start": args.model_name_or_path, "env": self.rl_settings["env"],
+            "tasks": [t for t in self.rl_settings["tasks"] if t],
+            "method": f"{args.algorithm.upper()} on Flow-SDE likelihoods (noise level {args.noise_level}, "
+                      f"{self.sde.num_steps} denoising steps), clip [{1 - args.epsilon:g}, {1 + args.epsilon_high:g}], "
+                      f"beta {args.beta:g}, reward {args.reward}",
+            "updates": self.state.global_step, "episodes": self._episodes_total,
+            "minutes": round(sum(e.get("train_runtime", 0) for e in self.state.log_history) / 60, 1),
+            "eval_episodes": args.eval_episodes,
+            "before": evals[0][1] if evals and evals[0][0] == 0 else None,
+            "after": evals[-1][1] if evals else None,
+            "best": (self.state.best_metric, self.state.best_model_checkpoint),
+        }
+
+    def create_model_card(self, model_name: str | None = None, base_model: str | None = None, **kwargs):
+        from ..trainer import render_model_card
+
+        if not self.is_world_process_zero():
+            return None
+        card = render_model_card(self, model_name=model_name, base_model=base_model)
+        summary = self.rl_summary()
+        before = "–" if summary["before"] is None else f"{100 * summary['before']:.1f}%"
+        after = "–" if summary["after"] is None else f"{100 * summary['after']:.1f}%"
+        card.text += (
+            "\n\n## Reinforcement-learning fine-tuning (hf_vla.rl)\n\n"
+            f"- start checkpoint: `{summary['start']}`\n- env: {summary['env']} "
+            f"{', '.join(summary['tasks'])}\n- method: {summary['method']}\n"
+            f"- budget: {summary['updates']} updates, {summary['episodes']} rollout episodes, "
+            f"{summary['minutes']} min\n- held-out success ({summary['eval_episodes']} episodes per task, seeds from "
+            f"{EVAL_SEED}): {before} before -> {after} after"
+            + (f" (best {100 * summary['best'][0]:.1f}%, {summary['best'][1]})" if summary["best"][0] is not None
+               else "") + "\n")
+        if self.args.should_save:
+            import os
+
+            card.save(os.path.join(self.args.output_dir, "README.md"))
+        return card
+
+
+__all__ = ["RLConfig", "RLTrainer", "UpdateStream"]
