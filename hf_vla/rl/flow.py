@@ -156,20 +156,6 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: bool = 
     return advantages, informative
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, gamma: float, lam: float):
-    """Generalised advantage estimation (Schulman et al., arXiv 1506.02438) over one trajectory of decisions:
-    `rewards[T]`, `values[T+1]` (the last one bootstraps), `dones[T]` (no bootstrap past a terminal decision).
-    Returns (advantages[T], returns[T] = advantages + values[:T])."""
-    advantages = torch.zeros_like(rewards, dtype=torch.float64)
-    running = 0.0
-    for i in reversed(range(len(rewards))):
-        keep = 1.0 - float(dones[i])
-        delta = float(rewards[i]) + gamma * float(values[i + 1]) * keep - float(values[i])
-        running = delta + gamma * lam * keep * running
-        advantages[i] = running
-    return advantages, advantages + values[:-1].double()
-
-
 def clipped_objective(log_ratio: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float):
     """PPO's clipped surrogate as a loss (Schulman et al., arXiv 1707.06347), with DAPO's separate upper clip:
     `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)` elementwise, r = exp(log_ratio); advantages broadcast over
@@ -185,5 +171,5 @@ def clipped_objective(log_ratio: torch.Tensor, advantages: torch.Tensor, epsilon
     return loss, clipped < unclipped
 
 
-__all__ = ["FlowSDE", "chain_means", "clipped_objective", "gae", "gaussian_log_prob", "group_advantages",
+__all__ = ["FlowSDE", "chain_means", "clipped_objective", "gaussian_log_prob", "group_advantages",
            "sample_chain", "step_kl", "step_log_probs", "velocity_fn"]

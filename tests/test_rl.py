@@ -1,0 +1,360 @@
+"""RL fine-tuning (hf_vla.rl): the Flow-SDE likelihood against independent float64 computations and a Gaussian target
+with a known velocity, GRPO advantages and the clipped objective against hand computations, a policy-gradient step on
+a toy env with a known optimum, rollouts through the evaluation episode loop (batched = serial per seed, a dead env
+worker restarted and its episode discarded), and the command end to end from an hf_vla checkpoint (full and LoRA),
+with preemption and resume."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, randomize_
+
+import rl_toy
+from hf_vla import PI05ForConditionalGeneration, PI05Processor
+from hf_vla.rl.flow import (
+    FlowSDE,
+    chain_means,
+    clipped_objective,
+    gaussian_log_prob,
+    group_advantages,
+    sample_chain,
+    step_kl,
+    step_log_probs,
+)
+from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
+
+HEAD = "color_reach::delta_xy"
+NORM_STATS = {HEAD: {"state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0]},
+                     "actions": {"q01": [-0.1, -0.1], "q99": [0.1, 0.1]}}}
+
+
+def tiny_policy(seed=0, scale=0.1, **overrides):
+    torch.manual_seed(seed)
+    config = tiny_pi05_config(**({"chunk_size": 4, "max_state_dim": 2, "max_action_dim": 2,
+                                  "num_inference_steps": 4} | overrides))
+    model = randomize_(PI05ForConditionalGeneration(config), seed=seed, scale=scale)
+    processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=NORM_STATS,
+                                          head_names=[HEAD])
+    return model, processor
+
+
+def model_inputs(processor, batch=3, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 255, (batch, 1, 3, 32, 32), generator=generator, dtype=torch.uint8)
+    states = np.random.default_rng(seed).uniform(-1, 1, (batch, 2)).astype(np.float32)
+    inputs = processor(images=images, text=["move to the red target"] * batch, state=states, head=HEAD,
+                       camera_mask=torch.ones(batch, 1, dtype=torch.bool))
+    return {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")}
+
+
+# ---- the likelihood ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("noise_level", [0.0, 0.7])
+def test_the_sde_sampler_keeps_the_flow_marginals_on_a_gaussian_target(noise_level):
+    """Data x0 ~ N(m, s^2): the exact velocity E[noise - x0 | x_t] is known in closed form, so the sampler must land on
+    N(m, s^2) with or without SDE noise (a sign error in either drift term moves the mean or the spread)."""
+    m, s, n = 0.7, 0.3, 200_000
+
+    def velocity(x, t):
+        var = t * t + (1 - t) ** 2 * s * s
+        centred = x - (1 - t) * m
+        return t * centred / var - (m + (1 - t) * s * s * centred / var)
+
+    sde = FlowSDE(200, noise_level)  # Euler's own error: the std is 9% short at 20 steps, 1% at 200
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, dtype=torch.float64, generator=generator)
+    for t, std in zip(sde.times(), sde.stds()):
+        x = sde.mean(x, velocity(x, t), t) + std * torch.randn(n, dtype=torch.float64, generator=generator)
+    assert abs(x.mean().item() - m) < 0.02
+    assert abs(x.std().item() - s) / s < 0.025
+
+
+def test_the_chain_log_probability_equals_an_independent_float64_gaussian():
+    model, processor = tiny_policy()
+    inputs = model_inputs(processor)
+    sde = FlowSDE(4, 0.6)
+    generator = torch.Generator().manual_seed(1)
+    noise = torch.randn(3, 4, 2, generator=generator)
+    step_noise = torch.randn(3, 4, 4, 2, generator=generator)
+    chain, means = sample_chain(model.eval(), inputs, noise, step_noise, sde)
+    mask = torch.zeros(4, 2)
+    mask[:2] = 1  # two executed actions of the chunk of four
+    ours = step_log_probs(chain, means, sde, mask).sum(dim=1)
+    # independently: scipy's normal density in float64 over the executed elements of every step
+    from scipy.stats import norm
+
+    stds = [sde.noise_level * math.sqrt(min(t, 0.75) / (1 - min(t, 0.75))) * math.sqrt(0.25) for t in (1, .75, .5, .25)]
+    expected = np.zeros(3)
+    for k, std in enumerate(stds):
+        values = norm.logpdf(chain[:, k + 1, :2].double().numpy(), means[:, k, :2].double().numpy(), std)
+        expected += values.sum(axis=(1, 2))
+    np.testing.assert_allclose(ours.double().numpy(), expected, rtol=1e-5)
+    # the stored chain is what the means give: x_{k+1} = mean_k + std_k * step_noise_k
+    for k, std in enumerate(stds):
+        torch.testing.assert_close(chain[:, k + 1], means[:, k] + std * step_noise[:, k], rtol=1e-5, atol=1e-6)
+    # recomputed under the same weights with gradients (the update's path) the means are the rollout's
+    torch.testing.assert_close(chain_means(model, inputs, chain, sde), means, rtol=1e-4, atol=1e-5)
+    # and the KL of a policy to itself is zero, to a shifted one the closed form
+    assert step_kl(means, means, sde, mask).abs().max() == 0
+    shifted = step_kl(means + 0.1, means, sde, mask)
+    torch.testing.assert_close(shifted[0], torch.tensor([4 * 0.01 / (2 * s * s) for s in stds]), rtol=1e-4, atol=0)
+    assert gaussian_log_prob(chain[:, 1], means[:, 0], stds[0], torch.zeros(4, 2)).abs().max() == 0
+
+
+def test_the_cached_prefix_gives_the_gradient_of_full_forwards():
+    """The update runs the prefix once and the expert K times on its cache: the same gradient as K full forwards."""
+    model, processor = tiny_policy(seed=2)
+    inputs = model_inputs(processor, batch=2, seed=2)
+    sde = FlowSDE(4, 0.5)
+    chain = torch.randn(2, 5, 4, 2, generator=torch.Generator().manual_seed(3))
+    chain_means(model, inputs, chain, sde).square().sum().backward()
+    cached = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    total = 0
+    for k, t in enumerate(sde.times()):
+        v = model(noise=chain[:, k], timestep=torch.full((2,), t), **inputs).logits
+        total = total + sde.mean(chain[:, k], v, t).square().sum()
+    total.backward()
+    full = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert cached.keys() == full.keys() and any("vlm" in n for n in full)  # the VLM gets gradients through the cache
+    for name in full:
+        torch.testing.assert_close(cached[name], full[name], rtol=1e-4, atol=1e-6)
+
+
+# ---- advantages and the objective ----------------------------------------------------------------------------------
+def test_group_advantages_equal_a_hand_computation():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])
+    advantages, informative = group_advantages(rewards, groups)
+    std0 = math.sqrt(sum((r - 0.5) ** 2 for r in (1, 0, 0, 1)) / 3)  # unbiased, as TRL
+    expected = [0.5 / (std0 + 1e-4), -0.5 / (std0 + 1e-4), -0.5 / (std0 + 1e-4), 0.5 / (std0 + 1e-4), 0, 0,
+                -1.5 / (math.sqrt(4.5) + 1e-4), 1.5 / (math.sqrt(4.5) + 1e-4)]
+    np.testing.assert_allclose(advantages.numpy(), expected, rtol=1e-9)
+    assert informative.tolist() == [True] * 4 + [False] * 2 + [True] * 2  # group 1 all succeeded: no signal
+    centred, _ = group_advantages(rewards, groups, scale=False)
+    np.testing.assert_allclose(centred.numpy(), [0.5, -0.5, -0.5, 0.5, 0, 0, -1.5, 1.5])
+
+
+def test_the_clipped_objective_equals_a_hand_computation():
+    ratios = torch.tensor([[0.5, 1.0, 1.5], [0.5, 1.0, 1.5]])
+    advantages = torch.tensor([2.0, -1.0])
+    loss, clipped = clipped_objective(ratios.log(), advantages, epsilon=0.2, epsilon_high=0.28)
+    # A > 0: -min(r A, clip(r) A) = -(0.5*2, 1*2, 1.28*2); A < 0: -min(-r, -clip(r)) = (0.8, 1, 1.5)
+    torch.testing.assert_close(loss, torch.tensor([[-1.0, -2.0, -2.56], [0.8, 1.0, 1.5]]))
+    assert clipped.tolist() == [[False, False, True], [True, False, False]]
+
+
+# ---- a policy-gradient step on a toy env with a known optimum ------------------------------------------------------
+def _mean_action(model, processor, draws=256):
+    inputs = model_inputs(processor, batch=1)
+    inputs = {k: v.expand(draws, *v.shape[1:]) for k, v in inputs.items()}
+    inputs["input_ids"] = model_inputs(processor, batch=1)["input_ids"].expand(draws, -1)
+    images = torch.full((1, 1, 3, 32, 32), 90, dtype=torch.uint8)
+    real = processor(images=images, text=[rl_toy.PointBandit().task], state=np.zeros((1, 2), np.float32), head=HEAD,
+                     camera_mask=torch.ones(1, 1, dtype=torch.bool))
+    inputs = {k: real[k].expand(draws, *real[k].shape[1:]) for k in inputs}
+    noise = torch.randn(draws, 4, 2, generator=torch.Generator().manual_seed(5))
+    chunk = model.eval().sample_actions(**inputs, noise=noise)
+    return processor.unnormalize_actions(chunk, HEAD)[:, 0].mean(0).numpy()
+
+
+def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_path):
+    from hf_vla.rl import RLConfig, RLTrainer
+
+    model, processor = tiny_policy(seed=4, scale=0.05)
+    before = _mean_action(model, processor)
+    args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=16,
+                    groups_per_update=4, max_steps=1, reward="dense", optim="sgd", learning_rate=0.05,
+                    max_grad_norm=0.0, use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no",
+                    eval_strategy="no", eval_on_start=False, log_kl=False, n_action_steps=1, seed=0)
+    trainer = RLTrainer(model, args, processing_class=processor)
+    try:
+        trainer.train()
+    finally:
+        trainer.engine.close()
+    after = _mean_action(model, processor)
+    toward = rl_toy.TARGET - before
+    move = after - before
+    cosine = float(move @ toward / (np.linalg.norm(move) * np.linalg.norm(toward)))
+    print("mean action", before, "->", after, "optimum", rl_toy.TARGET, "cosine", cosine)
+    assert cosine > 0.5, (before, after, rl_toy.TARGET)  # toward the known optimum (64 episodes' estimate)
+    # the size: a real step (the distance shrinks by over 10%) that does not overshoot the optimum
+    distance = np.linalg.norm(rl_toy.TARGET - after)
+    assert distance < 0.9 * np.linalg.norm(toward) and np.linalg.norm(move) < np.linalg.norm(toward), (before, after)
+    entry = next(e for e in trainer.state.log_history if "rollout/return" in e)
+    assert entry["rollout/decisions_used"] == 64 and entry["rollout/episodes"] == 64
+
+
+# ---- rollouts through the evaluation episode loop -------------------------------------------------------------------
+def _stochastic(model, processor, **kwargs):
+    from hf_vla.rl import StochasticPolicy
+
+    return StochasticPolicy(model=model, processor=processor, head=HEAD, sde=FlowSDE(4, 0.5), n_action_steps=2,
+                            action_dims=2, **kwargs)
+
+
+def test_batched_rollouts_equal_serial_ones_per_seed():
+    """Each episode's chain is a function of its env seed and noise seed: 1 env or 2 envs in workers give the same
+    decisions, log-probabilities and outcomes."""
+    from hf_vla.rl import RolloutEngine
+
+    model, processor = tiny_policy(seed=6)
+    seeds = {None: [0, 0, 1, 1]}
+    noise = {None: [10, 11, 12, 13]}
+    runs = []
+    for num_envs in (1, 2):
+        engine = RolloutEngine("hf_vla/ColorReach-v0", [None], num_envs, {"max_episode_steps": 6}, 2, 4)
+        try:
+            runs.append(engine.run(_stochastic(model, processor), seeds, noise))
+        finally:
+            engine.close()
+    (serial, serial_tr), (batched, batched_tr) = runs
+    assert [(e.seed, e.noise_seed, e.steps, e.success) for e in serial[None]] == \
+        [(e.seed, e.noise_seed, e.steps, e.success) for e in batched[None]]
+    key = lambda tr: (tr.noise_seed, tr.index)  # noqa: E731
+    assert sorted(map(key, serial_tr)) == sorted(map(key, batched_tr)) and len(serial_tr) == 4 * 3
+    by_key = {key(tr): tr for tr in batched_tr}
+    for tr in serial_tr:
+        torch.testing.assert_close(tr.chain, by_key[key(tr)].chain, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(tr.log_probs, by_key[key(tr)].log_probs, rtol=1e-4, atol=1e-3)
+    # two episodes from one env seed differ only in the policy's noise
+    first = [tr for tr in serial_tr if tr.noise_seed in (10, 11) and tr.index == 0]
+    assert not torch.allclose(first[0].chain[-1], first[1].chain[-1])
+
+
+def test_a_dead_env_worker_is_restarted_and_its_episode_discarded_and_counted():
+    from hf_vla.envs.worker import InWorker
+    from hf_vla.rl import RolloutEngine
+
+    model, processor = tiny_policy(seed=7)
+    engine = RolloutEngine("hf_vla/ColorReach-v0", [None], 2, {"max_episode_steps": 8}, 2, 4)
+    made = []
+
+    def crashing(task, slot):
+        made.append(slot)
+        env = InWorker(functools.partial(rl_toy.CrashingReach, max_steps=8), name="crashing reach")
+        engine.envs[task][slot] = env
+        return env
+
+    try:
+        engine.envs[None] = [InWorker(functools.partial(rl_toy.CrashingReach, max_steps=8), name="crashing reach")
+                             for _ in range(2)]
+        engine._restart = crashing
+        seeds = [0, 1, 2, rl_toy.CRASH_SEED, 4, 5]
+        episodes, transitions = engine.run(_stochastic(model, processor), {None: seeds})
+    finally:
+        engine.close()
+    outcome = {e.seed: e for e in episodes[None]}
+    assert outcome[rl_toy.CRASH_SEED].discarded and engine.discarded == 1 and len(made) == 1
+    assert all(not outcome[s].discarded and outcome[s].steps == 8 or outcome[s].success for s in seeds
+               if s != rl_toy.CRASH_SEED)
+    assert {tr.noise_seed for tr in transitions} >= {0, 1, 2, 4, 5}
+
+
+# ---- the command ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory):
+    """An hf_vla output directory with a deployment contract: ColorReach recorded at 24 px (20-step limit), 2 steps."""
+    from hf_vla.record import record
+    from hf_vla.train import main as train_main
+
+    base = tmp_path_factory.mktemp("rl_start")
+    record("color_reach", base / "data", episodes=4, image_size=24, max_episode_steps=20, progress=False)
+    datasets = json.loads((REPO / "configs/demo.json").read_text())["datasets"]
+    datasets[0]["root"] = str(base / "data")
+    out = base / "sft"
+    train_main([str(REPO / "configs/demo.json"), "--datasets", json.dumps(datasets), "--output_dir", str(out),
+                "--generate_demo_data", "false", "--validation_ratio", "0", "--per_device_train_batch_size", "4",
+                "--stream_open_blocks", "2", "--max_steps", "2", "--warmup_steps", "0", "--disable_tqdm", "true",
+                "--n_action_steps", "4", "--model_config.num_inference_steps", "4"])
+    return out
+
+
+def _rl_command(config, out, *extra):
+    return [sys.executable, "-m", "hf_vla.rl", str(config), "--output_dir", str(out), *extra]
+
+
+def _config(tmp_path, start, **fields):
+    config = {"model_name_or_path": str(start), "num_envs": 2, "group_size": 2, "groups_per_update": 1,
+              "max_steps": 2, "eval_episodes": 2, "eval_steps": 2, "save_steps": 1, "learning_rate": 1e-3,
+              "use_cpu": True, "report_to": [], "disable_tqdm": True} | fields
+    path = tmp_path / "rl.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _run(command, **kwargs):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **kwargs)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(sft_checkpoint, tmp_path, lora):
+    out = tmp_path / "rl"
+    extra = ["--lora_preset", "expert"] if lora else []
+    done = _run(_rl_command(_config(tmp_path, sft_checkpoint), out, *extra))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "held-out success" in done.stdout and str(out) in done.stdout
+    summary = json.loads((out / "rl_result.json").read_text())
+    assert summary["updates"] == 2 and summary["episodes"] == 4 and summary["before"] is not None
+    assert summary["env"] == "hf_vla/ColorReach-v0"  # from the checkpoint's contract, not a flag
+    card = (out / "README.md").read_text()
+    assert "Reinforcement-learning fine-tuning" in card and str(sft_checkpoint) in card and "GRPO" in card
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    logged = {k for entry in state["log_history"] for k in entry}
+    assert {"rollout/success", "rollout/return", "rollout/episode_length", "rollout/episodes_per_s", "noise_std",
+            "entropy", "eval_success"} <= logged
+    if not lora:
+        assert "kl_to_start" in logged
+    assert (out / "deployment_config.json").exists()  # the contract travels with the improved policy
+    from hf_vla.policy import load_policy
+
+    policy = load_policy(out)  # AutoModel + processor: the merged model under LoRA
+    start = load_policy(sft_checkpoint)
+    moved = max((a - b).abs().max().item() for a, b in zip(policy.model.state_dict().values(),
+                                                           start.model.state_dict().values()))
+    assert moved > 0
+    if lora:
+        assert (out / "adapter" / "adapter_config.json").exists()
+
+
+def test_the_command_refuses_bad_input_in_one_line(sft_checkpoint, tmp_path):
+    done = _run(_rl_command(_config(tmp_path, sft_checkpoint, group_size=1), tmp_path / "a"))
+    assert done.returncode == 2 and "group_size=1" in done.stderr and "Traceback" not in done.stderr
+    done = _run(_rl_command(_config(tmp_path, sft_checkpoint), tmp_path / "b", "--nois_level", "0.3"))
+    assert done.returncode == 2 and "noise_level" in done.stderr  # did-you-mean
+    done = _run(_rl_command(_config(tmp_path, sft_checkpoint), tmp_path / "c", "--n_action_steps", "3"))
+    assert done.returncode == 2 and "n_action_steps" in done.stderr and "--override" in done.stderr
+
+
+def test_sigterm_saves_a_checkpoint_exits_75_and_the_run_resumes(sft_checkpoint, tmp_path):
+    out = tmp_path / "rl"
+    config = _config(tmp_path, sft_checkpoint, max_steps=4, eval_on_start=False, eval_steps=4, save_steps=4)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    process = subprocess.Popen(_rl_command(config, out, "--disable_tqdm", "false"), cwd=REPO, env=env,
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen = ""
+    for line in iter(process.stderr.readline, ""):  # the second rollout batch: update 1 is done
+        seen += line
+        if "rollouts (update 1)" in line:
+            process.send_signal(signal.SIGTERM)
+            break
+    rest = process.communicate(timeout=600)[1]
+    assert process.returncode == 75, (seen + rest)[-3000:]
+    checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert checkpoints in (["checkpoint-2"], ["checkpoint-1"]), checkpoints
+    done = _run(_rl_command(config, out, "--resume_from_checkpoint", "true"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    episodes = [e["rollout/episodes"] for e in state["log_history"] if "rollout/episodes" in e]
+    assert episodes[-1] == 2 * (4 - int(checkpoints[0].split("-")[1]))  # the resumed run rolled out the rest only
