@@ -16,10 +16,10 @@ import sys
 
 import numpy as np
 import pytest
+import rl_toy
 import torch
 from conftest import REPO, randomize_
 
-import rl_toy
 from hf_vla import PI05ForConditionalGeneration, PI05Processor
 from hf_vla.rl.flow import (
     FlowSDE,

@@ -31,6 +31,7 @@ class Transition:
     inputs: dict  # MODEL_INPUTS, each [1, ...]
     chain: torch.Tensor  # [K+1, chunk, max_action_dim], normalised; chain[-1] is the chunk
     log_probs: torch.Tensor  # [K] per denoising step, over the executed steps and the head's action dims
+    means: torch.Tensor  # [K, chunk, max_action_dim]: the Gaussian steps' means under the rollout weights
     noise_seed: int  # the episode's
     index: int  # its position in the episode
 
@@ -86,12 +87,12 @@ class StochasticPolicy(PolicyRunner):
         chain, means = sample_chain(self.model, inputs, noise, step_noise, self.sde)
         log_probs = step_log_probs(chain, means, self.sde, self.mask().to(chain.device))
         for i, request in enumerate(requests):
-            request.chain, request.log_probs = chain[i].cpu(), log_probs[i].cpu()
+            request.chain, request.log_probs, request.means = chain[i].cpu(), log_probs[i].cpu(), means[i].cpu()
         return chain[:, -1].cpu()
 
     def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
         self.transitions.append(Transition({key: request.inputs[key] for key in MODEL_INPUTS}, request.chain,
-                                           request.log_probs, self.noise_seed, self._calls))
+                                           request.log_probs, request.means, self.noise_seed, self._calls))
         self._calls += 1
         return super().finish(request, chunk)
 

@@ -295,8 +295,14 @@ class RLTrainer(VLATrainer):
             total = self.accelerator.reduce(total, reduction="sum")
         total = float(total.item())
         self._log_rollouts(episodes, rows, transitions, used, seconds, sum(len(v) for v in seeds.values()))
-        if self.reference is not None or (args.log_kl and hasattr(self.model, "disable_adapter")):
-            self._reference_means(used or transitions[:1])
+        if args.log_kl:  # the start policy's means at the stored x_k: the KL along the rollouts' chains
+            measured = used if args.beta > 0 else (used or transitions)[:256]
+            self._reference_means(measured)
+            if measured:
+                kl = step_kl(torch.stack([tr.means for tr in measured]),
+                             torch.stack([tr.reference_means for tr in measured]), self.sde,
+                             self._policy(stochastic=True).mask()).sum(dim=1)
+                self._metric("kl_to_start", kl.mean().item())
         return self._micro_batches(used, transitions, by_noise, total, generation)
 
     def _reference_means(self, transitions: list) -> None:
@@ -329,7 +335,7 @@ class RLTrainer(VLATrainer):
             weight = 1.0 / total if members else 0.0
             if not members:
                 members = [transitions[0]]
-                if not hasattr(members[0], "reference_means") and self.reference is not None:
+                if self.args.beta > 0 and not hasattr(members[0], "reference_means"):
                     self._reference_means(members)
             batch = {k: torch.cat([tr.inputs[k] for tr in members]) for k in members[0].inputs}
             batch["chain"] = torch.stack([tr.chain for tr in members])
@@ -337,7 +343,7 @@ class RLTrainer(VLATrainer):
             batch["advantages"] = torch.tensor([by_noise.get(tr.noise_seed, (0.0, False))[0] for tr in members])
             batch["weights"] = torch.full((len(members),), weight)
             batch["mask"] = policy_mask
-            if all(hasattr(tr, "reference_means") for tr in members):
+            if self.args.beta > 0:
                 batch["reference_means"] = torch.stack([tr.reference_means for tr in members])
             batches.append({k: v.to(self.args.device) for k, v in batch.items()})
         return batches
@@ -350,11 +356,9 @@ class RLTrainer(VLATrainer):
         log_ratio = log_probs - inputs["old_log_probs"]
         elements, clipped = clipped_objective(log_ratio, inputs["advantages"], args.epsilon, args.epsilon_high)
         per_decision = elements.mean(dim=1)
-        kl = None
-        if "reference_means" in inputs:
-            kl = step_kl(means, inputs["reference_means"], self.sde, inputs["mask"]).mean(dim=1)
-            if args.beta > 0:
-                per_decision = per_decision + args.beta * kl
+        if args.beta > 0:  # the KL to the start policy per denoising step, as TRL adds beta * KL per token
+            per_decision = per_decision + args.beta * step_kl(means, inputs["reference_means"], self.sde,
+                                                              inputs["mask"]).mean(dim=1)
         weights = inputs["weights"]
         loss = (weights * per_decision).sum()
         if not torch.isfinite(loss):
@@ -373,8 +377,6 @@ class RLTrainer(VLATrainer):
                 self._metric("clip_fraction", clipped[live].float().mean().item())
                 self._metric("approx_kl", ((ratio.exp() - 1) - ratio).mean().item())  # old -> new (Schulman's k3)
                 self._metric("ratio", ratio.exp().mean().item())
-                if kl is not None:
-                    self._metric("kl_to_start", kl.detach()[live].mean().item())
         if self.accelerator.num_processes > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over ranks
         return (loss, None) if return_outputs else loss
