@@ -358,3 +358,34 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_the_run_resumes(sft_checkpoint,
     assert state["global_step"] == 4
     episodes = [e["rollout/episodes"] for e in state["log_history"] if "rollout/episodes" in e]
     assert episodes[-1] == 2 * (4 - int(checkpoints[0].split("-")[1]))  # the resumed run rolled out the rest only
+
+
+def test_two_processes_update_with_the_gradient_of_one_process_on_the_union_of_their_rollouts(tmp_path):
+    """Under DDP each rank rolls out its own seeds; the update's gradient is the one-process gradient of the loss over
+    every rank's decisions (the loss weight 1 / all ranks' decisions, DDP's average undone)."""
+    from rl_distributed import Recording, config
+
+    out = tmp_path / "grads.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT="29531")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29531", str(REPO / "tests" / "rl_distributed.py"), str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    saved = torch.load(out, weights_only=False)
+    assert saved["world_size"] == 2 and len(saved["batches"]) == 4  # 2 ranks x GA 2
+    decisions = [b for b in saved["batches"] if (b["weights"] > 0).any()]
+    assert sum(len(b["weights"]) for b in decisions) == 8  # 4 episodes per rank, one decision each
+    assert all(abs(float(b["weights"][0]) - 1 / 8) < 1e-9 for b in decisions)  # normalised over both ranks
+    first = saved["batches"][0]["chain"]
+    assert not any(torch.equal(first, b["chain"]) for b in saved["batches"][2:])  # the ranks rolled out other seeds
+    model, processor = tiny_policy(seed=4, scale=0.05)
+    trainer = Recording(model, config(str(tmp_path / "one"), False), processing_class=processor)
+    trainer.seen = []
+    try:
+        total = sum(trainer.compute_loss(model.train(), b) for b in saved["batches"])
+    finally:
+        trainer.engine.close()
+    total.backward()
+    assert saved["grads"].keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, grad in saved["grads"].items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=1e-4, atol=1e-7)
