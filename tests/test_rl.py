@@ -389,3 +389,18 @@ def test_two_processes_update_with_the_gradient_of_one_process_on_the_union_of_t
     assert saved["grads"].keys() == {n for n, p in model.named_parameters() if p.grad is not None}
     for name, grad in saved["grads"].items():
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs" / "rl").glob("*.json")), ids=lambda p: p.name)
+def test_every_rl_config_validates(config, tmp_path):
+    from hf_vla.rl.__main__ import parse_rl_config
+
+    args = parse_rl_config(config, ["--output_dir", str(tmp_path / "out")])
+    assert args.model_name_or_path and args.max_steps > 0 and args.eval_strategy == "steps"
+
+
+def test_help_lists_the_rl_fields_and_the_command_is_listed():
+    done = _run([sys.executable, "-m", "hf_vla.rl", "--help"])
+    assert done.returncode == 0 and "--group_size (default: 8)" in done.stdout
+    assert "--learning_rate (default: 1e-05; training's: 2.5e-05)" in done.stdout
+    assert "python -m hf_vla.rl " in _run([sys.executable, "-m", "hf_vla"]).stdout

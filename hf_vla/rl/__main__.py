@@ -26,26 +26,40 @@ logger = logging.getLogger("hf_vla.rl")
 
 
 def help_text() -> str:
+    """`--help`: the module's text, the RL fields, and the training arguments whose RL default differs."""
     import dataclasses
     import textwrap
 
-    from transformers import TrainingArguments
-
+    from ..trainer import VLATrainingArguments
     from .trainer import RLConfig
 
-    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
-    lines = [__doc__.strip(), "", "RL fields (every field of python -m hf_vla.train --help's training arguments "
+    base = {f.name: f for f in dataclasses.fields(VLATrainingArguments)}
+    lines = [__doc__.strip(), "", "RL fields (every field of `python -m hf_vla.train --help`'s training arguments "
              "applies too):"]
+    def default_of(item):
+        if item.default is not dataclasses.MISSING:
+            value = item.default
+        elif item.default_factory is not dataclasses.MISSING:
+            value = item.default_factory()
+        else:
+            value = None
+        return getattr(value, "value", value)
+
+    changed = []
     for item in dataclasses.fields(RLConfig):
-        if item.name in inherited or not item.init or "help" not in item.metadata:
+        if not item.init or item.name.startswith("_"):
             continue
-        if item.name in {f.name for f in dataclasses.fields(RLConfig.__mro__[1])} and item.name not in (
-                "n_action_steps", "max_episode_steps"):
+        default = default_of(item)
+        shown = json.dumps(default) if default is None or isinstance(default, bool) else default
+        if item.name in base:
+            theirs = default_of(base[item.name])
+            if theirs != default:
+                changed.append(f"  --{item.name} (default: {shown}; training's: {theirs})")
             continue
-        default = item.default if item.default is not dataclasses.MISSING else None
-        lines.append(f"  --{item.name} (default: {json.dumps(default) if default is None or isinstance(default, bool) else default})")
-        lines += textwrap.wrap(item.metadata["help"], 100, initial_indent="      ", subsequent_indent="      ")
-    return "\n".join(lines)
+        lines.append(f"  --{item.name} (default: {shown})")
+        lines += textwrap.wrap(item.metadata.get("help", ""), 100, initial_indent="      ",
+                               subsequent_indent="      ")
+    return "\n".join(lines + ["", "training arguments with RL defaults:", *changed])
 
 
 def parse_rl_config(path: str | Path, overrides: list[str] | None = None):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+from transformers import TrainerCallback
 
 from ..errors import ConfigError, NonFiniteError
 from ..trainer import VLATrainer, VLATrainingArguments
@@ -74,6 +75,9 @@ class RLConfig(VLATrainingArguments):
     episode_seed (`int`, defaults to 100000): the first env seed of the rollouts (recorded data starts at 0,
         evaluation at 10,000; both stay disjoint from rollouts for runs of < 90,000 seeds).
     eval_episodes (`int`, defaults to 10): held-out episodes per task at each evaluation (seeds from 10,000).
+    max_train_minutes (`float`, *optional*): stop after the update during which this much wall-clock time has passed
+        since training started (held-out evaluations not counted), with a checkpoint: a budget in minutes rather than
+        updates, as benchmarks compare arms.
     """
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "the policy to improve (dir, Hub id, "
@@ -101,6 +105,7 @@ class RLConfig(VLATrainingArguments):
     dynamic_sampling: bool = field(default=True, metadata={"help": "drop groups with equal returns"})
     episode_seed: int = field(default=100_000, metadata={"help": "first env seed of the rollouts"})
     eval_episodes: int = field(default=10, metadata={"help": "held-out episodes per task per evaluation"})
+    max_train_minutes: float | None = field(default=None, metadata={"help": "wall-clock budget of the updates"})
 
     # pi_RL's learning rate for pi0 / pi0.5 (full size); small policies trained from scratch take larger ones.
     learning_rate: float = 1e-5
@@ -142,12 +147,38 @@ class RLConfig(VLATrainingArguments):
                               "noise; 0 gives no likelihood to differentiate)")
         if self.denoise_steps is not None and self.denoise_steps < 2:
             raise ConfigError(f"denoise_steps={self.denoise_steps}: the SDE sampler needs at least 2")
+        if self.max_train_minutes is not None and not self.max_train_minutes > 0:
+            raise ConfigError(f"max_train_minutes={self.max_train_minutes}: must be positive (or unset)")
         if self.beta > 0 and not self.log_kl:
             raise ConfigError("beta > 0 needs the start policy's means: leave log_kl on")
         super().__post_init__()
         if self.fsdp or self.deepspeed:
             raise ConfigError("RL fine-tuning runs under DDP (torchrun / accelerate launch --multi_gpu); FSDP and "
                               "DeepSpeed are not supported yet (the rollouts read the whole model on every rank)")
+
+
+class TimeBudget(TrainerCallback):
+    """Stops training (with a checkpoint) after the update during which `max_train_minutes` of training time passed;
+    the time held-out evaluations take is not counted. Every rank stops at the same update (rank 0's clock decides)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.started, self.evaluating = trainer, None, 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.evaluating += float((metrics or {}).get("eval_runtime", 0.0))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        spent = torch.tensor([(time.perf_counter() - self.started - self.evaluating) / 60], device=args.device)
+        if self.trainer.accelerator.num_processes > 1:
+            spent = self.trainer.accelerator.reduce(spent, reduction="max")
+        if spent.item() >= args.max_train_minutes:
+            logger.info("max_train_minutes=%g reached after update %d: saving and stopping", args.max_train_minutes,
+                        state.global_step)
+            control.should_save, control.should_training_stop = True, True
+        return control
 
 
 class UpdateStream(IterableDataset):
@@ -209,6 +240,8 @@ class RLTrainer(VLATrainer):
             engine = RolloutEngine(settings["env"], settings["tasks"], args.num_envs, settings["env_kwargs"],
                                    settings["n_action_steps"], model.config.chunk_size)
         self.engine = engine
+        if args.max_train_minutes is not None:
+            self.add_callback(TimeBudget(self))
         self._buffer: list[dict] | None = None
         self._buffer_generation = -1
         self._micro = 0

@@ -1,0 +1,117 @@
+"""RL after SFT against more SFT, at the same extra wall-clock, on the Meta-World benchmark's five tasks.
+
+    python benchmarks/metaworld_benchmark.py --stage record                  # 5 tasks x 50 expert episodes, 96 px
+    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20  # the start checkpoint (20-minute recipe)
+    python benchmarks/metaworld_rl.py --stage rl --budget_min 60             # (b) python -m hf_vla.rl, 60 minutes
+    python benchmarks/metaworld_rl.py --stage sft --budget_min 60            # (a) python -m hf_vla.train, 60 minutes
+    python benchmarks/metaworld_rl.py --stage evaluate --episodes 50         # start, (a), (b) on the same held-out seeds
+
+Both arms start from the same checkpoint (`--start`, default the 20-minute recipe's output in the Meta-World benchmark's
+work folder). (a) continues `configs/pi05_metaworld.json` on the same expert data with its warmup-stable-decay schedule
+scaled to the budget (steps from the recipe's measured 4.78 steps/s, `--sft_steps_per_s`); (b) runs
+`configs/rl/pi05_metaworld.json` with `max_train_minutes` = the budget (its held-out evaluations not counted, its
+checkpoints every `save_steps` updates evaluated afterwards for the curve). Evaluation: `python -m hf_vla.evaluate`,
+`--episodes` per task on seeds from 10,000 (never used by either arm), at most 200 steps, 8 actions per chunk (the
+checkpoints' contract). JSON: `benchmarks/results/metaworld_rl_cpu.json` =
+`{"start", "continued_sft", "rl": {"mean_success", "tasks", ...}, "budget_min", "seeds", ...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("metaworld_benchmark", REPO / "benchmarks" / "metaworld_benchmark.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+SEED = 10_000
+
+
+def _env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+
+
+def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: list[str]):
+    out = work / "rl"
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hf_vla.rl", str(REPO / "configs" / "rl" / "pi05_metaworld.json"),
+                    "--model_name_or_path", str(start), "--output_dir", str(out), "--max_steps", "100000",
+                    "--max_train_minutes", str(budget_min), *extra], check=True, cwd=REPO, env=_env())
+    seconds = time.perf_counter() - started
+    summary = json.loads((out / "rl_result.json").read_text())
+    state = json.loads(sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+                       .joinpath("trainer_state.json").read_text())
+    history = state["log_history"]
+    results["rl_run"] = {
+        "budget_min": budget_min, "wall_seconds": round(seconds, 1), "updates": summary["updates"],
+        "episodes": int(max(e.get("rollout/episodes", 0) for e in history)), "method": summary["method"],
+        "held_out_during_training": {str(e["step"]): e["eval_success"] for e in history if "eval_success" in e},
+        "rollout_success": {str(e["step"]): e["rollout/success"] for e in history if "rollout/success" in e},
+        "train_runtime_s": next((e["train_runtime"] for e in reversed(history) if "train_runtime" in e), None)}
+
+
+def stage_sft(work: Path, start: Path, budget_min: float, rate: float, results: dict):
+    out = work / "sft_more"
+    steps = int(rate * budget_min * 60 / 100) * 100
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "pi05_metaworld.json"),
+                    "--model_name_or_path", str(start), "--model_config", "null",
+                    "--datasets", json.dumps(bench._dataset_spec(work)), "--output_dir", str(out),
+                    "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", str(max(100, steps // 4)),
+                    "--max_episode_steps", "200", "--lr_scheduler_kwargs",
+                    json.dumps({"num_decay_steps": max(1, steps // 4), "min_lr_ratio": 0.1})],
+                   check=True, cwd=REPO, env=_env())
+    results["sft_run"] = {"budget_min": budget_min, "steps": steps, "steps_per_s_assumed": rate,
+                          "wall_seconds": round(time.perf_counter() - started, 1)}
+
+
+def stage_evaluate(work: Path, start: Path, episodes: int, results: dict, which: list[str]):
+    arms = {"start": start, "continued_sft": work / "sft_more", "rl": work / "rl"}
+    for name in which:
+        started = time.perf_counter()
+        evaluated = bench._evaluate(arms[name], episodes, 200, work / f"eval_{name}")
+        results[name] = {"mean_success": evaluated["success_rate"],
+                         "tasks": {t: r["success_rate"] for t, r in evaluated["tasks"].items()},
+                         "mean_steps": {t: r["mean_steps"] for t, r in evaluated["tasks"].items()},
+                         "episodes_per_task": episodes, "checkpoint": str(arms[name]),
+                         "eval_seconds": round(time.perf_counter() - started, 1)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=["rl", "sft", "evaluate"], required=True)
+    parser.add_argument("--work", default=str(REPO / "data_cache" / "metaworld_bench"))
+    parser.add_argument("--start", default=None, help="the SFT checkpoint both arms start from (default: --work/hf_vla)")
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "metaworld_rl_cpu.json"))
+    parser.add_argument("--budget_min", type=float, default=60.0)
+    parser.add_argument("--sft_steps_per_s", type=float, default=4.78)
+    parser.add_argument("--episodes", type=int, default=50)
+    parser.add_argument("--which", default="start,continued_sft,rl")
+    args, extra = parser.parse_known_args()
+    work = Path(args.work)
+    start = Path(args.start) if args.start else work / "hf_vla"
+    output = Path(args.output)
+    results = json.loads(output.read_text()) if output.exists() else {}
+    results.update({"budget_min": args.budget_min, "seeds": f"{SEED}..{SEED + args.episodes - 1} per task",
+                    "start_checkpoint": "the Meta-World benchmark's 20-minute recipe (configs/pi05_metaworld.json)",
+                    "machine": "2-core CPU, no GPU"})
+    if args.stage == "rl":
+        stage_rl(work, start, args.budget_min, results, extra)
+    elif args.stage == "sft":
+        stage_sft(work, start, args.budget_min, args.sft_steps_per_s, results)
+    else:
+        stage_evaluate(work, start, args.episodes, results, args.which.split(","))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
