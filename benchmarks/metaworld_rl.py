@@ -41,9 +41,11 @@ def _env():
 def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: list[str]):
     out = work / "rl"
     started = time.perf_counter()
+    # one torch thread: the env workers need the other core (as the evaluation harness runs)
     subprocess.run([sys.executable, "-m", "hf_vla.rl", str(REPO / "configs" / "rl" / "pi05_metaworld.json"),
                     "--model_name_or_path", str(start), "--output_dir", str(out), "--max_steps", "100000",
-                    "--max_train_minutes", str(budget_min), *extra], check=True, cwd=REPO, env=_env())
+                    "--max_train_minutes", str(budget_min), *extra], check=True, cwd=REPO,
+                   env=dict(_env(), OMP_NUM_THREADS="1"))
     seconds = time.perf_counter() - started
     summary = json.loads((out / "rl_result.json").read_text())
     state = json.loads(sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]

@@ -36,6 +36,14 @@ class Transition:
     index: int  # its position in the episode
 
 
+def decision_mask(config, n_action_steps: int, action_dims: int | None = None) -> torch.Tensor:
+    """[chunk, max_action_dim]: the elements of a chunk the likelihood covers, the executed steps' real action dims
+    (what the env receives; the rest of the chunk and the padded dims never reach it)."""
+    mask = torch.zeros(config.chunk_size, config.max_action_dim)
+    mask[:n_action_steps, : action_dims or config.max_action_dim] = 1.0
+    return mask
+
+
 @dataclass
 class StochasticPolicy(PolicyRunner):
     """A `PolicyRunner` sampling with `sde` (Flow-SDE) and recording a `Transition` per call (one list per fork)."""
@@ -62,11 +70,7 @@ class StochasticPolicy(PolicyRunner):
         self.noise_seed, self._calls = int(seed if seed is not None else 0), 0
 
     def mask(self) -> torch.Tensor:
-        """[chunk, max_action_dim]: the executed steps' real action dims (what the env receives)."""
-        config = self.model.config
-        mask = torch.zeros(config.chunk_size, config.max_action_dim)
-        mask[: self.n_action_steps, : self.action_dims or config.max_action_dim] = 1.0
-        return mask
+        return decision_mask(self.model.config, self.n_action_steps, self.action_dims)
 
     def prepare(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
                 executed_steps: int | None = None, prev_chunk_left_over=None,
@@ -169,4 +173,4 @@ class RolloutEngine:
         self.envs = {}
 
 
-__all__ = ["RolloutEngine", "StochasticPolicy", "Transition"]
+__all__ = ["RolloutEngine", "StochasticPolicy", "Transition", "decision_mask"]

@@ -271,6 +271,13 @@ class RLTrainer(VLATrainer):
         return StochasticPolicy(**common, sde=self.sde, n_action_steps=settings["n_action_steps"],
                                 action_dims=settings["action_dims"])
 
+    def _mask(self) -> torch.Tensor:
+        from .rollout import decision_mask
+
+        settings = self.rl_settings
+        return decision_mask(self.accelerator.unwrap_model(self.model).config, settings["n_action_steps"],
+                             settings["action_dims"])
+
     def _seeds(self, generation: int) -> tuple[dict, dict]:
         """Env seeds and noise seeds per task of one rollout batch on this rank: `groups_per_update` env seeds, each
         `group_size` times with distinct noise seeds; a function of (generation, rank) alone, so a resumed run rolls
@@ -334,7 +341,7 @@ class RLTrainer(VLATrainer):
             if measured:
                 kl = step_kl(torch.stack([tr.means for tr in measured]),
                              torch.stack([tr.reference_means for tr in measured]), self.sde,
-                             self._policy(stochastic=True).mask()).sum(dim=1)
+                             self._mask()).sum(dim=1)
                 self._metric("kl_to_start", kl.mean().item())
         return self._micro_batches(used, transitions, by_noise, total, generation)
 
@@ -362,7 +369,7 @@ class RLTrainer(VLATrainer):
         order = torch.randperm(len(used), generator=torch.Generator().manual_seed(generation)).tolist()
         shuffled = [used[i] for i in order]
         batches = []
-        policy_mask = self._policy(stochastic=True).mask()
+        policy_mask = self._mask()
         for p in range(parts):
             members = shuffled[p::parts]
             weight = 1.0 / total if members else 0.0
