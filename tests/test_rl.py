@@ -404,3 +404,30 @@ def test_help_lists_the_rl_fields_and_the_command_is_listed():
     assert done.returncode == 0 and "--group_size (default: 8)" in done.stdout
     assert "--learning_rate (default: 1e-05; training's: 2.5e-05)" in done.stdout
     assert "python -m hf_vla.rl " in _run([sys.executable, "-m", "hf_vla"]).stdout
+
+
+def test_meta_world_rollouts_and_an_update_through_the_benchmark_wrapper(tmp_path):
+    """The benchmark path: lerobot's Meta-World wrapper in worker processes, the dense reward, one update."""
+    from hf_vla.rl import RLConfig, RLTrainer
+
+    torch.manual_seed(0)
+    config = tiny_pi05_config(chunk_size=4, max_state_dim=4, max_action_dim=4, num_inference_steps=4)
+    model = randomize_(PI05ForConditionalGeneration(config), seed=1, scale=0.05)
+    head = "metaworld::delta_xyz_gripper"
+    stats = {head: {"state": {"q01": [-1.0] * 4, "q99": [1.0] * 4}, "actions": {"q01": [-1.0] * 4, "q99": [1.0] * 4}}}
+    processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=stats, head_names=[head])
+    args = RLConfig(output_dir=str(tmp_path / "run"), env="metaworld", task="reach-v3", num_envs=2, group_size=2,
+                    groups_per_update=1, max_steps=1, reward="dense", n_action_steps=2, max_episode_steps=6,
+                    env_kwargs={"image_size": 32}, eval_episodes=2, eval_steps=1, save_strategy="no",
+                    use_cpu=True, report_to=[], disable_tqdm=True, learning_rate=1e-3)
+    trainer = RLTrainer(model, args, processing_class=processor)
+    try:
+        trainer.train()
+    finally:
+        trainer.engine.close()
+    entry = next(e for e in trainer.state.log_history if "rollout/return" in e)
+    assert entry["rollout/episode_length"] == 6 and entry["rollout/decisions"] == 2 * 3
+    assert entry["rollout/return"] > 0 and entry["rollout/decisions_used"] == 6  # dense returns differ in a group
+    assert entry["grad_norm"] > 0 and "rollout/reach-v3/success" in entry
+    evals = [e for e in trainer.state.log_history if "eval_success" in e]
+    assert [e["step"] for e in evals] == [0, 1] and "eval_reach-v3/success" in evals[0]
