@@ -300,7 +300,7 @@ def _run(command, **kwargs):
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(sft_checkpoint, tmp_path, lora):
     out = tmp_path / "rl"
-    extra = ["--lora_preset", "expert"] if lora else []
+    extra = ["--lora_preset", "expert"] if lora else ["--ema_decay", "0.5"]  # EMA: evaluated and saved averaged
     done = _run(_rl_command(_config(tmp_path, sft_checkpoint), out, *extra))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "held-out success" in done.stdout and str(out) in done.stdout

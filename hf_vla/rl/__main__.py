@@ -168,7 +168,11 @@ def _run(args):
     try:
         result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
         raise_if_preempted(trainer)
-        trainer.save_model()
+        if trainer._ema is not None and not args.ema_save_raw:
+            with trainer._ema.swapped():  # the averaged weights are the model, as python -m hf_vla.train saves it
+                trainer.save_model()
+        else:
+            trainer.save_model()
         trainer.log_metrics("train", result.metrics)
         summary = trainer.rl_summary()
         if args.should_save:

@@ -478,9 +478,12 @@ class RLTrainer(VLATrainer):
         was_training = model.training
         seeds = {task: [EVAL_SEED + i for i in range(args.eval_episodes)][args.process_index::args.world_size]
                  for task in self.rl_settings["tasks"]}
-        try:
-            episodes, _ = self.engine.run(self._policy(stochastic=False), seeds, progress=self.is_world_process_zero()
-                                          and not args.disable_tqdm, desc="held-out evaluation")
+        import contextlib
+
+        try:  # with EMA, the averaged weights are what is evaluated (and saved), as in SFT
+            with contextlib.nullcontext() if self._ema is None else self._ema.swapped():
+                episodes, _ = self.engine.run(self._policy(stochastic=False), seeds, desc="held-out evaluation",
+                                              progress=self.is_world_process_zero() and not args.disable_tqdm)
         finally:
             model.train(was_training)
         outcome = {task: [e.success for e in items if not e.discarded] for task, items in episodes.items()}
