@@ -168,6 +168,9 @@ def _run(args):
     try:
         result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
         raise_if_preempted(trainer)
+        evaluated = [e["step"] for e in trainer.state.log_history if "eval_success" in e]
+        if args.eval_strategy != "no" and (not evaluated or evaluated[-1] != trainer.state.global_step):
+            trainer.evaluate()  # the final weights' held-out success (what "after" reports)
         if trainer._ema is not None and not args.ema_save_raw:
             with trainer._ema.swapped():  # the averaged weights are the model, as python -m hf_vla.train saves it
                 trainer.save_model()

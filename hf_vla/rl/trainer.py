@@ -517,6 +517,7 @@ class RLTrainer(VLATrainer):
                       f"{self.sde.num_steps} denoising steps), clip [{1 - args.epsilon:g}, {1 + args.epsilon_high:g}], "
                       f"beta {args.beta:g}, reward {args.reward}",
             "updates": self.state.global_step, "episodes": self._episodes_total,
+            # the whole train() call, held-out evaluations included
             "minutes": round(sum(e.get("train_runtime", 0) for e in self.state.log_history) / 60, 1),
             "eval_episodes": args.eval_episodes,
             "before": evals[0][1] if evals and evals[0][0] == 0 else None,
