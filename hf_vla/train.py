@@ -270,12 +270,8 @@ def help_text(width: int = 110) -> str:
     return "\n".join(lines)
 
 
-def parse_config(path: str | Path, overrides: list[str] | None = None):
-    """JSON config + `--key value` overrides -> (ModelArguments, DataArguments, VLATrainingArguments), validated.
-
-    Nothing is loaded or created: a bad key, type or value raises `ConfigError` naming it.
-    """
-    path = Path(path)
+def read_config_file(path: Path) -> dict:
+    """A JSON config file as a dict (its free-form `//` comment dropped); one line naming the file otherwise."""
     if not path.is_file():
         raise MissingFileError(f"config file {path} not found")
     try:
@@ -285,6 +281,16 @@ def parse_config(path: str | Path, overrides: list[str] | None = None):
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the configuration must be a JSON object, got {type(config).__name__}")
     config.pop("//", None)  # free-form comment key
+    return config
+
+
+def parse_config(path: str | Path, overrides: list[str] | None = None):
+    """JSON config + `--key value` overrides -> (ModelArguments, DataArguments, VLATrainingArguments), validated.
+
+    Nothing is loaded or created: a bad key, type or value raises `ConfigError` naming it.
+    """
+    path = Path(path)
+    config = read_config_file(path)
     parser = HfArgumentParser((ModelArguments, DataArguments, VLATrainingArguments))
     annotations = {}
     for dataclass_type in parser.dataclass_types:
@@ -433,24 +439,29 @@ def main(argv: list[str] | None = None):
 
         allow_sharding_on_cpu()
     model_args, data_args, training_args = parse_config(argv[0], argv[1:])
-    if training_args.process_index == 0:  # the Hub and wandb, before any data is read or model built
+    return run_checked(training_args, lambda: _train(model_args, data_args, training_args))
+
+
+def run_checked(args, run):
+    """`run()` after the start-up checks every training command makes: the Hub and wandb (main process, before any
+    data is read or model built), logging, and one run per output_dir (the main process holds its lock until the run
+    ends, `hf_vla.run_lock`); a run that fails before writing anything leaves no empty output directory."""
+    if args.process_index == 0:
         from .preflight import check_services
 
-        check_services(training_args)
+        check_services(args)
     from .cli import setup_logging
-
-    setup_logging(logging.INFO if training_args.should_log else logging.WARNING)
-    # one run per output_dir: the main process holds its lock until the run ends (hf_vla.run_lock)
     from .run_lock import RunLock
 
-    output = Path(training_args.output_dir)
+    setup_logging(logging.INFO if args.should_log else logging.WARNING)
+    output = Path(args.output_dir)
     created = not output.exists()
     try:
-        with RunLock(training_args.output_dir) if training_args.process_index == 0 else contextlib.nullcontext():
-            return _train(model_args, data_args, training_args)
+        with RunLock(args.output_dir) if args.process_index == 0 else contextlib.nullcontext():
+            return run()
     except BaseException:
-        if created and training_args.process_index == 0 and output.is_dir() and not any(output.iterdir()):
-            output.rmdir()  # a run that failed before writing anything leaves no empty output directory
+        if created and args.process_index == 0 and output.is_dir() and not any(output.iterdir()):
+            output.rmdir()
         raise
 
 
@@ -553,13 +564,19 @@ def cli(argv: list[str] | None = None):
 
     Set `HF_VLA_TRACEBACK=1` to see the full traceback as well.
     """
+    return launched_cli("hf_vla.train", main, argv)
+
+
+def launched_cli(prog: str, main, argv: list[str] | None = None):
+    """`hf_vla.cli.run(prog, main, argv)`; in a launched multi-process run, each process then leaves through
+    `_leave_launched_run` with the run's exit status (`python -m hf_vla.train`, `python -m hf_vla.rl`)."""
     from .cli import run
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return run("hf_vla.train", main, argv)
+        return run(prog, main, argv)
     code = 1
     try:
-        run("hf_vla.train", main, argv)
+        run(prog, main, argv)
         code = 0
     except SystemExit as error:
         code = error.code if isinstance(error.code, int) else 1

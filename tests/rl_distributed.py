@@ -6,18 +6,10 @@ import sys
 
 import torch
 from accelerate.utils import gather_object
+from distributed_step import Capture
 from test_rl import tiny_policy
-from transformers import TrainerCallback
 
 from hf_vla.rl import RLConfig, RLTrainer
-
-
-class Capture(TrainerCallback):
-    def __init__(self, model):
-        self.model, self.grads = model, None
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
 
 class Recording(RLTrainer):

@@ -13,14 +13,12 @@ success before -> after) and `rl_result.json`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError, MissingFileError
+from ..errors import ConfigError
 
 logger = logging.getLogger("hf_vla.rl")
 
@@ -66,20 +64,12 @@ def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
     """JSON config + `--key value` overrides -> a validated `RLConfig` (nothing loaded yet)."""
     from transformers import HfArgumentParser
 
-    from ..train import _apply_overrides
+    from ..train import _apply_overrides, read_config_file
     from ..validation import _suggest, check_fields, check_writable_dir, field_annotations
     from .trainer import RLConfig
 
     path = Path(path)
-    if not path.is_file():
-        raise MissingFileError(f"config file {path} not found")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}: not valid JSON ({error})") from error
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: the configuration must be a JSON object, got {type(config).__name__}")
-    config.pop("//", None)
+    config = read_config_file(path)
     annotations = field_annotations(RLConfig)
     _apply_overrides(config, overrides or [], annotations)
     if isinstance(config.get("resume_from_checkpoint"), bool):
@@ -135,23 +125,9 @@ def main(argv: list[str] | None = None):
         print(help_text())
         return None
     args = parse_rl_config(argv[0], argv[1:])
-    if args.process_index == 0:
-        from ..preflight import check_services
+    from ..train import run_checked
 
-        check_services(args)
-    from ..cli import setup_logging
-    from ..run_lock import RunLock
-
-    setup_logging(logging.INFO if args.should_log else logging.WARNING)
-    output = Path(args.output_dir)
-    created = not output.exists()
-    try:
-        with RunLock(args.output_dir) if args.process_index == 0 else contextlib.nullcontext():
-            return _run(args)
-    except BaseException:
-        if created and args.process_index == 0 and output.is_dir() and not any(output.iterdir()):
-            output.rmdir()
-        raise
+    return run_checked(args, lambda: _run(args))
 
 
 def _run(args):
@@ -198,23 +174,9 @@ def _run(args):
 
 
 def cli(argv: list[str] | None = None):
-    from ..cli import run
+    from ..train import launched_cli
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return run("hf_vla.rl", main, argv)
-    from ..train import _leave_launched_run
-
-    code = 1
-    try:
-        run("hf_vla.rl", main, argv)
-        code = 0
-    except SystemExit as error:
-        code = error.code if isinstance(error.code, int) else 1
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    _leave_launched_run(code)
+    return launched_cli("hf_vla.rl", main, argv)
 
 
 if __name__ == "__main__":
