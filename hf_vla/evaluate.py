@@ -242,17 +242,23 @@ def head_spec(contract, head: str | None) -> dict | None:
 def _make_envs(env_id: str, task: str | None, num_envs: int, env_kwargs: dict, max_episode_steps: int | None):
     """`num_envs` envs of `env_id` (a benchmark task, or a gymnasium id): one gymnasium env in this process, else
     each in a worker process (hf_vla.envs.worker)."""
+    kwargs = dict(env_kwargs) | ({"max_episode_steps": max_episode_steps} if max_episode_steps else {})
+    return [make_env(env_id, task, kwargs, worker=num_envs > 1) for _ in range(num_envs)]
+
+
+def make_env(env_id: str, task: str | None, kwargs: dict, worker: bool):
+    """One env of `env_id`: a benchmark task (always in a worker process), else a gymnasium env in a worker process
+    (`worker`) or in this one."""
     import functools
 
     from .envs.worker import InWorker, make_gym
 
-    kwargs = dict(env_kwargs) | ({"max_episode_steps": max_episode_steps} if max_episode_steps else {})
     if env_id in BENCHMARKS:
-        return [_benchmark_module(env_id).in_worker(task, **kwargs) for _ in range(num_envs)]
+        return _benchmark_module(env_id).in_worker(task, **kwargs)
     try:
-        if num_envs == 1:
-            return [make_gym(env_id, **kwargs)]
-        return [InWorker(functools.partial(make_gym, env_id, **kwargs), name=env_id) for _ in range(num_envs)]
+        if not worker:
+            return make_gym(env_id, **kwargs)
+        return InWorker(functools.partial(make_gym, env_id, **kwargs), name=env_id)
     except (gym.error.Error, TypeError) as error:
         raise ConfigError(f"env {env_id!r}: {error}") from error
 

@@ -158,14 +158,19 @@ class PreparedRequest:
         return tuple(tuple(self.inputs[key].shape[1:]) for key in MODEL_INPUTS)
 
 
+def batch_requests(requests: list[PreparedRequest], device) -> tuple[dict, torch.Tensor]:
+    """The model inputs and noise of prepared requests, concatenated into one batch on `device`."""
+    inputs = {key: torch.cat([r.inputs[key] for r in requests]).to(device) for key in MODEL_INPUTS}
+    return inputs, torch.cat([r.noise for r in requests]).to(device)
+
+
 @torch.no_grad()
 def sample_batch(model, requests: list[PreparedRequest], device) -> torch.Tensor:
     """One `sample_actions` over requests of one `batch_key` (or one RTC request) -> `[rows, chunk, max_action_dim]`
     normalised chunks on the CPU, in request order."""
     if len(requests) > 1 and (requests[0].batch_key() is None or len({r.batch_key() for r in requests}) > 1):
         raise ValueError("sample_batch: these requests cannot share a forward (RTC, or different input shapes)")
-    inputs = {key: torch.cat([r.inputs[key] for r in requests]).to(device) for key in MODEL_INPUTS}
-    noise = torch.cat([r.noise for r in requests]).to(device)
+    inputs, noise = batch_requests(requests, device)
     rtc = dict(requests[0].rtc or {})
     if rtc:
         rtc["prev_chunk_left_over"] = rtc["prev_chunk_left_over"].to(device)
@@ -393,4 +398,4 @@ def rtc_config_from_args(args) -> RTCConfig:
                      method=args.rtc_method)
 
 
-__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "sample_batch", "PolicyRunner", "RequestError", "add_rtc_arguments", "load_policy", "rtc_config_from_args"]
+__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "add_rtc_arguments", "load_policy", "rtc_config_from_args"]

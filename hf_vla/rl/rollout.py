@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..policy import MODEL_INPUTS, PolicyRunner, PreparedRequest, RequestError
+from ..policy import MODEL_INPUTS, PolicyRunner, PreparedRequest, RequestError, batch_requests
 from .flow import FlowSDE, sample_chain, step_log_probs
 
 logger = logging.getLogger("hf_vla.rl")
@@ -85,8 +85,7 @@ class StochasticPolicy(PolicyRunner):
         return request
 
     def sample_batch(self, requests: list[PreparedRequest]) -> torch.Tensor:
-        inputs = {key: torch.cat([r.inputs[key] for r in requests]).to(self.device) for key in MODEL_INPUTS}
-        noise = torch.cat([r.noise for r in requests]).to(self.device)
+        inputs, noise = batch_requests(requests, self.device)
         step_noise = torch.cat([r.step_noise for r in requests]).to(self.device)
         chain, means = sample_chain(self.model, inputs, noise, step_noise, self.sde)
         log_probs = step_log_probs(chain, means, self.sde, self.mask().to(chain.device))
@@ -99,17 +98,6 @@ class StochasticPolicy(PolicyRunner):
                                            request.log_probs, request.means, self.noise_seed, self._calls))
         self._calls += 1
         return super().finish(request, chunk)
-
-
-def _one_env(env_id: str, task: str | None, kwargs: dict, worker: bool):
-    from ..envs.worker import InWorker, make_gym
-    from ..evaluate import BENCHMARKS, _benchmark_module
-
-    if env_id in BENCHMARKS:
-        return _benchmark_module(env_id).in_worker(task, **kwargs)
-    if worker:
-        return InWorker(functools.partial(make_gym, env_id, **kwargs), name=env_id)
-    return make_gym(env_id, **kwargs)
 
 
 @dataclass
@@ -139,8 +127,9 @@ class RolloutEngine:
         self.discarded = 0
 
     def _restart(self, task, slot: int):
-        worker = self.num_envs > 1 or self.env_id in ("metaworld", "libero")
-        env = _one_env(self.env_id, task, self.env_kwargs, worker)
+        from ..evaluate import make_env
+
+        env = make_env(self.env_id, task, self.env_kwargs, worker=self.num_envs > 1)
         self.envs[task][slot] = env
         return env
 

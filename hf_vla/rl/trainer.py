@@ -428,10 +428,9 @@ class RLTrainer(VLATrainer):
     def _log_rollouts(self, episodes: dict, rows: list, transitions: list, used: list, seconds: float, planned: int):
         from accelerate.utils import gather_object
 
-        summary = [(task, successes, returns, steps) for task, successes, returns, steps in rows]
-        gathered = gather_object([summary]) if self.accelerator.num_processes > 1 else [summary]
-        counts = gather_object([(len(transitions), len(used), self.engine.discarded)]) \
-            if self.accelerator.num_processes > 1 else [(len(transitions), len(used), self.engine.discarded)]
+        mine = (rows, (len(transitions), len(used), self.engine.discarded))
+        both = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
+        gathered, counts = [b[0] for b in both], [b[1] for b in both]
         per_task: dict = {}
         for rank_rows in gathered:
             for task, successes, returns, steps in rank_rows:
