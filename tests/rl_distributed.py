@@ -1,4 +1,4 @@
-"""Run under `torchrun --nproc_per_node 2`: one RL update (GA 2) on the toy bandit, each rank rolling out its own
+"""Run under `torchrun --nproc_per_node 2`: one PPO update (GA 2) on the toy bandit, each rank rolling out its own
 seeds. Rank 0 writes the gradient right before the optimizer step (after DDP's all-reduce) and every micro-batch of
 every rank, so the test can recompute the update on the union of the rollouts in one process."""
 
@@ -20,6 +20,7 @@ class Recording(RLTrainer):
 
 def config(out: str, distributed: bool) -> RLConfig:
     return RLConfig(output_dir=out, env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=4, groups_per_update=1,
+                    algorithm="ppo",
                     max_steps=1, reward="dense", gradient_accumulation_steps=2, max_grad_norm=0.0, use_cpu=True,
                     ddp_backend="gloo" if distributed else None, report_to=[], disable_tqdm=True, save_strategy="no",
                     eval_strategy="no", eval_on_start=False, log_kl=False, n_action_steps=1, seed=0)

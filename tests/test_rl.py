@@ -25,11 +25,13 @@ from hf_vla.rl.flow import (
     FlowSDE,
     chain_means,
     clipped_objective,
+    gae,
     gaussian_log_prob,
     group_advantages,
     sample_chain,
     step_kl,
     step_log_probs,
+    value_loss,
 )
 from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
 
@@ -153,6 +155,53 @@ def test_the_clipped_objective_equals_a_hand_computation():
     assert clipped.tolist() == [[False, False, True], [True, False, False]]
 
 
+def test_gae_and_the_critic_loss_equal_hand_computations():
+    rewards = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)
+    values = torch.tensor([0.5, 0.2, 0.6], dtype=torch.float64)
+    advantages, returns = gae(rewards, values, gamma=0.9, lam=0.8)
+    # delta_2 = 1 - 0.6; delta_1 = 0.9 * 0.6 - 0.2; delta_0 = 0.9 * 0.2 - 0.5; A_t = delta_t + 0.72 A_{t+1}
+    expected = [-0.32 + 0.72 * (0.34 + 0.72 * 0.4), 0.34 + 0.72 * 0.4, 0.4]
+    np.testing.assert_allclose(advantages.numpy(), expected, rtol=1e-12)
+    np.testing.assert_allclose(returns.numpy(), np.array(expected) + [0.5, 0.2, 0.6], rtol=1e-12)
+    # lambda = 1: the discounted return minus the value (Monte Carlo); lambda = 0: the one-step TD error
+    np.testing.assert_allclose(gae(rewards, values, 0.9, 1.0)[1].numpy(), [0.81, 0.9, 1.0], rtol=1e-12)
+    np.testing.assert_allclose(gae(rewards, values, 0.9, 0.0)[0].numpy(), [-0.32, 0.34, 0.4], rtol=1e-12)
+    critic = value_loss(torch.tensor([0.6, 0.4]), torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), clip=0.2)
+    # unclipped 0.5 * 0.4^2 each; clipped to [0.2, 0.2]: 0.5 * 0.8^2 and 0.5 * 0.2^2; the larger is kept
+    torch.testing.assert_close(critic, torch.tensor([0.32, 0.08]))
+    torch.testing.assert_close(value_loss(torch.tensor([0.6]), torch.tensor([1.0]), torch.tensor([0.0]), None),
+                               torch.tensor([0.08]))
+
+
+def test_the_critic_reads_the_prefix_once_and_learns_a_return():
+    """The value head: 0 when new; the same value through sampling, the cached update path and a plain forward; its
+    loss trains the head and the VLM under it, not the action expert; a few steps fit a target."""
+    model, processor = tiny_policy(seed=8)
+    model.add_value_head()
+    inputs = model_inputs(processor, batch=3)
+    noise, step_noise = torch.randn(3, 4, 2), torch.randn(3, 4, 4, 2)
+    sde = FlowSDE(4, 0.5)
+    chain, _, value = sample_chain(model, inputs, noise, step_noise, sde, value=True)
+    assert value.shape == (3,) and value.abs().max() == 0
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    target = torch.tensor([1.0, -0.5, 0.25])
+    for step in range(60):
+        optimizer.zero_grad()
+        means, value = chain_means(model, inputs, chain, sde, value=True)
+        value_loss(value, target, value.detach(), None).mean().backward()
+        expert_grads = [p.grad for n, p in model.named_parameters() if ".expert." in n and p.grad is not None]
+        assert all(g.abs().max() == 0 for g in expert_grads)  # the critic's loss does not move the action expert
+        if step:  # (the new head's zero output layer passes no gradient below it at first) a shared trunk
+            assert model.model.vlm.language_model.layers[0].mlp.up_proj.weight.grad.abs().max() > 0
+        optimizer.step()
+    _, value = chain_means(model, inputs, chain, sde, value=True)
+    assert (value - target).abs().max() < 0.1, value
+    direct = model(noise=chain[:, 0], timestep=torch.ones(3), output_value=True, **inputs).value
+    sampled = sample_chain(model, inputs, noise, step_noise, sde, value=True)[2]
+    torch.testing.assert_close(direct, value.detach())
+    torch.testing.assert_close(sampled, value.detach())
+
+
 # ---- a policy-gradient step on a toy env with a known optimum ------------------------------------------------------
 def _mean_action(model, processor, draws=256):
     inputs = model_inputs(processor, batch=1)
@@ -167,12 +216,14 @@ def _mean_action(model, processor, draws=256):
     return processor.unnormalize_actions(chunk, HEAD)[:, 0].mean(0).numpy()
 
 
-def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_path, algorithm):
     from hf_vla.rl import RLConfig, RLTrainer
 
     model, processor = tiny_policy(seed=4, scale=0.05)
     before = _mean_action(model, processor)
     args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=16,
+                    algorithm=algorithm,
                     groups_per_update=4, max_steps=1, reward="dense", optim="sgd", learning_rate=0.05,
                     max_grad_norm=0.0, use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no",
                     eval_strategy="no", eval_on_start=False, log_kl=False, n_action_steps=1, seed=0)
@@ -192,6 +243,9 @@ def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_pa
     assert distance < 0.9 * np.linalg.norm(toward) and np.linalg.norm(move) < np.linalg.norm(toward), (before, after)
     entry = next(e for e in trainer.state.log_history if "rollout/return" in e)
     assert entry["rollout/decisions_used"] == 64 and entry["rollout/episodes"] == 64
+    if algorithm == "ppo":  # the new critic predicted 0 for every decision; its loss was logged
+        assert entry["value"] == 0 and entry["value_loss"] > 0 and "explained_variance" in entry
+        assert model.value_head.out.weight.abs().max() > 0  # the critic's update
 
 
 # ---- rollouts through the evaluation episode loop -------------------------------------------------------------------
@@ -297,10 +351,12 @@ def _run(command, **kwargs):
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **kwargs)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(sft_checkpoint, tmp_path, lora):
+@pytest.mark.parametrize("algorithm, lora", [("grpo", False), ("ppo", True)], ids=["grpo-full-ema", "ppo-lora"])
+def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(sft_checkpoint, tmp_path, algorithm,
+                                                                                lora):
     out = tmp_path / "rl"
     extra = ["--lora_preset", "expert"] if lora else ["--ema_decay", "0.5"]  # EMA: evaluated and saved averaged
+    extra += ["--algorithm", algorithm]
     done = _run(_rl_command(_config(tmp_path, sft_checkpoint), out, *extra))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "held-out success" in done.stdout and str(out) in done.stdout
@@ -308,21 +364,26 @@ def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(
     assert summary["updates"] == 2 and summary["episodes"] == 4 and summary["before"] is not None
     assert summary["env"] == "hf_vla/ColorReach-v0"  # from the checkpoint's contract, not a flag
     card = (out / "README.md").read_text()
-    assert "Reinforcement-learning fine-tuning" in card and str(sft_checkpoint) in card and "GRPO" in card
+    assert "Reinforcement-learning fine-tuning" in card and str(sft_checkpoint) in card and algorithm.upper() in card
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     logged = {k for entry in state["log_history"] for k in entry}
     assert {"rollout/success", "rollout/return", "rollout/episode_length", "rollout/episodes_per_s", "noise_std",
             "entropy", "eval_success"} <= logged
     if not lora:
         assert "kl_to_start" in logged
+    if algorithm == "ppo":
+        assert {"value", "value_loss"} <= logged
     assert (out / "deployment_config.json").exists()  # the contract travels with the improved policy
     from hf_vla.policy import load_policy
 
     policy = load_policy(out)  # AutoModel + processor: the merged model under LoRA
     start = load_policy(sft_checkpoint)
-    moved = max((a - b).abs().max().item() for a, b in zip(policy.model.state_dict().values(),
-                                                           start.model.state_dict().values()))
+    start_weights = start.model.state_dict()
+    moved = max((value - start_weights[name]).abs().max().item() for name, value in policy.model.state_dict().items()
+                if name in start_weights)
     assert moved > 0
+    if algorithm == "ppo":  # the critic is part of the saved model (a later PPO run continues with it), frozen there
+        assert policy.model.value_head is not None and not policy.model.value_head.out.weight.requires_grad
     if lora:
         assert (out / "adapter" / "adapter_config.json").exists()
 
@@ -361,8 +422,9 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_the_run_resumes(sft_checkpoint,
 
 
 def test_two_processes_update_with_the_gradient_of_one_process_on_the_union_of_their_rollouts(tmp_path):
-    """Under DDP each rank rolls out its own seeds; the update's gradient is the one-process gradient of the loss over
-    every rank's decisions (the loss weight 1 / all ranks' decisions, DDP's average undone)."""
+    """Under DDP each rank rolls out its own seeds; the update's gradient (PPO: policy and critic) is the one-process
+    gradient of the loss over every rank's decisions (the loss weight 1 / all ranks' decisions, DDP's average undone,
+    advantages whitened over both ranks)."""
     from rl_distributed import Recording, config
 
     out = tmp_path / "grads.pt"
@@ -376,6 +438,8 @@ def test_two_processes_update_with_the_gradient_of_one_process_on_the_union_of_t
     decisions = [b for b in saved["batches"] if (b["weights"] > 0).any()]
     assert sum(len(b["weights"]) for b in decisions) == 8  # 4 episodes per rank, one decision each
     assert all(abs(float(b["weights"][0]) - 1 / 8) < 1e-9 for b in decisions)  # normalised over both ranks
+    advantages = torch.cat([b["advantages"] for b in decisions]).double()
+    assert abs(advantages.mean().item()) < 1e-6 and abs(advantages.std().item() - 1) < 1e-6  # whitened on the union
     first = saved["batches"][0]["chain"]
     assert not any(torch.equal(first, b["chain"]) for b in saved["batches"][2:])  # the ranks rolled out other seeds
     model, processor = tiny_policy(seed=4, scale=0.05)

@@ -70,13 +70,14 @@ def _core(model):
     return getattr(model, "module", model)
 
 
-def velocity_fn(model, inputs: dict):
+def velocity_fn(model, inputs: dict, value: bool = False):
     """A function (x, t) -> velocity of `model` on `inputs` (prompt, images), the prefix run once.
 
     The first call goes through `model` itself (under DDP, its forward prepares the gradient all-reduce) with the
     prefix and fills the prefix cache; later calls run only the expert on the cache. Parameters used by several calls
-    get their gradients summed by autograd before DDP's hooks fire, once per backward."""
-    state = {"cache": None}
+    get their gradients summed by autograd before DDP's hooks fire, once per backward. With `value`, the first call
+    also runs the critic on the prefix: `velocity.state["value"]` `[B]` afterwards."""
+    state = {"cache": None, "value": None}
     core = _core(model)
 
     def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
@@ -84,32 +85,36 @@ def velocity_fn(model, inputs: dict):
         if state["cache"] is None:
             out = model(noise=x, timestep=timestep, input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
                         pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],
-                        use_cache=True)
-            state["cache"] = out.past_key_values
+                        use_cache=True, **({"output_value": True} if value else {}))
+            state["cache"], state["value"] = out.past_key_values, getattr(out, "value", None)
             return out.logits
         return core(noise=x, timestep=timestep, input_ids=inputs["input_ids"],
                     pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],
                     past_key_values=state["cache"]).logits
 
+    velocity.state = state
     return velocity
 
 
-def chain_means(model, inputs: dict, chain: torch.Tensor, sde: FlowSDE) -> torch.Tensor:
-    """The Gaussian means of every step of stored chains `[B, K+1, chunk, dim]` under `model`: `[B, K, chunk, dim]`."""
-    velocity = velocity_fn(model, inputs)
+def chain_means(model, inputs: dict, chain: torch.Tensor, sde: FlowSDE, value: bool = False):
+    """The Gaussian means of every step of stored chains `[B, K+1, chunk, dim]` under `model`: `[B, K, chunk, dim]`;
+    with `value`, (means, the critic's values `[B]`)."""
+    velocity = velocity_fn(model, inputs, value=value)
     means = []
     for k, t in enumerate(sde.times()):
         x = chain[:, k]
         means.append(sde.mean(x.float(), velocity(x, t).float(), t))
-    return torch.stack(means, dim=1)
+    means = torch.stack(means, dim=1)
+    return (means, velocity.state["value"]) if value else means
 
 
 @torch.no_grad()
-def sample_chain(model, inputs: dict, noise: torch.Tensor, step_noise: torch.Tensor, sde: FlowSDE):
+def sample_chain(model, inputs: dict, noise: torch.Tensor, step_noise: torch.Tensor, sde: FlowSDE,
+                 value: bool = False):
     """Sample chains from x_1 = `noise` `[B, chunk, dim]` with the Gaussian steps' standard normals `step_noise`
-    `[B, K, chunk, dim]`: returns (chain `[B, K+1, chunk, dim]`, means `[B, K, chunk, dim]`); chain[:, -1] is the
-    chunk."""
-    velocity = velocity_fn(model, inputs)
+    `[B, K, chunk, dim]`: returns (chain `[B, K+1, chunk, dim]`, means `[B, K, chunk, dim]`), and with `value` the
+    critic's values `[B]` too; chain[:, -1] is the chunk."""
+    velocity = velocity_fn(model, inputs, value=value)
     x = noise.float()
     chain, means = [x], []
     for k, (t, std) in enumerate(zip(sde.times(), sde.stds())):
@@ -117,7 +122,8 @@ def sample_chain(model, inputs: dict, noise: torch.Tensor, step_noise: torch.Ten
         x = mean + std * step_noise[:, k].to(mean)
         chain.append(x)
         means.append(mean)
-    return torch.stack(chain, dim=1), torch.stack(means, dim=1)
+    out = torch.stack(chain, dim=1), torch.stack(means, dim=1)
+    return (*out, velocity.state["value"]) if value else out
 
 
 def step_log_probs(chain: torch.Tensor, means: torch.Tensor, sde: FlowSDE, mask: torch.Tensor) -> torch.Tensor:
@@ -156,6 +162,34 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: bool = 
     return advantages, informative
 
 
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
+    """Generalized advantage estimation (Schulman et al., arXiv 1506.02438) over the decisions of one episode that ends
+    after its last decision (success terminates it; the step limit is part of the task, so it ends it too: the value
+    after the last decision is 0). `rewards`, `values`: `[T]`. Returns (advantages, returns = advantages + values),
+    the critic's targets (PPO's "returns")."""
+    rewards, values = rewards.double(), values.double()
+    advantages = torch.zeros_like(rewards)
+    running, next_value = 0.0, 0.0
+    for t in reversed(range(rewards.numel())):
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+        next_value = values[t]
+    return advantages, advantages + values
+
+
+def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, clip: float | None):
+    """PPO's critic loss `0.5 (V - R)^2` per element; with `clip`, the larger of it and the loss of V kept within
+    `clip` of the rollout's value (PPO2's value clipping, as TRL's PPOTrainer `cliprange_value`)."""
+    values, returns = values.float(), returns.to(values.device).float()
+    loss = 0.5 * (values - returns) ** 2
+    if clip is not None:
+        old_values = old_values.to(values.device).float()
+        clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+        loss = torch.maximum(loss, 0.5 * (clipped - returns) ** 2)
+    return loss
+
+
 def clipped_objective(log_ratio: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float):
     """PPO's clipped surrogate as a loss (Schulman et al., arXiv 1707.06347), with DAPO's separate upper clip:
     `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)` elementwise, r = exp(log_ratio); advantages broadcast over
@@ -171,5 +205,5 @@ def clipped_objective(log_ratio: torch.Tensor, advantages: torch.Tensor, epsilon
     return loss, clipped < unclipped
 
 
-__all__ = ["FlowSDE", "chain_means", "clipped_objective", "gaussian_log_prob", "group_advantages",
-           "sample_chain", "step_kl", "step_log_probs", "velocity_fn"]
+__all__ = ["FlowSDE", "chain_means", "clipped_objective", "gae", "gaussian_log_prob", "group_advantages",
+           "sample_chain", "step_kl", "step_log_probs", "value_loss", "velocity_fn"]

@@ -34,6 +34,7 @@ class Transition:
     means: torch.Tensor  # [K, chunk, max_action_dim]: the Gaussian steps' means under the rollout weights
     noise_seed: int  # the episode's
     index: int  # its position in the episode
+    value: float | None = None  # the critic's estimate at the observation (PPO)
 
 
 def decision_mask(config, n_action_steps: int, action_dims: int | None = None) -> torch.Tensor:
@@ -51,6 +52,7 @@ class StochasticPolicy(PolicyRunner):
     sde: FlowSDE | None = None
     n_action_steps: int = 1
     action_dims: int | None = None  # the head's real action dims (the rest is padding); default all
+    with_value: bool = False  # also record the critic's value of each observation (PPO)
 
     def __post_init__(self):
         super().__post_init__()
@@ -87,15 +89,17 @@ class StochasticPolicy(PolicyRunner):
     def sample_batch(self, requests: list[PreparedRequest]) -> torch.Tensor:
         inputs, noise = batch_requests(requests, self.device)
         step_noise = torch.cat([r.step_noise for r in requests]).to(self.device)
-        chain, means = sample_chain(self.model, inputs, noise, step_noise, self.sde)
+        chain, means, *value = sample_chain(self.model, inputs, noise, step_noise, self.sde, value=self.with_value)
         log_probs = step_log_probs(chain, means, self.sde, self.mask().to(chain.device))
         for i, request in enumerate(requests):
             request.chain, request.log_probs, request.means = chain[i].cpu(), log_probs[i].cpu(), means[i].cpu()
+            request.value = float(value[0][i]) if value else None
         return chain[:, -1].cpu()
 
     def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
         self.transitions.append(Transition({key: request.inputs[key] for key in MODEL_INPUTS}, request.chain,
-                                           request.log_probs, request.means, self.noise_seed, self._calls))
+                                           request.log_probs, request.means, self.noise_seed, self._calls,
+                                           request.value))
         self._calls += 1
         return super().finish(request, chunk)
 

@@ -26,10 +26,19 @@ from transformers import TrainerCallback
 
 from ..errors import ConfigError, NonFiniteError
 from ..trainer import VLATrainer, VLATrainingArguments
-from .flow import FlowSDE, chain_means, clipped_objective, group_advantages, step_kl, step_log_probs
+from .flow import (
+    FlowSDE,
+    chain_means,
+    clipped_objective,
+    gae,
+    group_advantages,
+    step_kl,
+    step_log_probs,
+    value_loss,
+)
 
 logger = logging.getLogger("hf_vla.rl")
-ALGORITHMS = ("grpo",)
+ALGORITHMS = ("grpo", "ppo")
 REWARDS = ("success", "dense")
 EVAL_SEED = 10_000
 
@@ -51,9 +60,12 @@ class RLConfig(VLATrainingArguments):
     task (`str`, *optional*): the benchmark's tasks (as `hf_vla.evaluate --task`); default the recorded ones.
     env_kwargs (`dict`, *optional*): env arguments (`image_size`, `max_episode_steps` are taken from the contract).
     num_envs (`int`, defaults to 2): envs per task, each in a worker process; one batched policy call per control step.
-    algorithm (`str`, defaults to `"grpo"`): group-relative advantages over the episodes of one env seed (GRPO,
-        DeepSeekMath; SimpleVLA-RL and pi_RL's GRPO variant), no critic.
-    group_size (`int`, defaults to 8): episodes per env seed (TRL's `num_generations`).
+    algorithm (`str`, defaults to `"grpo"`): `grpo`: group-relative advantages over the episodes of one env seed (GRPO,
+        DeepSeekMath; SimpleVLA-RL and pi_RL's GRPO variant), no critic. `ppo`: a critic (`PI05ValueHead` on the VLM
+        prefix, as pi_RL puts pi0.5's critic) and per-decision advantages by GAE over each episode's chunks (pi_RL's
+        Flow-SDE PPO), whitened over the rollout batch.
+    group_size (`int`, defaults to 8): episodes per env seed (TRL's `num_generations`); PPO needs no groups (1 is
+        fine) but several episodes per seed still vary only in the policy's noise.
     groups_per_update (`int`, defaults to 2): env seeds per task and rank in each rollout batch.
     num_iterations (`int`, defaults to 1): optimizer steps on each rollout batch (TRL's `num_iterations`); beyond the
         first the update is off-policy and the clip range matters.
@@ -68,7 +80,16 @@ class RLConfig(VLATrainingArguments):
     denoise_steps (`int`, *optional*): denoising steps K of the rollouts and the likelihood; default the model's
         `num_inference_steps`, so the trained velocity is used as it is deployed.
     reward (`str`, defaults to `"success"`): an episode's return: `success` (0/1, as SimpleVLA-RL and pi_RL) or `dense`
-        (the sum of the env's rewards).
+        (the sum of the env's rewards). Under PPO each decision's reward is the env's rewards over its executed steps
+        (`dense`) or 1 on the decision that succeeded (`success`).
+    reward_scale (`float`, defaults to 1.0): multiplies every reward (Meta-World's dense reward is up to 10 per step:
+        0.01 keeps the critic's targets near 1).
+    gamma (`float`, defaults to 0.99), lam (`float`, defaults to 0.95): PPO's discount and GAE lambda per decision (one
+        executed chunk), pi_RL's values.
+    vf_coef (`float`, defaults to 0.5): weight of the critic's loss `0.5 (V - R)^2` in PPO's loss (TRL's default 0.1
+        is for LM value heads; 0.5 is the PPO paper's).
+    value_clip (`float`, *optional*): keep the critic within this distance of its rollout-time value in the loss
+        (PPO2's value clipping, TRL's `cliprange_value`); None turns it off.
     scale_rewards (`bool`, defaults to `True`): divide group-centred returns by the group's standard deviation.
     dynamic_sampling (`bool`, defaults to `True`): leave out groups whose episodes all have the same return (no
         signal; DAPO's dynamic sampling without the re-sampling), so they do not dilute the loss.
@@ -101,6 +122,11 @@ class RLConfig(VLATrainingArguments):
     noise_level: float = field(default=0.5, metadata={"help": "Flow-SDE noise level a"})
     denoise_steps: int | None = field(default=None, metadata={"help": "denoising steps K (default: the model's)"})
     reward: str = field(default="success", metadata={"help": f"one of {REWARDS}"})
+    reward_scale: float = field(default=1.0, metadata={"help": "multiplies every reward"})
+    gamma: float = field(default=0.99, metadata={"help": "PPO: discount per decision"})
+    lam: float = field(default=0.95, metadata={"help": "PPO: GAE lambda"})
+    vf_coef: float = field(default=0.5, metadata={"help": "PPO: weight of the critic's loss"})
+    value_clip: float | None = field(default=None, metadata={"help": "PPO: clip of the critic's change (None: off)"})
     scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group's std"})
     dynamic_sampling: bool = field(default=True, metadata={"help": "drop groups with equal returns"})
     episode_seed: int = field(default=100_000, metadata={"help": "first env seed of the rollouts"})
@@ -134,6 +160,15 @@ class RLConfig(VLATrainingArguments):
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ConfigError(f"group_size={self.group_size}: GRPO compares episodes of one seed; use at least 2")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be in [0, 1]")
+        if not (math.isfinite(self.reward_scale) and self.reward_scale > 0):
+            raise ConfigError(f"reward_scale={self.reward_scale}: must be a positive number")
+        if not (math.isfinite(self.vf_coef) and self.vf_coef >= 0):
+            raise ConfigError(f"vf_coef={self.vf_coef}: must be a finite number >= 0")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ConfigError(f"value_clip={self.value_clip}: must be positive (or unset)")
         if not 0 < self.epsilon < 1:
             raise ConfigError(f"epsilon={self.epsilon}: must be in (0, 1)")
         if self.epsilon_high is None:
@@ -228,6 +263,10 @@ class RLTrainer(VLATrainer):
             import copy
 
             reference = copy.deepcopy(model).eval().requires_grad_(False)
+        if args.algorithm == "ppo":  # the critic: the checkpoint's (a PPO run's output) or a new one predicting 0
+            model.add_value_head()
+            if peft_config is not None:  # under LoRA the critic trains in full, as the action/time heads do
+                peft_config.modules_to_save = sorted(set(peft_config.modules_to_save or []) | {"value_head"})
         super().__init__(model, args, train_dataset=UpdateStream(), eval_dataset=UpdateStream(),
                          data_collator=_identity, processing_class=processing_class, peft_config=peft_config,
                          callbacks=callbacks)
@@ -269,7 +308,7 @@ class RLTrainer(VLATrainer):
         if not stochastic:
             return PolicyRunner(**common)
         return StochasticPolicy(**common, sde=self.sde, n_action_steps=settings["n_action_steps"],
-                                action_dims=settings["action_dims"])
+                                action_dims=settings["action_dims"], with_value=self.args.algorithm == "ppo")
 
     def _mask(self) -> torch.Tensor:
         from .rollout import decision_mask
@@ -317,19 +356,28 @@ class RLTrainer(VLATrainer):
         finally:
             model.train(was_training)
         seconds = time.perf_counter() - started
-        # returns, group advantages (a group: one task's episodes from one env seed, all on this rank)
-        by_noise, rows = {}, []
+        # returns and advantages; GRPO: per episode, over its group (one task's episodes from one env seed, all on this
+        # rank); PPO: per decision, GAE with the critic's values
+        kept_by_noise, rows = {}, []
         for t, (task, items) in enumerate(episodes.items()):
             kept = [e for e in items if not e.discarded]
             if not kept:
                 continue
             returns = torch.tensor([float(e.success) if args.reward == "success" else e.reward for e in kept])
-            groups = torch.tensor([t * 10**9 + e.seed for e in kept])
-            advantages, informative = group_advantages(returns, groups, scale=args.scale_rewards)
-            for e, a, keep in zip(kept, advantages.tolist(), informative.tolist()):
-                by_noise[e.noise_seed] = (a, keep or not args.dynamic_sampling)
             rows.append((task, [e.success for e in kept], returns.tolist(), [e.steps for e in kept]))
-        used = [tr for tr in transitions if tr.noise_seed in by_noise and by_noise[tr.noise_seed][1]]
+            if args.algorithm == "ppo":
+                kept_by_noise.update({e.noise_seed: (e, None, True) for e in kept})
+                continue
+            groups = torch.tensor([t * 10**9 + e.seed for e in kept])
+            advantages, informative = group_advantages(returns * args.reward_scale, groups, scale=args.scale_rewards)
+            for e, a, keep in zip(kept, advantages.tolist(), informative.tolist()):
+                kept_by_noise[e.noise_seed] = (e, a, keep or not args.dynamic_sampling)
+        used = [tr for tr in transitions if tr.noise_seed in kept_by_noise and kept_by_noise[tr.noise_seed][2]]
+        if args.algorithm == "ppo":
+            self._ppo_advantages(used, kept_by_noise)
+        else:
+            for tr in used:
+                tr.advantage = kept_by_noise[tr.noise_seed][1]
         total = torch.tensor([float(len(used))], device=args.device)
         if self.accelerator.num_processes > 1:
             total = self.accelerator.reduce(total, reduction="sum")
@@ -343,7 +391,52 @@ class RLTrainer(VLATrainer):
                              torch.stack([tr.reference_means for tr in measured]), self.sde,
                              self._mask()).sum(dim=1)
                 self._metric("kl_to_start", kl.mean().item())
-        return self._micro_batches(used, transitions, by_noise, total, generation)
+        return self._micro_batches(used, transitions, total, generation)
+
+    def _ppo_advantages(self, used: list, kept_by_noise: dict) -> None:
+        """GAE per episode over its decisions (`hf_vla.rl.flow.gae`), rewards per decision (the env's over its executed
+        steps, or 1 on the successful one), then advantages whitened over the rollout batch of every rank (PPO's
+        usual normalisation; one process on the union gets the same numbers)."""
+        args = self.args
+        n = self.rl_settings["n_action_steps"]
+        by_episode: dict = {}
+        for tr in used:
+            by_episode.setdefault(tr.noise_seed, []).append(tr)
+        for noise_seed, decisions in by_episode.items():
+            decisions.sort(key=lambda tr: tr.index)
+            episode = kept_by_noise[noise_seed][0]
+            rewards = torch.zeros(len(decisions), dtype=torch.float64)
+            if args.reward == "dense":
+                for i in range(len(decisions)):
+                    rewards[i] = sum(episode.step_rewards[i * n:(i + 1) * n])
+            elif episode.success:
+                rewards[-1] = 1.0
+            values = torch.tensor([tr.value for tr in decisions], dtype=torch.float64)
+            advantages, returns = gae(rewards * args.reward_scale, values, args.gamma, args.lam)
+            for tr, a, r in zip(decisions, advantages.tolist(), returns.tolist()):
+                tr.advantage, tr.value_target = a, r
+        advantages = torch.tensor([tr.advantage for tr in used], dtype=torch.float64)
+        returns = torch.tensor([tr.value_target for tr in used], dtype=torch.float64)
+        values = torch.tensor([tr.value for tr in used], dtype=torch.float64)
+        residual = returns - values
+        stats = torch.stack([torch.tensor(float(len(used)), dtype=torch.float64), advantages.sum(),
+                             (advantages ** 2).sum(), returns.sum(), (returns ** 2).sum(), residual.sum(),
+                             (residual ** 2).sum(), values.sum()]).to(args.device)
+        if self.accelerator.num_processes > 1:
+            stats = self.accelerator.reduce(stats, reduction="sum")
+        count, a_sum, a_sq, r_sum, r_sq, e_sum, e_sq, v_sum = stats.cpu().tolist()
+        count = max(count, 1.0)
+
+        def variance(total, squares):
+            return max(squares / count - (total / count) ** 2, 0.0) * count / max(count - 1, 1.0)
+
+        mean, std = a_sum / count, math.sqrt(variance(a_sum, a_sq))
+        for tr in used:
+            tr.advantage = (tr.advantage - mean) / (std + 1e-8)
+        self._metric("value", v_sum / count)
+        returns_variance = variance(r_sum, r_sq)
+        if returns_variance > 0:  # 1: the critic explains the returns; 0: no better than their mean
+            self._metric("explained_variance", 1 - variance(e_sum, e_sq) / returns_variance)
 
     def _reference_means(self, transitions: list) -> None:
         """The start policy's means at each stored x_k (for the KL), in batches."""
@@ -361,7 +454,7 @@ class RLTrainer(VLATrainer):
             for tr, mean in zip(part, means.cpu()):
                 tr.reference_means = mean
 
-    def _micro_batches(self, used: list, transitions: list, by_noise: dict, total: float, generation: int):
+    def _micro_batches(self, used: list, transitions: list, total: float, generation: int):
         """The kept decisions, shuffled (seeded by the generation), in `gradient_accumulation_steps` micro-batches of
         the loss weight 1 / (kept decisions on all ranks); a part left empty holds one decision of weight 0, so every
         rank runs the same number of forward/backward passes."""
@@ -380,7 +473,10 @@ class RLTrainer(VLATrainer):
             batch = {k: torch.cat([tr.inputs[k] for tr in members]) for k in members[0].inputs}
             batch["chain"] = torch.stack([tr.chain for tr in members])
             batch["old_log_probs"] = torch.stack([tr.log_probs for tr in members])
-            batch["advantages"] = torch.tensor([by_noise.get(tr.noise_seed, (0.0, False))[0] for tr in members])
+            batch["advantages"] = torch.tensor([getattr(tr, "advantage", 0.0) if weight else 0.0 for tr in members])
+            if self.args.algorithm == "ppo":
+                batch["returns"] = torch.tensor([getattr(tr, "value_target", tr.value) for tr in members])
+                batch["old_values"] = torch.tensor([tr.value for tr in members])
             batch["weights"] = torch.full((len(members),), weight)
             batch["mask"] = policy_mask
             if self.args.beta > 0:
@@ -391,7 +487,9 @@ class RLTrainer(VLATrainer):
     # ---- the objective ---------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
-        means = chain_means(model, inputs, inputs["chain"], self.sde)
+        ppo = args.algorithm == "ppo"
+        means, *values = chain_means(model, inputs, inputs["chain"], self.sde, value=True) if ppo else \
+            (chain_means(model, inputs, inputs["chain"], self.sde),)
         log_probs = step_log_probs(inputs["chain"], means, self.sde, inputs["mask"])  # [b, K]
         log_ratio = log_probs - inputs["old_log_probs"]
         elements, clipped = clipped_objective(log_ratio, inputs["advantages"], args.epsilon, args.epsilon_high)
@@ -399,6 +497,9 @@ class RLTrainer(VLATrainer):
         if args.beta > 0:  # the KL to the start policy per denoising step, as TRL adds beta * KL per token
             per_decision = per_decision + args.beta * step_kl(means, inputs["reference_means"], self.sde,
                                                               inputs["mask"]).mean(dim=1)
+        if ppo:
+            critic = value_loss(values[0], inputs["returns"], inputs["old_values"], args.value_clip)
+            per_decision = per_decision + args.vf_coef * critic
         weights = inputs["weights"]
         loss = (weights * per_decision).sum()
         if not torch.isfinite(loss):
@@ -417,6 +518,8 @@ class RLTrainer(VLATrainer):
                 self._metric("clip_fraction", clipped[live].float().mean().item())
                 self._metric("approx_kl", ((ratio.exp() - 1) - ratio).mean().item())  # old -> new (Schulman's k3)
                 self._metric("ratio", ratio.exp().mean().item())
+                if ppo:
+                    self._metric("value_loss", critic.detach()[live].mean().item())
         if self.accelerator.num_processes > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over ranks
         return (loss, None) if return_outputs else loss
@@ -512,7 +615,9 @@ class RLTrainer(VLATrainer):
         return {
             "start": args.model_name_or_path, "env": self.rl_settings["env"],
             "tasks": [t for t in self.rl_settings["tasks"] if t],
-            "method": f"{args.algorithm.upper()} on Flow-SDE likelihoods (noise level {args.noise_level}, "
+            "method": f"{args.algorithm.upper()}"
+                      + (f" (critic on the VLM prefix, GAE gamma {args.gamma:g} lambda {args.lam:g})"
+                         if args.algorithm == "ppo" else "") + f" on Flow-SDE likelihoods (noise level {args.noise_level}, "
                       f"{self.sde.num_steps} denoising steps), clip [{1 - args.epsilon:g}, {1 + args.epsilon_high:g}], "
                       f"beta {args.beta:g}, reward {args.reward}",
             "updates": self.state.global_step, "episodes": self._episodes_total,

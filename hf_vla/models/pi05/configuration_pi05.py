@@ -40,6 +40,9 @@ class PI05Config(PreTrainedConfig):
         earlier output, errors included, not a demonstration; a clean prefix in training teaches the model to
         continue it blindly. On the demo, with 0.2 the policy failed 10 of 3,500 episodes with RTC against 6
         without; with 0, 18 of 1,500 against 5 (README). 0 is the paper's objective.
+    value_head (`bool`, defaults to `False`): a critic for PPO fine-tuning (`hf_vla.rl`, `algorithm="ppo"`): a small
+        MLP on the mean of the prefix's hidden states entering the VLM's last layer, predicting the return. Sampling
+        never runs it; a loaded checkpoint keeps it frozen until the RL trainer trains it.
     image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
     """
 
@@ -62,6 +65,7 @@ class PI05Config(PreTrainedConfig):
     tokenizer_max_length: int = 200
     rtc_max_delay: int = 0
     rtc_prefix_noise: float = 0.0
+    value_head: bool = False
 
     def __post_init__(self, **kwargs):
         if isinstance(self.vlm_config, dict):

@@ -24,6 +24,7 @@ whole layers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +117,33 @@ class PI05VLMDecoderLayer(GemmaDecoderLayer):
         return hidden_states, key, value
 
 
+@dataclass
+class PI05Output(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` (`logits` = the velocity) plus `value` `[B]`: the critic's estimate of the return, with
+    `output_value=True` on a model with a value head."""
+
+    value: torch.FloatTensor | None = None
+
+
+class PI05ValueHead(nn.Module):
+    """The critic of PPO fine-tuning (`config.value_head`): LayerNorm, Linear, GELU, Linear(1) on the mean over the
+    real prefix tokens of the hidden states entering the VLM's last layer (the prefix computation sampling runs
+    anyway: the last layer only gives its keys/values). The output layer starts at zero, so a new critic predicts 0."""
+
+    def __init__(self, config: PI05Config):
+        super().__init__()
+        width = config.vlm_config.text_config.hidden_size
+        self.norm = nn.LayerNorm(width)
+        self.dense = nn.Linear(width, width)
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        weights = valid.to(torch.float32)[..., None]
+        pooled = (hidden.float() * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+        pooled = self.norm(pooled.to(self.norm.weight.dtype))
+        return self.out(F.gelu(self.dense(pooled))).squeeze(-1).float()
+
+
 class PI05ActionExpert(GemmaPreTrainedModel):
     """The Gemma action expert of pi0.5: decoder layers and final norm, no token embeddings, no rotary of its own."""
 
@@ -193,6 +221,7 @@ class PI05PreTrainedModel(PreTrainedModel):
         "action_out_proj",
         "time_mlp_in",
         "time_mlp_out",
+        "value_head",
     ]
 
     def post_init(self):
@@ -209,6 +238,8 @@ class PI05PreTrainedModel(PreTrainedModel):
         for module in model.modules():
             if isinstance(module, PI05Model):
                 module.freeze_unused()
+            if isinstance(module, PI05ValueHead):  # only the RL trainer (PPO) trains the critic
+                module.requires_grad_(False)
         return loaded
 
     def set_attn_implementation(self, attn_implementation, **kwargs):
@@ -223,6 +254,9 @@ class PI05PreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, PI0TimestepEmbeddings):
             init.copy_(module.sinusoid_freq, module.compute_freqs(module.config))
+        if isinstance(module, PI05ValueHead):
+            init.zeros_(module.out.weight)
+            init.zeros_(module.out.bias)
 
 
 class PI05Model(PI05PreTrainedModel):
@@ -309,10 +343,12 @@ class PI05Model(PI05PreTrainedModel):
         prefix_embeds: torch.Tensor | None = None,
         past_key_values: DynamicCache | None = None,
         use_cache: bool = False,
-    ) -> tuple[torch.Tensor | None, DynamicCache | None]:
+        output_prefix_hidden: bool = False,
+    ) -> tuple:
         """Run the towers. Prefix only (fills a cache), suffix only (reads `past_key_values`), or both jointly.
 
-        Returns the expert's normalised suffix hidden states (or None) and the prefix cache (when one was used).
+        Returns the expert's normalised suffix hidden states (or None) and the prefix cache (when one was used); with
+        `output_prefix_hidden`, also the prefix's hidden states entering the VLM's last layer (what the critic reads).
         """
         self._check_attention()
         if prefix_embeds is None and past_key_values is None:
@@ -346,6 +382,8 @@ class PI05Model(PI05PreTrainedModel):
                                              position_embeddings=(suffix_cos, suffix_sin))
         if hidden_suffix is not None:
             hidden_suffix, _ = self.expert.norm(hidden_suffix, adarms_cond)
+        if output_prefix_hidden:  # the last layer ran kv_only: hidden_prefix is what entered it
+            return hidden_suffix, past_key_values, hidden_prefix
         return hidden_suffix, past_key_values
 
 
@@ -361,7 +399,21 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         self.action_out_proj = nn.Linear(width, config.max_action_dim)
         self.time_mlp_in = nn.Linear(width, width)
         self.time_mlp_out = nn.Linear(width, width)
+        self.value_head = PI05ValueHead(config) if config.value_head else None
         self.post_init()
+        if self.value_head is not None:  # only the RL trainer (PPO) trains the critic
+            self.value_head.requires_grad_(False)
+
+    def add_value_head(self) -> PI05ValueHead:
+        """The critic of PPO fine-tuning, created (output layer at zero) when the model has none; trainable."""
+        if self.value_head is None:
+            reference = self.action_out_proj.weight
+            self.config.value_head = True
+            head = PI05ValueHead(self.config)
+            head.apply(self._init_weights)
+            self.value_head = head.to(device=reference.device, dtype=torch.float32)
+        self.value_head.requires_grad_(True)
+        return self.value_head
 
     def get_input_embeddings(self):
         return self.model.get_input_embeddings()
@@ -410,8 +462,9 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         state: torch.FloatTensor | None = None,
         past_key_values: DynamicCache | None = None,
         use_cache: bool = False,
+        output_value: bool = False,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> PI05Output:
         r"""
         noise (`[B, chunk, max_action_dim]`): x_t at `timestep` when `actions` is None; otherwise the noise that is
             mixed with `actions` (sampled when omitted).
@@ -424,6 +477,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             MSE (the trainer computes its own masked, aggregated loss from `logits` instead).
         state: accepted for a uniform policy signature and unused: pi0.5 reads the state from the prompt.
         past_key_values: a prefix cache from a previous call (`use_cache=True`); the prefix is then not recomputed.
+        output_value: also return the critic's `value` `[B]` (needs a value head and the prefix, not a cache).
 
         Returns `logits` = predicted velocity `[B, chunk, max_action_dim]` (fp32).
         """
@@ -451,35 +505,46 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             if pixel_values is None:
                 raise ValueError("pixel_values are needed unless a prefix past_key_values cache is passed.")
             prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
+        if output_value and (self.value_head is None or prefix_embeds is None):
+            raise ValueError("output_value needs a value head (config.value_head, add_value_head()) and the prefix "
+                             "(pixel_values, not a past_key_values cache)")
         suffix_embeds, cond = self.embed_suffix(x_t, timestep)
-        hidden, cache = self.model(
+        prefix_valid = self.model.prefix_mask(pixel_attention_mask, attention_mask)
+        hidden, cache, *prefix_hidden = self.model(
             suffix_embeds,
             cond,
-            prefix_valid=self.model.prefix_mask(pixel_attention_mask, attention_mask),
+            prefix_valid=prefix_valid,
             prefix_embeds=prefix_embeds,
             past_key_values=past_key_values,
             use_cache=use_cache,
+            output_prefix_hidden=output_value,
         )
         velocity = self.action_out_proj(hidden[:, -self.config.chunk_size :].to(self.action_out_proj.weight.dtype))
         velocity = velocity.float()
         loss = None
         if actions is not None:
             loss = F.mse_loss(velocity, (noise - actions).float())
-        return CausalLMOutputWithPast(loss=loss, logits=velocity, past_key_values=cache)
+        value = self.value_head(prefix_hidden[0], prefix_valid) if output_value else None
+        return PI05Output(loss=loss, logits=velocity, past_key_values=cache, value=value)
 
     # ---- structure, for the trainer and peft ---------------------------------------------------------------------
     freeze_modes = ("none", "vision_tower", "vlm", "expert_only")
     lora_presets = ("expert", "all_linear")
 
     def trained_heads(self) -> list[str]:
-        """The small action/time heads: trained in full when the rest is frozen or adapted (peft `modules_to_save`)."""
-        return ["action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"]
+        """The small action/time heads (and the critic, when there is one): trained in full when the rest is frozen or
+        adapted (peft `modules_to_save`)."""
+        heads = ["action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"]
+        return heads + (["value_head"] if self.value_head is not None else [])
 
     def freeze(self, mode: str = "none") -> None:
         """`vision_tower`: SigLIP and its projector frozen; `vlm`: all of PaliGemma frozen (the expert and the heads
         train); `expert_only`: only the action expert's layers train. The modules pi0.5 never runs stay frozen."""
+        critic = self.value_head is not None and any(p.requires_grad for p in self.value_head.parameters())
         apply_freeze(mode, self.freeze_modes, self, self.model.vlm, self.model.expert.layers)
         self.model.freeze_unused()
+        if self.value_head is not None:  # the critic trains when the RL trainer made it trainable, whatever the mode
+            self.value_head.requires_grad_(critic)
 
     def lora_target_modules(self, preset: str) -> list[str]:
         """The linear layers LoRA adapts. `expert`: every linear of the action expert's layers (attention, MLP and the
@@ -579,4 +644,4 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         return x_t
 
 
-__all__ = ["PI05PreTrainedModel", "PI05Model", "PI05ForConditionalGeneration"]
+__all__ = ["PI05PreTrainedModel", "PI05Model", "PI05ForConditionalGeneration", "PI05Output", "PI05ValueHead"]
