@@ -38,11 +38,11 @@ def _env():
     return dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
 
 
-def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: list[str]):
-    out = work / "rl"
+def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: list[str], config: Path, arm: str):
+    out = work / arm
     started = time.perf_counter()
     # one torch thread: the env workers need the other core (as the evaluation harness runs)
-    subprocess.run([sys.executable, "-m", "hf_vla.rl", str(REPO / "configs" / "rl" / "pi05_metaworld.json"),
+    subprocess.run([sys.executable, "-m", "hf_vla.rl", str(config),
                     "--model_name_or_path", str(start), "--output_dir", str(out), "--max_steps", "100000",
                     "--max_train_minutes", str(budget_min), *extra], check=True, cwd=REPO,
                    env=dict(_env(), OMP_NUM_THREADS="1"))
@@ -51,7 +51,8 @@ def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: l
     state = json.loads(sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
                        .joinpath("trainer_state.json").read_text())
     history = state["log_history"]
-    results["rl_run"] = {
+    results[f"{arm}_run"] = {
+        "config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config),
         "budget_min": budget_min, "wall_seconds": round(seconds, 1), "updates": summary["updates"],
         "episodes": int(max(e.get("rollout/episodes", 0) for e in history)), "method": summary["method"],
         "held_out_during_training": {str(e["step"]): e["eval_success"] for e in history if "eval_success" in e},
@@ -75,8 +76,9 @@ def stage_sft(work: Path, start: Path, budget_min: float, rate: float, results: 
 
 
 def stage_evaluate(work: Path, start: Path, episodes: int, results: dict, which: list[str]):
-    arms = {"start": start, "continued_sft": work / "sft_more", "rl": work / "rl"}
+    arms = {"start": start, "continued_sft": work / "sft_more"}
     for name in which:
+        arms.setdefault(name, work / name)  # an RL arm: its --arm name
         started = time.perf_counter()
         evaluated = bench._evaluate(arms[name], episodes, 200, work / f"eval_{name}")
         results[name] = {"mean_success": evaluated["success_rate"],
@@ -95,7 +97,10 @@ def main():
     parser.add_argument("--budget_min", type=float, default=60.0)
     parser.add_argument("--sft_steps_per_s", type=float, default=4.78)
     parser.add_argument("--episodes", type=int, default=50)
-    parser.add_argument("--which", default="start,continued_sft,rl")
+    parser.add_argument("--which", default="start,continued_sft,rl", help="arms to evaluate (RL arms by --arm name)")
+    parser.add_argument("--config", default=str(REPO / "configs" / "rl" / "pi05_metaworld.json"),
+                        help="--stage rl: the RL config (configs/rl/pi05_metaworld_ppo.json: PPO with a critic)")
+    parser.add_argument("--arm", default="rl", help="--stage rl: the arm's name (its folder in --work, its JSON key)")
     args, extra = parser.parse_known_args()
     work = Path(args.work)
     start = Path(args.start) if args.start else work / "hf_vla"
@@ -105,7 +110,7 @@ def main():
                     "start_checkpoint": "the Meta-World benchmark's 20-minute recipe (configs/pi05_metaworld.json)",
                     "machine": "2-core CPU, no GPU"})
     if args.stage == "rl":
-        stage_rl(work, start, args.budget_min, results, extra)
+        stage_rl(work, start, args.budget_min, results, extra, Path(args.config).resolve(), args.arm)
     elif args.stage == "sft":
         stage_sft(work, start, args.budget_min, args.sft_steps_per_s, results)
     else:

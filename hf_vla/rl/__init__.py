@@ -1,7 +1,7 @@
 """Reinforcement-learning fine-tuning of flow policies from their own rollouts (`python -m hf_vla.rl`).
 
-- `flow`: Flow-SDE (the Euler sampler as Gaussian steps with an exact chain likelihood), GRPO advantages, the clipped
-  objective;
+- `flow`: Flow-SDE (the Euler sampler as Gaussian steps with an exact chain likelihood), GRPO advantages, GAE and the
+  critic's loss (PPO), the clipped objective;
 - `rollout`: the stochastic policy and the envs of a run, through the episode loop evaluation uses;
 - `trainer`: `RLConfig` (extends `VLATrainingArguments`) and `RLTrainer` (extends `VLATrainer`, as TRL's trainers
   extend `Trainer`).

@@ -5,8 +5,8 @@ Where TRL generates completions for prompts, this trainer rolls the policy out i
 `num_iterations` optimizer steps, each rank runs `groups_per_update` env seeds per task, `group_size` episodes from each
 seed (differing in the policy's noise), with the stochastic Flow-SDE sampler (`hf_vla.rl.flow`), and keeps every policy
 decision (one executed chunk) with its denoising chain and log-probability. Advantages are group-relative (GRPO) over
-the episodes of one seed; the loss, in `compute_loss`, is the clipped surrogate on each denoising step's likelihood
-ratio. Everything else is `VLATrainer`'s and so `Trainer`'s: the optimizer (fp32 master weights for bf16), the
+the episodes of one seed, or (PPO) GAE per decision with a critic on the VLM prefix (`PI05ValueHead`); the loss, in
+`compute_loss`, is the clipped surrogate on each denoising step's likelihood ratio (plus the critic's loss under PPO). Everything else is `VLATrainer`'s and so `Trainer`'s: the optimizer (fp32 master weights for bf16), the
 schedule, logging and `report_to`, the checkpoint format and run lock, the NaN guard, preemption (exit 75, resume),
 EMA, LoRA through peft, the Hub push. Evaluation (`evaluate`) runs held-out seeds (from 10,000, never rolled out)
 with the deterministic sampler the policy is deployed with, and the best checkpoint by held-out success is kept
@@ -239,7 +239,7 @@ def _identity(item):
 
 
 class RLTrainer(VLATrainer):
-    """Improves a flow policy (pi0.5) from its own rollouts; see the module's docstring.
+    """Improves a flow policy (pi0.5) from its own rollouts (GRPO, or PPO with a critic); see the module's docstring.
 
         trainer = RLTrainer(model, RLConfig(output_dir=..., env="metaworld", task="reach-v3"),
                             processing_class=processor, peft_config=lora_config("expert", r=8, model=model))
