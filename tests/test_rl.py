@@ -202,6 +202,25 @@ def test_the_critic_reads_the_prefix_once_and_learns_a_return():
     torch.testing.assert_close(sampled, value.detach())
 
 
+def test_the_critic_gets_a_learning_rate_of_its_own(tmp_path):
+    from hf_vla.rl import RLConfig, RLTrainer
+
+    model, processor = tiny_policy(seed=4)
+    args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=2,
+                    algorithm="ppo", learning_rate=1e-5, critic_learning_rate=1e-3, weight_decay=0.1, use_cpu=True,
+                    report_to=[], save_strategy="no", eval_strategy="no", eval_on_start=False, n_action_steps=1)
+    trainer = RLTrainer(model, args, processing_class=processor)
+    try:
+        trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    finally:
+        trainer.engine.close()
+    critic = {id(p) for p in model.value_head.parameters()}
+    groups = trainer.optimizer.param_groups
+    assert {id(p) for p in groups[-1]["params"]} == critic and groups[-1]["lr"] == 1e-3
+    assert groups[-1]["weight_decay"] == 0.0
+    assert all(g["lr"] == 1e-5 and not critic & {id(p) for p in g["params"]} for g in groups[:-1])
+
+
 # ---- a policy-gradient step on a toy env with a known optimum ------------------------------------------------------
 def _mean_action(model, processor, draws=256):
     inputs = model_inputs(processor, batch=1)

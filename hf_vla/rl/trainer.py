@@ -90,6 +90,9 @@ class RLConfig(VLATrainingArguments):
         is for LM value heads; 0.5 is the PPO paper's).
     value_clip (`float`, *optional*): keep the critic within this distance of its rollout-time value in the loss
         (PPO2's value clipping, TRL's `cliprange_value`); None turns it off.
+    critic_learning_rate (`float`, *optional*): the critic's own learning rate (its parameters in an optimizer group
+        of their own, no weight decay); default `learning_rate`. A new critic starts at 0 and must catch up with the
+        returns while the policy moves slowly: RL's small policy rates leave it barely trained.
     scale_rewards (`bool`, defaults to `True`): divide group-centred returns by the group's standard deviation.
     dynamic_sampling (`bool`, defaults to `True`): leave out groups whose episodes all have the same return (no
         signal; DAPO's dynamic sampling without the re-sampling), so they do not dilute the loss.
@@ -127,6 +130,8 @@ class RLConfig(VLATrainingArguments):
     lam: float = field(default=0.95, metadata={"help": "PPO: GAE lambda"})
     vf_coef: float = field(default=0.5, metadata={"help": "PPO: weight of the critic's loss"})
     value_clip: float | None = field(default=None, metadata={"help": "PPO: clip of the critic's change (None: off)"})
+    critic_learning_rate: float | None = field(default=None, metadata={"help": "PPO: the critic's learning rate "
+                                                                              "(default: learning_rate)"})
     scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group's std"})
     dynamic_sampling: bool = field(default=True, metadata={"help": "drop groups with equal returns"})
     episode_seed: int = field(default=100_000, metadata={"help": "first env seed of the rollouts"})
@@ -169,6 +174,9 @@ class RLConfig(VLATrainingArguments):
             raise ConfigError(f"vf_coef={self.vf_coef}: must be a finite number >= 0")
         if self.value_clip is not None and not self.value_clip > 0:
             raise ConfigError(f"value_clip={self.value_clip}: must be positive (or unset)")
+        if self.critic_learning_rate is not None and not (math.isfinite(self.critic_learning_rate)
+                                                          and self.critic_learning_rate >= 0):
+            raise ConfigError(f"critic_learning_rate={self.critic_learning_rate}: must be a finite number >= 0")
         if not 0 < self.epsilon < 1:
             raise ConfigError(f"epsilon={self.epsilon}: must be in (0, 1)")
         if self.epsilon_high is None:
@@ -291,6 +299,28 @@ class RLTrainer(VLATrainer):
     def get_train_dataloader(self) -> DataLoader:
         # Rollouts are made in the main process (the envs are worker processes of their own): no DataLoader workers.
         return DataLoader(self.train_dataset, batch_size=None, collate_fn=_identity, num_workers=0)
+
+    def create_optimizer(self, model=None):
+        # The SFT trainer's optimizer; under PPO with critic_learning_rate, the critic's parameters move to a group of
+        # their own (before any step, so the optimizer state and the schedule see the final groups).
+        optimizer = super().create_optimizer(model)
+        rate = self.args.critic_learning_rate
+        if self.args.algorithm != "ppo" or rate is None or rate == self.args.learning_rate:
+            return optimizer
+        from ..optim import MasterWeightOptimizer
+
+        if isinstance(optimizer, MasterWeightOptimizer):
+            raise ConfigError("critic_learning_rate with bf16 master weights is not supported yet: leave it unset or "
+                              "train in float32")
+        model = model if model is not None else self.model
+        critic = {id(p) for n, p in model.named_parameters() if "value_head" in n and p.requires_grad}
+        moved = []
+        for group in optimizer.param_groups:
+            moved += [p for p in group["params"] if id(p) in critic]
+            group["params"] = [p for p in group["params"] if id(p) not in critic]
+        if moved:
+            optimizer.add_param_group({"params": moved, "lr": rate, "weight_decay": 0.0})
+        return optimizer
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # compute_loss normalises by the rollout batch's kept decisions (all ranks): the Trainer must not divide again.
