@@ -57,7 +57,7 @@ def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: l
         "episodes": int(max(e.get("rollout/episodes", 0) for e in history)), "method": summary["method"],
         "held_out_during_training": {str(e["step"]): e["eval_success"] for e in history if "eval_success" in e},
         "rollout_success": {str(e["step"]): e["rollout/success"] for e in history if "rollout/success" in e},
-        "train_runtime_s": next((e["train_runtime"] for e in reversed(history) if "train_runtime" in e), None)}
+        "minutes_with_evaluations": summary["minutes"]}
 
 
 def stage_sft(work: Path, start: Path, budget_min: float, rate: float, results: dict):
