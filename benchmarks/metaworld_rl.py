@@ -3,8 +3,11 @@
     python benchmarks/metaworld_benchmark.py --stage record                  # 5 tasks x 50 expert episodes, 96 px
     python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20  # the start checkpoint (20-minute recipe)
     python benchmarks/metaworld_rl.py --stage rl --budget_min 60             # (b) python -m hf_vla.rl, 60 minutes
+    python benchmarks/metaworld_rl.py --stage rl --budget_min 60 --config configs/rl/pi05_metaworld_ppo.json \
+        --arm rl_ppo                                                         # (b') PPO with a critic, its own arm
     python benchmarks/metaworld_rl.py --stage sft --budget_min 60            # (a) python -m hf_vla.train, 60 minutes
     python benchmarks/metaworld_rl.py --stage evaluate --episodes 50         # start, (a), (b) on the same held-out seeds
+    python benchmarks/metaworld_rl.py --stage evaluate --which rl_ppo        # an RL arm by its --arm name
 
 Both arms start from the same checkpoint (`--start`, default the 20-minute recipe's output in the Meta-World benchmark's
 work folder). (a) continues `configs/pi05_metaworld.json` on the same expert data with its warmup-stable-decay schedule
