@@ -221,6 +221,31 @@ def test_the_critic_gets_a_learning_rate_of_its_own(tmp_path):
     assert all(g["lr"] == 1e-5 and not critic & {id(p) for p in g["params"]} for g in groups[:-1])
 
 
+def test_a_resumed_ppo_run_ends_with_the_critic_and_policy_of_the_uninterrupted_one(tmp_path):
+    """The critic (and its optimizer group of its own) is part of the checkpoint: stopping after update 1 and resuming
+    gives the weights of two uninterrupted updates."""
+    from hf_vla.rl import RLConfig, RLTrainer
+
+    def run(out, resume=None):
+        model, processor = tiny_policy(seed=4, scale=0.05)
+        args = RLConfig(output_dir=str(out), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=4,
+                        groups_per_update=1, algorithm="ppo", critic_learning_rate=1e-3, max_steps=2, reward="dense",
+                        save_steps=1, use_cpu=True, report_to=[], disable_tqdm=True, eval_strategy="no",
+                        eval_on_start=False, n_action_steps=1, log_kl=False)
+        trainer = RLTrainer(model, args, processing_class=processor)
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        finally:
+            trainer.engine.close()
+        return model.state_dict()
+
+    whole = run(tmp_path / "whole")
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-1"))
+    assert whole["value_head.out.weight"].abs().max() > 0  # the critic was trained
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
+
+
 # ---- a policy-gradient step on a toy env with a known optimum ------------------------------------------------------
 def _mean_action(model, processor, draws=256):
     inputs = model_inputs(processor, batch=1)
