@@ -6,8 +6,8 @@ Where TRL generates completions for prompts, this trainer rolls the policy out i
 seed (differing in the policy's noise), with the stochastic Flow-SDE sampler (`hf_vla.rl.flow`), and keeps every policy
 decision (one executed chunk) with its denoising chain and log-probability. Advantages are group-relative (GRPO) over
 the episodes of one seed, or (PPO) GAE per decision with a critic on the VLM prefix (`PI05ValueHead`); the loss, in
-`compute_loss`, is the clipped surrogate on each denoising step's likelihood ratio (plus the critic's loss under PPO). Everything else is `VLATrainer`'s and so `Trainer`'s: the optimizer (fp32 master weights for bf16), the
-schedule, logging and `report_to`, the checkpoint format and run lock, the NaN guard, preemption (exit 75, resume),
+`compute_loss`, is the clipped surrogate on each denoising step's likelihood ratio (plus the critic's loss under PPO).
+Everything else is `VLATrainer`'s and so `Trainer`'s: the optimizer (fp32 master weights for bf16), the schedule, logging and `report_to`, the checkpoint format and run lock, the NaN guard, preemption (exit 75, resume),
 EMA, LoRA through peft, the Hub push. Evaluation (`evaluate`) runs held-out seeds (from 10,000, never rolled out)
 with the deterministic sampler the policy is deployed with, and the best checkpoint by held-out success is kept
 (`metric_for_best_model="success"`).
@@ -518,8 +518,10 @@ class RLTrainer(VLATrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         ppo = args.algorithm == "ppo"
-        means, *values = chain_means(model, inputs, inputs["chain"], self.sde, value=True) if ppo else \
-            (chain_means(model, inputs, inputs["chain"], self.sde),)
+        if ppo:  # the critic's values from the same prefix pass
+            means, values = chain_means(model, inputs, inputs["chain"], self.sde, value=True)
+        else:
+            means = chain_means(model, inputs, inputs["chain"], self.sde)
         log_probs = step_log_probs(inputs["chain"], means, self.sde, inputs["mask"])  # [b, K]
         log_ratio = log_probs - inputs["old_log_probs"]
         elements, clipped = clipped_objective(log_ratio, inputs["advantages"], args.epsilon, args.epsilon_high)
@@ -528,7 +530,7 @@ class RLTrainer(VLATrainer):
             per_decision = per_decision + args.beta * step_kl(means, inputs["reference_means"], self.sde,
                                                               inputs["mask"]).mean(dim=1)
         if ppo:
-            critic = value_loss(values[0], inputs["returns"], inputs["old_values"], args.value_clip)
+            critic = value_loss(values, inputs["returns"], inputs["old_values"], args.value_clip)
             per_decision = per_decision + args.vf_coef * critic
         weights = inputs["weights"]
         loss = (weights * per_decision).sum()
@@ -642,12 +644,12 @@ class RLTrainer(VLATrainer):
         """Start checkpoint, method, budget and held-out success before -> after (and best), from the log history."""
         evals = [(int(e["step"]), e["eval_success"]) for e in self.state.log_history if "eval_success" in e]
         args = self.args
+        critic = f" (critic on the VLM prefix, GAE gamma {args.gamma:g} lambda {args.lam:g})" \
+            if args.algorithm == "ppo" else ""
         return {
             "start": args.model_name_or_path, "env": self.rl_settings["env"],
             "tasks": [t for t in self.rl_settings["tasks"] if t],
-            "method": f"{args.algorithm.upper()}"
-                      + (f" (critic on the VLM prefix, GAE gamma {args.gamma:g} lambda {args.lam:g})"
-                         if args.algorithm == "ppo" else "") + f" on Flow-SDE likelihoods (noise level {args.noise_level}, "
+            "method": f"{args.algorithm.upper()}{critic} on Flow-SDE likelihoods (noise level {args.noise_level}, "
                       f"{self.sde.num_steps} denoising steps), clip [{1 - args.epsilon:g}, {1 + args.epsilon_high:g}], "
                       f"beta {args.beta:g}, reward {args.reward}",
             "updates": self.state.global_step, "episodes": self._episodes_total,
