@@ -79,7 +79,7 @@ def stage_sft(work: Path, start: Path, budget_min: float, rate: float, results: 
 
 
 def stage_evaluate(work: Path, start: Path, episodes: int, results: dict, which: list[str]):
-    arms = {"start": start, "continued_sft": work / "sft_more"}
+    arms = {"start": start, "continued_sft": work / "sft_more", "continued_sft_30min": work / "sft_more_30min"}
     for name in which:
         arms.setdefault(name, work / name)  # an RL arm: its --arm name
         started = time.perf_counter()

@@ -322,14 +322,12 @@ def convert_checkpoint(
         processor = PI05Processor.from_config(config, tok, norm_stats={head: stats} if stats else {})
     else:
         from transformers import PI0ForConditionalGeneration as model_class
-        from transformers import PI0ImageProcessor, PI0Processor
 
-        kwargs = {}
-        if stats:
-            kwargs = {"state_mean": stats["state"]["mean"], "state_std": stats["state"]["std"],
-                      "actions_mean": stats["actions"]["mean"], "actions_std": stats["actions"]["std"]}
-        processor = PI0Processor(image_processor=PI0ImageProcessor(), tokenizer=tok, max_state_dim=config.max_state_dim,
-                                 chunk_size=config.chunk_size, **kwargs)
+        from .models.pi0_adapter import PI0HeadProcessor
+
+        # hf_vla's pi0 processor (transformers' prompt layout and mean/std normalisation, per head), as training saves
+        # it: evaluation, serving and RL load every pi0 checkpoint the same way
+        processor = PI0HeadProcessor.from_config(config, tok, norm_stats={head: stats} if stats else {})
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.converting-", dir=output_dir.parent))
     try:

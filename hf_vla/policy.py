@@ -139,6 +139,22 @@ def check_task(task, key: str = "prompt", limits: InputLimits = InputLimits()) -
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
+PI0_INPUTS = MODEL_INPUTS + ("state",)  # transformers' pi0 takes the state as a tensor (pi0.5 reads it as tokens)
+
+
+def model_input_keys(model) -> tuple[str, ...]:
+    """What a policy's `sample_actions` / forward reads from the processor's output."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return PI0_INPUTS if getattr(config, "model_type", None) == "pi0" else MODEL_INPUTS
+
+
+def stat_range(stats: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The training range of one normalised quantity: its q01..q99, or for mean/std stats alone (transformers' pi0
+    conversions) mean -/+ 2.326 std, the 1st and 99th percentiles of a Gaussian."""
+    if "q01" in stats and "q99" in stats:
+        return np.asarray(stats["q01"], np.float64), np.asarray(stats["q99"], np.float64)
+    mean, std = np.asarray(stats["mean"], np.float64), np.asarray(stats["std"], np.float64)
+    return mean - 2.326 * std, mean + 2.326 * std
 
 
 @dataclass
@@ -155,12 +171,12 @@ class PreparedRequest:
         """Requests with equal keys can share one forward; one that continues a chunk (RTC) runs alone."""
         if self.rtc is not None:
             return None
-        return tuple(tuple(self.inputs[key].shape[1:]) for key in MODEL_INPUTS)
+        return tuple((key, tuple(self.inputs[key].shape[1:])) for key in sorted(self.inputs))
 
 
 def batch_requests(requests: list[PreparedRequest], device) -> tuple[dict, torch.Tensor]:
     """The model inputs and noise of prepared requests, concatenated into one batch on `device`."""
-    inputs = {key: torch.cat([r.inputs[key] for r in requests]).to(device) for key in MODEL_INPUTS}
+    inputs = {key: torch.cat([r.inputs[key] for r in requests]).to(device) for key in requests[0].inputs}
     return inputs, torch.cat([r.noise for r in requests]).to(device)
 
 
@@ -251,6 +267,9 @@ class PolicyRunner:
         self._check_state(state, head)
         leftover = self._leftover(head, inference_delay, executed_steps, prev_chunk_left_over)
         method = None
+        if leftover is not None and model_input_keys(self.model) == PI0_INPUTS:
+            raise RequestError("real-time chunking (executed_steps / prev_chunk_left_over) needs a pi0.5 policy; "
+                               "transformers' pi0 samples independent chunks: leave those fields out")
         if leftover is not None:
             try:
                 method = self.rtc.resolve_method(inference_delay, getattr(self.model.config, "rtc_max_delay", 0))
@@ -277,7 +296,7 @@ class PolicyRunner:
 
     def _check_state(self, state: np.ndarray, head: str) -> None:
         """The state fits the head and lies within `limits.max_state_range` widths of its training range."""
-        expected = len(self.processor.norm_stats[head]["state"]["q01"])
+        expected = len(stat_range(self.processor.norm_stats[head]["state"])[0])
         if state.shape[-1] != expected:
             raise RequestError(f"state {self.obs_map.state or 'vector'} has {state.shape[-1]} values; head {head!r} "
                                f"expects {expected}")
@@ -287,8 +306,7 @@ class PolicyRunner:
         """Every value lies within `limits.max_state_range` q01..q99 widths of the head's training range of `key`
         (state, or actions for an RTC leftover): a value 10,000 widths away is a sensor fault, a wrong unit or an
         attack, never something to act on or blend into a chunk."""
-        stats = self.processor.norm_stats[head][key]
-        q01, q99 = np.asarray(stats["q01"], np.float64), np.asarray(stats["q99"], np.float64)
+        q01, q99 = stat_range(self.processor.norm_stats[head][key])
         width = np.maximum(q99 - q01, 1e-6)  # a constant dim still gets a finite tolerance
         distance = (np.maximum(q01 - values, values - q99) / width).reshape(-1, len(q01))
         far = np.argwhere(distance > self.limits.max_state_range)
@@ -315,7 +333,7 @@ class PolicyRunner:
             if leftover.ndim != 2 or leftover.shape[0] > chunk_size:
                 raise RequestError(f"prev_chunk_left_over: expected [steps <= {chunk_size}, action_dim], got "
                                    f"{leftover.shape}")
-            dims = len(self.processor.norm_stats[head]["actions"]["q01"])
+            dims = len(stat_range(self.processor.norm_stats[head]["actions"])[0])
             if leftover.shape[1] != dims:
                 raise RequestError(f"prev_chunk_left_over: actions has {leftover.shape[1]} dims but head {head!r} has "
                                    f"stats for {dims}")
@@ -337,7 +355,7 @@ class PolicyRunner:
             raise RequestError(str(error)) from error
         config = self.model.config
         noise = torch.randn(len(tasks), config.chunk_size, config.max_action_dim, generator=self.generator)
-        return {key: inputs[key] for key in MODEL_INPUTS}, noise
+        return {key: inputs[key] for key in model_input_keys(self.model)}, noise
 
     def predict(self, images: torch.Tensor, states: np.ndarray, tasks: list[str], camera_mask: torch.Tensor) -> np.ndarray:
         """A batch: uint8 images [B, cams, 3, H, W], raw states [B, d], tasks, camera_mask [B, cams] -> chunks
@@ -350,23 +368,35 @@ class PolicyRunner:
         return self.processor.unnormalize_actions(chunk, self.head_name()).numpy()
 
 
-def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | None = None, **kwargs) -> PolicyRunner:
-    """`AutoModel` + `PI05Processor` from a directory or Hub id (a lerobot pi0.5 checkpoint is converted on load and
-    cached, `hf_vla.hub.resolve_pretrained`), wrapped in a `PolicyRunner`."""
-    from transformers import AutoModel
+def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=None):
+    """The policy (pi0.5, or transformers' pi0 with its head) and its processor from a directory or Hub id, as every
+    command loads them: `AutoModelForImageTextToText` (transformers maps pi0's policy class there; `AutoModel` gives
+    its headless `PI0Model`), `PI05Processor` or, for pi0, `PI0HeadProcessor`. `OSError` / `ValueError` as
+    transformers raises them."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     import hf_vla  # noqa: F401  (registers pi05)
 
+    from .models.pi0_adapter import PI0HeadProcessor
+    from .models.pi05 import PI05Processor
+
+    config = AutoConfig.from_pretrained(checkpoint, revision=revision)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, revision=revision, dtype=dtype)
+    processor_class = PI0HeadProcessor if config.model_type == "pi0" else PI05Processor
+    return model, processor_class.from_pretrained(checkpoint, revision=revision)
+
+
+def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | None = None, **kwargs) -> PolicyRunner:
+    """The policy and processor from a directory or Hub id (`load_pretrained`; a lerobot pi0 / pi0.5 checkpoint is
+    converted on load and cached, `hf_vla.hub.resolve_pretrained`), wrapped in a `PolicyRunner`."""
     from .errors import ConfigError
     from .hub import resolve_pretrained
-    from .models.pi05 import PI05Processor
 
     resolved = resolve_pretrained(checkpoint, revision=revision)
     if resolved != str(checkpoint):
         checkpoint, revision = resolved, None
     try:
-        model = AutoModel.from_pretrained(checkpoint, revision=revision)
-        processor = PI05Processor.from_pretrained(checkpoint, revision=revision)
+        model, processor = load_pretrained(checkpoint, revision=revision)
     except (OSError, ValueError) as error:  # a missing directory or Hub repo, offline, a config without a model type
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"checkpoint {str(checkpoint)!r} could not be loaded: {first}") from error
@@ -398,4 +428,4 @@ def rtc_config_from_args(args) -> RTCConfig:
                      method=args.rtc_method)
 
 
-__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "add_rtc_arguments", "load_policy", "rtc_config_from_args"]
+__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "add_rtc_arguments", "load_policy", "load_pretrained", "rtc_config_from_args", "stat_range"]

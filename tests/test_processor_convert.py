@@ -167,6 +167,14 @@ def test_convert_cli_pi0(tmp_path, tiny_tokenizer_dir):
     # transformers maps pi0's policy class to AutoModelForImageTextToText (AutoModel is the headless PI0Model)
     assert isinstance(AutoModelForImageTextToText.from_pretrained(tmp_path / "hf"), PI0ForConditionalGeneration)
     assert isinstance(AutoModelForImageTextToText.from_pretrained(tmp_path / "hf_05"), PI05ForConditionalGeneration)
+    # every command loads a converted pi0 with hf_vla's pi0 processor and the checkpoint's normalisation stats
+    from hf_vla.models.pi0_adapter import PI0HeadProcessor
+    from hf_vla.policy import load_pretrained
+
+    model, processor = load_pretrained(tmp_path / "hf")
+    assert isinstance(model, PI0ForConditionalGeneration) and isinstance(processor, PI0HeadProcessor)
+    assert list(processor.norm_stats) == ["default"]
+    assert processor.norm_stats["default"]["actions"]["std"] == [1.0, 1.0]  # the lerobot normalizer's, as written
 
 
 def test_convert_errors(tmp_path):

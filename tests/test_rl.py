@@ -36,27 +36,39 @@ from hf_vla.rl.flow import (
 from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
 
 HEAD = "color_reach::delta_xy"
-NORM_STATS = {HEAD: {"state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0]},
-                     "actions": {"q01": [-0.1, -0.1], "q99": [0.1, 0.1]}}}
+# q01/q99 for pi0.5's quantile normalisation, mean/std for pi0's (about the same ranges)
+NORM_STATS = {HEAD: {"state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0], "mean": [0.0, 0.0], "std": [0.5, 0.5]},
+                     "actions": {"q01": [-0.1, -0.1], "q99": [0.1, 0.1], "mean": [0.0, 0.0], "std": [0.05, 0.05]}}}
 
 
-def tiny_policy(seed=0, scale=0.1, **overrides):
+def tiny_policy(seed=0, scale=0.1, policy="pi05", **overrides):
+    """A tiny pi0.5 (hf_vla's) or pi0 (transformers' `PI0ForConditionalGeneration`) with its processor."""
     torch.manual_seed(seed)
-    config = tiny_pi05_config(**({"chunk_size": 4, "max_state_dim": 2, "max_action_dim": 2,
-                                  "num_inference_steps": 4} | overrides))
-    model = randomize_(PI05ForConditionalGeneration(config), seed=seed, scale=scale)
+    dims = {"chunk_size": 4, "max_state_dim": 2, "max_action_dim": 2, "num_inference_steps": 4} | overrides
+    if policy == "pi0":
+        from transformers import PI0ForConditionalGeneration
+
+        from hf_vla.models.pi0_adapter import PI0HeadProcessor
+        from hf_vla.tiny import tiny_pi0_config
+
+        model = randomize_(PI0ForConditionalGeneration(tiny_pi0_config(**dims)), seed=seed, scale=scale)
+        return model, PI0HeadProcessor.from_config(model.config, build_tiny_tokenizer(), norm_stats=NORM_STATS,
+                                                   head_names=[HEAD])
+    model = randomize_(PI05ForConditionalGeneration(tiny_pi05_config(**dims)), seed=seed, scale=scale)
     processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=NORM_STATS,
                                           head_names=[HEAD])
     return model, processor
 
 
-def model_inputs(processor, batch=3, seed=0):
+def model_inputs(processor, batch=3, seed=0, model=None):
+    from hf_vla.policy import MODEL_INPUTS, model_input_keys
+
     generator = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 255, (batch, 1, 3, 32, 32), generator=generator, dtype=torch.uint8)
     states = np.random.default_rng(seed).uniform(-1, 1, (batch, 2)).astype(np.float32)
     inputs = processor(images=images, text=["move to the red target"] * batch, state=states, head=HEAD,
                        camera_mask=torch.ones(batch, 1, dtype=torch.bool))
-    return {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")}
+    return {k: inputs[k] for k in (model_input_keys(model) if model is not None else MODEL_INPUTS)}
 
 
 # ---- the likelihood ------------------------------------------------------------------------------------------------
@@ -112,10 +124,18 @@ def test_the_chain_log_probability_equals_an_independent_float64_gaussian():
     assert gaussian_log_prob(chain[:, 1], means[:, 0], stds[0], torch.zeros(4, 2)).abs().max() == 0
 
 
-def test_the_cached_prefix_gives_the_gradient_of_full_forwards():
-    """The update runs the prefix once and the expert K times on its cache: the same gradient as K full forwards."""
-    model, processor = tiny_policy(seed=2)
-    inputs = model_inputs(processor, batch=2, seed=2)
+@pytest.mark.parametrize("policy", ["pi05", "pi0"])
+def test_the_cached_prefix_gives_the_gradient_of_full_forwards(policy):
+    """The update runs the prefix once and the expert K times on its cache: the same gradient as K full forwards (for
+    transformers' pi0 too, whose expert appends to the cache and is cropped back after each call). At noise level 0
+    the sampler is the policy's own Euler sampler: its chunk equals `sample_actions` from the same noise."""
+    model, processor = tiny_policy(seed=2, policy=policy)
+    inputs = model_inputs(processor, batch=2, seed=2, model=model)
+    noise = torch.randn(2, 4, 2, generator=torch.Generator().manual_seed(4))
+    chain, means = sample_chain(model.eval(), inputs, noise, torch.zeros(2, 4, 4, 2), FlowSDE(4, 0.0))
+    torch.testing.assert_close(chain[:, -1], model.sample_actions(**inputs, noise=noise.clone()), rtol=1e-4,
+                               atol=1e-5)
+    torch.testing.assert_close(chain_means(model, inputs, chain, FlowSDE(4, 0.0)), means, rtol=1e-4, atol=1e-5)
     sde = FlowSDE(4, 0.5)
     chain = torch.randn(2, 5, 4, 2, generator=torch.Generator().manual_seed(3))
     chain_means(model, inputs, chain, sde).square().sum().backward()
@@ -248,23 +268,22 @@ def test_a_resumed_ppo_run_ends_with_the_critic_and_policy_of_the_uninterrupted_
 
 # ---- a policy-gradient step on a toy env with a known optimum ------------------------------------------------------
 def _mean_action(model, processor, draws=256):
-    inputs = model_inputs(processor, batch=1)
-    inputs = {k: v.expand(draws, *v.shape[1:]) for k, v in inputs.items()}
-    inputs["input_ids"] = model_inputs(processor, batch=1)["input_ids"].expand(draws, -1)
+    from hf_vla.policy import model_input_keys
+
     images = torch.full((1, 1, 3, 32, 32), 90, dtype=torch.uint8)
     real = processor(images=images, text=[rl_toy.PointBandit().task], state=np.zeros((1, 2), np.float32), head=HEAD,
                      camera_mask=torch.ones(1, 1, dtype=torch.bool))
-    inputs = {k: real[k].expand(draws, *real[k].shape[1:]) for k in inputs}
+    inputs = {k: real[k].expand(draws, *real[k].shape[1:]) for k in model_input_keys(model)}
     noise = torch.randn(draws, 4, 2, generator=torch.Generator().manual_seed(5))
     chunk = model.eval().sample_actions(**inputs, noise=noise)
     return processor.unnormalize_actions(chunk, HEAD)[:, 0].mean(0).numpy()
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm, policy", [("grpo", "pi05"), ("ppo", "pi05"), ("grpo", "pi0")])
+def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_path, algorithm, policy):
     from hf_vla.rl import RLConfig, RLTrainer
 
-    model, processor = tiny_policy(seed=4, scale=0.05)
+    model, processor = tiny_policy(seed=4, scale=0.05, policy=policy)
     before = _mean_action(model, processor)
     args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=16,
                     algorithm=algorithm,

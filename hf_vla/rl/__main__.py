@@ -1,11 +1,12 @@
 """`python -m hf_vla.rl CONFIG.json [--key value ...]` (also under `torchrun` / `accelerate launch`): reinforcement-
-learning fine-tuning of a pi0.5 policy from its own rollouts.
+learning fine-tuning of a pi0.5 or pi0 policy from its own rollouts.
 
 The JSON holds the fields of `hf_vla.rl.RLConfig` (the project's training arguments plus the rollout and
 policy-gradient settings; `max_steps` counts policy updates); `--key value` overrides come on top, decoded as
 `python -m hf_vla.train` decodes them. `model_name_or_path` is the policy to start from (an hf_vla output or
-checkpoint, a Hub id, a lerobot pi0.5 checkpoint, a LoRA adapter directory); env, tasks, image size, episode limit,
-actions per chunk and cameras come from its deployment contract unless the config names them. The run writes
+checkpoint, a Hub id, a lerobot pi0 / pi0.5 checkpoint, a LoRA adapter directory; pi0 trains with GRPO, PPO's critic
+is pi0.5's); env, tasks, image size, episode limit, actions per chunk and cameras come from its deployment contract
+unless the config names them. The run writes
 checkpoints in the training format (resume with `--resume_from_checkpoint true`; SIGTERM saves one and exits 75),
 keeps the best by held-out success, and ends with the final model, its card (start checkpoint, method, budget,
 success before -> after) and `rl_result.json`.
@@ -87,7 +88,7 @@ def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
         raise ConfigError(f"{path}: {error}") from error
     if not args.model_name_or_path:
         raise ConfigError(f"{path}: set model_name_or_path (the policy to improve: an hf_vla output directory, a Hub id "
-                          "or a lerobot pi0.5 checkpoint)")
+                          "or a lerobot pi0 / pi0.5 checkpoint)")
     check_writable_dir("output_dir", args.output_dir)
     resume = args.resume_from_checkpoint
     if resume and resume.lower() not in ("true", "false"):
@@ -100,19 +101,15 @@ def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
 def load_start(args):
     """The start policy and its processor (a lerobot checkpoint converted, a LoRA adapter merged, on load)."""
     import torch
-    from transformers import AutoModel
-
-    import hf_vla  # noqa: F401  (registers pi05)
 
     from ..hub import load_error, resolve_pretrained
-    from ..models.pi05 import PI05Processor
+    from ..policy import load_pretrained
 
     with args.main_process_first(local=True, desc="checkpoint conversion"):
         source = resolve_pretrained(args.model_name_or_path, args.model_revision, label="model_name_or_path")
     revision = None if source != args.model_name_or_path else args.model_revision
     try:
-        model = AutoModel.from_pretrained(source, revision=revision, dtype=torch.bfloat16 if args.bf16 else None)
-        processor = PI05Processor.from_pretrained(source, revision=revision)
+        model, processor = load_pretrained(source, revision=revision, dtype=torch.bfloat16 if args.bf16 else None)
     except (OSError, ValueError) as error:
         raise load_error(error, f"model_name_or_path={args.model_name_or_path!r} could not be loaded",
                          args.model_name_or_path) from error

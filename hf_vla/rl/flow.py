@@ -79,6 +79,10 @@ def velocity_fn(model, inputs: dict, value: bool = False):
     also runs the critic on the prefix: `velocity.state["value"]` `[B]` afterwards."""
     state = {"cache": None, "value": None}
     core = _core(model)
+    if getattr(core.config, "model_type", None) == "pi0":
+        if value:
+            raise ValueError("transformers' pi0 has no critic (value head): use algorithm='grpo' for pi0")
+        return _pi0_velocity_fn(model, core, inputs, state)
 
     def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
         timestep = torch.full((x.shape[0],), t, dtype=torch.float32, device=x.device)
@@ -91,6 +95,28 @@ def velocity_fn(model, inputs: dict, value: bool = False):
         return core(noise=x, timestep=timestep, input_ids=inputs["input_ids"],
                     pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],
                     past_key_values=state["cache"]).logits
+
+    velocity.state = state
+    return velocity
+
+
+def _pi0_velocity_fn(model, core, inputs: dict, state: dict):
+    """transformers' pi0 (`PI0ForConditionalGeneration`): the state is a tensor input, and the expert appends its keys
+    and values to the prefix cache, which is cropped back to the prefix after every call (as its `sample_actions`
+    does); cropping slices, so gradients still reach the prefix through the cache."""
+    prefix = inputs["attention_mask"].shape[1]
+
+    def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
+        timestep = torch.full((x.shape[0],), t, dtype=torch.float32, device=x.device)
+        common = dict(state=inputs["state"], noise=x, timestep=timestep, attention_mask=inputs["attention_mask"],
+                      pixel_attention_mask=inputs["pixel_attention_mask"])
+        if state["cache"] is None:
+            out = model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"], **common)
+            state["cache"] = out.past_key_values
+        else:
+            out = core(past_key_values=state["cache"], **common)
+        state["cache"].crop(prefix)
+        return out.logits
 
     velocity.state = state
     return velocity

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..policy import MODEL_INPUTS, PolicyRunner, PreparedRequest, RequestError, batch_requests
+from ..policy import PolicyRunner, PreparedRequest, RequestError, batch_requests
 from .flow import FlowSDE, sample_chain, step_log_probs
 
 logger = logging.getLogger("hf_vla.rl")
@@ -28,7 +28,7 @@ logger = logging.getLogger("hf_vla.rl")
 class Transition:
     """One policy decision: a chunk sampled from an observation, as the update recomputes it."""
 
-    inputs: dict  # MODEL_INPUTS, each [1, ...]
+    inputs: dict  # the model's inputs (`hf_vla.policy.model_input_keys`), each [1, ...]
     chain: torch.Tensor  # [K+1, chunk, max_action_dim], normalised; chain[-1] is the chunk
     log_probs: torch.Tensor  # [K] per denoising step, over the executed steps and the head's action dims
     means: torch.Tensor  # [K, chunk, max_action_dim]: the Gaussian steps' means under the rollout weights
@@ -97,7 +97,7 @@ class StochasticPolicy(PolicyRunner):
         return chain[:, -1].cpu()
 
     def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
-        self.transitions.append(Transition({key: request.inputs[key] for key in MODEL_INPUTS}, request.chain,
+        self.transitions.append(Transition(dict(request.inputs), request.chain,
                                            request.log_probs, request.means, self.noise_seed, self._calls,
                                            request.value))
         self._calls += 1

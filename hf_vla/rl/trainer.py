@@ -260,9 +260,13 @@ class RLTrainer(VLATrainer):
     def __init__(self, model, args: RLConfig, processing_class=None, peft_config=None, engine=None, callbacks=None):
         if not isinstance(args, RLConfig):
             raise TypeError("RLTrainer needs an RLConfig")
-        if getattr(getattr(model, "config", None), "model_type", None) != "pi05":
-            raise ConfigError(f"RL fine-tuning samples through pi0.5's prefix cache; model type "
-                              f"{getattr(getattr(model, 'config', None), 'model_type', None)!r} is not supported yet")
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in ("pi05", "pi0"):
+            raise ConfigError(f"RL fine-tuning samples through a pi0 / pi0.5 prefix cache; model type {model_type!r} is "
+                              "not supported")
+        if model_type == "pi0" and args.algorithm == "ppo":
+            raise ConfigError("algorithm='ppo' needs a critic on the VLM prefix, which hf_vla builds for pi0.5 "
+                              "(PI05ValueHead); transformers' pi0 has none: use algorithm='grpo' for pi0")
         from .settings import rollout_settings
 
         self.rl_settings = rollout_settings(args, processing_class, model.config)
