@@ -1,0 +1,116 @@
+"""The MT50 recipe's ablation: which image size, chunk and executed actions let a from-scratch pi0.5 on this 2-core CPU
+solve Meta-World's medium and hard tasks (issue #38, item 2).
+
+    python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_160 --settings base_96,mt50_128,exec8_128
+
+Every setting trains `configs/pi05_metaworld_mt50.json` with its overrides for the same number of optimizer steps on
+the same episodes (the recording's episodes of `--tasks`, selected with the dataset's `keep_ranges`), then
+`python -m hf_vla.evaluate` runs `--episodes` held-out episodes per task (seeds from 10,000) with the step limit and
+actions per chunk of the checkpoint's contract. Writes `--output` (default
+benchmarks/results/metaworld_mt50_ablation_cpu.json): per setting its overrides, steps, train and eval seconds,
+success per task and mean. Settings already in the output are skipped (a rerun continues), unless `--force`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "pi05_metaworld_mt50.json"
+TASKS = "basketball-v3,peg-insert-side-v3,push-v3,pick-place-v3"  # 2 medium, 2 hard; the 96 px recipe got 0-15%
+
+# name -> (what it tests, overrides of configs/pi05_metaworld_mt50.json)
+SETTINGS = {
+    "base_96": ("the five-task recipe's shape: 96 px, chunk 8, all 8 executed",
+                {"model_config.vlm_config.vision_config.image_size": 96, "model_config.chunk_size": 8,
+                 "n_action_steps": 8}),
+    "mt50_128": ("the MT50 candidate: 128 px, chunk 16, 4 executed", {}),
+    "exec8_128": ("128 px, chunk 16, 8 executed (less closed-loop correction)", {"n_action_steps": 8}),
+    "mt50_160": ("160 px (100 image tokens), chunk 16, 4 executed",
+                 {"model_config.vlm_config.vision_config.image_size": 160}),
+    "wide_128": ("128 px with a 2x wider action expert (192)", {"model_config.dit_config.hidden_size": 192,
+                                                               "model_config.dit_config.intermediate_size": 384}),
+}
+
+
+def keep_ranges(data: Path, tasks: list[str]) -> dict:
+    """`{episode_index: [[0, length]]}` for the recording's episodes of `tasks` (by their lerobot descriptions)."""
+    import pyarrow.parquet as pq
+
+    from hf_vla.envs import metaworld
+
+    wanted = {metaworld.task_description(name) for name in tasks}
+    ranges = {}
+    for path in sorted((data / "meta" / "episodes").glob("*/*.parquet")):
+        table = pq.read_table(path, columns=["episode_index", "tasks", "length"]).to_pydict()
+        for index, episode_tasks, length in zip(table["episode_index"], table["tasks"], table["length"]):
+            if set(episode_tasks) & wanted:
+                ranges[str(index)] = [[0, int(length)]]
+    if not ranges:
+        raise SystemExit(f"{data}: no episode of {tasks}")
+    return ranges
+
+
+def run(name: str, data: Path, work: Path, tasks: list[str], steps: int, episodes: int, ranges: dict) -> dict:
+    what, overrides = SETTINGS[name]
+    out = work / name
+    dataset = [{"root": str(data), "name": "mt50", "cameras": ["observation.image"], "control_mode": "delta_xyz_gripper",
+                "keep_ranges": ranges}]
+    flags = []
+    for key, value in overrides.items():
+        flags += [f"--{key}", json.dumps(value)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    resume = ["--resume_from_checkpoint", "true"] if list(out.glob("checkpoint-*")) else []
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hf_vla.train", str(CONFIG), "--datasets", json.dumps(dataset),
+                    "--output_dir", str(out), "--max_steps", str(steps), "--save_steps", str(max(100, steps // 4)),
+                    "--validation_ratio", "0", "--lr_scheduler_kwargs",
+                    json.dumps({"num_decay_steps": max(1, steps // 4), "min_lr_ratio": 0.1}), *flags, *resume],
+                   check=True, cwd=REPO, env=env)
+    train_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(out), "--task", ",".join(tasks),
+                    "--episodes", str(episodes), "--output_dir", str(work / f"eval_{name}"), "--save_videos", "1"],
+                   check=True, cwd=REPO, env=env)
+    result = json.loads((work / f"eval_{name}" / "eval_result.json").read_text())
+    return {"what": what, "overrides": overrides, "steps": steps, "train_seconds": round(train_seconds, 1),
+            "eval_seconds": round(time.perf_counter() - started, 1), "mean_success": result["success_rate"],
+            "tasks": {t: r["success_rate"] for t, r in result["tasks"].items()}, "episodes_per_task": episodes}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=str(REPO / "data_cache" / "mt50_160"), help="the MT50 recording")
+    parser.add_argument("--work", default=str(REPO / "data_cache" / "mt50_ablation"))
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "metaworld_mt50_ablation_cpu.json"))
+    parser.add_argument("--settings", default="base_96,mt50_128,exec8_128", help=f"of {sorted(SETTINGS)}")
+    parser.add_argument("--tasks", default=TASKS)
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per setting (batch 32)")
+    parser.add_argument("--episodes", type=int, default=10, help="held-out episodes per task")
+    parser.add_argument("--force", action="store_true", help="rerun settings already in --output")
+    args = parser.parse_args(argv)
+    data, work, output = Path(args.data), Path(args.work), Path(args.output)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    results = json.loads(output.read_text()) if output.exists() else {}
+    ranges = keep_ranges(data, tasks)
+    results.update({"tasks": tasks, "data": str(data), "episodes_in_training": len(ranges),
+                    "machine": "2-core CPU, no GPU", "seeds": "10,000.. per task", "settings": results.get("settings", {})})
+    for name in (s.strip() for s in args.settings.split(",")):
+        if name not in SETTINGS:
+            raise SystemExit(f"--settings: unknown {name!r}; known: {sorted(SETTINGS)}")
+        if name in results["settings"] and not args.force:
+            continue
+        results["settings"][name] = run(name, data, work, tasks, args.steps, args.episodes, ranges)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(results, indent=2) + "\n")
+        print(json.dumps({name: results["settings"][name]}, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()
