@@ -6,10 +6,9 @@ policy-gradient settings; `max_steps` counts policy updates); `--key value` over
 `python -m hf_vla.train` decodes them. `model_name_or_path` is the policy to start from (an hf_vla output or
 checkpoint, a Hub id, a lerobot pi0 / pi0.5 checkpoint, a LoRA adapter directory; pi0 trains with GRPO, PPO's critic
 is pi0.5's); env, tasks, image size, episode limit, actions per chunk and cameras come from its deployment contract
-unless the config names them. The run writes
-checkpoints in the training format (resume with `--resume_from_checkpoint true`; SIGTERM saves one and exits 75),
-keeps the best by held-out success, and ends with the final model, its card (start checkpoint, method, budget,
-success before -> after) and `rl_result.json`.
+unless the config names them. The run writes checkpoints in the training format (resume with
+`--resume_from_checkpoint true`; SIGTERM saves one and exits 75), keeps the best by held-out success, and ends with the
+final model, its card (start checkpoint, method, budget, success before -> after) and `rl_result.json`.
 """
 
 from __future__ import annotations
