@@ -138,15 +138,15 @@ def run_episodes(env, policy, episodes: int, n_action_steps: int, seed: int = 0,
 
 def _check_dims(policy, env, where: str) -> None:
     """The policy's head reads the env's state and writes its actions (in-process; a server checks per request)."""
-    from .policy import stat_range
+    from .policy import stat_dims
 
     if not hasattr(policy, "processor"):
         return
     stats = policy.processor.norm_stats[policy.head_name()]
     state_space = getattr(env.observation_space, "spaces", {}).get("observation.state")
-    for name, theirs, ours in (("action", env.action_space.shape[0], len(stat_range(stats["actions"])[0])),
+    for name, theirs, ours in (("action", env.action_space.shape[0], stat_dims(stats["actions"])),
                                ("state", state_space.shape[0] if state_space is not None else None,
-                                len(stat_range(stats["state"])[0]))):
+                                stat_dims(stats["state"]))):
         if theirs is not None and theirs != ours:
             raise ConfigError(f"{where} has {theirs} {name} dims but the checkpoint's head {policy.head_name()!r} has "
                               f"{ours}: a checkpoint trained on another robot or env")

@@ -144,8 +144,9 @@ PI0_INPUTS = MODEL_INPUTS + ("state",)  # transformers' pi0 takes the state as a
 
 def model_input_keys(model) -> tuple[str, ...]:
     """What a policy's `sample_actions` / forward reads from the processor's output."""
-    config = getattr(getattr(model, "module", model), "config", None)
-    return PI0_INPUTS if getattr(config, "model_type", None) == "pi0" else MODEL_INPUTS
+    from .models.pi0_adapter import is_pi0
+
+    return PI0_INPUTS if is_pi0(getattr(model, "module", model)) else MODEL_INPUTS
 
 
 def stat_range(stats: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -155,6 +156,11 @@ def stat_range(stats: dict) -> tuple[np.ndarray, np.ndarray]:
         return np.asarray(stats["q01"], np.float64), np.asarray(stats["q99"], np.float64)
     mean, std = np.asarray(stats["mean"], np.float64), np.asarray(stats["std"], np.float64)
     return mean - 2.326 * std, mean + 2.326 * std
+
+
+def stat_dims(stats: dict) -> int:
+    """How many dims one normalised quantity has (its q01, else its mean)."""
+    return len(stats["q01"] if "q01" in stats else stats["mean"])
 
 
 @dataclass
@@ -296,7 +302,7 @@ class PolicyRunner:
 
     def _check_state(self, state: np.ndarray, head: str) -> None:
         """The state fits the head and lies within `limits.max_state_range` widths of its training range."""
-        expected = len(stat_range(self.processor.norm_stats[head]["state"])[0])
+        expected = stat_dims(self.processor.norm_stats[head]["state"])
         if state.shape[-1] != expected:
             raise RequestError(f"state {self.obs_map.state or 'vector'} has {state.shape[-1]} values; head {head!r} "
                                f"expects {expected}")
@@ -333,7 +339,7 @@ class PolicyRunner:
             if leftover.ndim != 2 or leftover.shape[0] > chunk_size:
                 raise RequestError(f"prev_chunk_left_over: expected [steps <= {chunk_size}, action_dim], got "
                                    f"{leftover.shape}")
-            dims = len(stat_range(self.processor.norm_stats[head]["actions"])[0])
+            dims = stat_dims(self.processor.norm_stats[head]["actions"])
             if leftover.shape[1] != dims:
                 raise RequestError(f"prev_chunk_left_over: actions has {leftover.shape[1]} dims but head {head!r} has "
                                    f"stats for {dims}")
@@ -428,4 +434,4 @@ def rtc_config_from_args(args) -> RTCConfig:
                      method=args.rtc_method)
 
 
-__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "add_rtc_arguments", "load_policy", "load_pretrained", "rtc_config_from_args", "stat_range"]
+__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "add_rtc_arguments", "load_policy", "load_pretrained", "rtc_config_from_args", "stat_dims", "stat_range"]

@@ -266,9 +266,9 @@ class PolicyServer:
 
     def default_metadata(self) -> dict:
         runner, config = self.runner, self.runner.model.config
-        from .policy import stat_range
+        from .policy import stat_dims
 
-        heads = {name: int(len(stat_range(stats["actions"])[0])) for name, stats in runner.processor.norm_stats.items()}
+        heads = {name: stat_dims(stats["actions"]) for name, stats in runner.processor.norm_stats.items()}
         return {
             "policy": config.model_type, "chunk_size": int(config.chunk_size), "action_dims": heads,
             "default_head": runner.head, "num_inference_steps": int(config.num_inference_steps),

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.pi0_adapter import is_pi0
+
 
 @dataclass(frozen=True)
 class FlowSDE:
@@ -79,7 +81,7 @@ def velocity_fn(model, inputs: dict, value: bool = False):
     also runs the critic on the prefix: `velocity.state["value"]` `[B]` afterwards."""
     state = {"cache": None, "value": None}
     core = _core(model)
-    if getattr(core.config, "model_type", None) == "pi0":
+    if is_pi0(core):
         if value:
             raise ValueError("transformers' pi0 has no critic (value head): use algorithm='grpo' for pi0")
         return _pi0_velocity_fn(model, core, inputs, state)

@@ -11,7 +11,7 @@ from ..errors import ConfigError
 def rollout_settings(args, processor, config) -> dict:
     from ..deployment import DeploymentConfig
     from ..evaluate import BENCHMARKS, benchmark_tasks, check_env, evaluation_settings, head_spec
-    from ..policy import stat_range
+    from ..policy import stat_dims
 
     contract = None
     if getattr(processor, "deployment", None):
@@ -42,6 +42,6 @@ def rollout_settings(args, processor, config) -> dict:
         "env": env, "tasks": benchmark_tasks(env, task) if env in BENCHMARKS else [None], "env_kwargs": env_kwargs,
         "n_action_steps": int(settings["n_action_steps"].value), "cameras": settings["cameras"].value or None,
         "camera_slots": len(spec["cameras"]) if spec else None, "head": head,
-        "action_dims": len(stat_range(processor.norm_stats[head]["actions"])[0]),
+        "action_dims": stat_dims(processor.norm_stats[head]["actions"]),
         "max_episode_steps": settings["max_episode_steps"].value,
     }

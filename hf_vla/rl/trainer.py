@@ -7,8 +7,9 @@ seed (differing in the policy's noise), with the stochastic Flow-SDE sampler (`h
 decision (one executed chunk) with its denoising chain and log-probability. Advantages are group-relative (GRPO) over
 the episodes of one seed, or (PPO) GAE per decision with a critic on the VLM prefix (`PI05ValueHead`); the loss, in
 `compute_loss`, is the clipped surrogate on each denoising step's likelihood ratio (plus the critic's loss under PPO).
-Everything else is `VLATrainer`'s and so `Trainer`'s: the optimizer (fp32 master weights for bf16), the schedule, logging and `report_to`, the checkpoint format and run lock, the NaN guard, preemption (exit 75, resume),
-EMA, LoRA through peft, the Hub push. Evaluation (`evaluate`) runs held-out seeds (from 10,000, never rolled out)
+Everything else is `VLATrainer`'s and so `Trainer`'s: the optimizer (fp32 master weights for bf16), the schedule,
+logging and `report_to`, the checkpoint format and run lock, the NaN guard, preemption (exit 75, resume), EMA, LoRA
+through peft, the Hub push. Evaluation (`evaluate`) runs held-out seeds (from 10,000, never rolled out)
 with the deterministic sampler the policy is deployed with, and the best checkpoint by held-out success is kept
 (`metric_for_best_model="success"`).
 """
