@@ -80,13 +80,15 @@ def stage_hf_vla(data: Path, work: Path, budget_min: float, results: dict, rate:
 
 
 def stage_lerobot(data: Path, work: Path, budget_min: float, results: dict, policy: str = "act",
-                  batch: int = 32, chunk: int = 16, n_action_steps: int = 8) -> None:
+                  batch: int = 32, chunk: int = 16, n_action_steps: int = 8, rate: float | None = None) -> None:
     """lerobot-train from scratch on the same recording for the same wall-clock budget (steps from a probe)."""
 
     def run(steps: int, output: Path, save: bool) -> float:
         started = time.perf_counter()
         command = ["lerobot-train", f"--policy.type={policy}", "--policy.device=cpu", "--policy.push_to_hub=false",
-                   "--dataset.repo_id=local/mt50", f"--dataset.root={data}", f"--batch_size={batch}",
+                   "--dataset.repo_id=local/mt50", f"--dataset.root={data.resolve()}",
+                   "--dataset.video_backend=pyav",  # torchcodec needs system FFmpeg libraries, PyAV bundles its own
+                   f"--batch_size={batch}",
                    f"--steps={steps}", f"--output_dir={output}", "--wandb.enable=false", f"--save_freq={steps}",
                    f"--save_checkpoint={'true' if save else 'false'}", "--num_workers=1", "--log_freq=100"]
         if policy == "act":  # nothing to download: no pretrained ResNet
@@ -96,8 +98,9 @@ def stage_lerobot(data: Path, work: Path, budget_min: float, results: dict, poli
                        env=dict(os.environ, HF_HUB_OFFLINE="1"))
         return time.perf_counter() - started
 
-    probe_steps = 50
-    rate = probe_steps / run(probe_steps, work / f"lerobot_{policy}_probe", save=False)
+    if rate is None:  # steps per second including start-up: a safe under-estimate of the run's rate
+        probe_steps = 50
+        rate = probe_steps / run(probe_steps, work / f"lerobot_{policy}_probe", save=False)
     steps = int(rate * budget_min * 60 / 100) * 100
     seconds = run(steps, work / f"lerobot_{policy}", save=True)
     results["lerobot_train"] = {"policy": policy, "budget_min": budget_min, "probe_steps_per_s": round(rate, 3),
@@ -167,7 +170,8 @@ def main(argv=None):
                         "metaworld_mt50 has 50)")
     parser.add_argument("--image_size", type=int, default=160, help="render size of the recording")
     parser.add_argument("--budget_min", type=float, default=120.0)
-    parser.add_argument("--steps_per_s", type=float, default=None, help="hf_vla stage: a measured rate (no probe)")
+    parser.add_argument("--steps_per_s", type=float, default=None, help="training stages: a measured rate "
+                        "(no probe, whose start-up makes it an under-estimate; fixed, a resumed run keeps its steps)")
     parser.add_argument("--lerobot_policy", default="act", choices=["act", "diffusion"])
     parser.add_argument("--episodes", type=int, default=10, help="evaluation episodes per task")
     parser.add_argument("--num_envs", type=int, default=1)
@@ -178,15 +182,20 @@ def main(argv=None):
     data = Path(args.data) if args.data else work / "data"
     output = Path(args.output)
     results = _load(output)
+    before = json.loads(json.dumps(results))
     if args.stage == "record":
         stage_record(data, args.record_episodes, args.image_size, results)
     elif args.stage == "hf_vla":
         stage_hf_vla(data, work, args.budget_min, results, args.steps_per_s)
     elif args.stage == "lerobot":
-        stage_lerobot(data, work, args.budget_min, results, args.lerobot_policy)
+        stage_lerobot(data, work, args.budget_min, results, args.lerobot_policy, rate=args.steps_per_s)
     else:
         stage_evaluate(data, work, args.episodes, args.num_envs, results, args.which)
-    _save(output, results)
+    # stages may run side by side (hf_vla and lerobot train on one core each): write only what this stage changed
+    # into the file as it is now, so the later stage does not drop the earlier one's keys
+    merged = _load(output)
+    merged.update({key: value for key, value in results.items() if before.get(key) != value})
+    _save(output, merged)
 
 
 if __name__ == "__main__":

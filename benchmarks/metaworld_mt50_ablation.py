@@ -3,6 +3,8 @@ solve Meta-World's medium and hard tasks (issue #38, item 2).
 
     python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_160 --settings base_96,mt50_128,exec8_128
 
+(`exec8_128` differs from `mt50_128` only in how many actions of a chunk run, so it evaluates that checkpoint.)
+
 Every setting trains `configs/pi05_metaworld_mt50.json` with its overrides for the same number of optimizer steps on
 the same episodes (the recording's episodes of `--tasks`, selected with the dataset's `keep_ranges`), then
 `python -m hf_vla.evaluate` runs `--episodes` held-out episodes per task (seeds from 10,000) with the step limit and
@@ -37,6 +39,9 @@ SETTINGS = {
     "wide_128": ("128 px with a 2x wider action expert (192)", {"model_config.dit_config.hidden_size": 192,
                                                                "model_config.dit_config.intermediate_size": 384}),
 }
+# Settings that differ from another only in how the policy is run, not in how it is trained: evaluate that setting's
+# checkpoint with these evaluation flags instead of training the same model twice.
+EVAL_ONLY = {"exec8_128": "mt50_128"}
 
 
 def keep_ranges(data: Path, tasks: list[str]) -> dict:
@@ -57,15 +62,37 @@ def keep_ranges(data: Path, tasks: list[str]) -> dict:
     return ranges
 
 
-def run(name: str, data: Path, work: Path, tasks: list[str], steps: int, episodes: int, ranges: dict) -> dict:
+def run(name: str, data: Path, work: Path, tasks: list[str], steps: int, episodes: int, ranges: dict,
+        trained: dict) -> dict:
     what, overrides = SETTINGS[name]
-    out = work / name
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    if name in EVAL_ONLY:
+        base = EVAL_ONLY[name]
+        if base not in trained:
+            raise SystemExit(f"--settings: {name} evaluates {base}'s checkpoint; run {base} first")
+        out, eval_flags = work / base, [f"--{key}={value}" for key, value in overrides.items()]
+        train_seconds, steps = trained[base]["train_seconds"], trained[base]["steps"]
+    else:
+        out, eval_flags = work / name, []
+        train_seconds = _train(data, out, steps, overrides, ranges, env)
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(out), "--task", ",".join(tasks),
+                    "--episodes", str(episodes), "--num_envs", "2", "--output_dir", str(work / f"eval_{name}"),
+                    "--save_videos", "1", *eval_flags],  # two envs in worker processes: 500-step failures cost 12-14 s
+                   check=True, cwd=REPO, env=env)
+    result = json.loads((work / f"eval_{name}" / "eval_result.json").read_text())
+    return {"what": what, "overrides": overrides, "steps": steps, "train_seconds": round(train_seconds, 1),
+            "eval_seconds": round(time.perf_counter() - started, 1), "mean_success": result["success_rate"],
+            "tasks": {t: r["success_rate"] for t, r in result["tasks"].items()}, "episodes_per_task": episodes,
+            **({"trained_as": EVAL_ONLY[name]} if name in EVAL_ONLY else {})}
+
+
+def _train(data: Path, out: Path, steps: int, overrides: dict, ranges: dict, env: dict) -> float:
     dataset = [{"root": str(data), "name": "mt50", "cameras": ["observation.image"], "control_mode": "delta_xyz_gripper",
                 "keep_ranges": ranges}]
     flags = []
     for key, value in overrides.items():
         flags += [f"--{key}", json.dumps(value)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
     resume = ["--resume_from_checkpoint", "true"] if list(out.glob("checkpoint-*")) else []
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "hf_vla.train", str(CONFIG), "--datasets", json.dumps(dataset),
@@ -73,16 +100,7 @@ def run(name: str, data: Path, work: Path, tasks: list[str], steps: int, episode
                     "--validation_ratio", "0", "--lr_scheduler_kwargs",
                     json.dumps({"num_decay_steps": max(1, steps // 4), "min_lr_ratio": 0.1}), *flags, *resume],
                    check=True, cwd=REPO, env=env)
-    train_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(out), "--task", ",".join(tasks),
-                    "--episodes", str(episodes), "--num_envs", "2", "--output_dir", str(work / f"eval_{name}"),
-                    "--save_videos", "1"],  # two envs in worker processes: 500-step failures cost 12-14 s each
-                   check=True, cwd=REPO, env=env)
-    result = json.loads((work / f"eval_{name}" / "eval_result.json").read_text())
-    return {"what": what, "overrides": overrides, "steps": steps, "train_seconds": round(train_seconds, 1),
-            "eval_seconds": round(time.perf_counter() - started, 1), "mean_success": result["success_rate"],
-            "tasks": {t: r["success_rate"] for t, r in result["tasks"].items()}, "episodes_per_task": episodes}
+    return time.perf_counter() - started
 
 
 def main(argv=None):
@@ -107,7 +125,8 @@ def main(argv=None):
             raise SystemExit(f"--settings: unknown {name!r}; known: {sorted(SETTINGS)}")
         if name in results["settings"] and not args.force:
             continue
-        results["settings"][name] = run(name, data, work, tasks, args.steps, args.episodes, ranges)
+        results["settings"][name] = run(name, data, work, tasks, args.steps, args.episodes, ranges,
+                                        results["settings"])
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=2) + "\n")
         print(json.dumps({name: results["settings"][name]}, indent=2), flush=True)
