@@ -70,7 +70,9 @@ def run(name: str, data: Path, work: Path, tasks: list[str], steps: int, episode
         base = EVAL_ONLY[name]
         if base not in trained:
             raise SystemExit(f"--settings: {name} evaluates {base}'s checkpoint; run {base} first")
-        out, eval_flags = work / base, [f"--{key}={value}" for key, value in overrides.items()]
+        # the checkpoint's contract says how it was trained to run; --override records that this run departs from it
+        out = work / base
+        eval_flags = [f"--{key}={value}" for key, value in overrides.items()] + ["--override", *overrides]
         train_seconds, steps = trained[base]["train_seconds"], trained[base]["steps"]
     else:
         out, eval_flags = work / name, []
