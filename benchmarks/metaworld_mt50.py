@@ -2,9 +2,13 @@
 group means, hf_vla next to lerobot's trainer at the same budget, both evaluated by the same harness.
 
     python benchmarks/metaworld_mt50.py --stage record                  # 50 tasks x 50 expert episodes, resumable
-    python benchmarks/metaworld_mt50.py --stage hf_vla --budget_min 120  # configs/pi05_metaworld_mt50.json
-    python benchmarks/metaworld_mt50.py --stage lerobot --budget_min 120 # lerobot-train (ACT) on the same data
-    python benchmarks/metaworld_mt50.py --stage evaluate --episodes 10
+    python benchmarks/metaworld_mt50.py --stage hf_vla --budget_min 45 --steps_per_s 3.0   # pi05_metaworld_mt50.json
+    python benchmarks/metaworld_mt50.py --stage lerobot --budget_min 45  # lerobot-train (ACT) on the same data
+    python benchmarks/metaworld_mt50.py --stage evaluate --episodes 5 --num_envs 2
+
+The committed figures ran the two training stages side by side with OMP_NUM_THREADS=1 (one core each; 3.0 steps/s is
+hf_vla's rate measured that way; ACT's came from its probe), then the evaluation with `--which hf_vla` and
+`--which lerobot` side by side.
 
 Stages share `--work` (default data_cache/mt50_bench, git-ignored; `--data` points at an existing recording) and
 write `--output` (default benchmarks/results/metaworld_mt50_cpu.json):
