@@ -22,7 +22,9 @@ out-of-memory one does not take the others down):
 Per update: the rollout's wall time (envs stepping and policy calls), the update's (the optimizer step: forward and
 backward over every kept decision), episodes, decisions, and the peak GPU memory. Episodes per hour = episodes per
 update / (rollout + update seconds), the first update left out (CUDA start-up). Prints JSON and writes it to `--out`
-after every variant, so a cut-off run keeps what it measured.
+after every variant, so a cut-off run keeps what it measured, and with `--progress_dir` appends each phase's time
+(imports, model, trainer, every rollout and update) to a file as it ends. On a lent GPU machine without network,
+`benchmarks/gpu_site.py` packs the packages it lacks (its docstring has the commands).
 """
 
 from __future__ import annotations
