@@ -95,10 +95,14 @@ class _Slot:
     rewards: list = field(default_factory=list)
     success: bool = False
     done: bool = True
+    group: object = None  # the slot's task when the runner holds several tasks' envs
 
 
 class EpisodeRunner:
     """Runs episodes of `policy` in `envs` (one slot each).
+
+    envs: a list, or `{task: [envs]}` to run several tasks' episodes at once (each task's seeds in its own envs, one
+        batched policy call per control step across the live envs of every task); `run` then takes seeds per task.
 
     policy: a `PolicyRunner`, a `RemotePolicy` or any callable `policy(observation, task, inference_delay=,
         executed_steps=) -> chunk`; with several envs it must have `fork()` (a copy with its own noise generator and
@@ -110,7 +114,9 @@ class EpisodeRunner:
 
     def __init__(self, envs: list, policy, n_action_steps: int, inference_delay: int = 0, rtc: bool = False,
                  chunk_size: int | None = None, restart=None):
-        if not envs:
+        grouped = {key: list(value) for key, value in envs.items()} if isinstance(envs, dict) else {None: list(envs)}
+        flat = [(group, env) for group, members in grouped.items() for env in members]
+        if not flat:
             raise ConfigError("no env to run episodes in")
         if not 1 <= n_action_steps <= (chunk_size or n_action_steps):
             raise ConfigError(f"n_action_steps={n_action_steps}: must be 1..{chunk_size or 'the chunk size'} (actions "
@@ -120,29 +126,41 @@ class EpisodeRunner:
         if inference_delay and chunk_size is not None and n_action_steps + inference_delay > chunk_size:
             raise ConfigError(f"n_action_steps ({n_action_steps}) + inference_delay ({inference_delay}) exceeds the "
                               f"chunk size ({chunk_size}): the robot would run out of actions while waiting")
-        if len(envs) > 1 and not hasattr(policy, "fork"):
-            raise ConfigError(f"{type(policy).__name__} cannot serve {len(envs)} envs at once (it has no fork()); "
+        if len(flat) > 1 and not hasattr(policy, "fork"):
+            raise ConfigError(f"{type(policy).__name__} cannot serve {len(flat)} envs at once (it has no fork()); "
                               "run one env")
-        policies = [policy] + [policy.fork() for _ in envs[1:]]
-        self.slots = [_Slot(env, p) for env, p in zip(envs, policies)]
+        policies = [policy] + [policy.fork() for _ in flat[1:]]
+        self.slots = [_Slot(env, p, group=group) for (group, env), p in zip(flat, policies)]
         self.n_action_steps, self.inference_delay, self.rtc = n_action_steps, inference_delay, rtc
         self.rtc_methods: set = set()
         self.restart = restart
         self.discarded = 0  # episodes lost to a dead env worker (with `restart`)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
-    def run(self, seeds: list[int], save_videos: int = 0, output_dir: str | Path | None = None, progress: bool = True,
-            desc: str = "closed-loop episodes", noise_seeds: list[int] | None = None) -> list[Episode]:
+    def run(self, seeds: list[int] | dict, save_videos: int = 0, output_dir: str | Path | None = None,
+            progress: bool = True, desc: str = "closed-loop episodes",
+            noise_seeds: list[int] | dict | None = None) -> list[Episode] | dict:
         """One episode per seed; the results in seed order. `noise_seeds[i]` seeds the policy's noise in episode i
         (default: its env seed), so several episodes can start from one env seed and differ in the policy's noise
-        (the groups of GRPO)."""
-        if noise_seeds is not None and len(noise_seeds) != len(seeds):
-            raise ValueError(f"{len(noise_seeds)} noise seeds for {len(seeds)} episodes")
-        self._noise_seeds = list(noise_seeds) if noise_seeds is not None else list(seeds)
-        pending = deque(enumerate(seeds))
-        results: dict[int, Episode] = {}
+        (the groups of GRPO). With envs per task, `seeds` and `noise_seeds` are `{task: [seeds]}` and so are the
+        results; every task's episodes run at once."""
+        grouped = isinstance(seeds, dict)
+        if not grouped:
+            seeds = {None: list(seeds)}
+            noise_seeds = None if noise_seeds is None else {None: list(noise_seeds)}
+        unknown = set(seeds) - {slot.group for slot in self.slots}
+        if unknown:
+            raise ValueError(f"seeds for {sorted(map(str, unknown))}, which this runner has no envs for")
+        self._noise_seeds = {}
+        for group, members in seeds.items():
+            given = (noise_seeds or {}).get(group)
+            if given is not None and len(given) != len(members):
+                raise ValueError(f"{len(given)} noise seeds for {len(members)} episodes")
+            self._noise_seeds[group] = list(given) if given is not None else list(members)
+        pending = {group: deque(enumerate(members)) for group, members in seeds.items()}
+        results: dict[tuple, Episode] = {}
         successes = 0
-        bar = tqdm(total=len(seeds), desc=desc, unit="ep", disable=not progress)
+        bar = tqdm(total=sum(len(m) for m in seeds.values()), desc=desc, unit="ep", disable=not progress)
         try:
             for slot in self.slots:
                 self._start_guarded(slot, pending, save_videos, results)
@@ -165,14 +183,15 @@ class EpisodeRunner:
                     self._after_step(slot, outcome)
                     if slot.done:
                         episode = self._finish(slot, output_dir)
-                        results[slot.index] = episode
+                        results[slot.group, slot.index] = episode
                         successes += episode.success
                         bar.update(1)
                         bar.set_postfix(success=f"{successes}/{len(results) - self.discarded}")
                         self._start_guarded(slot, pending, save_videos, results)
         finally:
             bar.close()
-        return [results[i] for i in range(len(seeds))]
+        out = {group: [results[group, i] for i in range(len(members))] for group, members in seeds.items()}
+        return out if grouped else out[None]
 
     # ---- dead env workers (with `restart`) ---------------------------------------------------------------------
     def _guard(self, slot: _Slot, function, *args):
@@ -193,22 +212,23 @@ class EpisodeRunner:
             return _DIED
 
     def _discard(self, slot: _Slot, results: dict, bar) -> None:
-        results[slot.index] = Episode(slot.seed, False, len(slot.executed), slot.reward, noise_seed=slot.noise_seed,
-                                      step_rewards=slot.rewards, discarded=True)
+        results[slot.group, slot.index] = Episode(slot.seed, False, len(slot.executed), slot.reward,
+                                                  noise_seed=slot.noise_seed, step_rewards=slot.rewards, discarded=True)
         self.discarded += 1
         bar.update(1)
 
-    def _start_guarded(self, slot: _Slot, pending: deque, save_videos: int, results: dict) -> None:
+    def _start_guarded(self, slot: _Slot, pending: dict, save_videos: int, results: dict) -> None:
         while self._guard(slot, self._start, slot, pending, save_videos) is _DIED:
-            results[slot.index] = Episode(slot.seed, False, 0, 0.0, noise_seed=slot.noise_seed, discarded=True)
+            results[slot.group, slot.index] = Episode(slot.seed, False, 0, 0.0, noise_seed=slot.noise_seed,
+                                                      discarded=True)
             self.discarded += 1
 
-    def _start(self, slot: _Slot, pending: deque, save_videos: int) -> None:
-        if not pending:
+    def _start(self, slot: _Slot, pending: dict, save_videos: int) -> None:
+        if not pending.get(slot.group):
             slot.done = True
             return
-        slot.index, slot.seed = pending.popleft()
-        slot.noise_seed = self._noise_seeds[slot.index]
+        slot.index, slot.seed = pending[slot.group].popleft()
+        slot.noise_seed = self._noise_seeds[slot.group][slot.index]
         slot.done, slot.rewards, slot.executed = True, [], []  # until the reset below succeeds
         observation, info = slot.env.reset(seed=slot.seed)
         if hasattr(slot.policy, "reset"):
@@ -272,7 +292,9 @@ class EpisodeRunner:
                           noise_seed=slot.noise_seed, step_rewards=slot.rewards)
         if slot.frames is not None and output_dir is not None:
             outcome = "success" if slot.success else "failure"
-            episode.video = save_gif(slot.frames, Path(output_dir) / f"rollout_{slot.index:03d}_{outcome}.gif",
+            name = f"rollout_{slot.index:03d}_{outcome}.gif" if slot.group is None else \
+                f"rollout_{slot.group}_{slot.index:03d}_{outcome}.gif"
+            episode.video = save_gif(slot.frames, Path(output_dir) / name,
                                      caption=f"{slot.task} ({outcome}, seed {slot.seed})")
         return episode
 

@@ -348,6 +348,52 @@ def test_batched_rollouts_equal_serial_ones_per_seed():
     assert not torch.allclose(first[0].chain[-1], first[1].chain[-1])
 
 
+def test_every_task_rolls_out_at_once_with_one_batched_call_per_control_step(monkeypatch):
+    """With several tasks, the engine runs them in one loop: each policy call batches the live envs of every task (2
+    tasks x 2 envs -> calls of 4), and every episode is the one its task gives alone (same chains, same outcomes)."""
+    from hf_vla.evaluate import make_env
+    from hf_vla.rl import RolloutEngine, StochasticPolicy
+
+    model, processor = tiny_policy(seed=8)
+    sizes = []
+    original = StochasticPolicy.sample_batch
+
+    def counting(self, requests):
+        sizes.append(len(requests))
+        return original(self, requests)
+
+    monkeypatch.setattr(StochasticPolicy, "sample_batch", counting)
+    seeds = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}
+    noise = {"a": [10, 11, 12, 13], "b": [14, 15, 16, 17]}
+    engine = RolloutEngine("hf_vla/ColorReach-v0", [None], 2, {"max_episode_steps": 6}, 2, 4)
+    engine.close()
+    try:
+        engine.tasks = ["a", "b"]
+        engine.envs = {task: [make_env("hf_vla/ColorReach-v0", None, {"max_episode_steps": 6}, worker=False)
+                              for _ in range(2)] for task in engine.tasks}
+        together, together_tr = engine.run(_stochastic(model, processor), seeds, noise)
+        calls_together = list(sizes)
+        alone, alone_tr = {}, []
+        for task in engine.tasks:
+            sizes.clear()
+            episodes, transitions = engine.run(_stochastic(model, processor), {task: seeds[task]},
+                                               {task: noise[task]})
+            alone[task], alone_tr = episodes[task], alone_tr + transitions
+            assert max(sizes) == 2  # one task: its 2 envs
+    finally:
+        engine.close()
+    assert calls_together and max(calls_together) == 4 and sum(calls_together) == len(together_tr)
+    assert len(calls_together) == 2 * 3  # 2 waves of 3 decisions (6 steps, 2 executed a call) for all 8 episodes
+    for task in ("a", "b"):
+        assert [(e.seed, e.noise_seed, e.steps, e.success) for e in together[task]] == \
+            [(e.seed, e.noise_seed, e.steps, e.success) for e in alone[task]]
+    key = lambda tr: (tr.noise_seed, tr.index)  # noqa: E731
+    by_key = {key(tr): tr for tr in alone_tr}
+    assert sorted(map(key, together_tr)) == sorted(by_key)
+    for tr in together_tr:
+        torch.testing.assert_close(tr.chain, by_key[key(tr)].chain, rtol=1e-4, atol=1e-5)
+
+
 def test_a_dead_env_worker_is_restarted_and_its_episode_discarded_and_counted():
     from hf_vla.envs.worker import InWorker
     from hf_vla.rl import RolloutEngine

@@ -11,7 +11,6 @@ whole run and restarts an env whose worker died (its episode is discarded and co
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -106,7 +105,8 @@ class StochasticPolicy(PolicyRunner):
 
 @dataclass
 class RolloutEngine:
-    """The envs of every task (`num_envs` each, built once) and the episodes run in them.
+    """The envs of every task (`num_envs` each, built once) and the episodes run in them: every task's at once, one
+    batched policy call per control step across the live envs of all tasks.
 
     env_id: `metaworld`, `libero` or a gymnasium id; tasks: the benchmark's task names (`[None]` for a gymnasium id).
     """
@@ -142,20 +142,22 @@ class RolloutEngine:
         order, dead-worker episodes marked `discarded`), and for a `StochasticPolicy` the transitions of every slot."""
         from ..episodes import EpisodeRunner
 
-        episodes, transitions = {}, []
-        for task in self.tasks:
-            if not seeds.get(task):
-                continue
-            runner = EpisodeRunner(self.envs[task], policy, self.n_action_steps, chunk_size=self.chunk_size,
-                                   restart=functools.partial(self._restart, task))
-            label = f"{desc} {task}" if task else desc
-            episodes[task] = runner.run(seeds[task], progress=progress, desc=label,
-                                        noise_seeds=(noise_seeds or {}).get(task))
-            self.discarded += runner.discarded
-            for slot in runner.slots:
-                transitions += getattr(slot.policy, "transitions", [])
-                if hasattr(slot.policy, "transitions"):
-                    slot.policy.transitions = []
+        tasks = [task for task in self.tasks if seeds.get(task)]
+        if not tasks:
+            return {}, []
+        # every task's episodes at once: one batched policy call per control step across the live envs of all tasks
+        places = [(task, i) for task in tasks for i in range(len(self.envs[task]))]
+        runner = EpisodeRunner({task: self.envs[task] for task in tasks}, policy, self.n_action_steps,
+                               chunk_size=self.chunk_size, restart=lambda flat: self._restart(*places[flat]))
+        noise = {task: noise_seeds[task] for task in tasks if task in (noise_seeds or {})}
+        episodes = runner.run({task: seeds[task] for task in tasks}, progress=progress, desc=desc,
+                              noise_seeds=noise or None)
+        self.discarded += runner.discarded
+        transitions = []
+        for slot in runner.slots:
+            transitions += getattr(slot.policy, "transitions", [])
+            if hasattr(slot.policy, "transitions"):
+                slot.policy.transitions = []
         return episodes, transitions
 
     def close(self):
