@@ -5,6 +5,8 @@ group means, hf_vla next to lerobot's trainer at the same budget, both evaluated
     python benchmarks/metaworld_mt50.py --stage hf_vla --budget_min 45 --steps_per_s 3.0   # pi05_metaworld_mt50.json
     python benchmarks/metaworld_mt50.py --stage lerobot --budget_min 45  # lerobot-train (ACT) on the same data
     python benchmarks/metaworld_mt50.py --stage evaluate --episodes 5 --num_envs 2
+    python benchmarks/metaworld_mt50.py --stage longer --steps 20000     # hf_vla's run resumed to 20,000 steps
+    python benchmarks/metaworld_mt50.py --stage evaluate --which hf_vla_long --episodes 5 --num_envs 2
 
 The committed figures ran the two training stages side by side with OMP_NUM_THREADS=1 (one core each; 3.0 steps/s is
 hf_vla's rate measured that way; ACT's came from its probe), then the evaluation with `--which hf_vla` and
@@ -83,6 +85,24 @@ def stage_hf_vla(data: Path, work: Path, budget_min: float, results: dict, rate:
                                "train_seconds": round(seconds, 1)}
 
 
+def stage_longer(data: Path, work: Path, steps: int, results: dict) -> None:
+    """hf_vla's run continued past its budget: a copy of `<work>/hf_vla` resumed from its last checkpoint (weights,
+    optimizer, data stream) to `steps` in all, the warmup-stable-decay schedule rebuilt for them (its last quarter
+    decays, so the learning rate returns to its peak at the resumed step), as a user trains a run longer."""
+    import shutil
+
+    source, out = work / "hf_vla", work / "hf_vla_long"
+    if not out.exists():
+        last = max(source.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        shutil.copytree(source, out, ignore=lambda folder, names: [n for n in names if n.startswith("checkpoint-")
+                                                                   and Path(folder) == source and n != last.name])
+    seconds = _train(data, out, ["--max_steps", str(steps), "--save_steps", "1000", "--lr_scheduler_kwargs",
+                                 json.dumps({"num_decay_steps": steps // 4, "min_lr_ratio": 0.1}),
+                                 "--resume_from_checkpoint", "true"])
+    results["hf_vla_long_train"] = {"resumed_from_step": results.get("hf_vla_train", {}).get("max_steps"),
+                                    "max_steps": steps, "train_seconds": round(seconds, 1)}
+
+
 def stage_lerobot(data: Path, work: Path, budget_min: float, results: dict, policy: str = "act",
                   batch: int = 32, chunk: int = 16, n_action_steps: int = 8, rate: float | None = None) -> None:
     """lerobot-train from scratch on the same recording for the same wall-clock budget (steps from a probe)."""
@@ -128,6 +148,17 @@ def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results
                        check=True, cwd=REPO)
         budget = dict(results.get("hf_vla_train", {}), eval_seconds=round(time.perf_counter() - started, 1))
         results["hf_vla"] = _summary(json.loads((out / "eval_result.json").read_text()), budget, episodes, seed)
+    if which == "hf_vla_long":  # the run continued by --stage longer
+        started = time.perf_counter()
+        out = work / "eval" / "hf_vla_long"
+        subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(work / "hf_vla_long"),
+                        "--episodes", str(episodes), "--num_envs", str(num_envs), "--output_dir", str(out)],
+                       check=True, cwd=REPO)
+        train = results.get("hf_vla_long_train", {})
+        budget = dict(train, train_minutes_in_all=round((results.get("hf_vla_train", {}).get("train_seconds", 0)
+                                                         + train.get("train_seconds", 0)) / 60, 1),
+                      eval_seconds=round(time.perf_counter() - started, 1))
+        results["hf_vla_long"] = _summary(json.loads((out / "eval_result.json").read_text()), budget, episodes, seed)
     if which in ("both", "lerobot"):
         import importlib.util
 
@@ -166,7 +197,7 @@ def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=["record", "hf_vla", "lerobot", "evaluate"], required=True)
+    parser.add_argument("--stage", choices=["record", "hf_vla", "longer", "lerobot", "evaluate"], required=True)
     parser.add_argument("--work", default=str(REPO / "data_cache" / "mt50_bench"))
     parser.add_argument("--data", default=None, help="the MT50 recording (default: <work>/data)")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "metaworld_mt50_cpu.json"))
@@ -179,7 +210,8 @@ def main(argv=None):
     parser.add_argument("--lerobot_policy", default="act", choices=["act", "diffusion"])
     parser.add_argument("--episodes", type=int, default=10, help="evaluation episodes per task")
     parser.add_argument("--num_envs", type=int, default=1)
-    parser.add_argument("--which", choices=["both", "hf_vla", "lerobot"], default="both")
+    parser.add_argument("--which", choices=["both", "hf_vla", "lerobot", "hf_vla_long"], default="both")
+    parser.add_argument("--steps", type=int, default=20_000, help="--stage longer: steps in all")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -191,6 +223,8 @@ def main(argv=None):
         stage_record(data, args.record_episodes, args.image_size, results)
     elif args.stage == "hf_vla":
         stage_hf_vla(data, work, args.budget_min, results, args.steps_per_s)
+    elif args.stage == "longer":
+        stage_longer(data, work, args.steps, results)
     elif args.stage == "lerobot":
         stage_lerobot(data, work, args.budget_min, results, args.lerobot_policy, rate=args.steps_per_s)
     else:
