@@ -137,28 +137,30 @@ def _summary(result: dict, budget: dict, episodes: int, seed: int) -> dict:
             "budget": budget, "episodes_per_task": episodes, "seeds": [seed, seed + episodes - 1]}
 
 
+def _evaluate_hf_vla(work: Path, name: str, episodes: int, num_envs: int, save_videos: int = 0) -> tuple[dict, float]:
+    """`python -m hf_vla.evaluate` on the checkpoint `<work>/<name>` into `<work>/eval/<name>`: (its eval_result.json,
+    seconds). Env, the 50 tasks, image size, step limit and actions per chunk come from the deployment contract."""
+    started = time.perf_counter()
+    out = work / "eval" / name
+    subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(work / name), "--episodes",
+                    str(episodes), "--num_envs", str(num_envs), "--save_videos", str(save_videos), "--output_dir",
+                    str(out)], check=True, cwd=REPO)
+    return json.loads((out / "eval_result.json").read_text()), round(time.perf_counter() - started, 1)
+
+
 def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results: dict, which: str) -> None:
     seed = 10_000
     if which in ("both", "hf_vla"):
-        started = time.perf_counter()
-        out = work / "eval" / "hf_vla"
-        # env, the 50 tasks, image size, step limit and actions per chunk: from the checkpoint's deployment contract
-        subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(work / "hf_vla"), "--episodes",
-                        str(episodes), "--num_envs", str(num_envs), "--save_videos", "1", "--output_dir", str(out)],
-                       check=True, cwd=REPO)
-        budget = dict(results.get("hf_vla_train", {}), eval_seconds=round(time.perf_counter() - started, 1))
-        results["hf_vla"] = _summary(json.loads((out / "eval_result.json").read_text()), budget, episodes, seed)
+        result, seconds = _evaluate_hf_vla(work, "hf_vla", episodes, num_envs, save_videos=1)
+        budget = dict(results.get("hf_vla_train", {}), eval_seconds=seconds)
+        results["hf_vla"] = _summary(result, budget, episodes, seed)
     if which == "hf_vla_long":  # the run continued by --stage longer
-        started = time.perf_counter()
-        out = work / "eval" / "hf_vla_long"
-        subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(work / "hf_vla_long"),
-                        "--episodes", str(episodes), "--num_envs", str(num_envs), "--output_dir", str(out)],
-                       check=True, cwd=REPO)
+        result, seconds = _evaluate_hf_vla(work, "hf_vla_long", episodes, num_envs)
         train = results.get("hf_vla_long_train", {})
         budget = dict(train, train_minutes_in_all=round((results.get("hf_vla_train", {}).get("train_seconds", 0)
                                                          + train.get("train_seconds", 0)) / 60, 1),
-                      eval_seconds=round(time.perf_counter() - started, 1))
-        results["hf_vla_long"] = _summary(json.loads((out / "eval_result.json").read_text()), budget, episodes, seed)
+                      eval_seconds=seconds)
+        results["hf_vla_long"] = _summary(result, budget, episodes, seed)
     if which in ("both", "lerobot"):
         import importlib.util
 

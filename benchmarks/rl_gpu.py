@@ -140,7 +140,8 @@ def run_variant(spec: dict) -> dict:
         entry = logs[i] if i < len(logs) else {}
         updates.append({"seconds": round(end - start, 2), "rollout_seconds": round(rollout, 2),
                         "update_seconds": round(end - start - rollout, 2),
-                        "decisions": entry.get("rollout/decisions"), "decisions_used": entry.get("rollout/decisions_used"),
+                        "decisions": entry.get("rollout/decisions"),
+                        "decisions_used": entry.get("rollout/decisions_used"),
                         "episode_length": entry.get("rollout/episode_length")})
     steady = updates[1:] or updates
     per_update = statistics.mean(u["seconds"] for u in steady)
@@ -162,9 +163,7 @@ def run_variant(spec: dict) -> dict:
 
 
 def _launch(spec: dict, timeout: float) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(spec, handle)
-    command = [sys.executable, __file__, "--worker", handle.name]
+    command = [sys.executable, __file__, "--worker", json.dumps(spec)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
@@ -193,13 +192,14 @@ def main(argv=None):
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        spec = json.loads(Path(args.worker).read_text())
+        spec = json.loads(args.worker)
         print(json.dumps(run_variant(spec)), flush=True)
         return
     os.environ.setdefault("MUJOCO_GL", "egl")
     report = {"model": "pi0.5 at the published dims (3.35B parameters, random weights), bf16, chunk 50, 10 denoising "
                        "steps" if not args.tiny else "tiny pi0.5 (smoke test)",
-              "env": f"Meta-World {TASKS} through lerobot's wrapper, {args.image_size} px, {args.max_episode_steps}-step "
+              "env": f"Meta-World {TASKS} through lerobot's wrapper, {args.image_size} px, "
+                     f"{args.max_episode_steps}-step "
                      f"limit (random weights: every episode runs it whole), {args.n_action_steps} actions per decision",
               "method": "GRPO on Flow-SDE likelihoods (noise level 0.5), one env seed per task per update",
               "num_envs_per_task": args.num_envs, "group_size": args.group_size, "variants": {}}
