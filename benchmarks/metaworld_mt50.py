@@ -137,9 +137,10 @@ def _summary(result: dict, budget: dict, episodes: int, seed: int) -> dict:
             "budget": budget, "episodes_per_task": episodes, "seeds": [seed, seed + episodes - 1]}
 
 
-def _evaluate_hf_vla(work: Path, name: str, episodes: int, num_envs: int, save_videos: int = 0) -> tuple[dict, float]:
+def _evaluate_hf_vla(work: Path, name: str, episodes: int, num_envs: int, save_videos: int = 3) -> tuple[dict, float]:
     """`python -m hf_vla.evaluate` on the checkpoint `<work>/<name>` into `<work>/eval/<name>`: (its eval_result.json,
-    seconds). Env, the 50 tasks, image size, step limit and actions per chunk come from the deployment contract."""
+    seconds). Env, the 50 tasks, image size, step limit and actions per chunk come from the deployment contract;
+    `save_videos` as evaluate's flag (its default 3)."""
     started = time.perf_counter()
     out = work / "eval" / name
     subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(work / name), "--episodes",
