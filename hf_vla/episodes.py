@@ -143,7 +143,8 @@ class EpisodeRunner:
         """One episode per seed; the results in seed order. `noise_seeds[i]` seeds the policy's noise in episode i
         (default: its env seed), so several episodes can start from one env seed and differ in the policy's noise
         (the groups of GRPO). With envs per task, `seeds` and `noise_seeds` are `{task: [seeds]}` and so are the
-        results; every task's episodes run at once."""
+        results; every task's episodes run at once, their GIFs in `output_dir` named by task, or each task's in its
+        own folder when `output_dir` is `{task: folder}`."""
         grouped = isinstance(seeds, dict)
         if not grouped:
             seeds = {None: list(seeds)}
@@ -290,10 +291,14 @@ class EpisodeRunner:
         jump, jerk, interior = boundary_metrics(slot.executed, slot.switches)
         episode = Episode(slot.seed, slot.success, len(slot.executed), slot.reward, jump, jerk, interior,
                           noise_seed=slot.noise_seed, step_rewards=slot.rewards)
+        if isinstance(output_dir, dict):  # a folder per task: the names need not say the task
+            output_dir, group = output_dir.get(slot.group), None
+        else:
+            group = slot.group
         if slot.frames is not None and output_dir is not None:
             outcome = "success" if slot.success else "failure"
-            name = f"rollout_{slot.index:03d}_{outcome}.gif" if slot.group is None else \
-                f"rollout_{slot.group}_{slot.index:03d}_{outcome}.gif"
+            name = f"rollout_{slot.index:03d}_{outcome}.gif" if group is None else \
+                f"rollout_{group}_{slot.index:03d}_{outcome}.gif"
             episode.video = save_gif(slot.frames, Path(output_dir) / name,
                                      caption=f"{slot.task} ({outcome}, seed {slot.seed})")
         return episode

@@ -155,6 +155,9 @@ def _check_dims(policy, env, where: str) -> None:
 DEFAULT_ENV = "hf_vla/ColorReach-v0"
 DEFAULT_SEED = 10_000
 OVERRIDABLE = ("image_size", "n_action_steps", "max_episode_steps", "cameras", "seed")
+# env workers a benchmark evaluation keeps at once across its tasks (MT50 with 2 envs per task: 8 tasks side by side);
+# a Meta-World worker holds about 0.2 GB
+MAX_ENVS_AT_ONCE = 16
 
 
 def _env_takes(env_id: str, argument: str) -> bool:
@@ -241,11 +244,12 @@ def head_spec(contract, head: str | None) -> dict | None:
         raise ConfigError(f"--head {head!r}: the checkpoint has the heads {sorted(contract.heads)}") from None
 
 
-def _make_envs(env_id: str, task: str | None, num_envs: int, env_kwargs: dict, max_episode_steps: int | None):
+def _make_envs(env_id: str, task: str | None, num_envs: int, env_kwargs: dict, max_episode_steps: int | None,
+               worker: bool | None = None):
     """`num_envs` envs of `env_id` (a benchmark task, or a gymnasium id): one gymnasium env in this process, else
-    each in a worker process (hf_vla.envs.worker)."""
+    (or with `worker`) each in a worker process (hf_vla.envs.worker)."""
     kwargs = dict(env_kwargs) | ({"max_episode_steps": max_episode_steps} if max_episode_steps else {})
-    return [make_env(env_id, task, kwargs, worker=num_envs > 1) for _ in range(num_envs)]
+    return [make_env(env_id, task, kwargs, worker=num_envs > 1 if worker is None else worker) for _ in range(num_envs)]
 
 
 def make_env(env_id: str, task: str | None, kwargs: dict, worker: bool):
@@ -279,7 +283,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
                         env_kwargs: dict | None = None, progress: bool = True, server: str | None = None,
                         inference_delay: int = 0, rtc: bool = False, rtc_config: RTCConfig | None = None,
                         task: str | None = None, revision: str | None = None, num_envs: int | None = None,
-                        overrides=()):
+                        overrides=(), tasks_at_once: int | None = None):
     """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client.
 
     Every setting the checkpoint's deployment contract knows (env and tasks of the recorded benchmark, image size,
@@ -287,7 +291,8 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
     named in `overrides` (see `evaluation_settings`). `env_id="metaworld"` with `task` (names or a difficulty group) or
     `env_id="libero"` with `task` (suites such as `libero_spatial`, or `suite/index`) runs lerobot's env wrappers;
     `env_kwargs` may set `image_size` and `max_episode_steps` (as flags) and other env arguments. `num_envs` envs run
-    at once (default: `hf_vla.episodes.default_num_envs`); each episode's outcome depends on its seed alone. Returns a
+    per task at once (default: `hf_vla.episodes.default_num_envs`), and `tasks_at_once` benchmark tasks side by side
+    (default: `default_tasks_at_once`); each episode's outcome depends on its seed alone. Returns a
     `BenchmarkResult` (per-task results, their mean) for a benchmark env, else an `EvalResult`; both carry the
     settings and every episode, also written to `output_dir/eval_result.json`.
     """
@@ -301,6 +306,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: must be positive")
     positive("num_envs", num_envs)
+    positive("tasks_at_once", tasks_at_once)
     env_kwargs = dict(env_kwargs or {})
     flags = {"image_size": env_kwargs.pop("image_size", None), "max_episode_steps": env_kwargs.pop("max_episode_steps",
                                                                                                      None)}
@@ -347,25 +353,20 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
     count = int(num_envs or default_num_envs(episodes))
     seeds = [int(settings["seed"].value) + i for i in range(episodes)]
     common = dict(save_videos=save_videos, progress=progress, inference_delay=inference_delay, rtc=rtc,
-                  chunk_size=chunk_size, seeds=seeds)
+                  chunk_size=chunk_size, n_action_steps=steps)
     recorded = {name: {"value": setting.value, "source": setting.source} for name, setting in settings.items()}
     recorded["num_envs"] = {"value": count, "source": "flag" if num_envs else "default"}
     names = benchmark_tasks(env_id, task) if env_id in BENCHMARKS else [None]
+    at_once = int(tasks_at_once or default_tasks_at_once(len(names), count)) if names != [None] else 1
+    if names != [None]:
+        recorded["tasks_at_once"] = {"value": at_once, "source": "flag" if tasks_at_once else "default"}
     results = {}
-    for name in names:
-        envs = _make_envs(env_id, name, count, env_kwargs, settings["max_episode_steps"].value)
-        try:
-            label = f"{BENCHMARKS[env_id]} {name}" if name else f"env {env_id!r}"
-            _check_dims(policy, envs[0], label)
-            if "image_size" not in set(overrides or ()):
-                _check_image_size(envs[0], spec, settings, label)
-            results[name] = run_episodes(envs, policy, episodes, steps, output_dir=output_dir / (name or ""),
-                                         **common)
-        finally:
-            _close(envs)
-        if name:
-            logger.info("%s: success %.1f%% (%d/%d), mean steps %.1f", name, 100 * results[name].success_rate,
-                        results[name].successes, episodes, results[name].mean_steps)
+    for start in range(0, len(names), at_once):
+        wave = names[start:start + at_once]
+        desc = (f"{BENCHMARKS[env_id]} tasks {start + 1}-{start + len(wave)} of {len(names)}" if len(names) > 1
+                else "closed-loop episodes")
+        results |= _run_tasks(env_id, wave, policy, spec, settings, overrides, count, env_kwargs, seeds, output_dir,
+                              desc, **common)
     output_dir.mkdir(parents=True, exist_ok=True)
     if env_id in BENCHMARKS:
         result = BenchmarkResult.from_tasks(env_id, results)
@@ -375,6 +376,47 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
         result.settings = recorded
     (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
     return result
+
+
+def default_tasks_at_once(tasks: int, num_envs: int) -> int:
+    """Benchmark tasks evaluated at once (their envs side by side, one policy call per control step for all of them):
+    as many as keep `MAX_ENVS_AT_ONCE` env workers or fewer, at least one."""
+    return max(1, min(tasks, MAX_ENVS_AT_ONCE // max(1, num_envs)))
+
+
+def _run_tasks(env_id: str, names: list, policy, spec, settings: dict, overrides, num_envs: int, env_kwargs: dict,
+               seeds: list[int], output_dir: Path, desc: str, save_videos: int, progress: bool, inference_delay: int,
+               rtc: bool, chunk_size, n_action_steps: int) -> dict:
+    """The episodes of `names` (benchmark tasks, or `[None]` for one gymnasium env) at once: `num_envs` envs per
+    task, every task's seeds in its own envs, one batched policy call per control step across all live envs (an
+    episode's outcome depends on its seed alone, not on the tasks beside it). -> `{name: EvalResult}`."""
+    from .episodes import EpisodeRunner
+
+    envs: dict = {}
+    try:
+        for name in names:
+            # several tasks' envs step side by side, so each in a worker process even at one env per task
+            envs[name] = _make_envs(env_id, name, num_envs, env_kwargs, settings["max_episode_steps"].value,
+                                    worker=num_envs * len(names) > 1)
+            label = f"{BENCHMARKS[env_id]} {name}" if name else f"env {env_id!r}"
+            _check_dims(policy, envs[name][0], label)
+            if "image_size" not in set(overrides or ()):
+                _check_image_size(envs[name][0], spec, settings, label)
+        runner = EpisodeRunner(envs, policy, n_action_steps, inference_delay=inference_delay, rtc=rtc,
+                               chunk_size=chunk_size)
+        done = runner.run({name: seeds for name in names}, save_videos=save_videos, progress=progress, desc=desc,
+                          output_dir={name: output_dir / (name or "") for name in names})
+    finally:
+        for members in envs.values():
+            _close(members)
+    results = {}
+    for name in names:
+        results[name] = EvalResult.from_episodes(done[name], inference_delay, rtc, runner.rtc_methods,
+                                                 num_envs=num_envs)
+        if name:
+            logger.info("%s: success %.1f%% (%d/%d), mean steps %.1f", name, 100 * results[name].success_rate,
+                        results[name].successes, len(seeds), results[name].mean_steps)
+    return results
 
 
 def _check_image_size(env, spec: dict | None, settings: dict, where: str) -> None:
@@ -534,6 +576,9 @@ def main(argv=None):
     parser.add_argument("--num_envs", type=int, default=None, help="envs run at once, each in a worker process, one "
                         "policy call per control step for all of them (default: 70%% of the cores, as lerobot-eval; "
                         "per-seed outcomes do not depend on it)")
+    parser.add_argument("--tasks_at_once", type=int, default=None, help="benchmark tasks evaluated side by side, "
+                        "their envs served by one policy call per control step (default: as many as keep "
+                        f"{MAX_ENVS_AT_ONCE} env workers or fewer; per-seed outcomes do not depend on it)")
     parser.add_argument("--inference_delay", type=int, default=0,
                         help="simulated inference delay in control steps (actions of the old chunk run meanwhile)")
     parser.add_argument("--rtc", action="store_true", help="real-time chunking: continue the chunk being executed")
@@ -549,6 +594,7 @@ def main(argv=None):
     positive("--inference_delay", args.inference_delay, allow_zero=True)
     positive("--save_videos", args.save_videos, allow_zero=True)
     positive("--num_envs", args.num_envs)
+    positive("--tasks_at_once", args.tasks_at_once)
     checkpoint = model_source("--checkpoint", args.checkpoint) if args.checkpoint else None
     if args.server:
         websocket_uri("--server", args.server)
@@ -573,7 +619,8 @@ def main(argv=None):
                                  args.cameras, args.save_videos, args.output_dir, args.device, server=args.server,
                                  inference_delay=args.inference_delay, rtc=args.rtc,
                                  rtc_config=rtc_config_from_args(args), task=args.task, env_kwargs=env_kwargs or None,
-                                 revision=args.revision, num_envs=args.num_envs, overrides=args.override)
+                                 revision=args.revision, num_envs=args.num_envs, overrides=args.override,
+                                 tasks_at_once=args.tasks_at_once)
     if isinstance(result, BenchmarkResult):
         print(result.table())
     print(json.dumps(_summary(result), indent=2))

@@ -78,6 +78,42 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
     saved = json.loads((tmp_path / "eval" / "eval_result.json").read_text())
     assert saved["env"] == "metaworld" and "success_rate" in saved and "reach-v3" in saved["tasks"]
 
+    # several tasks side by side (MT50's way): each task's seeds in its own envs, one policy call per control step for
+    # the live envs of every task of a wave; per seed the episodes of the tasks evaluated one after another
+    import hf_vla.episodes as episodes
+
+    calls = []
+    call = episodes._call_policies
+
+    def counted(requests):
+        calls.append(len(requests))
+        return call(requests)
+
+    three = "reach-v3,push-v3,button-press-topdown-v3"
+    common = dict(episodes=2, num_envs=1, task=three, save_videos=1, progress=False)
+    alone = evaluate_checkpoint(out, tasks_at_once=1, output_dir=tmp_path / "alone", **common)
+    episodes._call_policies = counted
+    try:
+        waves = evaluate_checkpoint(out, tasks_at_once=2, output_dir=tmp_path / "waves", **common)
+    finally:
+        episodes._call_policies = call
+    assert list(waves.tasks) == three.split(",") and waves.settings["tasks_at_once"] == {"value": 2, "source": "flag"}
+    assert alone.settings["tasks_at_once"] == {"value": 1, "source": "flag"}
+    for name, task in waves.tasks.items():
+        one = alone.tasks[name]
+        assert [(e["seed"], e["success"], e["steps"]) for e in task.episode_records] == \
+            [(e["seed"], e["success"], e["steps"]) for e in one.episode_records]
+        assert [e["reward"] for e in task.episode_records] == pytest.approx([e["reward"] for e in one.episode_records],
+                                                                             rel=1e-4)
+        assert len(list((tmp_path / "waves" / name).glob("rollout_000_*.gif"))) == 1  # in the task's own folder
+    # wave 1 (reach, push): calls of 2 while both run (12 steps, 8 actions per chunk); wave 2: button-press alone
+    assert max(calls) == 2 and calls.count(2) >= 2 and calls[-1] == 1
+    # no flag: as many tasks as keep MAX_ENVS_AT_ONCE workers (all three here)
+    from hf_vla.evaluate import MAX_ENVS_AT_ONCE, default_tasks_at_once
+
+    assert default_tasks_at_once(50, 2) == MAX_ENVS_AT_ONCE // 2 and default_tasks_at_once(3, 1) == 3
+    assert default_tasks_at_once(5, 64) == 1
+
 
 def test_the_expert_ceiling_and_upright_images():
     """The benchmark's expert succeeds in the wrapper (seeded resets differ), and the image is the right way up: the
