@@ -156,7 +156,7 @@ DEFAULT_ENV = "hf_vla/ColorReach-v0"
 DEFAULT_SEED = 10_000
 OVERRIDABLE = ("image_size", "n_action_steps", "max_episode_steps", "cameras", "seed")
 # env workers a benchmark evaluation keeps at once across its tasks (MT50 with 2 envs per task: 8 tasks side by side);
-# a Meta-World worker holds about 0.2 GB
+# a Meta-World worker holds about 0.4 GB (proportional set size, 160 px)
 MAX_ENVS_AT_ONCE = 16
 
 

@@ -32,6 +32,24 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._grads_ready = False
         self.last_grad_norm: float | None = None
 
+    def move_to_new_group(self, params, **options) -> None:
+        """Move `params` (with their masters) out of their groups into a new one with `options` (its own `lr`, ...),
+        before the first step, as a plain optimizer's groups can be edited then (RL's critic learning rate)."""
+        wanted = {id(p) for p in params}
+        moved = []
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            pairs = list(zip(outer["params"], inner["params"]))
+            moved += [(p, m) for p, m in pairs if id(p) in wanted]
+            outer["params"] = [p for p, _ in pairs if id(p) not in wanted]
+            inner["params"] = [m for p, m in pairs if id(p) not in wanted]
+        if any(m in self.inner.state for _, m in moved):
+            raise RuntimeError("move_to_new_group after the first step: the moved parameters have optimizer state")
+        if not moved:
+            return
+        self.add_param_group({"params": [p for p, _ in moved], **options})
+        options = {k: v for k, v in self.param_groups[-1].items() if k != "params"}  # with the defaults filled in
+        self.inner.add_param_group({**options, "params": [m for _, m in moved]})
+
     # ---- the mapping model param <-> master ----------------------------------------------------------------------
     def _pairs(self):
         for outer, inner in zip(self.param_groups, self.inner.param_groups):

@@ -222,10 +222,15 @@ def test_the_critic_reads_the_prefix_once_and_learns_a_return():
     torch.testing.assert_close(sampled, value.detach())
 
 
-def test_the_critic_gets_a_learning_rate_of_its_own(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_critic_gets_a_learning_rate_of_its_own(tmp_path, dtype):
+    """Also for a bf16 model over fp32 master weights (GPU runs): the critic's masters move with it, and the first
+    Adam step moves the critic by its rate and the policy by its own."""
+    from hf_vla.optim import MasterWeightOptimizer
     from hf_vla.rl import RLConfig, RLTrainer
 
     model, processor = tiny_policy(seed=4)
+    model.to(dtype)
     args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=2,
                     algorithm="ppo", learning_rate=1e-5, critic_learning_rate=1e-3, weight_decay=0.1, use_cpu=True,
                     report_to=[], save_strategy="no", eval_strategy="no", eval_on_start=False, n_action_steps=1)
@@ -239,6 +244,21 @@ def test_the_critic_gets_a_learning_rate_of_its_own(tmp_path):
     assert {id(p) for p in groups[-1]["params"]} == critic and groups[-1]["lr"] == 1e-3
     assert groups[-1]["weight_decay"] == 0.0
     assert all(g["lr"] == 1e-5 and not critic & {id(p) for p in g["params"]} for g in groups[:-1])
+    optimizer = trainer.optimizer
+    assert isinstance(optimizer, MasterWeightOptimizer) == (dtype == torch.bfloat16)
+    if dtype == torch.bfloat16:
+        pairs = dict(optimizer._pairs())  # parameter -> its fp32 master
+        assert len(pairs) == sum(p.requires_grad for p in model.parameters())
+        before = {id(p): m.detach().clone() for p, m in pairs.items()}
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        optimizer.step()
+        head = model.value_head.out.weight
+        moved = (pairs[head].detach() - before[id(head)]).abs()
+        torch.testing.assert_close(moved, torch.full_like(moved, 1e-3), rtol=1e-3, atol=0)  # Adam's first step: lr
+        weight = model.model.vlm.language_model.layers[0].mlp.up_proj.weight
+        moved = (pairs[weight].detach() - before[id(weight)]).abs()
+        assert float(moved.max()) < 2e-5 and float(moved.min()) > 5e-6
 
 
 def test_a_resumed_ppo_run_ends_with_the_critic_and_policy_of_the_uninterrupted_one(tmp_path):

@@ -314,10 +314,11 @@ class RLTrainer(VLATrainer):
             return optimizer
         from ..optim import MasterWeightOptimizer
 
-        if isinstance(optimizer, MasterWeightOptimizer):
-            raise ConfigError("critic_learning_rate with bf16 master weights is not supported yet: leave it unset or "
-                              "train in float32")
         model = model if model is not None else self.model
+        if isinstance(optimizer, MasterWeightOptimizer):  # bf16 with fp32 masters: the masters move with them
+            optimizer.move_to_new_group([p for n, p in model.named_parameters() if "value_head" in n and p.requires_grad],
+                                        lr=rate, weight_decay=0.0)
+            return optimizer
         critic = {id(p) for n, p in model.named_parameters() if "value_head" in n and p.requires_grad}
         moved = []
         for group in optimizer.param_groups:
