@@ -101,6 +101,10 @@ class VLATrainingArguments(TrainingArguments):
     rollout_videos (`int`, defaults to 1): GIFs saved per task and rollout, under `_rollouts/step-N/eval`.
     rollout_device (`str`, *optional*): device of the rollout process (default: the training device).
     rollout_wait (`bool`, defaults to `False`): evaluate synchronously (every rank waits) instead of alongside.
+    image_augmentation (`str`, defaults to `"none"`): `openpi` augments every training image as openpi's pi0 / pi0.5
+        training does (`hf_vla.augment`: a random 95% crop resized back and a rotation of up to 5 degrees, except on
+        wrist cameras, then colour jitter), each sample's draws keyed by its identity and step; evaluation images are
+        never augmented. Off by default, as in lerobot's trainers.
     """
 
     loss_aggregation: str = field(default="sample_mean", metadata={"help": f"one of {LOSS_AGGREGATIONS}"})
@@ -130,6 +134,8 @@ class VLATrainingArguments(TrainingArguments):
     rollout_videos: int = field(default=1, metadata={"help": "GIFs per task and rollout"})
     rollout_device: str | None = field(default=None, metadata={"help": "rollout device (default: training's)"})
     rollout_wait: bool = field(default=False, metadata={"help": "evaluate synchronously (every rank waits)"})
+    image_augmentation: str = field(default="none", metadata={"help": "training images: none | openpi (crop, "
+                                                                      "rotation, colour jitter)"})
 
     # pi0.5's published optimizer and schedule
     learning_rate: float = 2.5e-5
@@ -157,6 +163,9 @@ class VLATrainingArguments(TrainingArguments):
         for name in ("decoder_threads", "n_action_steps", "max_episode_steps"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive (or unset for the default)")
+        from .augment import preset
+
+        preset(self.image_augmentation)  # an unknown name stops here, by name
         for name in ("dataloader_num_workers", "action_metrics_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
@@ -409,7 +418,28 @@ class VLATrainer(Trainer):
     # ---- the objective -------------------------------------------------------------------------------------------
     def per_sample_loss(self, model, inputs: dict, step: int) -> tuple[PerSampleLoss, Any]:
         """Seeded t and noise, x_t = t*noise + (1-t)*actions, velocity from the policy, masked per-sample sums."""
+        if model.training and self.args.image_augmentation != "none" and "pixel_values" in inputs:
+            inputs = self._augmented(inputs, step)
         return policy_per_sample_loss(model, inputs, self.args.seed, step)
+
+    def _augmented(self, inputs: dict, step: int) -> dict:
+        """`inputs` with `image_augmentation`'s pixel values (`hf_vla.augment`); crop and rotation skip the camera
+        slots whose key names a wrist camera, as openpi's."""
+        from .augment import AUGMENT_SALT, augment_images, preset
+        from .losses import _identities, _sample_seed
+
+        seeds = [_sample_seed(self.args.seed, step, *identity, AUGMENT_SALT) for identity in _identities(inputs)]
+        pixels = inputs["pixel_values"]
+        geometric = None
+        datasets = self.provenance.datasets if self.provenance is not None else []
+        if pixels.dim() == 5 and datasets and "source_index" in inputs:
+            # the model card's "cameras": the dataset's camera keys in slot order, joined by ", "
+            wrist = [["wrist" in key.lower() for key in str(d.get("cameras") or "").split(", ")] for d in datasets]
+            geometric = torch.ones(pixels.shape[:2], dtype=torch.bool)
+            for row, source in enumerate(inputs["source_index"].tolist()):
+                for slot, is_wrist in enumerate(wrist[source][:pixels.shape[1]] if source < len(wrist) else []):
+                    geometric[row, slot] = not is_wrist
+        return dict(inputs, pixel_values=augment_images(pixels, seeds, preset(self.args.image_augmentation), geometric))
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # The Trainer fetches all micro-batches of a step first: gather their element counts (and groups) over ranks so

@@ -178,6 +178,9 @@ class RLConfig(VLATrainingArguments):
         if self.critic_learning_rate is not None and not (math.isfinite(self.critic_learning_rate)
                                                           and self.critic_learning_rate >= 0):
             raise ConfigError(f"critic_learning_rate={self.critic_learning_rate}: must be a finite number >= 0")
+        if self.image_augmentation != "none":  # the update recomputes the rollouts' own chains on what they saw
+            raise ConfigError(f"image_augmentation={self.image_augmentation!r}: RL trains on the observations its "
+                              "rollouts saw; augmentation is for supervised training (leave it 'none')")
         if not 0 < self.epsilon < 1:
             raise ConfigError(f"epsilon={self.epsilon}: must be in (0, 1)")
         if self.epsilon_high is None:
