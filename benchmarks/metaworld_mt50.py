@@ -7,6 +7,8 @@ group means, hf_vla next to lerobot's trainer at the same budget, both evaluated
     python benchmarks/metaworld_mt50.py --stage evaluate --episodes 5 --num_envs 2
     python benchmarks/metaworld_mt50.py --stage longer --steps 20000     # hf_vla's run resumed to 20,000 steps
     python benchmarks/metaworld_mt50.py --stage evaluate --which hf_vla_long --episodes 5 --num_envs 2
+    OMP_NUM_THREADS=1 python benchmarks/metaworld_mt50.py --stage augment   # hf_vla's run with image augmentation
+    python benchmarks/metaworld_mt50.py --stage evaluate --which hf_vla_aug --episodes 5 --num_envs 2
 
 The committed figures ran the two training stages side by side with OMP_NUM_THREADS=1 (one core each; 3.0 steps/s is
 hf_vla's rate measured that way; ACT's came from its probe), then the evaluation with `--which hf_vla` and
@@ -103,6 +105,23 @@ def stage_longer(data: Path, work: Path, steps: int, results: dict) -> None:
                                     "max_steps": steps, "train_seconds": round(seconds, 1)}
 
 
+def stage_augment(data: Path, work: Path, results: dict) -> None:
+    """The 45-minute hf_vla run again with openpi's training-time image augmentation (`--image_augmentation openpi`):
+    the same steps, schedule and data, into `<work>/hf_vla_aug`."""
+    base = results.get("hf_vla_train")
+    if not base:
+        raise SystemExit("--stage augment repeats --stage hf_vla's run with augmentation: run --stage hf_vla first")
+    steps, out = base["max_steps"], work / "hf_vla_aug"
+    resume = ["--resume_from_checkpoint", "true"] if list(out.glob("checkpoint-*")) else []
+    seconds = _train(data, out, ["--max_steps", str(steps), "--save_steps", str(max(100, steps // 10 // 100 * 100)),
+                                 "--lr_scheduler_kwargs", json.dumps({"num_decay_steps": max(1, steps // 4),
+                                                                      "min_lr_ratio": 0.1}),
+                                 "--image_augmentation", "openpi", *resume])
+    results["hf_vla_aug_train"] = {"max_steps": steps, "image_augmentation": "openpi",
+                                   "train_seconds": round(seconds, 1),
+                                   "threads": os.environ.get("OMP_NUM_THREADS", "default")}
+
+
 def stage_lerobot(data: Path, work: Path, budget_min: float, results: dict, policy: str = "act",
                   batch: int = 32, chunk: int = 16, n_action_steps: int = 8, rate: float | None = None) -> None:
     """lerobot-train from scratch on the same recording for the same wall-clock budget (steps from a probe)."""
@@ -162,6 +181,10 @@ def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results
                                                          + train.get("train_seconds", 0)) / 60, 1),
                       eval_seconds=seconds)
         results["hf_vla_long"] = _summary(result, budget, episodes, seed)
+    if which == "hf_vla_aug":  # the run of --stage augment
+        result, seconds = _evaluate_hf_vla(work, "hf_vla_aug", episodes, num_envs, save_videos=1)
+        results["hf_vla_aug"] = _summary(result, dict(results.get("hf_vla_aug_train", {}), eval_seconds=seconds),
+                                         episodes, seed)
     if which in ("both", "lerobot"):
         import importlib.util
 
@@ -200,7 +223,8 @@ def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=["record", "hf_vla", "longer", "lerobot", "evaluate"], required=True)
+    parser.add_argument("--stage", choices=["record", "hf_vla", "longer", "augment", "lerobot", "evaluate"],
+                        required=True)
     parser.add_argument("--work", default=str(REPO / "data_cache" / "mt50_bench"))
     parser.add_argument("--data", default=None, help="the MT50 recording (default: <work>/data)")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "metaworld_mt50_cpu.json"))
@@ -213,7 +237,7 @@ def main(argv=None):
     parser.add_argument("--lerobot_policy", default="act", choices=["act", "diffusion"])
     parser.add_argument("--episodes", type=int, default=10, help="evaluation episodes per task")
     parser.add_argument("--num_envs", type=int, default=1)
-    parser.add_argument("--which", choices=["both", "hf_vla", "lerobot", "hf_vla_long"], default="both")
+    parser.add_argument("--which", choices=["both", "hf_vla", "lerobot", "hf_vla_long", "hf_vla_aug"], default="both")
     parser.add_argument("--steps", type=int, default=20_000, help="--stage longer: steps in all")
     args = parser.parse_args(argv)
     work = Path(args.work)
@@ -228,6 +252,8 @@ def main(argv=None):
         stage_hf_vla(data, work, args.budget_min, results, args.steps_per_s)
     elif args.stage == "longer":
         stage_longer(data, work, args.steps, results)
+    elif args.stage == "augment":
+        stage_augment(data, work, results)
     elif args.stage == "lerobot":
         stage_lerobot(data, work, args.budget_min, results, args.lerobot_policy, rate=args.steps_per_s)
     else:
