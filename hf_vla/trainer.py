@@ -929,7 +929,7 @@ def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_m
 
 CARD_ARGS = ("ema_decay", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "learning_rate",
              "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "loss_aggregation", "master_weights",
-             "freeze", "bf16", "seed")
+             "freeze", "image_augmentation", "bf16", "seed")
 
 
 def _master_weight_incompatibility(optimizer_cls, kwargs: dict) -> str | None:

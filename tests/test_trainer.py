@@ -491,6 +491,7 @@ def test_model_card_and_pushed_folder(two_datasets, tmp_path, monkeypatch):
         row = next(line for line in text.splitlines() if line.startswith(f"| {name} |") and "arm" not in line)
         assert any(ch.isdigit() for ch in row), row
     assert "`arm_a::joint`" in text and "loss_aggregation`: sample_mean" in text and "Intended use" in text
+    assert "image_augmentation`: none" in text  # how the weights were trained, augmentation included
     assert 'AutoModel.from_pretrained("org/pi05-toy")' in text
 
     # the pushed folder: what push_to_hub would upload, captured offline
