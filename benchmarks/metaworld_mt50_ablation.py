@@ -38,7 +38,11 @@ SETTINGS = {
                  {"model_config.vlm_config.vision_config.image_size": 160}),
     "wide_128": ("128 px with a 2x wider action expert (192)", {"model_config.dit_config.hidden_size": 192,
                                                                "model_config.dit_config.intermediate_size": 384}),
+    "long_128": ("the MT50 candidate trained 3x longer (12,000 steps)", {}),
+    "aug_long_128": ("long_128 with openpi's training-time image augmentation", {"image_augmentation": "openpi"}),
 }
+# Settings trained for a fixed number of optimizer steps instead of --steps (the question they ask is the steps').
+STEPS = {"long_128": 12000, "aug_long_128": 12000}
 # Settings that differ from another only in how the policy is run, not in how it is trained: evaluate that setting's
 # checkpoint with these evaluation flags instead of training the same model twice.
 EVAL_ONLY = {"exec8_128": "mt50_128"}
@@ -75,7 +79,7 @@ def run(name: str, data: Path, work: Path, tasks: list[str], steps: int, episode
         eval_flags = [f"--{key}={value}" for key, value in overrides.items()] + ["--override", *overrides]
         train_seconds, steps = trained[base]["train_seconds"], trained[base]["steps"]
     else:
-        out, eval_flags = work / name, []
+        out, eval_flags, steps = work / name, [], STEPS.get(name, steps)
         train_seconds = _train(data, out, steps, overrides, ranges, env)
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(out), "--task", ",".join(tasks),
@@ -129,8 +133,15 @@ def main(argv=None):
             continue
         results["settings"][name] = run(name, data, work, tasks, args.steps, args.episodes, ranges,
                                         results["settings"])
+        # settings may run side by side in two processes (one core each): merge this one into what is there now
+        current = json.loads(output.read_text()) if output.exists() else {"settings": {}}
+        current["settings"][name] = dict(results["settings"][name], data=str(data),
+                                         episodes_in_training=len(ranges))
+        for key in ("tasks", "data", "episodes_in_training", "machine", "seeds"):  # the first run's, kept
+            current.setdefault(key, results[key])
+        results["settings"] = current["settings"]
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(results, indent=2) + "\n")
+        output.write_text(json.dumps(current, indent=2) + "\n")
         print(json.dumps({name: results["settings"][name]}, indent=2), flush=True)
 
 

@@ -526,6 +526,24 @@ def test_the_command_refuses_bad_input_in_one_line(sft_checkpoint, tmp_path):
     assert done.returncode == 2 and "n_action_steps" in done.stderr and "--override" in done.stderr
 
 
+def test_ppo_on_a_pi0_checkpoint_is_refused_before_its_weights_load(tmp_path):
+    """The model type comes from config.json: a folder with a pi0 config and no weights at all is refused for PPO by
+    name (a full-size pi0 would otherwise load 3B parameters to be told so), and GRPO goes on to load it."""
+    from hf_vla.errors import ConfigError
+    from hf_vla.rl import RLConfig
+    from hf_vla.rl.__main__ import load_start
+    from hf_vla.tiny import tiny_pi0_config
+
+    tiny_pi0_config(chunk_size=4, max_state_dim=2, max_action_dim=2).save_pretrained(tmp_path / "pi0")
+    args = RLConfig(output_dir=str(tmp_path / "out"), env="hf_vla/ColorReach-v0", use_cpu=True, algorithm="ppo",
+                    model_name_or_path=str(tmp_path / "pi0"))
+    with pytest.raises(ConfigError, match="use algorithm='grpo' for pi0"):
+        load_start(args)
+    args.algorithm = "grpo"
+    with pytest.raises(ConfigError, match="could not be loaded"):  # no weights: the loader's own error, by name
+        load_start(args)
+
+
 def test_sigterm_saves_a_checkpoint_exits_75_and_the_run_resumes(sft_checkpoint, tmp_path):
     out = tmp_path / "rl"
     config = _config(tmp_path, sft_checkpoint, max_steps=4, eval_on_start=False, eval_steps=4, save_steps=4)

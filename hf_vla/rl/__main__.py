@@ -100,14 +100,20 @@ def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
 def load_start(args):
     """The start policy and its processor (a lerobot checkpoint converted, a LoRA adapter merged, on load)."""
     import torch
+    from transformers import AutoConfig
+
+    import hf_vla  # noqa: F401  (registers pi05 with AutoConfig)
 
     from ..hub import load_error, resolve_pretrained
     from ..policy import load_pretrained
+    from .trainer import check_model_type
 
     with args.main_process_first(local=True, desc="checkpoint conversion"):
         source = resolve_pretrained(args.model_name_or_path, args.model_revision, label="model_name_or_path")
     revision = None if source != args.model_name_or_path else args.model_revision
     try:
+        # the model type from config.json alone: a pi0 given to PPO is refused before gigabytes of weights load
+        check_model_type(AutoConfig.from_pretrained(source, revision=revision).model_type, args)
         model, processor = load_pretrained(source, revision=revision, dtype=torch.bfloat16 if args.bf16 else None)
     except (OSError, ValueError) as error:
         raise load_error(error, f"model_name_or_path={args.model_name_or_path!r} could not be loaded",

@@ -250,6 +250,17 @@ def _identity(item):
     return item
 
 
+def check_model_type(model_type: str | None, args: RLConfig) -> None:
+    """`ConfigError` unless RL can train a model of `model_type` with `args.algorithm` (checked from the config
+    alone, so `python -m hf_vla.rl` refuses before loading the weights)."""
+    if model_type not in ("pi05", "pi0"):
+        raise ConfigError(f"RL fine-tuning samples through a pi0 / pi0.5 prefix cache; model type {model_type!r} is "
+                          "not supported")
+    if model_type == "pi0" and args.algorithm == "ppo":
+        raise ConfigError("algorithm='ppo' needs a critic on the VLM prefix, which hf_vla builds for pi0.5 "
+                          "(PI05ValueHead); transformers' pi0 has none: use algorithm='grpo' for pi0")
+
+
 class RLTrainer(VLATrainer):
     """Improves a flow policy (pi0.5) from its own rollouts (GRPO, or PPO with a critic); see the module's docstring.
 
@@ -264,13 +275,7 @@ class RLTrainer(VLATrainer):
     def __init__(self, model, args: RLConfig, processing_class=None, peft_config=None, engine=None, callbacks=None):
         if not isinstance(args, RLConfig):
             raise TypeError("RLTrainer needs an RLConfig")
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if model_type not in ("pi05", "pi0"):
-            raise ConfigError(f"RL fine-tuning samples through a pi0 / pi0.5 prefix cache; model type {model_type!r} is "
-                              "not supported")
-        if model_type == "pi0" and args.algorithm == "ppo":
-            raise ConfigError("algorithm='ppo' needs a critic on the VLM prefix, which hf_vla builds for pi0.5 "
-                              "(PI05ValueHead); transformers' pi0 has none: use algorithm='grpo' for pi0")
+        check_model_type(getattr(getattr(model, "config", None), "model_type", None), args)
         from .settings import rollout_settings
 
         self.rl_settings = rollout_settings(args, processing_class, model.config)
