@@ -55,6 +55,13 @@ def keep_ranges(data: Path, tasks: list[str]) -> dict:
     from hf_vla.envs import metaworld
 
     wanted = {metaworld.task_description(name) for name in tasks}
+    # lerobot gives two MT50 tasks one description (push-v3 and push-back-v3: "Push the puck to a goal"); an episode
+    # records only its description, so a recording of both gives both here: say so
+    shared = sorted(name for name, text in metaworld._lerobot_metaworld().TASK_DESCRIPTIONS.items()
+                    if text in wanted and name not in tasks)
+    if shared:
+        print(f"note: {shared} share a description with {tasks}; episodes of theirs in {data}, if any, are selected too",
+              flush=True)
     ranges = {}
     for path in sorted((data / "meta" / "episodes").glob("*/*.parquet")):
         table = pq.read_table(path, columns=["episode_index", "tasks", "length"]).to_pydict()
