@@ -4,6 +4,12 @@ solve Meta-World's medium and hard tasks (issue #38, item 2).
     python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_160 --settings base_96,mt50_128,exec8_128
 
 (`exec8_128` differs from `mt50_128` only in how many actions of a chunk run, so it evaluates that checkpoint.)
+The step-count settings on a recording of the four tasks alone (7 minutes here), two at a time, one core each:
+
+    python -m hf_vla.record --env metaworld --task basketball,peg-insert-side,push,pick-place --episodes 50 \
+        --output data_cache/mt50_4 --image_size 160
+    OMP_NUM_THREADS=1 python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_4 --settings long_128 &
+    OMP_NUM_THREADS=1 python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_4 --settings aug_long_128
 
 Every setting trains `configs/pi05_metaworld_mt50.json` with its overrides for the same number of optimizer steps on
 the same episodes (the recording's episodes of `--tasks`, selected with the dataset's `keep_ranges`), then
@@ -38,11 +44,12 @@ SETTINGS = {
                  {"model_config.vlm_config.vision_config.image_size": 160}),
     "wide_128": ("128 px with a 2x wider action expert (192)", {"model_config.dit_config.hidden_size": 192,
                                                                "model_config.dit_config.intermediate_size": 384}),
+    "short_128": ("the MT50 candidate, 4,000 steps (mt50_128 again, on the data of long_128)", {}),
     "long_128": ("the MT50 candidate trained 3x longer (12,000 steps)", {}),
     "aug_long_128": ("long_128 with openpi's training-time image augmentation", {"image_augmentation": "openpi"}),
 }
 # Settings trained for a fixed number of optimizer steps instead of --steps (the question they ask is the steps').
-STEPS = {"long_128": 12000, "aug_long_128": 12000}
+STEPS = {"short_128": 4000, "long_128": 12000, "aug_long_128": 12000}
 # Settings that differ from another only in how the policy is run, not in how it is trained: evaluate that setting's
 # checkpoint with these evaluation flags instead of training the same model twice.
 EVAL_ONLY = {"exec8_128": "mt50_128"}
