@@ -46,10 +46,13 @@ SETTINGS = {
                                                                "model_config.dit_config.intermediate_size": 384}),
     "short_128": ("the MT50 candidate, 4,000 steps (mt50_128 again, on the data of long_128)", {}),
     "long_128": ("the MT50 candidate trained 3x longer (12,000 steps)", {}),
+    "patch8_96": ("96 px in 8 px patches (144 image tokens, each a quarter of a 16 px patch's area at 128 px)",
+                  {"model_config.vlm_config.vision_config.image_size": 96,
+                   "model_config.vlm_config.vision_config.patch_size": 8}),
     "aug_long_128": ("long_128 with openpi's training-time image augmentation", {"image_augmentation": "openpi"}),
 }
 # Settings trained for a fixed number of optimizer steps instead of --steps (the question they ask is the steps').
-STEPS = {"short_128": 4000, "long_128": 12000, "aug_long_128": 12000}
+STEPS = {"short_128": 4000, "patch8_96": 4000, "long_128": 12000, "aug_long_128": 12000}
 # Settings that differ from another only in how the policy is run, not in how it is trained: evaluate that setting's
 # checkpoint with these evaluation flags instead of training the same model twice.
 EVAL_ONLY = {"exec8_128": "mt50_128"}
