@@ -100,9 +100,7 @@ def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
 def load_start(args):
     """The start policy and its processor (a lerobot checkpoint converted, a LoRA adapter merged, on load)."""
     import torch
-    from transformers import AutoConfig
-
-    import hf_vla  # noqa: F401  (registers pi05 with AutoConfig)
+    from transformers import AutoConfig  # knows pi05: this module's package, hf_vla, registered it on import
 
     from ..hub import load_error, resolve_pretrained
     from ..policy import load_pretrained
