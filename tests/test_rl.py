@@ -23,6 +23,7 @@ from conftest import REPO, randomize_
 from hf_vla import PI05ForConditionalGeneration, PI05Processor
 from hf_vla.rl.flow import (
     FlowSDE,
+    absorbing_bonus,
     chain_means,
     clipped_objective,
     gae,
@@ -191,6 +192,34 @@ def test_gae_and_the_critic_loss_equal_hand_computations():
     torch.testing.assert_close(critic, torch.tensor([0.32, 0.08]))
     torch.testing.assert_close(value_loss(torch.tensor([0.6]), torch.tensor([1.0]), torch.tensor([0.0]), None),
                                torch.tensor([0.08]))
+
+
+def test_dense_rewards_credit_a_success_with_the_steps_it_did_not_take():
+    """Meta-World ends an episode on success and pays up to 10 a step until its limit: without the absorbing goal
+    state, lingering next to the goal for 200 steps earns more than reaching it at step 50."""
+    from types import SimpleNamespace
+
+    from hf_vla.episodes import Episode
+    from hf_vla.rl.trainer import RLTrainer
+
+    # n = 2, limit 8, success at step 5 (the last decision executed 1 of its 2 steps), last reward 5: the 3 steps
+    # left are 1 completing the last chunk (undiscounted), then 2 one decision later (gamma)
+    assert absorbing_bonus(5.0, 3, 1, 2, gamma=0.9) == pytest.approx(5 * (1 + 2 * 0.9))
+    assert absorbing_bonus(5.0, 3, 1, 2) == pytest.approx(15.0)  # undiscounted: last reward x steps left
+    # last chunk executed in full: the next 2 steps are one decision later, the 3rd two decisions later
+    assert absorbing_bonus(2.0, 3, 2, 2, gamma=0.5) == pytest.approx(2 * (0.5 + 0.5 + 0.25))
+    assert absorbing_bonus(5.0, 0, 1, 2, gamma=0.9) == 0.0
+    fake = SimpleNamespace(rl_settings={"max_episode_steps": 8, "n_action_steps": 2})
+    won = Episode(seed=0, success=True, steps=5, reward=15.0, step_rewards=[1.0, 2.0, 3.0, 4.0, 5.0])
+    assert RLTrainer._bonus(fake, won, 0.9) == pytest.approx(5 * (1 + 2 * 0.9))
+    assert RLTrainer._bonus(fake, won) == pytest.approx(15.0)
+    lingered = Episode(seed=0, success=False, steps=8, reward=36.0, step_rewards=[1.0, 2.0, 3.0, 4.0] + [6.5] * 4)
+    assert RLTrainer._bonus(fake, lingered) == 0.0
+    # a success at step 5 paid 9.5 (about what Meta-World pays at the goal) against lingering at 6.5 a step: the
+    # dense return alone prefers lingering, with the bonus the success wins
+    quick = Episode(seed=0, success=True, steps=5, reward=19.5, step_rewards=[1.0, 2.0, 3.0, 4.0, 9.5])
+    assert quick.reward + RLTrainer._bonus(fake, quick) > lingered.reward
+    assert quick.reward < lingered.reward  # what the dense return alone said
 
 
 def test_the_critic_reads_the_prefix_once_and_learns_a_return():

@@ -190,6 +190,22 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: bool = 
     return advantages, informative
 
 
+def absorbing_bonus(last_reward: float, remaining_steps: int, executed_in_last: int, n_action_steps: int,
+                    gamma: float = 1.0) -> float:
+    """The dense reward an episode that ended in success did not collect: the goal state held for the
+    `remaining_steps` steps up to the episode limit, each paying the reward of the successful step (the goal state as
+    absorbing). Envs that end an episode on success with a shaped reward (Meta-World pays up to 10 a step until the
+    limit) otherwise pay more for lingering near the goal than for reaching it. Steps are discounted per decision
+    (`gamma` for each executed chunk of `n_action_steps`): the first `n_action_steps - executed_in_last` of them
+    complete the last decision's chunk (undiscounted, added to its reward), the next `n_action_steps` one decision
+    later (`gamma`), and so on; `gamma` 1 gives `last_reward * remaining_steps` (an episode's undiscounted return)."""
+    fill = n_action_steps - executed_in_last
+    total = 0.0
+    for i in range(1, max(0, int(remaining_steps)) + 1):
+        total += gamma ** max(0, math.ceil((i - fill) / n_action_steps))
+    return float(last_reward) * total
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
     """Generalized advantage estimation (Schulman et al., arXiv 1506.02438) over the decisions of one episode that ends
     after its last decision (success terminates it; the step limit is part of the task, so it ends it too: the value
@@ -233,5 +249,5 @@ def clipped_objective(log_ratio: torch.Tensor, advantages: torch.Tensor, epsilon
     return loss, clipped < unclipped
 
 
-__all__ = ["FlowSDE", "chain_means", "clipped_objective", "gae", "gaussian_log_prob", "group_advantages",
+__all__ = ["FlowSDE", "absorbing_bonus", "chain_means", "clipped_objective", "gae", "gaussian_log_prob", "group_advantages",
            "sample_chain", "step_kl", "step_log_probs", "value_loss", "velocity_fn"]

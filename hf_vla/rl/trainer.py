@@ -29,6 +29,7 @@ from ..errors import ConfigError, NonFiniteError
 from ..trainer import VLATrainer, VLATrainingArguments
 from .flow import (
     FlowSDE,
+    absorbing_bonus,
     chain_means,
     clipped_objective,
     gae,
@@ -81,8 +82,11 @@ class RLConfig(VLATrainingArguments):
     denoise_steps (`int`, *optional*): denoising steps K of the rollouts and the likelihood; default the model's
         `num_inference_steps`, so the trained velocity is used as it is deployed.
     reward (`str`, defaults to `"success"`): an episode's return: `success` (0/1, as SimpleVLA-RL and pi_RL) or `dense`
-        (the sum of the env's rewards). Under PPO each decision's reward is the env's rewards over its executed steps
-        (`dense`) or 1 on the decision that succeeded (`success`).
+        (the sum of the env's rewards, and for an episode that ended in success its last reward for each step left
+        to the episode limit: the goal state as absorbing, `hf_vla.rl.flow.absorbing_bonus`; without it an env that
+        ends episodes on success, as Meta-World does, pays more for lingering near the goal than for reaching it).
+        Under PPO each decision's reward is the env's rewards over its executed steps (`dense`, the bonus discounted
+        on the last decision) or 1 on the decision that succeeded (`success`).
     reward_scale (`float`, defaults to 1.0): multiplies every reward (Meta-World's dense reward is up to 10 per step:
         0.01 keeps the critic's targets near 1).
     gamma (`float`, defaults to 0.99), lam (`float`, defaults to 0.95): PPO's discount and GAE lambda per decision (one
@@ -407,7 +411,8 @@ class RLTrainer(VLATrainer):
             kept = [e for e in items if not e.discarded]
             if not kept:
                 continue
-            returns = torch.tensor([float(e.success) if args.reward == "success" else e.reward for e in kept])
+            returns = torch.tensor([float(e.success) if args.reward == "success" else e.reward + self._bonus(e)
+                                    for e in kept])
             rows.append((task, [e.success for e in kept], returns.tolist(), [e.steps for e in kept]))
             if args.algorithm == "ppo":
                 kept_by_noise.update({e.noise_seed: (e, None, True) for e in kept})
@@ -453,6 +458,7 @@ class RLTrainer(VLATrainer):
             if args.reward == "dense":
                 for i in range(len(decisions)):
                     rewards[i] = sum(episode.step_rewards[i * n:(i + 1) * n])
+                rewards[-1] += self._bonus(episode, args.gamma)
             elif episode.success:
                 rewards[-1] = 1.0
             values = torch.tensor([tr.value for tr in decisions], dtype=torch.float64)
@@ -481,6 +487,14 @@ class RLTrainer(VLATrainer):
         returns_variance = variance(r_sum, r_sq)
         if returns_variance > 0:  # 1: the critic explains the returns; 0: no better than their mean
             self._metric("explained_variance", 1 - variance(e_sum, e_sq) / returns_variance)
+
+    def _bonus(self, episode, gamma: float = 1.0) -> float:
+        """`absorbing_bonus` of an episode that ended in success before the episode limit (0 otherwise)."""
+        limit, n = self.rl_settings["max_episode_steps"], self.rl_settings["n_action_steps"]
+        if not episode.success or not limit or not episode.step_rewards:
+            return 0.0
+        executed = episode.steps - (math.ceil(episode.steps / n) - 1) * n
+        return absorbing_bonus(episode.step_rewards[-1], int(limit) - episode.steps, executed, n, gamma)
 
     def _reference_means(self, transitions: list) -> None:
         """The start policy's means at each stored x_k (for the KL), in batches."""
