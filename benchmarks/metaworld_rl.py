@@ -5,6 +5,8 @@
     python benchmarks/metaworld_rl.py --stage rl --budget_min 60             # (b) python -m hf_vla.rl, 60 minutes
     python benchmarks/metaworld_rl.py --stage rl --budget_min 60 --config configs/rl/pi05_metaworld_ppo.json \
         --arm rl_ppo                                                         # (b') PPO with a critic, its own arm
+    python benchmarks/metaworld_rl.py --stage rl --budget_min 60 --config configs/rl/pi05_metaworld_ppo_dense.json \
+        --arm rl_ppo_dense                                                   # (b'') PPO on the dense reward
     python benchmarks/metaworld_rl.py --stage sft --budget_min 60            # (a) python -m hf_vla.train, 60 minutes
     python benchmarks/metaworld_rl.py --stage evaluate --episodes 50         # start, (a), (b) on the same held-out seeds
     python benchmarks/metaworld_rl.py --stage evaluate --which rl_ppo        # an RL arm by its --arm name
