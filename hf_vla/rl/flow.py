@@ -249,5 +249,5 @@ def clipped_objective(log_ratio: torch.Tensor, advantages: torch.Tensor, epsilon
     return loss, clipped < unclipped
 
 
-__all__ = ["FlowSDE", "absorbing_bonus", "chain_means", "clipped_objective", "gae", "gaussian_log_prob", "group_advantages",
-           "sample_chain", "step_kl", "step_log_probs", "value_loss", "velocity_fn"]
+__all__ = ["FlowSDE", "absorbing_bonus", "chain_means", "clipped_objective", "gae", "gaussian_log_prob",
+           "group_advantages", "sample_chain", "step_kl", "step_log_probs", "value_loss", "velocity_fn"]

@@ -83,8 +83,9 @@ class RLConfig(VLATrainingArguments):
         `num_inference_steps`, so the trained velocity is used as it is deployed.
     reward (`str`, defaults to `"success"`): an episode's return: `success` (0/1, as SimpleVLA-RL and pi_RL) or `dense`
         (the sum of the env's rewards, and for an episode that ended in success its last reward for each step left
-        to the episode limit `max_episode_steps`, when it is known: the goal state as absorbing, `hf_vla.rl.flow.absorbing_bonus`; without it an env that
-        ends episodes on success, as Meta-World does, pays more for lingering near the goal than for reaching it).
+        to the episode limit `max_episode_steps`, when it is known: the goal state as absorbing,
+        `hf_vla.rl.flow.absorbing_bonus`; without it an env that ends episodes on success, as Meta-World does, pays
+        more for lingering near the goal than for reaching it).
         Under PPO each decision's reward is the env's rewards over its executed steps (`dense`, the bonus discounted
         on the last decision) or 1 on the decision that succeeded (`success`).
     reward_scale (`float`, defaults to 1.0): multiplies every reward (Meta-World's dense reward is up to 10 per step:
