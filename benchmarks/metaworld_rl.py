@@ -111,6 +111,7 @@ def main():
     start = Path(args.start) if args.start else work / "hf_vla"
     output = Path(args.output)
     results = json.loads(output.read_text()) if output.exists() else {}
+    snapshot = json.loads(json.dumps(results))
     results.update({"budget_min": args.budget_min, "seeds": f"{SEED}..{SEED + args.episodes - 1} per task",
                     "start_checkpoint": "the Meta-World benchmark's 20-minute recipe (configs/pi05_metaworld.json)",
                     "machine": "2-core CPU, no GPU"})
@@ -121,6 +122,9 @@ def main():
     else:
         stage_evaluate(work, start, args.episodes, results, args.which.split(","))
     output.parent.mkdir(parents=True, exist_ok=True)
+    # merge what this stage changed into the file as it is now: arms run side by side with one --output keep both
+    changed = {k: v for k, v in results.items() if snapshot.get(k) != v}
+    results = (json.loads(output.read_text()) if output.exists() else {}) | changed
     output.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
 
