@@ -9,8 +9,9 @@ the hand, the goal and (push) the puck. Printed as JSON:
 - reach: the final hand-to-goal distance (success is <= 5 cm) and how far the final hand position follows the goal:
   the least-squares slope of final hand on goal per axis (1: the hand goes where the goal is; 0: the same place
   whatever the goal) and the success a goal-blind policy would have (goals within 5 cm of the mean final hand);
-- push: the closest the hand came to the puck, the final puck-to-goal distance (success is <= 5 cm), and whether the
-  hand ended nearer the goal marker than the puck ever was to it.
+- push: the closest the hand came to the puck (and how often within 5 cm), the final puck-to-goal distance against
+  the starting one (success is <= 5 cm), and the final hand-to-goal distance in the table's plane (small when the arm
+  goes to the goal marker instead of the puck).
 
 A perception failure (the policy does not locate the goal or the puck in the image) reads as slopes near 0 and
 goal-blind success near the policy's; a control failure as slopes near 1 with final distances just over 5 cm.
