@@ -1,6 +1,8 @@
 """Meta-World closed loop: expert data -> pi0.5 trained by `python -m hf_vla.train` -> success per task, next to lerobot.
 
     python benchmarks/metaworld_benchmark.py --stage record            # 5 tasks x 50 expert episodes at 96 px
+    python benchmarks/metaworld_benchmark.py --stage record --crop 144,96,400,352 --work data_cache/metaworld_crop
+                                                                       # the same, the workspace cropped first
     python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20
     python benchmarks/metaworld_benchmark.py --stage lerobot --budget_min 20   # lerobot-train, ACT (no pretrained backbone)
     python benchmarks/metaworld_benchmark.py --stage evaluate --episodes 50
@@ -56,14 +58,14 @@ def _dataset_spec(work: Path) -> list[dict]:
              "robot_type": "metaworld", "control_mode": "delta_xyz_gripper"} for task in TASKS]
 
 
-def stage_record(work: Path, episodes: int, results: dict):
+def stage_record(work: Path, episodes: int, results: dict, crop: str | None = None):
     expert, rejected, frames, seconds = {}, {}, 0, 0.0
     for task in TASKS:
         data = work / "data" / task
         if not (data / "meta" / "hf_vla_record.json").exists():
             subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "metaworld", "--task", task,
-                            "--episodes", str(episodes), "--output", str(data), "--image_size", str(IMAGE)],
-                           check=True, cwd=REPO)
+                            "--episodes", str(episodes), "--output", str(data), "--image_size", str(IMAGE),
+                            *(["--crop", crop] if crop else [])], check=True, cwd=REPO)
         marker = _load(data / "meta" / "hf_vla_record.json")
         stats = marker["tasks"][task]
         expert[task] = stats["kept"] / (stats["kept"] + stats["rejected"])
@@ -71,6 +73,7 @@ def stage_record(work: Path, episodes: int, results: dict):
         frames += marker["frames"]
         seconds += marker["seconds"]
     results["record"] = {"episodes_per_task": episodes, "image_size": IMAGE, "seconds": round(seconds, 1),
+                         "env_kwargs": marker.get("env_kwargs") or {},
                          "frames": frames, "expert_success": expert, "rejected": rejected}
 
 
@@ -96,7 +99,8 @@ def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict,
     rollouts = [] if not rollout_episodes else [  # closed-loop success at every checkpoint, during training
         "--rollout_env", "metaworld", "--rollout_tasks", ",".join(TASKS), "--rollout_steps", str(save),
         "--rollout_episodes", str(rollout_episodes), "--rollout_env_kwargs",
-        json.dumps({"image_size": IMAGE, "max_episode_steps": max_episode_steps})]
+        json.dumps({"image_size": IMAGE, "max_episode_steps": max_episode_steps,
+                    **_load(work / "data" / TASKS[0] / "meta" / "hf_vla_record.json").get("env_kwargs", {})})]
     seconds = _train(work, out, ["--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", str(save),
                                  "--max_episode_steps", str(max_episode_steps),
                                  "--eval_strategy", "steps", "--eval_steps", str(save), "--validation_ratio", "0.05",
@@ -184,14 +188,14 @@ class LeRobotChunks:
         return chunk[0].cpu().numpy()
 
 
-def _evaluate_lerobot(path: Path, episodes: int, max_steps: int, out: Path) -> dict:
+def _evaluate_lerobot(path: Path, episodes: int, max_steps: int, out: Path, env_kwargs: dict | None = None) -> dict:
     from hf_vla.envs import metaworld
     from hf_vla.evaluate import BenchmarkResult, run_episodes
 
     policy = LeRobotChunks(path)
     results = {}
     for task in TASKS:
-        env = metaworld.in_worker(task, image_size=IMAGE, max_episode_steps=max_steps)
+        env = metaworld.in_worker(task, image_size=IMAGE, max_episode_steps=max_steps, **(env_kwargs or {}))
         try:
             policy.policy.reset()
             results[task] = run_episodes(env, policy, episodes, 8, seed=10_000, save_videos=1, output_dir=out / task,
@@ -216,8 +220,10 @@ def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_step
         act = sorted((work / "lerobot_act" / "checkpoints").glob("*/pretrained_model"))
         if act:
             started = time.perf_counter()
+            recorded = _load(work / "data" / TASKS[0] / "meta" / "hf_vla_record.json").get("env_kwargs")  # a crop
             results.setdefault("lerobot_act", {})["closed_loop"] = _evaluate_lerobot(act[-1], episodes, max_steps,
-                                                                                     work / "eval" / "lerobot_act")
+                                                                                     work / "eval" / "lerobot_act",
+                                                                                     recorded)
             results["lerobot_act"]["closed_loop"]["seconds"] = round(time.perf_counter() - started, 1)
     if which == "lerobot":
         return
@@ -280,12 +286,14 @@ def main(argv=None):
                         "at every checkpoint, during training (hf_vla.rollouts)")
     parser.add_argument("--which", choices=["both", "hf_vla", "lerobot"], default="both", help="evaluate stage: whose "
                         "checkpoints")
+    parser.add_argument("--crop", default=None, help="record stage: left,top,right,bottom of the 480 px render kept "
+                        "before resizing (python -m hf_vla.record --crop); the checkpoints' contract carries it")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     results = _load(work / "results.json")
     if args.stage == "record":
-        stage_record(work, args.record_episodes, results)
+        stage_record(work, args.record_episodes, results, args.crop)
     elif args.stage == "hf_vla":
         stage_hf_vla(work, args.budget_min, args.checkpoints, results, args.tag, args.steps_per_s,
                      args.rollout_episodes, args.max_episode_steps)

@@ -169,9 +169,10 @@ def benchmark_of(root: str | os.PathLike, max_episode_steps: int | None = None) 
 
 def _merge_benchmarks(first: dict | None, other: dict | None) -> dict | None:
     """One head's benchmark over several recordings of one env (e.g. one dataset per Meta-World task): the tasks of
-    all, the seeds of all; recordings of different envs or image sizes keep the first's settings."""
+    all, the seeds of all; recordings of different envs, image sizes or env arguments (a crop) keep the first's
+    settings."""
     if first is None or other is None or first.get("env") != other.get("env") or \
-            first.get("image_size") != other.get("image_size"):
+            first.get("image_size") != other.get("image_size") or first.get("env_kwargs") != other.get("env_kwargs"):
         return first or other
     merged = dict(first)
     if first.get("tasks") is not None or other.get("tasks") is not None:

@@ -155,15 +155,24 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         from .envs import metaworld
 
         names = metaworld.task_names(tasks or "reach-v3")
+        kwargs = dict(env_kwargs or {})
+        unknown = sorted(set(kwargs) - {"crop"})
+        if unknown:
+            raise ConfigError(f"env_kwargs {unknown}: Meta-World recording takes crop (image_size and "
+                              "max_episode_steps are arguments of their own)")
+        if kwargs.get("crop") is not None:
+            kwargs["crop"] = list(metaworld.check_crop(kwargs["crop"]))  # JSON-able: it goes into the plan and marker
         make = {name: (lambda name=name: metaworld.in_worker(
-            name, image_size=image_size or 128, max_episode_steps=max_episode_steps or metaworld.DEFAULT_STEPS))
-            for name in names}
+            name, image_size=image_size or 128, max_episode_steps=max_episode_steps or metaworld.DEFAULT_STEPS,
+            **kwargs)) for name in names}
         fps, state_dim, action_dim, robot_type, size = metaworld.FPS, 4, 4, metaworld.ROBOT_TYPE, image_size or 128
-        kwargs, default_steps = {}, metaworld.DEFAULT_STEPS
+        default_steps = metaworld.DEFAULT_STEPS
     else:
         from .envs.generate import ROBOT_TYPE
         from .envs.reach import ColorReachEnv
 
+        if (env_kwargs or {}).get("crop") is not None:
+            raise ConfigError("--crop: Meta-World only (ColorReach renders its 32 px scene whole)")
         if tasks:
             raise ConfigError("--task: ColorReach draws its instruction per episode; it has no task to choose")
         kwargs = dict(env_kwargs or {})
@@ -321,13 +330,16 @@ def main(argv=None):
                         "shortfall is reported (default 3 x --episodes + 10)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output once the new one is "
                         "complete")
+    parser.add_argument("--crop", default=None, help="Meta-World: left,top,right,bottom pixels of the 480 px render to "
+                        "keep before resizing to --image_size (e.g. 144,96,400,352, the five-task workspace); kept in "
+                        "the dataset's deployment contract, so evaluation and RL crop the same way")
     args = parser.parse_args(argv)
     from .cli import setup_logging
 
     setup_logging()
     result = record(args.env, args.output, args.episodes, tasks=args.task, image_size=args.image_size,
                     seed=args.seed, max_episode_steps=args.max_episode_steps, overwrite=args.overwrite,
-                    max_tries=args.max_tries)
+                    max_tries=args.max_tries, env_kwargs={"crop": args.crop} if args.crop else None)
     print(json.dumps(asdict(result), indent=2))
     return result
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import REPO
 
@@ -17,6 +18,7 @@ pytest.importorskip("metaworld")
 from hf_vla.train import main as train_main  # noqa: E402
 
 IMAGE = 64
+CROP = "144,96,400,352"  # the five-task workspace (hf_vla.envs.metaworld.WORKSPACE)
 
 
 def run_cli(*args, env=None):
@@ -28,7 +30,7 @@ def run_cli(*args, env=None):
 def recorded(tmp_path_factory):
     out = tmp_path_factory.mktemp("metaworld") / "reach"
     result = run_cli("hf_vla.record", "--env", "metaworld", "--task", "reach", "--episodes", "2", "--output", str(out),
-                     "--image_size", str(IMAGE))
+                     "--image_size", str(IMAGE), "--crop", CROP)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -44,6 +46,7 @@ def test_recorded_expert_data_is_a_lerobot_dataset(recorded):
     assert frame["task"] == "Reach a goal position"  # lerobot's task description
     marker = json.loads((recorded / "meta" / "hf_vla_record.json").read_text())
     assert marker["tasks"]["reach-v3"]["kept"] == 2 and marker["tasks"]["reach-v3"]["rejected"] == 0
+    assert marker["env_kwargs"] == {"crop": [144, 96, 400, 352]}
     assert not [p for p in recorded.parent.iterdir() if p.name.startswith(".")]  # no staging left
 
 
@@ -66,8 +69,22 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
     bench = contract["heads"]["metaworld::delta_xyz_gripper"]["benchmark"]
     assert bench["env"] == "metaworld" and bench["tasks"] == ["reach-v3"] and bench["image_size"] == IMAGE
     assert bench["max_episode_steps"] == 12 and bench["data_seeds"] == [0, 1] and contract["n_action_steps"] == 8
+    assert bench["env_kwargs"] == {"crop": [144, 96, 400, 352]}  # the recording's crop travels with the checkpoint
     # every setting from the checkpoint: env, task, image size, episode limit, actions per chunk, camera
-    result = evaluate_checkpoint(out, episodes=2, save_videos=1, progress=False, output_dir=tmp_path / "eval")
+    import hf_vla.evaluate as evaluate_module
+
+    made, make_envs = [], evaluate_module._make_envs
+
+    def recorded_make_envs(env_id, task, num_envs, env_kwargs, *args, **kwargs):
+        made.append(dict(env_kwargs))
+        return make_envs(env_id, task, num_envs, env_kwargs, *args, **kwargs)
+
+    evaluate_module._make_envs = recorded_make_envs
+    try:
+        result = evaluate_checkpoint(out, episodes=2, save_videos=1, progress=False, output_dir=tmp_path / "eval")
+    finally:
+        evaluate_module._make_envs = make_envs
+    assert made == [{"crop": [144, 96, 400, 352], "image_size": IMAGE}]  # the envs render as the data was recorded
     assert isinstance(result, BenchmarkResult) and list(result.tasks) == ["reach-v3"]
     assert {k: v["value"] for k, v in result.settings.items() if v["source"] == "checkpoint"} == {
         "env": "metaworld", "task": "reach-v3", "image_size": IMAGE, "max_episode_steps": 12, "n_action_steps": 8,
@@ -139,7 +156,34 @@ def test_the_expert_ceiling_and_upright_images():
         env.close()
 
 
+def test_a_crop_is_the_render_cut_then_resized():
+    """`crop` keeps a box of the 480 px render and resizes it: the same pixels as cutting the full render by hand."""
+    from PIL import Image
+
+    from hf_vla.envs.metaworld import WORKSPACE, in_worker
+
+    images = {}
+    for crop, size in ((None, 480), (WORKSPACE, IMAGE)):
+        env = in_worker("push-v3", image_size=size, max_episode_steps=10, crop=crop)
+        try:
+            images[crop] = env.reset(seed=7)[0]["observation.image"]
+        finally:
+            env.close()
+    left, top, right, bottom = WORKSPACE
+    by_hand = np.asarray(Image.fromarray(np.ascontiguousarray(images[None][top:bottom, left:right])).resize(
+        (IMAGE, IMAGE), Image.BILINEAR))
+    assert images[WORKSPACE].shape == (IMAGE, IMAGE, 3) and np.array_equal(images[WORKSPACE], by_hand)
+    whole = np.asarray(Image.fromarray(images[None]).resize((IMAGE, IMAGE), Image.BILINEAR))
+    assert np.abs(whole.astype(int) - by_hand).mean() > 10  # and it is not the uncropped image
+
+
 def test_metaworld_errors(recorded, tmp_path, tiny_tokenizer):
+    for crop in ("1,2,3", "0,0,500,100", "10,10,5,20"):
+        result = run_cli("hf_vla.record", "--env", "metaworld", "--task", "reach", "--episodes", "1", "--output",
+                         str(tmp_path / "c"), "--crop", crop)
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode == 2 and f"crop={crop!r}: give left,top,right,bottom" in last, last
+    assert not (tmp_path / "c").exists()
     result = run_cli("hf_vla.record", "--env", "metaworld", "--task", "reach,nope", "--episodes", "1", "--output",
                      str(tmp_path / "x"))
     assert result.returncode == 2 and "Meta-World task 'nope' is not known" in result.stderr.strip().splitlines()[-1]

@@ -4,7 +4,10 @@
 `agent_pos` = the first 4 observation floats, lerobot's task descriptions, seeded resets), the observation `lerobot-eval`
 and lerobot's Meta-World datasets use, under LeRobot dataset keys: `observation.image` (the 480 px render resized to
 `image_size`, uint8 HxWx3) and `observation.state` (float32 [4]); `info["task"]` is the task description. Actions are
-clipped to [-1, 1]; an episode ends on success or after `max_episode_steps`. `expert_action()` is the benchmark's own
+clipped to [-1, 1]; an episode ends on success or after `max_episode_steps`. `crop=(left, top, right, bottom)` (pixels of
+the 480 px render, `WORKSPACE` is the table's working area) cuts the render before it is resized: more of the
+`image_size` pixels land on small objects (reach's goal sphere is 12 px across in the render, 2-3 px at 96 px
+uncropped, 4-5 px cropped to `WORKSPACE`). `expert_action()` is the benchmark's own
 scripted policy (`metaworld.policies`) on the current raw observation, clipped like an action.
 
 Rendering is headless (`MUJOCO_GL=egl` unless set: Mesa software rendering, Debian `libegl1` + `libgl1-mesa-dri`;
@@ -37,6 +40,11 @@ CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
 ROBOT_TYPE = "metaworld"
 FPS = 80  # lerobot's Meta-World env and datasets
 DEFAULT_STEPS = 500  # Meta-World's max_path_length
+RENDER = 480  # lerobot's render size
+# The working area of the five-task benchmark's tasks in the upright corner2 render: the hand's expert paths, objects
+# and goals of reach, push, button-press-topdown, drawer-open and door-open over 100 seeds project into
+# x 146-390, y 129-312 (measured with the camera's projection); a 256 px square around it.
+WORKSPACE = (144, 96, 400, 352)
 
 
 def _lerobot_metaworld():
@@ -99,6 +107,20 @@ def task_description(name: str) -> str:
     return _lerobot_metaworld().TASK_DESCRIPTIONS[name]
 
 
+def check_crop(crop) -> tuple[int, int, int, int] | None:
+    """`crop` as a (left, top, right, bottom) pixel box inside the 480 px render, or None; a ConfigError names it."""
+    if crop is None:
+        return None
+    try:
+        box = tuple(int(v) for v in (crop.split(",") if isinstance(crop, str) else crop))
+    except (TypeError, ValueError):
+        box = ()
+    if len(box) != 4 or not (0 <= box[0] < box[2] <= RENDER and 0 <= box[1] < box[3] <= RENDER):
+        raise ConfigError(f"crop={crop!r}: give left,top,right,bottom pixels of the {RENDER} px render with "
+                          f"left < right and top < bottom (the workspace is {','.join(map(str, WORKSPACE))})")
+    return box
+
+
 def _fast_render(env) -> None:
     model = env.model
     model.light_castshadow[:] = 0
@@ -112,7 +134,8 @@ class MetaWorldEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array"], "render_fps": FPS}
 
     def __init__(self, task: str = "reach-v3", image_size: int = 128, max_episode_steps: int = DEFAULT_STEPS,
-                 fast_render: bool = True, render_mode: str = "rgb_array"):
+                 fast_render: bool = True, render_mode: str = "rgb_array", crop=None):
+        self.crop = check_crop(crop)
         module = _lerobot_metaworld()
         (task,) = task_names(task)
         fast = fast_render
@@ -143,7 +166,10 @@ class MetaWorldEnv(gym.Env):
         from PIL import Image
 
         image = raw["pixels"]
-        if image.shape[0] != self.image_size:
+        if self.crop is not None:
+            left, top, right, bottom = self.crop
+            image = image[top:bottom, left:right]
+        if image.shape[:2] != (self.image_size, self.image_size):
             image = np.asarray(Image.fromarray(np.ascontiguousarray(image)).resize(
                 (self.image_size, self.image_size), Image.BILINEAR))
         self._image = image
@@ -186,5 +212,5 @@ def in_worker(task: str, **kwargs) -> InWorker:
     return InWorker(functools.partial(MetaWorldEnv, task=task, **kwargs), name=f"Meta-World {task}")
 
 
-__all__ = ["ACTION", "CAMERA", "FPS", "GROUPS", "InWorker", "MetaWorldEnv", "MT50", "ROBOT_TYPE", "STATE", "in_worker",
-           "task_description", "task_group", "task_names"]
+__all__ = ["ACTION", "CAMERA", "FPS", "GROUPS", "InWorker", "MetaWorldEnv", "MT50", "RENDER", "ROBOT_TYPE", "STATE",
+           "WORKSPACE", "check_crop", "in_worker", "task_description", "task_group", "task_names"]
