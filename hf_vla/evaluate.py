@@ -333,8 +333,10 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
         env_kwargs["image_size"] = settings["image_size"].value
     spec = head_spec(contract, settings["head"].value)
     bench = (spec or {}).get("benchmark") or {}
-    if bench.get("env") == env_id:  # the arguments the data was recorded with (ColorReach's layout, ...)
+    given = {k: v for k, v in env_kwargs.items() if k != "image_size"}
+    if bench.get("env") == env_id:  # the arguments the data was recorded with (ColorReach's layout, a crop, ...)
         env_kwargs = dict(bench.get("env_kwargs") or {}) | env_kwargs
+    shown = {k: v for k, v in env_kwargs.items() if k != "image_size"}  # the env arguments besides the flags
     if output_dir is None:
         output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
     output_dir = Path(output_dir)
@@ -356,6 +358,8 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
                   chunk_size=chunk_size, n_action_steps=steps)
     recorded = {name: {"value": setting.value, "source": setting.source} for name, setting in settings.items()}
     recorded["num_envs"] = {"value": count, "source": "flag" if num_envs else "default"}
+    if shown:
+        recorded["env_kwargs"] = {"value": shown, "source": "checkpoint" if shown != given else "flag"}
     names = benchmark_tasks(env_id, task) if env_id in BENCHMARKS else [None]
     at_once = int(tasks_at_once or default_tasks_at_once(len(names), count)) if names != [None] else 1
     if names != [None]:

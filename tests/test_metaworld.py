@@ -88,7 +88,8 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
     assert isinstance(result, BenchmarkResult) and list(result.tasks) == ["reach-v3"]
     assert {k: v["value"] for k, v in result.settings.items() if v["source"] == "checkpoint"} == {
         "env": "metaworld", "task": "reach-v3", "image_size": IMAGE, "max_episode_steps": 12, "n_action_steps": 8,
-        "cameras": ["observation.image"], "head": "metaworld::delta_xyz_gripper", "control_mode": "delta_xyz_gripper"}
+        "cameras": ["observation.image"], "head": "metaworld::delta_xyz_gripper", "control_mode": "delta_xyz_gripper",
+        "env_kwargs": {"crop": [144, 96, 400, 352]}}
     task = result.tasks["reach-v3"]
     assert task.episodes == 2 and 1 <= task.mean_steps <= 12 and 0.0 <= result.success_rate <= 1.0
     assert (tmp_path / "eval" / "reach-v3" / "rollout_000_failure.gif").exists() or task.successes
