@@ -116,11 +116,12 @@ def main():
     spec = head_spec(contract, None)
     policy = load_policy(args.checkpoint, obs_map=ObservationMap(cameras=settings["cameras"].value or None),
                          num_camera_slots=len(spec["cameras"]) if spec else None)
+    recorded = ((spec or {}).get("benchmark") or {}).get("env_kwargs") or {}  # a crop: rendered as it was recorded
     result = {"checkpoint": args.checkpoint, "episodes": args.episodes, "seeds_from": args.seed,
-              "image_size": image_size, "max_episode_steps": limit, "n_action_steps": steps}
+              "image_size": image_size, "max_episode_steps": limit, "n_action_steps": steps, "env_kwargs": recorded}
     for task in args.tasks.split(","):
         traces: dict = {}
-        env = Traced(MetaWorldEnv(task, image_size=image_size, max_episode_steps=limit), traces)
+        env = Traced(MetaWorldEnv(task, image_size=image_size, max_episode_steps=limit, **recorded), traces)
         run_episodes(env, policy, args.episodes, steps, seed=args.seed,
                      chunk_size=policy.model.config.chunk_size, progress=True)
         env.close()
