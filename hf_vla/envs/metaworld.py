@@ -41,9 +41,9 @@ ROBOT_TYPE = "metaworld"
 FPS = 80  # lerobot's Meta-World env and datasets
 DEFAULT_STEPS = 500  # Meta-World's max_path_length
 RENDER = 480  # lerobot's render size
-# The working area of the five-task benchmark's tasks in the upright corner2 render: the hand's expert paths, objects
-# and goals of reach, push, button-press-topdown, drawer-open and door-open over 100 seeds project into
-# x 146-390, y 129-312 (measured with the camera's projection); a 256 px square around it.
+# The working area of the five-task benchmark's tasks in the upright corner2 render: the start hand, objects and goals
+# of reach, push, button-press-topdown, drawer-open and door-open over 100 seeds each, and the expert's hand path on 3
+# seeds each, project into x 146-390, y 129-312 (through the camera's projection); a 256 px square around it.
 WORKSPACE = (144, 96, 400, 352)
 
 
