@@ -58,6 +58,13 @@ def _dataset_spec(work: Path) -> list[dict]:
              "robot_type": "metaworld", "control_mode": "delta_xyz_gripper"} for task in TASKS]
 
 
+def _recorded_env_kwargs(work: Path) -> dict:
+    """The env arguments the data was recorded with (a crop), as the checkpoints' contract has them."""
+    from hf_vla.deployment import benchmark_of
+
+    return (benchmark_of(work / "data" / TASKS[0]) or {}).get("env_kwargs") or {}
+
+
 def stage_record(work: Path, episodes: int, results: dict, crop: str | None = None):
     expert, rejected, frames, seconds = {}, {}, 0, 0.0
     for task in TASKS:
@@ -100,7 +107,7 @@ def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict,
         "--rollout_env", "metaworld", "--rollout_tasks", ",".join(TASKS), "--rollout_steps", str(save),
         "--rollout_episodes", str(rollout_episodes), "--rollout_env_kwargs",
         json.dumps({"image_size": IMAGE, "max_episode_steps": max_episode_steps,
-                    **_load(work / "data" / TASKS[0] / "meta" / "hf_vla_record.json").get("env_kwargs", {})})]
+                    **_recorded_env_kwargs(work)})]
     seconds = _train(work, out, ["--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", str(save),
                                  "--max_episode_steps", str(max_episode_steps),
                                  "--eval_strategy", "steps", "--eval_steps", str(save), "--validation_ratio", "0.05",
@@ -220,10 +227,9 @@ def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_step
         act = sorted((work / "lerobot_act" / "checkpoints").glob("*/pretrained_model"))
         if act:
             started = time.perf_counter()
-            recorded = _load(work / "data" / TASKS[0] / "meta" / "hf_vla_record.json").get("env_kwargs")  # a crop
             results.setdefault("lerobot_act", {})["closed_loop"] = _evaluate_lerobot(act[-1], episodes, max_steps,
                                                                                      work / "eval" / "lerobot_act",
-                                                                                     recorded)
+                                                                                     _recorded_env_kwargs(work))
             results["lerobot_act"]["closed_loop"]["seconds"] = round(time.perf_counter() - started, 1)
     if which == "lerobot":
         return
