@@ -167,13 +167,21 @@ def benchmark_of(root: str | os.PathLike, max_episode_steps: int | None = None) 
             "data_seeds": seeds, "fast_render": record.get("fast_render")}
 
 
-def _merge_benchmarks(first: dict | None, other: dict | None) -> dict | None:
+def _merge_benchmarks(first: dict | None, other: dict | None, names: tuple[str, str] = ("", "")) -> dict | None:
     """One head's benchmark over several recordings of one env (e.g. one dataset per Meta-World task): the tasks of
     all, the seeds of all; recordings of different envs, image sizes or env arguments (a crop) keep the first's
-    settings."""
-    if first is None or other is None or first.get("env") != other.get("env") or \
-            first.get("image_size") != other.get("image_size") or first.get("env_kwargs") != other.get("env_kwargs"):
+    settings, with a warning naming both datasets (`names`) and what differs: the contract then runs every task the
+    first recording's way, which silently changes success on the others'."""
+    if first is None or other is None:
         return first or other
+    differ = [key for key in ("env", "image_size", "env_kwargs") if (first.get(key) or None) != (other.get(key) or None)]
+    if differ:
+        logging.getLogger("hf_vla.deployment").warning(
+            "datasets %r and %r share a normalisation head but were recorded differently (%s); the checkpoint's "
+            "deployment contract keeps %r's, so evaluation and RL run every task that way; record them alike "
+            "(the same env, image size and --crop) for a contract that fits all", names[0], names[1],
+            "; ".join(f"{key}: {first.get(key)!r} vs {other.get(key)!r}" for key in differ), names[0])
+        return first
     merged = dict(first)
     if first.get("tasks") is not None or other.get("tasks") is not None:
         merged["tasks"] = list(dict.fromkeys((first.get("tasks") or []) + (other.get("tasks") or [])))
@@ -194,7 +202,8 @@ def from_training(mixture, processor, config, policy: str, n_action_steps: int |
         entry = heads.get(head_name)
         if entry is not None:  # another dataset of the head: its name, and its recording merged into the benchmark
             entry["datasets"].append(data.name)
-            entry["benchmark"] = _merge_benchmarks(entry["benchmark"], benchmark_of(data.root, max_episode_steps))
+            entry["benchmark"] = _merge_benchmarks(entry["benchmark"], benchmark_of(data.root, max_episode_steps),
+                                                   (entry["datasets"][0], data.name))
             continue
         features = data.meta.features
         heads[head_name] = {

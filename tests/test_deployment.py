@@ -245,3 +245,24 @@ def test_reading_a_contract_is_versioned_and_forward_compatible(tmp_path, caplog
         with pytest.raises(ValueError, match=re.escape(message)):
             deployment.read(tmp_path)
     assert deployment.read(tmp_path / "nowhere") is None and deployment.read(REPO) is None
+
+
+def test_recordings_of_one_head_merge_and_a_differing_one_is_named(caplog):
+    """One dataset per Meta-World task recorded alike merges into one benchmark (tasks and seeds of all, no warning);
+    a dataset recorded with another crop or image size keeps the first's settings and the warning names both datasets
+    and what differs (the contract would otherwise run the second task the first's way in silence)."""
+    from hf_vla.deployment import _merge_benchmarks
+
+    reach = {"env": "metaworld", "tasks": ["reach-v3"], "image_size": 96, "data_seeds": [0, 49],
+             "max_episode_steps": 200, "env_kwargs": {"crop": [144, 96, 400, 352]}}
+    push = reach | {"tasks": ["push-v3"], "data_seeds": [0, 299]}
+    with caplog.at_level("WARNING", logger="hf_vla.deployment"):
+        merged = _merge_benchmarks(reach, push, ("reach", "push"))
+    assert merged["tasks"] == ["reach-v3", "push-v3"] and merged["data_seeds"] == [0, 299]
+    assert merged["env_kwargs"] == {"crop": [144, 96, 400, 352]} and caplog.text == ""
+    uncropped = push | {"env_kwargs": {}, "image_size": 128}
+    with caplog.at_level("WARNING", logger="hf_vla.deployment"):
+        assert _merge_benchmarks(reach, uncropped, ("reach", "push_128")) == reach
+    assert "datasets 'reach' and 'push_128'" in caplog.text
+    assert "image_size: 96 vs 128" in caplog.text and "env_kwargs: {'crop': [144, 96, 400, 352]} vs {}" in caplog.text
+    assert "keeps 'reach''s" in caplog.text
