@@ -51,11 +51,16 @@ def _save(work: Path, output: Path, results: dict):
     print(text)
 
 
-def _dataset_spec(work: Path) -> list[dict]:
+def _dataset_spec(work: Path, focus: list[str] | None = None) -> list[dict]:
     """One dataset per task, one normalisation head: the validation metrics come per task
-    (`eval_by_dataset/<task>/mse`)."""
-    return [{"root": str(work / "data" / task), "name": task, "cameras": ["observation.image"],
+    (`eval_by_dataset/<task>/mse`). `focus`: sample those tasks' frames (weight 1) and the others almost never
+    (weight 0.001); every task stays in the mixture so the normalisation statistics, pooled over all five, are the
+    ones a checkpoint trained on all five has."""
+    spec = [{"root": str(work / "data" / task), "name": task, "cameras": ["observation.image"],
              "robot_type": "metaworld", "control_mode": "delta_xyz_gripper"} for task in TASKS]
+    for dataset in spec if focus else []:
+        dataset["weight"] = 1.0 if dataset["name"] in focus else 0.001
+    return spec
 
 
 def _recorded_env_kwargs(work: Path) -> dict:
@@ -157,10 +162,10 @@ def stage_lerobot(work: Path, budget_min: float, results: dict, batch: int = 32)
                               "n_action_steps": 8}
 
 
-def _evaluate(checkpoint: Path, episodes: int, max_steps: int, out: Path) -> dict:
+def _evaluate(checkpoint: Path, episodes: int, max_steps: int, out: Path, tasks: list[str] | None = None) -> dict:
     # image size, episode limit and actions per chunk come from the checkpoint's deployment contract
     subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(checkpoint), "--env", "metaworld",
-                    "--task", ",".join(TASKS), "--episodes", str(episodes), "--save_videos", "1",
+                    "--task", ",".join(tasks or TASKS), "--episodes", str(episodes), "--save_videos", "1",
                     "--output_dir", str(out)], check=True, cwd=REPO, stdout=subprocess.DEVNULL,
                    env=dict(os.environ, OMP_NUM_THREADS="1"))  # 30 ms a step; with 2 threads beside an env: 150
     saved = json.loads((out / "eval_result.json").read_text())

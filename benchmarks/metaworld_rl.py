@@ -43,9 +43,11 @@ def _env():
     return dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
 
 
-def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: list[str], config: Path, arm: str):
+def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: list[str], config: Path, arm: str,
+             tasks: list[str] | None = None):
     out = work / arm
     started = time.perf_counter()
+    extra = [*extra, "--task", ",".join(tasks)] if tasks else extra
     # one torch thread: the env workers need the other core (as the evaluation harness runs)
     subprocess.run([sys.executable, "-m", "hf_vla.rl", str(config),
                     "--model_name_or_path", str(start), "--output_dir", str(out), "--max_steps", "100000",
@@ -65,27 +67,34 @@ def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: l
         "minutes_with_evaluations": summary["minutes"]}
 
 
-def stage_sft(work: Path, start: Path, budget_min: float, rate: float, results: dict):
-    out = work / "sft_more"
+# the continued-SFT arms' folders in --work (other arms: their --arm name)
+_SFT_FOLDERS = {"continued_sft": "sft_more", "continued_sft_30min": "sft_more_30min"}
+
+
+def stage_sft(work: Path, start: Path, budget_min: float, rate: float, results: dict, arm: str = "continued_sft",
+              tasks: list[str] | None = None):
+    out = work / _SFT_FOLDERS.get(arm, arm)
     steps = int(rate * budget_min * 60 / 100) * 100
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "pi05_metaworld.json"),
                     "--model_name_or_path", str(start), "--model_config", "null",
-                    "--datasets", json.dumps(bench._dataset_spec(work)), "--output_dir", str(out),
+                    "--datasets", json.dumps(bench._dataset_spec(work, tasks)), "--output_dir", str(out),
                     "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", str(max(100, steps // 4)),
                     "--max_episode_steps", "200", "--lr_scheduler_kwargs",
                     json.dumps({"num_decay_steps": max(1, steps // 4), "min_lr_ratio": 0.1})],
                    check=True, cwd=REPO, env=_env())
-    results["sft_run"] = {"budget_min": budget_min, "steps": steps, "steps_per_s_assumed": rate,
-                          "wall_seconds": round(time.perf_counter() - started, 1)}
+    results["sft_run" if arm == "continued_sft" else f"{arm}_run"] = {
+        "budget_min": budget_min, "steps": steps, "steps_per_s_assumed": rate, "tasks": tasks or bench.TASKS,
+        "wall_seconds": round(time.perf_counter() - started, 1)}
 
 
-def stage_evaluate(work: Path, start: Path, episodes: int, results: dict, which: list[str]):
-    arms = {"start": start, "continued_sft": work / "sft_more", "continued_sft_30min": work / "sft_more_30min"}
+def stage_evaluate(work: Path, start: Path, episodes: int, results: dict, which: list[str],
+                   tasks: list[str] | None = None):
+    arms = {"start": start, **{name: work / folder for name, folder in _SFT_FOLDERS.items()}}
     for name in which:
-        arms.setdefault(name, work / name)  # an RL arm: its --arm name
+        arms.setdefault(name, work / name)  # an arm by its --arm name
         started = time.perf_counter()
-        evaluated = bench._evaluate(arms[name], episodes, 200, work / f"eval_{name}")
+        evaluated = bench._evaluate(arms[name], episodes, 200, work / f"eval_{name}", tasks)
         results[name] = {"mean_success": evaluated["success_rate"],
                          "tasks": {t: r["success_rate"] for t, r in evaluated["tasks"].items()},
                          "mean_steps": {t: r["mean_steps"] for t, r in evaluated["tasks"].items()},
@@ -105,9 +114,16 @@ def main():
     parser.add_argument("--which", default="start,continued_sft,rl", help="arms to evaluate (RL arms by --arm name)")
     parser.add_argument("--config", default=str(REPO / "configs" / "rl" / "pi05_metaworld.json"),
                         help="--stage rl: the RL config (configs/rl/pi05_metaworld_ppo.json: PPO with a critic)")
-    parser.add_argument("--arm", default="rl", help="--stage rl: the arm's name (its folder in --work, its JSON key)")
+    parser.add_argument("--arm", default=None, help="the arm's name: its folder in --work, its JSON key (default: rl "
+                        "for --stage rl, continued_sft for --stage sft)")
+    parser.add_argument("--tasks", default=None, help="a comma list of the five tasks: single-task arms (RL rolls out "
+                        "only these; SFT samples only their frames, normalised as the start; evaluate runs only these)")
     args, extra = parser.parse_known_args()
     work = Path(args.work)
+    tasks = args.tasks.split(",") if args.tasks else None
+    unknown = sorted(set(tasks or []) - set(bench.TASKS))
+    if unknown:
+        parser.error(f"--tasks {args.tasks}: {', '.join(unknown)} not among the benchmark's {', '.join(bench.TASKS)}")
     start = Path(args.start) if args.start else work / "hf_vla"
     output = Path(args.output)
     results = json.loads(output.read_text()) if output.exists() else {}
@@ -116,11 +132,11 @@ def main():
                     "start_checkpoint": "the Meta-World benchmark's 20-minute recipe (configs/pi05_metaworld.json)",
                     "machine": "2-core CPU, no GPU"})
     if args.stage == "rl":
-        stage_rl(work, start, args.budget_min, results, extra, Path(args.config).resolve(), args.arm)
+        stage_rl(work, start, args.budget_min, results, extra, Path(args.config).resolve(), args.arm or "rl", tasks)
     elif args.stage == "sft":
-        stage_sft(work, start, args.budget_min, args.sft_steps_per_s, results)
+        stage_sft(work, start, args.budget_min, args.sft_steps_per_s, results, args.arm or "continued_sft", tasks)
     else:
-        stage_evaluate(work, start, args.episodes, results, args.which.split(","))
+        stage_evaluate(work, start, args.episodes, results, args.which.split(","), tasks)
     output.parent.mkdir(parents=True, exist_ok=True)
     # merge what this stage changed into the file as it is now: arms run side by side with one --output keep both
     changed = {k: v for k, v in results.items() if snapshot.get(k) != v}
