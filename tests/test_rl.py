@@ -671,3 +671,46 @@ def test_meta_world_rollouts_and_an_update_through_the_benchmark_wrapper(tmp_pat
     assert entry["grad_norm"] > 0 and "rollout/reach-v3/success" in entry
     evals = [e for e in trainer.state.log_history if "eval_success" in e]
     assert [e["step"] for e in evals] == [0, 1] and "eval_reach-v3/success" in evals[0]
+
+
+def test_each_episode_is_credited_the_decisions_that_made_it(sft_checkpoint, tmp_path):
+    """The oracle of credit assignment: replaying an episode from its seed with the chunks of the decisions credited
+    to it (matched by noise seed, in decision order) gives, at every decision, the observation the stored model
+    inputs were built from, and at the end the episode's steps and outcome. Two envs run each group's episodes side
+    by side, so a decision credited to a batch-mate would show here."""
+    from hf_vla.evaluate import make_env
+    from hf_vla.rl.__main__ import load_start, parse_rl_config
+    from hf_vla.rl.trainer import RLTrainer
+
+    config = _config(tmp_path, sft_checkpoint, group_size=4, groups_per_update=2)
+    args = parse_rl_config(str(config), ["--output_dir", str(tmp_path / "out")])
+    model, processor = load_start(args)
+    trainer = RLTrainer(model, args, processing_class=processor)
+    try:
+        seeds, noise_seeds = trainer._seeds(0)
+        episodes, transitions = trainer.engine.run(trainer._policy(stochastic=True), seeds, noise_seeds)
+    finally:
+        trainer.engine.close()
+    settings, runner = trainer.rl_settings, trainer._policy(stochastic=False)
+    replayed = [e for items in episodes.values() for e in items]
+    assert len(replayed) == 8 and len(transitions) == sum(-(-e.steps // settings["n_action_steps"]) for e in replayed)
+    for episode in replayed:
+        mine = sorted((t for t in transitions if t.noise_seed == episode.noise_seed), key=lambda t: t.index)
+        assert [t.index for t in mine] == list(range(len(mine))) and mine
+        env = make_env(settings["env"], None, settings["env_kwargs"], worker=False)
+        observation, info = env.reset(seed=episode.seed)
+        steps, success, ended = 0, False, False
+        for decision in mine:
+            assert not ended  # no decision after the episode's end
+            request = runner.prepare(observation, info["task"], settings["head"])
+            for key, value in decision.inputs.items():
+                torch.testing.assert_close(request.inputs[key], value, rtol=0, atol=0)
+            chunk = processor.unnormalize_actions(decision.chain[-1].clone(), settings["head"]).numpy()
+            for action in chunk[: settings["n_action_steps"]]:
+                observation, _, terminated, truncated, info = env.step(action)
+                steps, success = steps + 1, success or info["is_success"]
+                if terminated or truncated:
+                    ended = True
+                    break
+        env.close()
+        assert (steps, success) == (episode.steps, episode.success)
