@@ -95,7 +95,8 @@ def stage_evaluate(work: Path, start: Path, episodes: int, results: dict, which:
         arms.setdefault(name, work / name)  # an arm by its --arm name
         started = time.perf_counter()
         evaluated = bench._evaluate(arms[name], episodes, 200, work / f"eval_{name}", tasks)
-        results[name] = {"mean_success": evaluated["success_rate"],
+        # a single-task evaluation gets its own key: the five-task figures of the same arm stay
+        results[f"{name}:{','.join(tasks)}" if tasks else name] = {"mean_success": evaluated["success_rate"],
                          "tasks": {t: r["success_rate"] for t, r in evaluated["tasks"].items()},
                          "mean_steps": {t: r["mean_steps"] for t, r in evaluated["tasks"].items()},
                          "episodes_per_task": episodes, "checkpoint": str(arms[name]),
