@@ -8,8 +8,8 @@ fixed, rolls out `--batches` independent batches (the trainer's own `_generate`,
 other noise) and takes each batch's gradient of the trainer's own loss (`compute_loss`), split by denoising step k
 (the loss is a mean over the K Gaussian steps of the chain). Two batches' gradients agree only in their signal: the
 mean cosine between pairs estimates signal / (signal + noise) of one batch's gradient (0: the update is a random walk;
-near 1: every batch points the same way). Printed as JSON: the pairwise cosines of the whole gradient and of each
-step's part, and each step's share of the gradient's squared norm (a step whose share is large and whose cosine is
+near 1: every batch points the same way). Printed as JSON: the pairwise cosines of the whole gradient, of each
+module's part (`per_module`) and of each step's part, and each step's share of the gradient's squared norm (a step whose share is large and whose cosine is
 near 0 drowns the others in noise). Nothing is trained or saved.
 """
 
@@ -29,6 +29,11 @@ def _flat(grads) -> torch.Tensor:
     return torch.cat([g.reshape(-1).double() for g in grads if g is not None])
 
 
+def _group(name: str) -> str:
+    parts = [p for p in name.split(".") if not p.isdigit()]
+    return ".".join(parts[:4]) if len(parts) > 4 else ".".join(parts[:-1]) or name
+
+
 def measure(argv: list[str], batches: int) -> dict:
     from hf_vla.rl.__main__ import load_start, parse_rl_config
     from hf_vla.rl.flow import chain_means, clipped_objective, step_log_probs
@@ -37,7 +42,14 @@ def measure(argv: list[str], batches: int) -> dict:
     args = parse_rl_config(argv[0], argv[1:])
     model, processor = load_start(args)
     trainer = RLTrainer(model, args, processing_class=processor)
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    # the parts of the flat gradient by module (the name's first components): where the noise and any signal sit
+    groups: dict[str, list[int]] = {}
+    offset = 0
+    for name, p in named:
+        groups.setdefault(_group(name), []).extend(range(offset, offset + p.numel()))
+        offset += p.numel()
     K = trainer.sde.num_steps
     whole, per_step, decisions = [], [], []
     try:
@@ -72,6 +84,14 @@ def measure(argv: list[str], batches: int) -> dict:
         return out
 
     pairs = cosines(whole)
+    by_group = {}
+    for group, index in groups.items():
+        index = torch.tensor(index)
+        parts = [g[index] for g in whole]
+        share = sum(float(g.norm() ** 2 / w.norm() ** 2) for g, w in zip(parts, whole)) / len(whole)
+        group_pairs = cosines(parts)
+        by_group[group] = {"parameters": len(index), "share_of_squared_norm": round(share, 4),
+                           "cosine_between_batches": round(sum(group_pairs) / len(group_pairs), 4)}
     step_pairs = [cosines([steps[k] for steps in per_step]) for k in range(K)]
     shares = [[float(steps[k].norm() ** 2 / sum(s.norm() ** 2 for s in steps)) for k in range(K)] for steps in per_step]
     return {
@@ -81,6 +101,7 @@ def measure(argv: list[str], batches: int) -> dict:
         "decisions_per_batch": decisions, "trainable_parameters": sum(p.numel() for p in params),
         "cosine_between_batches": {"pairs": [round(c, 4) for c in pairs],
                                    "mean": round(sum(pairs) / len(pairs), 4) if pairs else None},
+        "per_module": dict(sorted(by_group.items(), key=lambda kv: -kv[1]["share_of_squared_norm"])),
         "per_denoising_step": [
             {"k": k, "t": round(trainer.sde.times()[k], 3), "std": round(trainer.sde.stds()[k], 4),
              "cosine_between_batches": round(sum(step_pairs[k]) / len(step_pairs[k]), 4) if step_pairs[k] else None,
