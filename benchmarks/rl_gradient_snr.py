@@ -5,12 +5,13 @@
 
 Builds `hf_vla.rl.RLTrainer` from the config exactly as `python -m hf_vla.rl` does, then, with the start weights
 fixed, rolls out `--batches` independent batches (the trainer's own `_generate`, generations 0..N-1: other env seeds,
-other noise) and takes each batch's gradient of the trainer's own loss (`compute_loss`), split by denoising step k
-(the loss is a mean over the K Gaussian steps of the chain). Two batches' gradients agree only in their signal: the
+other noise) and takes each batch's gradient of the loss `RLTrainer.compute_loss` computes for GRPO without a KL
+term (`beta` 0; PPO's critic and the KL term are refused), split by denoising step k (the loss is a mean over the K
+Gaussian steps of the chain), with the same chain means, step log-probabilities, clipped objective and weights. Two batches' gradients agree only in their signal: the
 mean cosine between pairs estimates signal / (signal + noise) of one batch's gradient (0: the update is a random walk;
 near 1: every batch points the same way). Printed as JSON: the pairwise cosines of the whole gradient, of each
-module's part (`per_module`) and of each step's part, and each step's share of the gradient's squared norm (a step whose share is large and whose cosine is
-near 0 drowns the others in noise). Nothing is trained or saved.
+module's part (`per_module`) and of each step's part, and each step's share of the gradient's squared
+norm (a step whose share is large and whose cosine is near 0 drowns the others in noise). Nothing is trained or saved.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def measure(argv: list[str], batches: int) -> dict:
     from hf_vla.rl.trainer import RLTrainer
 
     args = parse_rl_config(argv[0], argv[1:])
+    if args.algorithm != "grpo" or args.beta > 0:  # the per-step split below is GRPO's policy term alone
+        raise SystemExit(f"rl_gradient_snr.py: algorithm={args.algorithm!r}, beta={args.beta}: this measures GRPO's "
+                         "policy gradient (algorithm grpo, beta 0)")
     model, processor = load_start(args)
     trainer = RLTrainer(model, args, processing_class=processor)
     named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]

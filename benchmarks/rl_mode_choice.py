@@ -29,7 +29,7 @@ def main():
     args = parser.parse_args()
 
     from hf_vla import deployment
-    from hf_vla.envs.reach import ColorReachEnv
+    from hf_vla.evaluate import head_spec, make_env
     from hf_vla.policy import ObservationMap, PolicyRunner, batch_requests, load_pretrained
     from hf_vla.rl.flow import FlowSDE, sample_chain
 
@@ -41,7 +41,10 @@ def main():
     config, B = model.config, args.samples
     K = config.num_inference_steps
     shape = (B, config.chunk_size, config.max_action_dim)
-    env = ColorReachEnv(image_size=contract.image_size if contract else 32)
+    # the env as the checkpoint's recording made it (layout, image size), as evaluation and RL make it
+    recorded = (head_spec(contract, None) or {}).get("benchmark") or {}
+    kwargs = dict(recorded.get("env_kwargs") or {}) | ({"image_size": contract.image_size} if contract else {})
+    env = make_env("hf_vla/ColorReach-v0", None, kwargs, worker=False).unwrapped
 
     def targets(inputs, request, x1, step_noise, noise_level):
         chain, _ = sample_chain(model, inputs, x1, step_noise, FlowSDE(K, noise_level))
