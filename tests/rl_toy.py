@@ -1,6 +1,7 @@
 """Toy envs for the RL tests (importable in env worker processes: the tests folder is on their sys.path).
 
-`PointBandit`: one decision per episode; the policy's first action is scored against a fixed optimum `TARGET`
+`PointBandit`: one decision per episode; the policy's first action is scored against a fixed optimum (`TARGET`, or
+the env argument `target`)
 (dense reward -|a - TARGET|^2, success within 0.3 of the action scale), so the direction a policy-gradient step must
 move the mean action is known. `CrashingReach`: ColorReach whose worker process dies at step 3 of one seed's episode.
 """
@@ -20,8 +21,9 @@ CRASH_SEED = 3
 class PointBandit(gym.Env):
     metadata = {"render_modes": ["rgb_array"]}
 
-    def __init__(self, image_size: int = 32):
+    def __init__(self, image_size: int = 32, target=None):
         self.image_size = image_size
+        self.target = np.asarray(TARGET if target is None else target, dtype=np.float32)
         self.observation_space = spaces.Dict({
             "observation.image": spaces.Box(0, 255, (image_size, image_size, 3), np.uint8),
             "observation.state": spaces.Box(-1.0, 1.0, (2,), np.float32),
@@ -38,7 +40,7 @@ class PointBandit(gym.Env):
                 "observation.state": np.zeros(2, np.float32)}
 
     def step(self, action):
-        error = float(np.sum((np.asarray(action, np.float32).reshape(2) - TARGET) ** 2))
+        error = float(np.sum((np.asarray(action, np.float32).reshape(2) - self.target) ** 2))
         success = error < (0.3 * 0.1) ** 2
         return self._observation(), -error / 0.01, True, False, {"task": self.task, "is_success": success}
 

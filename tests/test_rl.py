@@ -360,6 +360,110 @@ def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_pa
         assert model.value_head.out.weight.abs().max() > 0  # the critic's update
 
 
+@pytest.mark.parametrize("sign", [1, -1])
+def test_filtered_bc_moves_the_policy_toward_the_optimum_it_is_rewarded_for(tmp_path, sign):
+    """Filtered behaviour cloning imitates the episodes above their group's mean (dense reward): one supervised step
+    moves the mean action toward the optimum, whichever side it is on (the two optima are mirror images, so a drift
+    of imitating the policy's own samples, which does not know the optimum, cannot pass both), and half the episodes
+    are imitated."""
+    from hf_vla.rl import RLConfig, RLTrainer
+
+    target = sign * rl_toy.TARGET
+    model, processor = tiny_policy(seed=4, scale=0.05)
+    before = _mean_action(model, processor)
+    args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=16,
+                    algorithm="filtered_bc", env_kwargs={"target": target.tolist()}, groups_per_update=4, max_steps=1,
+                    reward="dense", optim="sgd", learning_rate=0.02, max_grad_norm=0.0, use_cpu=True, report_to=[],
+                    disable_tqdm=True, save_strategy="no", eval_strategy="no", eval_on_start=False, n_action_steps=1,
+                    seed=0)
+    trainer = RLTrainer(model, args, processing_class=processor)
+    try:
+        trainer.train()
+    finally:
+        trainer.engine.close()
+    after = _mean_action(model, processor)
+    toward, move = target - before, after - before
+    cosine = float(move @ toward / (np.linalg.norm(move) * np.linalg.norm(toward)))
+    print("mean action", before, "->", after, "optimum", target, "cosine", cosine)
+    assert cosine > 0.5, (before, after, target)
+    assert np.linalg.norm(target - after) < 0.9 * np.linalg.norm(toward), (before, after, target)
+    entry = next(e for e in trainer.state.log_history if "rollout/return" in e)
+    # one decision per episode; the episodes above their group's mean (continuous returns: about half of 64)
+    assert entry["rollout/episodes"] == 64 and 20 <= entry["rollout/decisions_used"] <= 44, entry
+    assert entry["flow_loss"] > 0 and "kl_to_start" in entry
+
+
+def test_filtered_bc_with_the_deterministic_sampler_trains_the_supervised_loss_on_the_chosen_chunks(tmp_path):
+    """noise_level 0: the rollouts' chunks are the deployed sampler's (`sample_actions` from the stored initial noise);
+    the loss equals supervised training's flow-matching MSE computed by hand with plain full forwards (same time and
+    noise draws) over the executed steps, weighted 1 / (imitated decisions); only the episodes above their group's
+    mean are imitated."""
+    from hf_vla.policy import model_input_keys
+    from hf_vla.rl import RLConfig, RLTrainer
+
+    model, processor = tiny_policy(seed=4, scale=0.05)
+    args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=4,
+                    algorithm="filtered_bc", noise_level=0.0, groups_per_update=2, max_steps=1, reward="dense",
+                    use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no", eval_strategy="no",
+                    eval_on_start=False, n_action_steps=1, seed=0)
+    trainer = RLTrainer(model, args, processing_class=processor)
+    seen = {}
+    run = trainer.engine.run
+
+    def recording(*a, **k):
+        seen["episodes"], seen["transitions"] = run(*a, **k)
+        return seen["episodes"], seen["transitions"]
+
+    trainer.engine.run = recording
+    try:
+        (batch,) = trainer._generate(0)
+    finally:
+        trainer.engine.close()
+    episodes = seen["episodes"][None]
+    chosen = set()
+    for g in range(2):  # by hand: each group's episodes above its mean return
+        group = episodes[4 * g:4 * g + 4]
+        mean = sum(e.reward for e in group) / 4
+        chosen |= {e.noise_seed for e in group if e.reward > mean}
+    assert 0 < len(chosen) < 8 and batch["chain"].shape[0] == len(chosen)
+    assert sorted(tr.noise_seed for tr in seen["transitions"] if tr.noise_seed in chosen) == sorted(chosen)
+    assert torch.equal(batch["weights"], torch.full((len(chosen),), 1 / len(chosen)))
+    assert not any("kl_to_start" in k for k in trainer._rl_metrics)  # no likelihood: no KL
+    inputs = {k: batch[k] for k in model_input_keys(model)}
+    with torch.no_grad():  # the deterministic sampler, as deployed
+        deployed = model.eval().sample_actions(**inputs, noise=batch["chain"][:, 0])
+    torch.testing.assert_close(batch["chain"][:, -1], deployed.float(), rtol=1e-5, atol=1e-6)
+    model.train()
+    torch.manual_seed(7)
+    loss = trainer.compute_loss(model, batch)
+    torch.manual_seed(7)
+    chunk = batch["chain"][:, -1]
+    t = model.sample_time(chunk.shape[0], chunk.device).float()
+    noise = torch.randn_like(chunk)
+    x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * chunk
+    velocity = model(noise=x_t, timestep=t, **inputs).logits.float()
+    mask = batch["mask"]
+    assert mask.sum() == 2  # one executed step, two action dims
+    expected = sum((((velocity[i] - (noise[i] - chunk[i])) ** 2) * mask).sum() / mask.sum() / len(chosen)
+                   for i in range(len(chosen)))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_filtered_bc_settings_are_checked():
+    from hf_vla.errors import ConfigError
+    from hf_vla.rl import RLConfig
+
+    common = dict(output_dir="unused", use_cpu=True, report_to=[])
+    assert RLConfig(algorithm="filtered_bc", noise_level=0.0, **common).noise_level == 0.0
+    with pytest.raises(ConfigError, match="noise_level=0.0: must be a positive number"):
+        RLConfig(algorithm="grpo", noise_level=0.0, **common)
+    with pytest.raises(ConfigError, match="beta=0.1: filtered_bc has no likelihood ratio"):
+        RLConfig(algorithm="filtered_bc", beta=0.1, **common)
+    with pytest.raises(ConfigError, match="group_size=1: filtered_bc with reward='dense'"):
+        RLConfig(algorithm="filtered_bc", reward="dense", group_size=1, **common)
+    assert RLConfig(algorithm="filtered_bc", group_size=1, **common).group_size == 1  # successes need no groups
+
+
 # ---- rollouts through the evaluation episode loop -------------------------------------------------------------------
 def _stochastic(model, processor, **kwargs):
     from hf_vla.rl import StochasticPolicy

@@ -72,8 +72,16 @@ def _core(model):
     return getattr(model, "module", model)
 
 
+def _timestep(x: torch.Tensor, t) -> torch.Tensor:
+    """`[B]` times: `t` a float (one time for the batch) or a `[B]` tensor (one per chunk)."""
+    if torch.is_tensor(t):
+        return t.to(device=x.device, dtype=torch.float32).reshape(x.shape[0])
+    return torch.full((x.shape[0],), t, dtype=torch.float32, device=x.device)
+
+
 def velocity_fn(model, inputs: dict, value: bool = False):
-    """A function (x, t) -> velocity of `model` on `inputs` (prompt, images), the prefix run once.
+    """A function (x, t) -> velocity of `model` on `inputs` (prompt, images), the prefix run once; `t` a float or
+    a `[B]` tensor.
 
     The first call goes through `model` itself (under DDP, its forward prepares the gradient all-reduce) with the
     prefix and fills the prefix cache; later calls run only the expert on the cache. Parameters used by several calls
@@ -87,7 +95,7 @@ def velocity_fn(model, inputs: dict, value: bool = False):
         return _pi0_velocity_fn(model, core, inputs, state)
 
     def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
-        timestep = torch.full((x.shape[0],), t, dtype=torch.float32, device=x.device)
+        timestep = _timestep(x, t)
         if state["cache"] is None:
             out = model(noise=x, timestep=timestep, input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
                         pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],
@@ -109,7 +117,7 @@ def _pi0_velocity_fn(model, core, inputs: dict, state: dict):
     prefix = inputs["attention_mask"].shape[1]
 
     def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
-        timestep = torch.full((x.shape[0],), t, dtype=torch.float32, device=x.device)
+        timestep = _timestep(x, t)
         common = dict(state=inputs["state"], noise=x, timestep=timestep, attention_mask=inputs["attention_mask"],
                       pixel_attention_mask=inputs["pixel_attention_mask"])
         if state["cache"] is None:

@@ -89,7 +89,10 @@ class StochasticPolicy(PolicyRunner):
         inputs, noise = batch_requests(requests, self.device)
         step_noise = torch.cat([r.step_noise for r in requests]).to(self.device)
         chain, means, *value = sample_chain(self.model, inputs, noise, step_noise, self.sde, value=self.with_value)
-        log_probs = step_log_probs(chain, means, self.sde, self.mask().to(chain.device))
+        if self.sde.noise_level > 0:
+            log_probs = step_log_probs(chain, means, self.sde, self.mask().to(chain.device))
+        else:  # the deterministic sampler (filtered_bc's noise_level 0): no density to record
+            log_probs = torch.zeros(chain.shape[0], self.sde.num_steps)
         for i, request in enumerate(requests):
             request.chain, request.log_probs, request.means = chain[i].cpu(), log_probs[i].cpu(), means[i].cpu()
             request.value = float(value[0][i]) if value else None

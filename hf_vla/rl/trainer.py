@@ -7,6 +7,8 @@ seed (differing in the policy's noise), with the stochastic Flow-SDE sampler (`h
 decision (one executed chunk) with its denoising chain and log-probability. Advantages are group-relative (GRPO) over
 the episodes of one seed, or (PPO) GAE per decision with a critic on the VLM prefix (`PI05ValueHead`); the loss, in
 `compute_loss`, is the clipped surrogate on each denoising step's likelihood ratio (plus the critic's loss under PPO).
+`filtered_bc` instead trains supervised training's flow-matching loss on the chunks of the episodes worth imitating
+(rejection-sampling fine-tuning), the baseline a likelihood-ratio method has to beat on the same rollouts.
 Everything else is `VLATrainer`'s and so `Trainer`'s: the optimizer (fp32 master weights for bf16), the schedule,
 logging and `report_to`, the checkpoint format and run lock, the NaN guard, preemption (exit 75, resume), EMA, LoRA
 through peft, the Hub push. Evaluation (`evaluate`) runs held-out seeds (from 10,000, never rolled out)
@@ -40,7 +42,7 @@ from .flow import (
 )
 
 logger = logging.getLogger("hf_vla.rl")
-ALGORITHMS = ("grpo", "ppo")
+ALGORITHMS = ("grpo", "ppo", "filtered_bc")
 REWARDS = ("success", "dense")
 EVAL_SEED = 10_000
 
@@ -65,7 +67,12 @@ class RLConfig(VLATrainingArguments):
     algorithm (`str`, defaults to `"grpo"`): `grpo`: group-relative advantages over the episodes of one env seed (GRPO,
         DeepSeekMath; SimpleVLA-RL and pi_RL's GRPO variant), no critic. `ppo`: a critic (`PI05ValueHead` on the VLM
         prefix, as pi_RL puts pi0.5's critic) and per-decision advantages by GAE over each episode's chunks (pi_RL's
-        Flow-SDE PPO), whitened over the rollout batch.
+        Flow-SDE PPO), whitened over the rollout batch. `filtered_bc`: no likelihood: supervised training's
+        flow-matching loss on the executed chunks of the rollouts worth imitating: with `reward="success"` the
+        episodes that succeeded, with `dense` those whose return beats their group's mean (rejection-sampling
+        fine-tuning: RAFT, arXiv 2304.06767; ReST, arXiv 2308.08998; the usual baseline of RL for robot policies).
+        It needs no likelihood, so `noise_level` may be 0 (rollouts with the deployed ODE sampler, exploring through
+        the initial noise only).
     group_size (`int`, defaults to 8): episodes per env seed (TRL's `num_generations`); PPO needs no groups (1 is
         fine) but several episodes per seed still vary only in the policy's noise.
     groups_per_update (`int`, defaults to 2): env seeds per task and rank in each rollout batch.
@@ -78,7 +85,8 @@ class RLConfig(VLATrainingArguments):
     log_kl (`bool`, defaults to `True`): compute the KL of the rollouts' chains to the start policy (a frozen copy, or
         the base without adapters under LoRA).
     noise_level (`float`, defaults to 0.5): Flow-SDE's `a` in `sigma_t = a sqrt(t / (1 - t))` (Flow-GRPO: 0.7;
-        RL.md: 0.5-0.7); exploration noise of the rollouts. Evaluation samples without it.
+        RL.md: 0.5-0.7); exploration noise of the rollouts. Evaluation samples without it. 0 (`filtered_bc` only):
+        the deterministic sampler, and no `kl_to_start` (a deterministic chain has no likelihood).
     denoise_steps (`int`, *optional*): denoising steps K of the rollouts and the likelihood; default the model's
         `num_inference_steps`, so the trained velocity is used as it is deployed.
     reward (`str`, defaults to `"success"`): an episode's return: `success` (0/1, as SimpleVLA-RL and pi_RL) or `dense`
@@ -194,7 +202,16 @@ class RLConfig(VLATrainingArguments):
             raise ConfigError(f"epsilon_high={self.epsilon_high}: must be positive")
         if not (math.isfinite(self.beta) and self.beta >= 0):
             raise ConfigError(f"beta={self.beta}: must be a finite number >= 0")
-        if not (math.isfinite(self.noise_level) and self.noise_level > 0):
+        if self.algorithm == "filtered_bc":
+            if not (math.isfinite(self.noise_level) and self.noise_level >= 0):
+                raise ConfigError(f"noise_level={self.noise_level}: must be a number >= 0")
+            if self.beta > 0:
+                raise ConfigError(f"beta={self.beta}: filtered_bc has no likelihood ratio to hold near the start "
+                                  "policy; leave beta 0 (a lower learning_rate keeps it close)")
+            if self.reward == "dense" and self.group_size < 2:
+                raise ConfigError(f"group_size={self.group_size}: filtered_bc with reward='dense' keeps the episodes "
+                                  "above their group's mean; use at least 2")
+        elif not (math.isfinite(self.noise_level) and self.noise_level > 0):
             raise ConfigError(f"noise_level={self.noise_level}: must be a positive number (the rollouts' exploration "
                               "noise; 0 gives no likelihood to differentiate)")
         if self.denoise_steps is not None and self.denoise_steps < 2:
@@ -420,6 +437,10 @@ class RLTrainer(VLATrainer):
                 continue
             groups = torch.tensor([t * 10**9 + e.seed for e in kept])
             advantages, informative = group_advantages(returns * args.reward_scale, groups, scale=args.scale_rewards)
+            if args.algorithm == "filtered_bc":  # imitate the successes, or (dense) the episodes above their group's mean
+                chosen = [e.success for e in kept] if args.reward == "success" else (advantages > 0).tolist()
+                kept_by_noise.update({e.noise_seed: (e, 1.0, bool(c)) for e, c in zip(kept, chosen)})
+                continue
             for e, a, keep in zip(kept, advantages.tolist(), informative.tolist()):
                 kept_by_noise[e.noise_seed] = (e, a, keep or not args.dynamic_sampling)
         used = [tr for tr in transitions if tr.noise_seed in kept_by_noise and kept_by_noise[tr.noise_seed][2]]
@@ -433,7 +454,8 @@ class RLTrainer(VLATrainer):
             total = self.accelerator.reduce(total, reduction="sum")
         total = float(total.item())
         self._log_rollouts(episodes, rows, transitions, used, seconds, sum(len(v) for v in seeds.values()))
-        if args.log_kl:  # the start policy's means at the stored x_k: the KL along the rollouts' chains
+        if args.log_kl and self.sde.noise_level > 0:  # the start policy's means at the stored x_k: the KL along the
+            # rollouts' chains (a deterministic chain, noise_level 0, has none)
             measured = used if args.beta > 0 else (used or transitions)[:256]
             self._reference_means(measured)
             if measured:
@@ -546,6 +568,8 @@ class RLTrainer(VLATrainer):
     # ---- the objective ---------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
+        if args.algorithm == "filtered_bc":
+            return self._filtered_bc_loss(model, inputs, return_outputs)
         ppo = args.algorithm == "ppo"
         if ppo:  # the critic's values from the same prefix pass
             means, values = chain_means(model, inputs, inputs["chain"], self.sde, value=True)
@@ -562,16 +586,8 @@ class RLTrainer(VLATrainer):
             critic = value_loss(values, inputs["returns"], inputs["old_values"], args.value_clip)
             per_decision = per_decision + args.vf_coef * critic
         weights = inputs["weights"]
-        loss = (weights * per_decision).sum()
-        if not torch.isfinite(loss):
-            text = (f"non-finite RL loss ({loss.item()}) at update {self.state.global_step + 1} (rank "
-                    f"{args.process_index}): log-ratios {log_ratio.detach().min().item():.3g}..."
-                    f"{log_ratio.detach().max().item():.3g}")
-            if args.on_nonfinite == "stop":
-                raise NonFiniteError(text + "; no weights were updated. Lower learning_rate or raise noise_level, or "
-                                            "set on_nonfinite='skip'.")
-            self._nonfinite_batches.append(text)
-            loss = torch.zeros_like(loss)
+        loss = self._finite((weights * per_decision).sum(), "RL",
+                            f": log-ratios {log_ratio.detach().min().item():.3g}...{log_ratio.detach().max().item():.3g}")
         live = weights > 0
         if live.any():
             with torch.no_grad():
@@ -584,6 +600,46 @@ class RLTrainer(VLATrainer):
         if self.accelerator.num_processes > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over ranks
         return (loss, None) if return_outputs else loss
+
+    def _filtered_bc_loss(self, model, inputs, return_outputs=False):
+        """Supervised training's flow-matching loss (the model's time distribution, fresh noise) on each kept
+        decision's chunk, averaged over the executed steps' real action dims (the decision mask: the rest of the chunk
+        is the policy's own unexecuted guess) and weighted as the policy loss is."""
+        from .flow import velocity_fn
+
+        chunk = inputs["chain"][:, -1].float()
+        core = self.accelerator.unwrap_model(model)
+        core = core.get_base_model() if hasattr(core, "get_base_model") else core
+        if hasattr(core, "sample_time"):  # pi0.5: the Beta time distribution it was trained with
+            t = core.sample_time(chunk.shape[0], chunk.device).float()
+        else:
+            t = torch.rand(chunk.shape[0], device=chunk.device)
+        noise = torch.randn_like(chunk)
+        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * chunk
+        velocity = velocity_fn(model, inputs)(x_t, t).float()
+        mask = inputs["mask"].to(velocity.dtype)
+        per_decision = (((velocity - (noise - chunk)) ** 2) * mask).sum(dim=(-2, -1)) / mask.sum()
+        weights = inputs["weights"]
+        loss = self._finite((weights * per_decision).sum(), "filtered-BC")
+        live = weights > 0
+        if live.any():
+            self._metric("flow_loss", per_decision.detach()[live].mean().item())
+        if self.accelerator.num_processes > 1:
+            loss = loss * self.accelerator.num_processes  # DDP averages gradients over ranks
+        return (loss, None) if return_outputs else loss
+
+    def _finite(self, loss: torch.Tensor, what: str, detail: str = "") -> torch.Tensor:
+        """The NaN guard of every RL loss: `on_nonfinite="stop"` raises before any weight moves, `"skip"` records the
+        batch and contributes no gradient."""
+        if torch.isfinite(loss):
+            return loss
+        text = (f"non-finite {what} loss ({loss.item()}) at update {self.state.global_step + 1} (rank "
+                f"{self.args.process_index}){detail}")
+        if self.args.on_nonfinite == "stop":
+            raise NonFiniteError(text + "; no weights were updated. Lower learning_rate or raise noise_level, or "
+                                        "set on_nonfinite='skip'.")
+        self._nonfinite_batches.append(text)
+        return torch.zeros_like(loss)
 
     # ---- metrics ---------------------------------------------------------------------------------------------------
     def _metric(self, name: str, value: float) -> None:
@@ -617,8 +673,9 @@ class RLTrainer(VLATrainer):
         self._metric("rollout/discarded_episodes", sum(c[2] for c in counts))
         stds = self.sde.stds()
         self._metric("noise_std", sum(stds) / len(stds))
-        # the Gaussian steps' entropy per action element (fixed by the noise level under Flow-SDE)
-        self._metric("entropy", sum(0.5 * math.log(2 * math.pi * math.e * s * s) for s in stds) / len(stds))
+        # the Gaussian steps' entropy per action element (fixed by the noise level under Flow-SDE; none at level 0)
+        if self.sde.noise_level > 0:
+            self._metric("entropy", sum(0.5 * math.log(2 * math.pi * math.e * s * s) for s in stds) / len(stds))
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         # TRL's way: the metrics gathered since the last log, averaged, beside the Trainer's.
@@ -678,9 +735,13 @@ class RLTrainer(VLATrainer):
         return {
             "start": args.model_name_or_path, "env": self.rl_settings["env"],
             "tasks": [t for t in self.rl_settings["tasks"] if t],
-            "method": f"{args.algorithm.upper()}{critic} on Flow-SDE likelihoods (noise level {args.noise_level}, "
-                      f"{self.sde.num_steps} denoising steps), clip [{1 - args.epsilon:g}, {1 + args.epsilon_high:g}], "
-                      f"beta {args.beta:g}, reward {args.reward}",
+            "method": (f"filtered behaviour cloning (flow matching on the rollouts' "
+                       f"{'successful' if args.reward == 'success' else 'above-group-mean'} episodes; rollouts with "
+                       f"noise level {args.noise_level}, {self.sde.num_steps} denoising steps)"
+                       if args.algorithm == "filtered_bc" else
+                       f"{args.algorithm.upper()}{critic} on Flow-SDE likelihoods (noise level {args.noise_level}, "
+                       f"{self.sde.num_steps} denoising steps), clip [{1 - args.epsilon:g}, {1 + args.epsilon_high:g}], "
+                       f"beta {args.beta:g}, reward {args.reward}"),
             "updates": self.state.global_step, "episodes": self._episodes_total,
             # the whole train() call, held-out evaluations included
             "minutes": round(sum(e.get("train_runtime", 0) for e in self.state.log_history) / 60, 1),
