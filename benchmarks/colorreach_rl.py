@@ -1,0 +1,153 @@
+"""RL against more SFT on the built-in demo task (ColorReach), every arm from the same start at the same extra
+wall-clock: the minutes-long check of whether an RL method improves a policy on this CPU, before Meta-World hours.
+
+    python benchmarks/colorreach_rl.py                       # record, start, every arm, evaluate (about 25 min)
+    python benchmarks/colorreach_rl.py --arms filtered_bc --budget_min 5   # one arm again (reuses record and start)
+    python benchmarks/colorreach_rl.py --recorded 100 --start_steps 5000 --start_decay 1200 \
+        --work data_cache/colorreach_rl_100 --output benchmarks/results/colorreach_rl_100_cpu.json   # a plateau start
+
+Start (default): `configs/demo.json` on 1,000 recorded expert episodes (`python -m hf_vla.record --env color_reach`),
+stopped at 2,000 of its 5,000 steps with a 300-step decay (the demo's notes put the colour word's binding after about
+2,500 steps), so it fails where it has not bound the colour yet: more SFT on the same data is the arm to beat. With
+`--recorded 100 --start_steps 5000 --start_decay 1200` the start is the whole demo recipe on 100 episodes: SFT at its
+plateau on scarce data, where RL's new episodes are what more SFT does not have. Arms, each `--budget_min` minutes of
+training alone on the machine (held-out evaluations are not run during training):
+
+- `continued_sft`: `python -m hf_vla.train` from the start on the same expert data at the start's last learning rate
+  (1e-4, constant), the steps the start run made per second times the budget;
+- `grpo`: `python -m hf_vla.rl configs/rl/demo.json` (GRPO on the 0/1 success, Flow-SDE noise 0.5, 4 seeds x 8);
+- `filtered_bc`: the same rollouts' budget with `--algorithm filtered_bc` on the deterministic sampler (noise level 0),
+  32 seeds per update, imitating the successful episodes (rejection-sampling fine-tuning).
+
+Each arm's final weights (no selection on held-out seeds) and the start are evaluated by `python -m hf_vla.evaluate` on
+`--episodes` held-out seeds from 10,000 (never recorded, never rolled out). JSON (`--output`, default
+`benchmarks/results/colorreach_rl_cpu.json`): `{"start": {"success", ...}, "<arm>": {"success", "run": {...}}, ...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ARMS = {
+    "continued_sft": None,
+    "grpo": [],
+    "filtered_bc": ["--algorithm", "filtered_bc", "--noise_level", "0", "--group_size", "1",
+                    "--groups_per_update", "32"],
+}
+SEED = 10_000
+
+
+def _run(command: list[str], log: Path) -> float:
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        done = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", WANDB_MODE="offline"))
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command[:4])} ... failed (exit {done.returncode}); its output: {log}")
+    return time.perf_counter() - started
+
+
+def _datasets(work: Path) -> str:
+    return json.dumps([{"root": str(work / "data"), "name": "color_reach", "cameras": ["observation.image"],
+                        "state_key": "observation.state", "action_key": "action", "control_mode": "delta_xy"}])
+
+
+def stage_start(work: Path, results: dict, recorded: int, steps: int, decay: int) -> None:
+    if not (work / "data" / "meta" / "info.json").exists():
+        _run([sys.executable, "-m", "hf_vla.record", "--env", "color_reach", "--episodes", str(recorded),
+              "--output", str(work / "data")], work / "record.log")
+    if not (work / "start" / "model.safetensors").exists():
+        seconds = _run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"),
+                        "--datasets", _datasets(work), "--generate_demo_data", "false", "--max_steps", str(steps),
+                        "--stream_open_blocks", str(min(128, recorded)),
+                        "--lr_scheduler_kwargs", json.dumps({"num_decay_steps": decay, "min_lr_ratio": 0.1}),
+                        "--output_dir", str(work / "start")], work / "start.log")
+        results["start_run"] = {"recorded_episodes": recorded, "steps": steps, "decay_steps": decay,
+                                "wall_seconds": round(seconds, 1)}
+
+
+def _sft_steps_per_s(work: Path, results: dict) -> float:
+    """The start run's training speed (its `train_steps_per_second`), which sets the continued-SFT arm's steps."""
+    text = (work / "start.log").read_text()
+    found = re.findall(r"train_steps_per_second\s*=\s*([0-9.]+)", text)
+    if not found:
+        sys.exit(f"{work / 'start.log'}: no train_steps_per_second (delete {work / 'start'} to re-run the start)")
+    return float(found[-1])
+
+
+def stage_arm(work: Path, arm: str, budget_min: float, results: dict) -> None:
+    out = work / arm
+    if ARMS[arm] is None:
+        rate = _sft_steps_per_s(work, results)
+        steps = int(rate * budget_min * 60)
+        seconds = _run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"),
+                        "--model_name_or_path", str(work / "start"), "--model_config", "null",
+                        "--datasets", _datasets(work), "--generate_demo_data", "false", "--max_steps", str(steps),
+                        "--learning_rate", "1e-4", "--lr_scheduler_type", "constant", "--lr_scheduler_kwargs", "{}",
+                        "--warmup_steps", "0", "--eval_strategy", "no", "--save_strategy", "no",
+                        "--output_dir", str(out)], work / f"{arm}.log")
+        results[arm] = {"run": {"steps": steps, "steps_per_s_of_the_start_run": rate, "learning_rate": 1e-4,
+                                "wall_seconds": round(seconds, 1)}}
+        return
+    seconds = _run([sys.executable, "-m", "hf_vla.rl", str(REPO / "configs" / "rl" / "demo.json"),
+                    "--model_name_or_path", str(work / "start"), "--output_dir", str(out), "--max_steps", "100000",
+                    "--max_train_minutes", str(budget_min), "--eval_strategy", "no", "--eval_on_start", "false",
+                    "--save_strategy", "no", "--disable_tqdm", "true", *ARMS[arm]], work / f"{arm}.log")
+    summary = json.loads((out / "rl_result.json").read_text())
+    results[arm] = {"run": {"command_extra": ARMS[arm], "updates": summary["updates"],
+                            "episodes": summary["episodes"], "method": summary["method"],
+                            "wall_seconds": round(seconds, 1)}}
+
+
+def evaluate(work: Path, name: str, episodes: int, results: dict) -> None:
+    out = work / f"eval_{name}"
+    _run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(work / name), "--episodes", str(episodes),
+          "--num_envs", "4", "--output_dir", str(out)], work / f"eval_{name}.log")
+    found = json.loads((out / "eval_result.json").read_text())
+    entry = results.setdefault(name, {})
+    entry.update({"success": found["success_rate"], "mean_steps": found.get("mean_steps"), "episodes": episodes})
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", default=str(REPO / "data_cache" / "colorreach_rl"))
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "colorreach_rl_cpu.json"))
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    parser.add_argument("--budget_min", type=float, default=5.0, help="training minutes per arm")
+    parser.add_argument("--episodes", type=int, default=200, help="held-out episodes per evaluation")
+    parser.add_argument("--recorded", type=int, default=1000, help="expert episodes the start is trained on")
+    parser.add_argument("--start_steps", type=int, default=2000, help="the start's steps of configs/demo.json")
+    parser.add_argument("--start_decay", type=int, default=300, help="the start's decay steps (warmup-stable-decay)")
+    args = parser.parse_args()
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms {args.arms}: {', '.join(unknown)} not among {', '.join(ARMS)}")
+    work, output = Path(args.work), Path(args.output)
+    work.mkdir(parents=True, exist_ok=True)
+    results = json.loads(output.read_text()) if output.exists() else {}
+    results.update({"budget_min": args.budget_min, "seeds": f"{SEED}..{SEED + args.episodes - 1}",
+                    "machine": "2-core CPU, no GPU, each arm alone"})
+    stage_start(work, results, args.recorded, args.start_steps, args.start_decay)
+    if "start" not in results or results["start"].get("episodes") != args.episodes:
+        evaluate(work, "start", args.episodes, results)
+    for arm in arms:
+        stage_arm(work, arm, args.budget_min, results)
+        evaluate(work, arm, args.episodes, results)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(results, indent=2) + "\n")  # after every arm: nothing lost if a later one fails
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
