@@ -360,8 +360,9 @@ def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_pa
         assert model.value_head.out.weight.abs().max() > 0  # the critic's update
 
 
+@pytest.mark.parametrize("policy", ["pi05", "pi0"])
 @pytest.mark.parametrize("sign", [1, -1])
-def test_filtered_bc_moves_the_policy_toward_the_optimum_it_is_rewarded_for(tmp_path, sign):
+def test_filtered_bc_moves_the_policy_toward_the_optimum_it_is_rewarded_for(tmp_path, sign, policy):
     """Filtered behaviour cloning imitates the episodes above their group's mean (dense reward): one supervised step
     moves the mean action toward the optimum, whichever side it is on (the two optima are mirror images, so a drift
     of imitating the policy's own samples, which does not know the optimum, cannot pass both), and half the episodes
@@ -369,7 +370,7 @@ def test_filtered_bc_moves_the_policy_toward_the_optimum_it_is_rewarded_for(tmp_
     from hf_vla.rl import RLConfig, RLTrainer
 
     target = sign * rl_toy.TARGET
-    model, processor = tiny_policy(seed=4, scale=0.05)
+    model, processor = tiny_policy(seed=4, scale=0.05, policy=policy)
     before = _mean_action(model, processor)
     args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=16,
                     algorithm="filtered_bc", env_kwargs={"target": target.tolist()}, groups_per_update=4, max_steps=1,

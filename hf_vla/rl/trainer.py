@@ -610,10 +610,14 @@ class RLTrainer(VLATrainer):
         chunk = inputs["chain"][:, -1].float()
         core = self.accelerator.unwrap_model(model)
         core = core.get_base_model() if hasattr(core, "get_base_model") else core
+        config = core.config
         if hasattr(core, "sample_time"):  # pi0.5: the Beta time distribution it was trained with
             t = core.sample_time(chunk.shape[0], chunk.device).float()
-        else:
-            t = torch.rand(chunk.shape[0], device=chunk.device)
+        else:  # transformers' pi0 samples the same distribution inside its forward, from these config fields
+            beta = torch.distributions.Beta(torch.tensor(float(config.time_sampling_beta_alpha)),
+                                            torch.tensor(float(config.time_sampling_beta_beta)))
+            t = (beta.sample((chunk.shape[0],)) * config.time_sampling_scale
+                 + config.time_sampling_offset).float().to(chunk.device)
         noise = torch.randn_like(chunk)
         x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * chunk
         velocity = velocity_fn(model, inputs)(x_t, t).float()
