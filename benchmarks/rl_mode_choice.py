@@ -26,6 +26,8 @@ def main():
     parser.add_argument("--starts", type=int, default=60)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--noise_level", type=float, default=0.5)
+    parser.add_argument("--schedule", default="flow_sde", help="the SDE steps' noise schedule (hf_vla.rl.flow.FlowSDE: "
+                        "flow_sde keeps the policy's marginals, constant does not)")
     args = parser.parse_args()
 
     from hf_vla import deployment
@@ -47,7 +49,7 @@ def main():
     env = make_env("hf_vla/ColorReach-v0", None, kwargs, worker=False).unwrapped
 
     def targets(inputs, request, x1, step_noise, noise_level):
-        chain, _ = sample_chain(model, inputs, x1, step_noise, FlowSDE(K, noise_level))
+        chain, _ = sample_chain(model, inputs, x1, step_noise, FlowSDE(K, noise_level, args.schedule))
         names, out = list(env.targets), []
         for i in range(B):
             move = np.asarray(runner.finish(request, chain[i, -1]))[:n_action_steps].sum(0)
@@ -74,6 +76,7 @@ def main():
         named.append(np.mean([c == env.goal for c in ways["deterministic_x1_varies"]]))
     print(json.dumps({
         "checkpoint": args.checkpoint, "starts": args.starts, "samples": B, "noise_level": args.noise_level,
+        "schedule": args.schedule,
         "n_action_steps": n_action_steps,
         "share_off_the_most_frequent_target": {k: round(float(np.mean(v)), 3) for k, v in off.items()},
         "starts_where_the_choice_varies": {k: int(np.sum(np.array(v) > 0)) for k, v in off.items()},

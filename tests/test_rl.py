@@ -93,10 +93,40 @@ def test_the_sde_sampler_keeps_the_flow_marginals_on_a_gaussian_target(noise_lev
     assert abs(x.std().item() - s) / s < 0.025
 
 
-def test_the_chain_log_probability_equals_an_independent_float64_gaussian():
+def test_the_constant_schedule_leaves_the_marginals_and_keeps_the_mean():
+    """`schedule="constant"` (the Euler step plus noise of one std at every step): on the Gaussian target whose velocity
+    is known, the samples' mean stays on the target's (the velocity is linear in x, so the noise averages out) and
+    their spread grows past the target's: the rollouts leave the policy's distribution, as the flow_sde schedule's do
+    not. With noise level 0 it is the deterministic sampler."""
+    m, s, n = 0.7, 0.3, 200_000
+
+    def velocity(x, t):
+        var = t * t + (1 - t) ** 2 * s * s
+        centred = x - (1 - t) * m
+        return t * centred / var - (m + (1 - t) * s * s * centred / var)
+
+    def sample(sde):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(n, dtype=torch.float64, generator=generator)
+        for t, std in zip(sde.times(), sde.stds()):
+            x = sde.mean(x, velocity(x, t), t) + std * torch.randn(n, dtype=torch.float64, generator=generator)
+        return x
+
+    constant = FlowSDE(200, 0.5, "constant")
+    assert constant.stds() == [0.5 * math.sqrt(1 / 200)] * 200
+    x = sample(constant)
+    assert abs(x.mean().item() - m) < 0.02 and x.std().item() > 1.2 * s
+    assert abs(sample(FlowSDE(200, 0.5)).std().item() - s) / s < 0.025  # flow_sde: on the target's spread
+    torch.testing.assert_close(sample(FlowSDE(200, 0.0, "constant")), sample(FlowSDE(200, 0.0)))
+    with pytest.raises(ValueError, match="schedule='brownian'"):
+        FlowSDE(4, 0.5, "brownian")
+
+
+@pytest.mark.parametrize("schedule", ["flow_sde", "constant"])
+def test_the_chain_log_probability_equals_an_independent_float64_gaussian(schedule):
     model, processor = tiny_policy()
     inputs = model_inputs(processor)
-    sde = FlowSDE(4, 0.6)
+    sde = FlowSDE(4, 0.6, schedule)
     generator = torch.Generator().manual_seed(1)
     noise = torch.randn(3, 4, 2, generator=generator)
     step_noise = torch.randn(3, 4, 4, 2, generator=generator)
@@ -107,7 +137,11 @@ def test_the_chain_log_probability_equals_an_independent_float64_gaussian():
     # independently: scipy's normal density in float64 over the executed elements of every step
     from scipy.stats import norm
 
-    stds = [sde.noise_level * math.sqrt(min(t, 0.75) / (1 - min(t, 0.75))) * math.sqrt(0.25) for t in (1, .75, .5, .25)]
+    if schedule == "flow_sde":
+        stds = [sde.noise_level * math.sqrt(min(t, 0.75) / (1 - min(t, 0.75))) * math.sqrt(0.25)
+                for t in (1, .75, .5, .25)]
+    else:
+        stds = [sde.noise_level * math.sqrt(0.25)] * 4
     expected = np.zeros(3)
     for k, std in enumerate(stds):
         values = norm.logpdf(chain[:, k + 1, :2].double().numpy(), means[:, k, :2].double().numpy(), std)
@@ -328,14 +362,15 @@ def _mean_action(model, processor, draws=256):
     return processor.unnormalize_actions(chunk, HEAD)[:, 0].mean(0).numpy()
 
 
-@pytest.mark.parametrize("algorithm, policy", [("grpo", "pi05"), ("ppo", "pi05"), ("grpo", "pi0")])
-def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_path, algorithm, policy):
+@pytest.mark.parametrize("algorithm, policy, schedule", [("grpo", "pi05", "flow_sde"), ("ppo", "pi05", "flow_sde"),
+                                                         ("grpo", "pi0", "flow_sde"), ("grpo", "pi05", "constant")])
+def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_path, algorithm, policy, schedule):
     from hf_vla.rl import RLConfig, RLTrainer
 
     model, processor = tiny_policy(seed=4, scale=0.05, policy=policy)
     before = _mean_action(model, processor)
     args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=16,
-                    algorithm=algorithm,
+                    algorithm=algorithm, noise_schedule=schedule,
                     groups_per_update=4, max_steps=1, reward="dense", optim="sgd", learning_rate=0.05,
                     max_grad_norm=0.0, use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no",
                     eval_strategy="no", eval_on_start=False, log_kl=False, n_action_steps=1, seed=0)
@@ -450,7 +485,7 @@ def test_filtered_bc_with_the_deterministic_sampler_trains_the_supervised_loss_o
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
 
 
-def test_filtered_bc_settings_are_checked():
+def test_filtered_bc_and_noise_schedule_settings_are_checked():
     from hf_vla.errors import ConfigError
     from hf_vla.rl import RLConfig
 
@@ -460,6 +495,8 @@ def test_filtered_bc_settings_are_checked():
         RLConfig(algorithm="grpo", noise_level=0.0, **common)
     with pytest.raises(ConfigError, match="beta=0.1: filtered_bc has no likelihood ratio"):
         RLConfig(algorithm="filtered_bc", beta=0.1, **common)
+    with pytest.raises(ConfigError, match="noise_schedule='linear': choose one of"):
+        RLConfig(noise_schedule="linear", **common)
     with pytest.raises(ConfigError, match="group_size=1: filtered_bc with reward='dense'"):
         RLConfig(algorithm="filtered_bc", reward="dense", group_size=1, **common)
     assert RLConfig(algorithm="filtered_bc", group_size=1, **common).group_size == 1  # successes need no groups

@@ -27,18 +27,30 @@ import torch
 from ..models.pi0_adapter import is_pi0
 
 
+SCHEDULES = ("flow_sde", "constant")
+
+
 @dataclass(frozen=True)
 class FlowSDE:
-    """K Gaussian denoising steps with noise level `a` (`noise_level`); `a = 0` is the deterministic Euler sampler."""
+    """K Gaussian denoising steps with noise level `a` (`noise_level`); `a = 0` is the deterministic Euler sampler.
+
+    `schedule="flow_sde"` (default): Flow-GRPO's steps above, which keep the ODE's marginals: the samples spread only
+    as far as the policy's own distribution does, whatever `a`. `"constant"`: the Euler step's mean `x + v dt` with
+    the same std `a sqrt(-dt)` at every step (ReinFlow's noise injection, arXiv 2505.22094, with a fixed instead of a
+    learned std): Brownian noise of variance `a^2` over the chain that the flow's later steps partly correct, so the
+    samples leave the policy's distribution, which a policy that never varies its choice needs to explore."""
 
     num_steps: int
     noise_level: float
+    schedule: str = "flow_sde"
 
     def __post_init__(self):
         if self.num_steps < 2:
             raise ValueError(f"num_steps={self.num_steps}: the SDE sampler needs at least 2 denoising steps")
         if not (math.isfinite(self.noise_level) and self.noise_level >= 0):
             raise ValueError(f"noise_level={self.noise_level}: must be a finite number >= 0")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: choose one of {SCHEDULES}")
 
     @property
     def dt(self) -> float:
@@ -49,6 +61,8 @@ class FlowSDE:
         return [1.0 + k * self.dt for k in range(self.num_steps)]
 
     def sigma(self, t: float) -> float:
+        if self.schedule == "constant":
+            return self.noise_level
         t = min(t, 1.0 + self.dt)  # sqrt(t / (1 - t)) is infinite at t = 1: use the next time's value
         return self.noise_level * math.sqrt(t / (1.0 - t))
 
@@ -56,6 +70,8 @@ class FlowSDE:
         return [self.sigma(t) * math.sqrt(-self.dt) for t in self.times()]
 
     def mean(self, x: torch.Tensor, velocity: torch.Tensor, t: float) -> torch.Tensor:
+        if self.schedule == "constant":
+            return x + velocity * self.dt
         sigma2 = self.sigma(t) ** 2
         return x * (1 + sigma2 / (2 * t) * self.dt) + velocity * (1 + sigma2 * (1 - t) / (2 * t)) * self.dt
 

@@ -87,6 +87,11 @@ class RLConfig(VLATrainingArguments):
     noise_level (`float`, defaults to 0.5): Flow-SDE's `a` in `sigma_t = a sqrt(t / (1 - t))` (Flow-GRPO: 0.7;
         RL.md: 0.5-0.7); exploration noise of the rollouts. Evaluation samples without it. 0 (`filtered_bc` only):
         the deterministic sampler, and no `kl_to_start` (a deterministic chain has no likelihood).
+    noise_schedule (`str`, defaults to `"flow_sde"`): the rollouts' Gaussian steps (`hf_vla.rl.flow.FlowSDE`).
+        `flow_sde`: Flow-GRPO's, which keep the deterministic sampler's marginals, so rollouts spread only as far as
+        the policy's own distribution, at any `noise_level` (a policy that always makes the same choice then never
+        tries another). `constant`: the Euler step plus noise of the same std `noise_level sqrt(1/K)` at every step
+        (ReinFlow's noise injection with a fixed std): rollouts leave the policy's distribution.
     denoise_steps (`int`, *optional*): denoising steps K of the rollouts and the likelihood; default the model's
         `num_inference_steps`, so the trained velocity is used as it is deployed.
     reward (`str`, defaults to `"success"`): an episode's return: `success` (0/1, as SimpleVLA-RL and pi_RL) or `dense`
@@ -137,6 +142,8 @@ class RLConfig(VLATrainingArguments):
     beta: float = field(default=0.0, metadata={"help": "KL-to-start weight in the loss"})
     log_kl: bool = field(default=True, metadata={"help": "log the rollouts' KL to the start policy"})
     noise_level: float = field(default=0.5, metadata={"help": "Flow-SDE noise level a"})
+    noise_schedule: str = field(default="flow_sde", metadata={"help": "flow_sde (keeps the policy's marginals) | "
+                                                                       "constant (explores beyond them)"})
     denoise_steps: int | None = field(default=None, metadata={"help": "denoising steps K (default: the model's)"})
     reward: str = field(default="success", metadata={"help": f"one of {REWARDS}"})
     reward_scale: float = field(default=1.0, metadata={"help": "multiplies every reward"})
@@ -214,6 +221,10 @@ class RLConfig(VLATrainingArguments):
         elif not (math.isfinite(self.noise_level) and self.noise_level > 0):
             raise ConfigError(f"noise_level={self.noise_level}: must be a positive number (the rollouts' exploration "
                               "noise; 0 gives no likelihood to differentiate)")
+        from .flow import SCHEDULES
+
+        if self.noise_schedule not in SCHEDULES:
+            raise ConfigError(f"noise_schedule={self.noise_schedule!r}: choose one of {SCHEDULES}")
         if self.denoise_steps is not None and self.denoise_steps < 2:
             raise ConfigError(f"denoise_steps={self.denoise_steps}: the SDE sampler needs at least 2")
         if self.max_train_minutes is not None and not self.max_train_minutes > 0:
@@ -314,7 +325,8 @@ class RLTrainer(VLATrainer):
                          data_collator=_identity, processing_class=processing_class, peft_config=peft_config,
                          callbacks=callbacks)
         self.reference = reference
-        self.sde = FlowSDE(args.denoise_steps or model.config.num_inference_steps, args.noise_level)
+        self.sde = FlowSDE(args.denoise_steps or model.config.num_inference_steps, args.noise_level,
+                           args.noise_schedule)
         settings = self.rl_settings
         if engine is None:
             from .rollout import RolloutEngine
@@ -741,9 +753,10 @@ class RLTrainer(VLATrainer):
             "tasks": [t for t in self.rl_settings["tasks"] if t],
             "method": (f"filtered behaviour cloning (flow matching on the rollouts' "
                        f"{'successful' if args.reward == 'success' else 'above-group-mean'} episodes; rollouts with "
-                       f"noise level {args.noise_level}, {self.sde.num_steps} denoising steps)"
+                       f"{args.noise_schedule} noise, level {args.noise_level}, {self.sde.num_steps} denoising steps)"
                        if args.algorithm == "filtered_bc" else
-                       f"{args.algorithm.upper()}{critic} on Flow-SDE likelihoods (noise level {args.noise_level}, "
+                       f"{args.algorithm.upper()}{critic} on Flow-SDE likelihoods ({args.noise_schedule} noise, "
+                       f"level {args.noise_level}, "
                        f"{self.sde.num_steps} denoising steps), clip [{1 - args.epsilon:g}, {1 + args.epsilon_high:g}], "
                        f"beta {args.beta:g}, reward {args.reward}"),
             "updates": self.state.global_step, "episodes": self._episodes_total,
