@@ -26,7 +26,6 @@ import torch
 
 from ..models.pi0_adapter import is_pi0
 
-
 SCHEDULES = ("flow_sde", "constant")
 
 
