@@ -362,24 +362,31 @@ def _mean_action(model, processor, draws=256):
     return processor.unnormalize_actions(chunk, HEAD)[:, 0].mean(0).numpy()
 
 
-@pytest.mark.parametrize("algorithm, policy, schedule", [("grpo", "pi05", "flow_sde"), ("ppo", "pi05", "flow_sde"),
-                                                         ("grpo", "pi0", "flow_sde"), ("grpo", "pi05", "constant")])
-def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_path, algorithm, policy, schedule):
+def _bandit_step(tmp_path, policy, **fields):
+    """One SGD update (64 episodes: 4 seeds x 16) of a tiny policy on the bandit: (model, mean action before, after,
+    trainer)."""
     from hf_vla.rl import RLConfig, RLTrainer
 
     model, processor = tiny_policy(seed=4, scale=0.05, policy=policy)
     before = _mean_action(model, processor)
     args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=16,
-                    algorithm=algorithm, noise_schedule=schedule,
-                    groups_per_update=4, max_steps=1, reward="dense", optim="sgd", learning_rate=0.05,
-                    max_grad_norm=0.0, use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no",
-                    eval_strategy="no", eval_on_start=False, log_kl=False, n_action_steps=1, seed=0)
+                    groups_per_update=4, max_steps=1, reward="dense", optim="sgd", max_grad_norm=0.0, use_cpu=True,
+                    report_to=[], disable_tqdm=True, save_strategy="no", eval_strategy="no", eval_on_start=False,
+                    n_action_steps=1, seed=0, **fields)
     trainer = RLTrainer(model, args, processing_class=processor)
     try:
         trainer.train()
     finally:
         trainer.engine.close()
-    after = _mean_action(model, processor)
+    return model, before, _mean_action(model, processor), trainer
+
+
+@pytest.mark.parametrize("algorithm, policy, schedule", [("grpo", "pi05", "flow_sde"), ("ppo", "pi05", "flow_sde"),
+                                                         ("grpo", "pi0", "flow_sde"), ("grpo", "pi05", "constant")])
+def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_path, algorithm, policy, schedule):
+
+    model, before, after, trainer = _bandit_step(tmp_path, policy, algorithm=algorithm, noise_schedule=schedule,
+                                                 learning_rate=0.05, log_kl=False)
     toward = rl_toy.TARGET - before
     move = after - before
     cosine = float(move @ toward / (np.linalg.norm(move) * np.linalg.norm(toward)))
@@ -402,22 +409,9 @@ def test_filtered_bc_moves_the_policy_toward_the_optimum_it_is_rewarded_for(tmp_
     moves the mean action toward the optimum, whichever side it is on (the two optima are mirror images, so a drift
     of imitating the policy's own samples, which does not know the optimum, cannot pass both), and half the episodes
     are imitated."""
-    from hf_vla.rl import RLConfig, RLTrainer
-
     target = sign * rl_toy.TARGET
-    model, processor = tiny_policy(seed=4, scale=0.05, policy=policy)
-    before = _mean_action(model, processor)
-    args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=16,
-                    algorithm="filtered_bc", env_kwargs={"target": target.tolist()}, groups_per_update=4, max_steps=1,
-                    reward="dense", optim="sgd", learning_rate=0.02, max_grad_norm=0.0, use_cpu=True, report_to=[],
-                    disable_tqdm=True, save_strategy="no", eval_strategy="no", eval_on_start=False, n_action_steps=1,
-                    seed=0)
-    trainer = RLTrainer(model, args, processing_class=processor)
-    try:
-        trainer.train()
-    finally:
-        trainer.engine.close()
-    after = _mean_action(model, processor)
+    _, before, after, trainer = _bandit_step(tmp_path, policy, algorithm="filtered_bc", learning_rate=0.02,
+                                             env_kwargs={"target": target.tolist()})
     toward, move = target - before, after - before
     cosine = float(move @ toward / (np.linalg.norm(move) * np.linalg.norm(toward)))
     print("mean action", before, "->", after, "optimum", target, "cosine", cosine)
