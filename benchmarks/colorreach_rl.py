@@ -60,7 +60,8 @@ def _datasets(work: Path) -> str:
                         "state_key": "observation.state", "action_key": "action", "control_mode": "delta_xy"}])
 
 
-def stage_start(work: Path, results: dict, recorded: int, steps: int, decay: int) -> None:
+def stage_start(work: Path, results: dict, recorded: int, steps: int, decay: int) -> bool:
+    """Record and train the start where `work` has none; True when a new start was trained."""
     if not (work / "data" / "meta" / "info.json").exists():
         _run([sys.executable, "-m", "hf_vla.record", "--env", "color_reach", "--episodes", str(recorded),
               "--output", str(work / "data")], work / "record.log")
@@ -72,6 +73,8 @@ def stage_start(work: Path, results: dict, recorded: int, steps: int, decay: int
                         "--output_dir", str(work / "start")], work / "start.log")
         results["start_run"] = {"recorded_episodes": recorded, "steps": steps, "decay_steps": decay,
                                 "wall_seconds": round(seconds, 1)}
+        return True
+    return False
 
 
 def _sft_steps_per_s(work: Path, results: dict) -> float:
@@ -136,8 +139,8 @@ def main():
     results = json.loads(output.read_text()) if output.exists() else {}
     results.update({"budget_min": args.budget_min, "seeds": f"{SEED}..{SEED + args.episodes - 1}",
                     "machine": "2-core CPU, no GPU, each arm alone"})
-    stage_start(work, results, args.recorded, args.start_steps, args.start_decay)
-    if "start" not in results or results["start"].get("episodes") != args.episodes:
+    fresh = stage_start(work, results, args.recorded, args.start_steps, args.start_decay)
+    if fresh or results.get("start", {}).get("episodes") != args.episodes:  # the arms' figures are against this one
         evaluate(work, "start", args.episodes, results)
     for arm in arms:
         stage_arm(work, arm, args.budget_min, results)
