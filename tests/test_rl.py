@@ -464,12 +464,12 @@ def test_filtered_bc_with_the_deterministic_sampler_trains_the_supervised_loss_o
         deployed = model.eval().sample_actions(**inputs, noise=batch["chain"][:, 0])
     torch.testing.assert_close(batch["chain"][:, -1], deployed.float(), rtol=1e-5, atol=1e-6)
     model.train()
-    torch.manual_seed(7)
     loss = trainer.compute_loss(model, batch)
-    torch.manual_seed(7)
     chunk = batch["chain"][:, -1]
-    t = model.sample_time(chunk.shape[0], chunk.device).float()
-    noise = torch.randn_like(chunk)
+    # the supervised objective's draws: seeded by the decision's identity (episode noise seed, decision index)
+    from hf_vla.losses import sample_noise_and_time
+
+    noise, t = sample_noise_and_time(batch, chunk.shape[1:], args.seed, 0, model.config)
     x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * chunk
     velocity = model(noise=x_t, timestep=t, **inputs).logits.float()
     mask = batch["mask"]

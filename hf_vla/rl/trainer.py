@@ -574,6 +574,10 @@ class RLTrainer(VLATrainer):
             batch["mask"] = policy_mask
             if self.args.beta > 0:
                 batch["reference_means"] = torch.stack([tr.reference_means for tr in members])
+            if self.args.algorithm == "filtered_bc":  # the supervised loss's sample identity: its noise and time seed
+                batch["source_index"] = torch.zeros(len(members), dtype=torch.long)
+                batch["episode_index"] = torch.tensor([tr.noise_seed for tr in members])
+                batch["frame_index"] = torch.tensor([tr.index for tr in members])
             batches.append({k: v.to(self.args.device) for k, v in batch.items()})
         return batches
 
@@ -614,27 +618,18 @@ class RLTrainer(VLATrainer):
         return (loss, None) if return_outputs else loss
 
     def _filtered_bc_loss(self, model, inputs, return_outputs=False):
-        """Supervised training's flow-matching loss (the model's time distribution, fresh noise) on each kept
-        decision's chunk, averaged over the executed steps' real action dims (the decision mask: the rest of the chunk
-        is the policy's own unexecuted guess) and weighted as the policy loss is."""
-        from .flow import velocity_fn
+        """Supervised training's objective (`hf_vla.losses.policy_per_sample_loss`: its time distribution, noise seeded
+        by the decision's identity) on each kept decision's chunk, over the decision mask (the executed steps' real
+        action dims: the rest of the chunk is the policy's own unexecuted guess), weighted as the policy loss is."""
+        from ..losses import policy_per_sample_loss
 
-        chunk = inputs["chain"][:, -1].float()
-        core = self.accelerator.unwrap_model(model)
-        core = core.get_base_model() if hasattr(core, "get_base_model") else core
-        config = core.config
-        if hasattr(core, "sample_time"):  # pi0.5: the Beta time distribution it was trained with
-            t = core.sample_time(chunk.shape[0], chunk.device).float()
-        else:  # transformers' pi0 samples the same distribution inside its forward, from these config fields
-            beta = torch.distributions.Beta(torch.tensor(float(config.time_sampling_beta_alpha)),
-                                            torch.tensor(float(config.time_sampling_beta_beta)))
-            t = (beta.sample((chunk.shape[0],)) * config.time_sampling_scale
-                 + config.time_sampling_offset).float().to(chunk.device)
-        noise = torch.randn_like(chunk)
-        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * chunk
-        velocity = velocity_fn(model, inputs)(x_t, t).float()
-        mask = inputs["mask"].to(velocity.dtype)
-        per_decision = (((velocity - (noise - chunk)) ** 2) * mask).sum(dim=(-2, -1)) / mask.sum()
+        mask = inputs["mask"].bool()
+        rows = inputs["chain"].shape[0]
+        batch = dict(inputs, actions=inputs["chain"][:, -1].float(),
+                     action_is_pad=(~mask.any(dim=1))[None].expand(rows, -1),
+                     action_dim_mask=mask.any(dim=0)[None].expand(rows, -1))
+        per_sample, _ = policy_per_sample_loss(model, batch, self.args.seed, self.state.global_step)
+        per_decision = per_sample.sum / per_sample.count.clamp(min=1)
         weights = inputs["weights"]
         loss = self._finite((weights * per_decision).sum(), "filtered-BC")
         live = weights > 0
