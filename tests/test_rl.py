@@ -384,7 +384,6 @@ def _bandit_step(tmp_path, policy, **fields):
 @pytest.mark.parametrize("algorithm, policy, schedule", [("grpo", "pi05", "flow_sde"), ("ppo", "pi05", "flow_sde"),
                                                          ("grpo", "pi0", "flow_sde"), ("grpo", "pi05", "constant")])
 def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_path, algorithm, policy, schedule):
-
     model, before, after, trainer = _bandit_step(tmp_path, policy, algorithm=algorithm, noise_schedule=schedule,
                                                  learning_rate=0.05, log_kl=False)
     toward = rl_toy.TARGET - before
