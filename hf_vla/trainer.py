@@ -334,11 +334,13 @@ class VLATrainer(Trainer):
         return None
 
     # ---- data ----------------------------------------------------------------------------------------------------
-    def _loader(self, dataset) -> DataLoader:
-        # The datasets batch themselves (one list of samples per item); the collator runs in the workers.
+    def _loader(self, dataset, collate_fn=None) -> DataLoader:
+        # The datasets batch themselves (one list of samples per item); the collator (the trainer's, or `collate_fn`)
+        # runs in the workers.
         args = self.args
         workers = args.dataloader_num_workers
-        return ForkFriendlyDataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=self.data_collator,
+        return ForkFriendlyDataLoader(dataset, batch_size=None, num_workers=workers,
+                                      collate_fn=collate_fn if collate_fn is not None else self.data_collator,
                                       pin_memory=args.dataloader_pin_memory,
                                       persistent_workers=workers > 0 and args.dataloader_persistent_workers,
                                       prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None)

@@ -649,6 +649,9 @@ def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(
                                                                                 lora):
     out = tmp_path / "rl"
     extra = ["--lora_preset", "expert"] if lora else ["--ema_decay", "0.5"]  # EMA: evaluated and saved averaged
+    if not lora:  # with the expert data replayed beside the RL loss (a JSON list on the command line)
+        extra += ["--bc_datasets", json.dumps(_replay_spec(sft_checkpoint)), "--per_device_train_batch_size", "4",
+                  "--stream_open_blocks", "2"]
     extra += ["--algorithm", algorithm]
     done = _run(_rl_command(_config(tmp_path, sft_checkpoint), out, *extra))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -663,7 +666,8 @@ def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(
     assert {"rollout/success", "rollout/return", "rollout/episode_length", "rollout/episodes_per_s", "noise_std",
             "entropy", "eval_success"} <= logged
     if not lora:
-        assert "kl_to_start" in logged
+        assert "kl_to_start" in logged and "bc_loss" in logged and "color_reach::delta_xy/mse" in logged
+        assert "on the expert data color_reach" in summary["method"]
     if algorithm == "ppo":
         assert {"value", "value_loss"} <= logged
     assert (out / "deployment_config.json").exists()  # the contract travels with the improved policy
@@ -849,3 +853,129 @@ def test_each_episode_is_credited_the_decisions_that_made_it(sft_checkpoint, tmp
                     break
         env.close()
         assert (steps, success) == (episode.steps, episode.success)
+
+
+# ---- expert data replayed beside the RL loss ------------------------------------------------------------------------
+def _replay_spec(sft_checkpoint) -> list[dict]:
+    """The ColorReach episodes the `sft_checkpoint` fixture recorded, as `bc_datasets` (head color_reach::delta_xy)."""
+    spec = json.loads((REPO / "configs/demo.json").read_text())["datasets"]
+    spec[0]["root"] = str(sft_checkpoint.parent / "data")
+    return spec
+
+
+def _replay_args(tmp_path, sft_checkpoint, name="run", **fields):
+    from hf_vla.rl import RLConfig
+
+    return RLConfig(**{"output_dir": str(tmp_path / name), "env": "hf_vla_test/PointBandit-v0", "num_envs": 1,
+                       "group_size": 4, "groups_per_update": 2, "max_steps": 1, "reward": "dense", "use_cpu": True,
+                       "report_to": [], "disable_tqdm": True, "save_strategy": "no", "eval_strategy": "no",
+                       "eval_on_start": False, "n_action_steps": 1, "seed": 0, "log_kl": False,
+                       "bc_datasets": _replay_spec(sft_checkpoint), "per_device_train_batch_size": 4,
+                       "stream_open_blocks": 2, "dataloader_num_workers": 0} | fields)
+
+
+def test_the_replayed_expert_loss_is_supervised_trainings_loss_on_the_policys_normalisation(sft_checkpoint, tmp_path):
+    """With bc_datasets the loss is the RL loss plus bc_coef times supervised training's flow-matching loss (its
+    seeded time and noise, per-sample means averaged) on a batch of the expert data, computed here by hand with plain
+    full forwards, as one of the update's two micro-batches (half of it); the expert actions are normalised with the policy's statistics (q01/q99 = -+0.1: raw / 0.1), not
+    the data's own."""
+    import pandas as pd
+
+    from hf_vla.losses import sample_noise_and_time
+    from hf_vla.policy import model_input_keys
+    from hf_vla.rl import RLTrainer
+
+    model, processor = tiny_policy(seed=4, scale=0.05)
+    trainer = RLTrainer(model, _replay_args(tmp_path, sft_checkpoint, bc_coef=0.5, gradient_accumulation_steps=2),
+                        processing_class=processor)
+    try:
+        batch = trainer._generate(0)[0]  # one of the update's two micro-batches
+    finally:
+        trainer.engine.close()
+    replay = next(iter(trainer._loader(trainer.train_dataset.replay, trainer._replay_collate)))
+    trainer._replay_batches = iter([replay])
+    model.train()
+    with torch.no_grad():
+        total = trainer.compute_loss(model, batch)
+        rl = trainer._policy_gradient_loss(model, batch)
+        inputs = {k: replay[k] for k in model_input_keys(model)}
+        actions = replay["actions"]
+        noise, t = sample_noise_and_time(replay, actions.shape[1:], trainer.args.seed, 0, model.config)
+        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+        velocity = model(noise=x_t, timestep=t, **inputs).logits.float()
+    valid = (~replay["action_is_pad"])[:, :, None] & replay["action_dim_mask"][:, None, :].bool()
+    per_sample = [((velocity[i] - (noise[i] - actions[i])) ** 2)[valid[i]].mean() for i in range(len(actions))]
+    expected = torch.stack(per_sample).mean()
+    torch.testing.assert_close(total - rl, 0.5 * expected / 2, rtol=1e-4, atol=1e-7)  # the micro-batch's share
+    assert trainer._rl_metrics["bc_loss"][-1] == pytest.approx(expected.item(), rel=1e-4)
+    frames = pd.concat(pd.read_parquet(p) for p in sorted((sft_checkpoint.parent / "data" / "data").rglob("*.parquet")))
+    for row in range(len(actions)):  # the chunk's first action, from the file, over the policy's q99 (0.1)
+        episode, frame = int(replay["episode_index"][row]), int(replay["frame_index"][row])
+        raw = frames[(frames["episode_index"] == episode) & (frames["frame_index"] == frame)]["action"].iloc[0]
+        torch.testing.assert_close(actions[row, 0], torch.tensor(np.asarray(raw, np.float32) / 0.1), rtol=1e-4,
+                                   atol=1e-5)
+
+
+class _RecordingReplay:
+    """Mixed into RLTrainer: records the (episode, frame) of every replayed sample, per update."""
+
+    def _loader(self, dataset, collate_fn=None):
+        loader = super()._loader(dataset, collate_fn)
+        if collate_fn is None:
+            return loader
+        self.replayed = []
+
+        def recorded():
+            for batch in loader:
+                self.replayed.append(list(zip(batch["episode_index"].tolist(), batch["frame_index"].tolist())))
+                yield batch
+        return recorded()
+
+
+def test_a_resumed_run_replays_the_expert_batches_the_uninterrupted_one_would_have(sft_checkpoint, tmp_path):
+    from hf_vla.rl import RLTrainer
+
+    class Recording(_RecordingReplay, RLTrainer):
+        pass
+
+    runs = {}
+    for name, resume in (("whole", None), ("resumed", True)):
+        model, processor = tiny_policy(seed=4, scale=0.05)
+        args = _replay_args(tmp_path, sft_checkpoint, name="whole" if resume else name, max_steps=3, save_steps=1,
+                            save_strategy="steps", save_total_limit=None, learning_rate=1e-3)
+        if resume:  # from the whole run's checkpoint-1, into a fresh trainer (its stream at the saved position)
+            args.output_dir = str(tmp_path / "resumed")
+            resume = str(tmp_path / "whole" / "checkpoint-1")
+        trainer = Recording(model, args, processing_class=processor)
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        finally:
+            trainer.engine.close()
+        runs[name] = trainer
+    whole, resumed = runs["whole"].replayed, runs["resumed"].replayed
+    assert len(whole) >= 3 and len(set(map(tuple, whole[:3]))) == 3  # three updates, three different batches
+    assert resumed[:2] == whole[1:3]
+    state = json.loads((tmp_path / "whole" / "checkpoint-2" / "stream_state.json").read_text())
+    assert state["batches_consumed"] == 2 and state["batch_size"] == 4
+    logged = [e for e in runs["whole"].state.log_history if "bc_loss" in e]
+    assert len(logged) == 3 and all(e["bc_loss"] > 0 for e in logged)
+
+
+def test_replay_settings_are_checked(sft_checkpoint, tmp_path):
+    from hf_vla.errors import ConfigError
+    from hf_vla.rl import RLConfig, RLTrainer
+
+    common = dict(output_dir="unused", use_cpu=True, report_to=[])
+    with pytest.raises(ConfigError, match="bc_coef=0.0: must be a positive number"):
+        RLConfig(bc_coef=0.0, **common)
+    with pytest.raises(ConfigError, match=r"bc_datasets\[0\].*'rot'"):
+        RLConfig(bc_datasets=[{"rot": "x", "name": "a"}], **common)
+    with pytest.raises(ConfigError, match="bc_datasets=\\[\\]: a non-empty list"):
+        RLConfig(bc_datasets=[], **common)
+    model = randomize_(PI05ForConditionalGeneration(tiny_pi05_config(chunk_size=4, max_state_dim=2,
+                                                                     max_action_dim=2)), seed=0)
+    other = "other_robot::delta_xy"
+    processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats={other: NORM_STATS[HEAD]},
+                                          head_names=[other])
+    with pytest.raises(ConfigError, match=r"bc_datasets: head\(s\) \['color_reach::delta_xy'\] are not the policy's"):
+        RLTrainer(model, _replay_args(tmp_path, sft_checkpoint), processing_class=processor)

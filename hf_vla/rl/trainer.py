@@ -118,6 +118,12 @@ class RLConfig(VLATrainingArguments):
     episode_seed (`int`, defaults to 100000): the first env seed of the rollouts (recorded data starts at 0,
         evaluation at 10,000; both stay disjoint from rollouts for runs of < 90,000 seeds).
     eval_episodes (`int`, defaults to 10): held-out episodes per task at each evaluation (seeds from 10,000).
+    bc_datasets (`list[dict]`, *optional*): expert data replayed beside the RL loss (`hf_vla.rl.replay`): LeRobot
+        datasets as `python -m hf_vla.train`'s `datasets` (each named as in the policy's supervised training, so it
+        is read with the policy's normalisation). Each micro-batch adds `bc_coef` times supervised training's loss on
+        `per_device_train_batch_size` of their frames (DAPG's demonstration term): it keeps what supervised training
+        taught while the rollouts move the policy. The stream's position is saved with every checkpoint.
+    bc_coef (`float`, defaults to 1.0): weight of that supervised loss (with `bc_datasets`).
     max_train_minutes (`float`, *optional*): stop after the update during which this much wall-clock time has passed
         since training started (held-out evaluations not counted), with a checkpoint: a budget in minutes rather than
         updates, as benchmarks compare arms.
@@ -157,6 +163,9 @@ class RLConfig(VLATrainingArguments):
     dynamic_sampling: bool = field(default=True, metadata={"help": "drop groups with equal returns"})
     episode_seed: int = field(default=100_000, metadata={"help": "first env seed of the rollouts"})
     eval_episodes: int = field(default=10, metadata={"help": "held-out episodes per task per evaluation"})
+    bc_datasets: list[dict] | None = field(default=None, metadata={"help": "expert datasets replayed beside the RL "
+                                                                           "loss (as hf_vla.train's datasets)"})
+    bc_coef: float = field(default=1.0, metadata={"help": "weight of the supervised loss on bc_datasets"})
     max_train_minutes: float | None = field(default=None, metadata={"help": "wall-clock budget of the updates"})
 
     # pi_RL's learning rate for pi0 / pi0.5 (full size); small policies trained from scratch take larger ones.
@@ -229,6 +238,21 @@ class RLConfig(VLATrainingArguments):
             raise ConfigError(f"denoise_steps={self.denoise_steps}: the SDE sampler needs at least 2")
         if self.max_train_minutes is not None and not self.max_train_minutes > 0:
             raise ConfigError(f"max_train_minutes={self.max_train_minutes}: must be positive (or unset)")
+        if not (math.isfinite(self.bc_coef) and self.bc_coef > 0):
+            raise ConfigError(f"bc_coef={self.bc_coef}: must be a positive number (leave bc_datasets unset for no "
+                              "expert term)")
+        if self.bc_datasets is not None:
+            from ..data import DatasetConfig
+            from ..validation import check_fields
+
+            if not isinstance(self.bc_datasets, list) or not self.bc_datasets:
+                raise ConfigError(f"bc_datasets={self.bc_datasets!r}: a non-empty list of dataset objects (as "
+                                  "hf_vla.train's datasets), or unset")
+            for index, spec in enumerate(self.bc_datasets):
+                if not isinstance(spec, dict):
+                    raise ConfigError(f"bc_datasets[{index}] must be an object, got {spec!r}")
+                self.bc_datasets[index] = spec = check_fields(spec, [DatasetConfig], where=f"bc_datasets[{index}]")
+                DatasetConfig(**spec)  # field-level validation without touching data
         if self.beta > 0 and not self.log_kl:
             raise ConfigError("beta > 0 needs the start policy's means: leave log_kl on")
         super().__post_init__()
@@ -263,20 +287,36 @@ class TimeBudget(TrainerCallback):
 
 class UpdateStream(IterableDataset):
     """What the Trainer iterates: one empty item per micro-batch. The rollouts are made in `_prepare_inputs` from the
-    step count (each rank its own seeds), so the stream has no position of its own to save."""
+    step count (each rank its own seeds), so they have no position of their own to save; the expert data replayed
+    beside them (`replay`, one batch per micro-batch) has, and the trainer's checkpoints save and restore it here."""
 
-    num_workers = 0
-    provenance = None
+    def __init__(self, replay=None):
+        self.replay = replay
+
+    @property
+    def provenance(self):
+        return getattr(self.replay, "provenance", None)
+
+    @property
+    def num_workers(self) -> int:  # the replay stream's DataLoader workers: part of its shard layout
+        return self.replay.num_workers if self.replay is not None else 0
+
+    @num_workers.setter
+    def num_workers(self, value: int):
+        if self.replay is not None:
+            self.replay.num_workers = value
 
     def __iter__(self):
         while True:
             yield {}
 
     def state_dict(self) -> dict:
-        return {}
+        return self.replay.state_dict() if self.replay is not None else {}
 
     def load_state_dict(self, state: dict, on_data_change: str = "error"):
-        return None
+        if self.replay is None:
+            return None
+        return self.replay.load_state_dict(state, on_data_change=on_data_change)
 
 
 def _identity(item):
@@ -321,7 +361,12 @@ class RLTrainer(VLATrainer):
             model.add_value_head()
             if peft_config is not None:  # under LoRA the critic trains in full, as the action/time heads do
                 peft_config.modules_to_save = sorted(set(peft_config.modules_to_save or []) | {"value_head"})
-        super().__init__(model, args, train_dataset=UpdateStream(), eval_dataset=UpdateStream(),
+        replay, self._replay_collate, self._replay_batches = None, None, None
+        if args.bc_datasets:  # the expert data replayed beside the RL loss (hf_vla.rl.replay)
+            from .replay import replay_stream
+
+            replay, self._replay_collate = replay_stream(args, processing_class, model.config)
+        super().__init__(model, args, train_dataset=UpdateStream(replay), eval_dataset=UpdateStream(),
                          data_collator=_identity, processing_class=processing_class, peft_config=peft_config,
                          callbacks=callbacks)
         self.reference = reference
@@ -583,9 +628,28 @@ class RLTrainer(VLATrainer):
 
     # ---- the objective ---------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.args.algorithm == "filtered_bc":
+            loss = self._filtered_bc_loss(model, inputs)
+        else:
+            loss = self._policy_gradient_loss(model, inputs)
+        if self.train_dataset.replay is not None and model.training:
+            loss = loss + self.args.bc_coef * self._replay_loss(model)
+        return (loss, None) if return_outputs else loss
+
+    def _replay_loss(self, model) -> torch.Tensor:
+        """Supervised training's loss (`VLATrainer.compute_loss`) on the next batch of the replayed expert data, as
+        one micro-batch's share of the update (divided by the gradient-accumulation steps)."""
+        if self._replay_batches is None:  # opened at the first use: after a resume has restored the position
+            self._replay_batches = iter(self._loader(self.train_dataset.replay, self._replay_collate))
+        batch = next(self._replay_batches)
+        batch = {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        loss = VLATrainer.compute_loss(self, model, batch) / self.args.gradient_accumulation_steps
+        self._metric("bc_loss", loss.detach().item() * self.args.gradient_accumulation_steps
+                     / self.accelerator.num_processes)
+        return loss
+
+    def _policy_gradient_loss(self, model, inputs) -> torch.Tensor:
         args = self.args
-        if args.algorithm == "filtered_bc":
-            return self._filtered_bc_loss(model, inputs, return_outputs)
         ppo = args.algorithm == "ppo"
         if ppo:  # the critic's values from the same prefix pass
             means, values = chain_means(model, inputs, inputs["chain"], self.sde, value=True)
@@ -615,9 +679,9 @@ class RLTrainer(VLATrainer):
                     self._metric("value_loss", critic.detach()[live].mean().item())
         if self.accelerator.num_processes > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over ranks
-        return (loss, None) if return_outputs else loss
+        return loss
 
-    def _filtered_bc_loss(self, model, inputs, return_outputs=False):
+    def _filtered_bc_loss(self, model, inputs):
         """Supervised training's objective (`hf_vla.losses.policy_per_sample_loss`: its time distribution, noise seeded
         by the decision's identity) on each kept decision's chunk, over the decision mask (the executed steps' real
         action dims: the rest of the chunk is the policy's own unexecuted guess), weighted as the policy loss is."""
@@ -637,7 +701,7 @@ class RLTrainer(VLATrainer):
             self._metric("flow_loss", per_decision.detach()[live].mean().item())
         if self.accelerator.num_processes > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over ranks
-        return (loss, None) if return_outputs else loss
+        return loss
 
     def _finite(self, loss: torch.Tensor, what: str, detail: str = "") -> torch.Tensor:
         """The NaN guard of every RL loss: `on_nonfinite="stop"` raises before any weight moves, `"skip"` records the
@@ -753,7 +817,9 @@ class RLTrainer(VLATrainer):
                        f"{args.algorithm.upper()}{critic} on Flow-SDE likelihoods ({args.noise_schedule} noise, "
                        f"level {args.noise_level}, "
                        f"{self.sde.num_steps} denoising steps), clip [{1 - args.epsilon:g}, {1 + args.epsilon_high:g}], "
-                       f"beta {args.beta:g}, reward {args.reward}"),
+                       f"beta {args.beta:g}, reward {args.reward}")
+                      + (f"; plus supervised training's loss (weight {args.bc_coef:g}) on the expert data "
+                         f"{', '.join(d['name'] for d in args.bc_datasets)}" if args.bc_datasets else ""),
             "updates": self.state.global_step, "episodes": self._episodes_total,
             # the whole train() call, held-out evaluations included
             "minutes": round(sum(e.get("train_runtime", 0) for e in self.state.log_history) / 60, 1),
