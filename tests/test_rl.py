@@ -736,16 +736,19 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_the_run_resumes(sft_checkpoint,
     assert episodes[-1] == 2 * (4 - int(checkpoints[0].split("-")[1]))  # the resumed run rolled out the rest only
 
 
-def test_two_processes_update_with_the_gradient_of_one_process_on_the_union_of_their_rollouts(tmp_path):
-    """Under DDP each rank rolls out its own seeds; the update's gradient (PPO: policy and critic) is the one-process
-    gradient of the loss over every rank's decisions (the loss weight 1 / all ranks' decisions, DDP's average undone,
-    advantages whitened over both ranks)."""
+def test_two_processes_update_with_the_gradient_of_one_process_on_the_union_of_their_rollouts(sft_checkpoint,
+                                                                                              tmp_path):
+    """Under DDP each rank rolls out its own seeds and replays its own shard of the expert data; the update's
+    gradient (PPO: policy and critic; the replayed supervised loss) is the one-process gradient of the loss over every
+    rank's decisions (the loss weight 1 / all ranks' decisions, DDP's average undone, advantages whitened over both
+    ranks) plus the mean of the supervised loss over every rank's replayed batches."""
     from rl_distributed import Recording, config
 
     out = tmp_path / "grads.pt"
+    spec = _replay_spec(sft_checkpoint)
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT="29531")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29531", str(REPO / "tests" / "rl_distributed.py"), str(out)],
+                           "29531", str(REPO / "tests" / "rl_distributed.py"), str(out), json.dumps(spec)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     saved = torch.load(out, weights_only=False)
@@ -757,9 +760,16 @@ def test_two_processes_update_with_the_gradient_of_one_process_on_the_union_of_t
     assert abs(advantages.mean().item()) < 1e-6 and abs(advantages.std().item() - 1) < 1e-6  # whitened on the union
     first = saved["batches"][0]["chain"]
     assert not any(torch.equal(first, b["chain"]) for b in saved["batches"][2:])  # the ranks rolled out other seeds
+    replayed = saved["replayed"]
+    assert len(replayed) == 4  # one expert batch per micro-batch and rank
+    identities = [set(zip(b["episode_index"].tolist(), b["frame_index"].tolist())) for b in replayed]
+    assert not identities[0] & identities[2] and not identities[1] & identities[3]  # each rank its own shard
     model, processor = tiny_policy(seed=4, scale=0.05)
-    trainer = Recording(model, config(str(tmp_path / "one"), False), processing_class=processor)
-    trainer.seen = []
+    # one process, the union: all four micro-batches of decisions, all four replayed batches (as GA 4)
+    trainer = Recording(model, config(str(tmp_path / "one"), False, spec, gradient_accumulation_steps=4),
+                        processing_class=processor)
+    trainer.seen, trainer.replayed = [], []
+    trainer._replay_batches = iter(replayed)
     try:
         total = sum(trainer.compute_loss(model.train(), b) for b in saved["batches"])
     finally:

@@ -638,15 +638,22 @@ class RLTrainer(VLATrainer):
 
     def _replay_loss(self, model) -> torch.Tensor:
         """Supervised training's loss (`VLATrainer.compute_loss`) on the next batch of the replayed expert data, as
-        one micro-batch's share of the update (divided by the gradient-accumulation steps)."""
+        one of the update's `gradient_accumulation_steps x world_size` batches: the update's gradient is the mean of
+        theirs (each batch's loss is its samples' mean)."""
+        batch = self._next_replay_batch()
+        ranks = self.accelerator.num_processes
+        # Through the unwrapped model: the RL loss went through DDP's forward once (which prepares the all-reduce), and
+        # a second DDP forward before one backward would mark parameters ready twice; autograd sums both paths' grads.
+        core = self.accelerator.unwrap_model(model)
+        loss = VLATrainer.compute_loss(self, core, batch)  # under DDP times the ranks (their average undone)
+        self._metric("bc_loss", loss.detach().item() / ranks)
+        return loss / (self.args.gradient_accumulation_steps * ranks)
+
+    def _next_replay_batch(self) -> dict:
         if self._replay_batches is None:  # opened at the first use: after a resume has restored the position
             self._replay_batches = iter(self._loader(self.train_dataset.replay, self._replay_collate))
         batch = next(self._replay_batches)
-        batch = {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        loss = VLATrainer.compute_loss(self, model, batch) / self.args.gradient_accumulation_steps
-        self._metric("bc_loss", loss.detach().item() * self.args.gradient_accumulation_steps
-                     / self.accelerator.num_processes)
-        return loss
+        return {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def _policy_gradient_loss(self, model, inputs) -> torch.Tensor:
         args = self.args
