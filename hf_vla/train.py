@@ -28,11 +28,17 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from .data.sources import DatasetConfig
 from .errors import ConfigError, MissingFileError
 from .lora import PRESETS
 from .trainer import VLATrainingArguments
-from .validation import check_fields, check_model_config, check_writable_dir, field_annotations, is_bool_field
+from .validation import (
+    check_dataset_specs,
+    check_fields,
+    check_model_config,
+    check_writable_dir,
+    field_annotations,
+    is_bool_field,
+)
 
 logger = logging.getLogger("hf_vla.train")
 POLICIES = ("pi05", "pi0")
@@ -148,11 +154,7 @@ class DataArguments:
     def __post_init__(self):
         if not self.datasets:
             raise ConfigError("datasets: at least one LeRobot dataset is needed")
-        for index, spec in enumerate(self.datasets):
-            if not isinstance(spec, dict):
-                raise ConfigError(f"datasets[{index}] must be an object, got {spec!r}")
-            self.datasets[index] = spec = check_fields(spec, [DatasetConfig], where=f"datasets[{index}]")
-            DatasetConfig(**spec)  # field-level validation (weights, cameras, names) without touching data
+        self.datasets[:] = check_dataset_specs(self.datasets)
         if not 0.0 <= self.validation_ratio < 1.0:
             raise ConfigError(f"validation_ratio={self.validation_ratio}: must be in [0, 1)")
         if self.demo_episodes <= 0:

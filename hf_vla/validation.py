@@ -138,6 +138,21 @@ def check_fields(values: dict, dataclass_types, where: str = "") -> dict:
     return {key: check_value(key, value, annotations[key], where) for key, value in values.items()}
 
 
+def check_dataset_specs(specs: list, key: str = "datasets") -> list[dict]:
+    """`specs` (the `datasets` of training, RL's `bc_datasets`) checked field by field against `DatasetConfig` without
+    touching data: a `ConfigError` naming `key[index]` and the field; the specs with their values converted."""
+    from .data.sources import DatasetConfig
+
+    checked = []
+    for index, spec in enumerate(specs):
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{key}[{index}] must be an object, got {spec!r}")
+        spec = check_fields(spec, [DatasetConfig], where=f"{key}[{index}]")
+        DatasetConfig(**spec)  # field-level validation (weights, cameras, names)
+        checked.append(spec)
+    return checked
+
+
 def is_bool_field(annotation) -> bool:
     """True for `bool` and `bool | None` (the fields a bare `--flag` may set)."""
     options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (

@@ -242,17 +242,12 @@ class RLConfig(VLATrainingArguments):
             raise ConfigError(f"bc_coef={self.bc_coef}: must be a positive number (leave bc_datasets unset for no "
                               "expert term)")
         if self.bc_datasets is not None:
-            from ..data import DatasetConfig
-            from ..validation import check_fields
+            from ..validation import check_dataset_specs
 
             if not isinstance(self.bc_datasets, list) or not self.bc_datasets:
                 raise ConfigError(f"bc_datasets={self.bc_datasets!r}: a non-empty list of dataset objects (as "
                                   "hf_vla.train's datasets), or unset")
-            for index, spec in enumerate(self.bc_datasets):
-                if not isinstance(spec, dict):
-                    raise ConfigError(f"bc_datasets[{index}] must be an object, got {spec!r}")
-                self.bc_datasets[index] = spec = check_fields(spec, [DatasetConfig], where=f"bc_datasets[{index}]")
-                DatasetConfig(**spec)  # field-level validation without touching data
+            self.bc_datasets = check_dataset_specs(self.bc_datasets, "bc_datasets")
         if self.beta > 0 and not self.log_kl:
             raise ConfigError("beta > 0 needs the start policy's means: leave log_kl on")
         super().__post_init__()
