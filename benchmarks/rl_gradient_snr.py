@@ -7,7 +7,7 @@ Builds `hf_vla.rl.RLTrainer` from the config exactly as `python -m hf_vla.rl` do
 fixed, rolls out `--batches` independent batches (the trainer's own `_generate`, generations 0..N-1: other env seeds,
 other noise) and takes each batch's gradient of the loss `RLTrainer.compute_loss` computes for GRPO without a KL
 term (`beta` 0; PPO's critic and the KL term are refused), split by denoising step k (the loss is a mean over the K
-Gaussian steps of the chain), with the same chain means, step log-probabilities, clipped objective and weights. Two batches' gradients agree only in their signal: the
+Gaussian steps of the chain; the trainer's own split, `RLTrainer._policy_gradient_loss(..., per_step=True)`). Two batches' gradients agree only in their signal: the
 mean cosine between pairs estimates signal / (signal + noise) of one batch's gradient (0: the update is a random walk;
 near 1: every batch points the same way). Printed as JSON: the pairwise cosines of the whole gradient, of each
 module's part (`per_module`) and of each step's part, and each step's share of the gradient's squared
@@ -37,7 +37,6 @@ def _group(name: str) -> str:
 
 def measure(argv: list[str], batches: int) -> dict:
     from hf_vla.rl.__main__ import load_start, parse_rl_config
-    from hf_vla.rl.flow import chain_means, clipped_objective, step_log_probs
     from hf_vla.rl.trainer import RLTrainer
 
     args = parse_rl_config(argv[0], argv[1:])
@@ -63,13 +62,10 @@ def measure(argv: list[str], batches: int) -> dict:
             trainer.model.train()
             steps = [None] * K
             for inputs in parts:
-                means = chain_means(trainer.model, inputs, inputs["chain"], trainer.sde)
-                log_probs = step_log_probs(inputs["chain"], means, trainer.sde, inputs["mask"])
-                elements, _ = clipped_objective(log_probs - inputs["old_log_probs"], inputs["advantages"],
-                                                args.epsilon, args.epsilon_high)
-                # the trainer's loss: sum over decisions of weight * mean over k; here each k's part alone
+                # the trainer's loss (sum over decisions of weight * mean over k), each k's part alone
+                losses = trainer._policy_gradient_loss(trainer.model, inputs, per_step=True)
                 for k in range(K):
-                    loss_k = (inputs["weights"] * elements[:, k]).sum() / K
+                    loss_k = losses[k]
                     grads = torch.autograd.grad(loss_k, params, retain_graph=k < K - 1, allow_unused=True)
                     flat = _flat(grads)
                     steps[k] = flat if steps[k] is None else steps[k] + flat

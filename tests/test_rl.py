@@ -478,6 +478,29 @@ def test_filtered_bc_with_the_deterministic_sampler_trains_the_supervised_loss_o
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
 
 
+def test_the_per_step_split_of_the_grpo_loss_sums_to_it(tmp_path):
+    """`_policy_gradient_loss(per_step=True)` (what benchmarks/rl_gradient_snr.py differentiates) is the loss split by
+    denoising step: K parts summing to `compute_loss`; PPO and a KL term are refused."""
+    from hf_vla.rl import RLConfig, RLTrainer
+
+    model, processor = tiny_policy(seed=4, scale=0.05)
+    args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=4,
+                    groups_per_update=2, reward="dense", use_cpu=True, report_to=[], disable_tqdm=True,
+                    eval_on_start=False, n_action_steps=1, log_kl=False)
+    trainer = RLTrainer(model, args, processing_class=processor)
+    try:
+        (batch,) = trainer._generate(0)
+    finally:
+        trainer.engine.close()
+    model.train()
+    parts = trainer._policy_gradient_loss(model, batch, per_step=True)
+    assert parts.shape == (trainer.sde.num_steps,) and parts.abs().min() > 0
+    torch.testing.assert_close(parts.sum(), trainer.compute_loss(model, batch), rtol=1e-5, atol=1e-8)
+    args.beta = 0.1
+    with pytest.raises(ValueError, match="per_step splits GRPO's policy term alone"):
+        trainer._policy_gradient_loss(model, batch, per_step=True)
+
+
 def test_filtered_bc_and_noise_schedule_settings_are_checked():
     from hf_vla.errors import ConfigError
     from hf_vla.rl import RLConfig

@@ -650,9 +650,14 @@ class RLTrainer(VLATrainer):
         batch = next(self._replay_batches)
         return {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def _policy_gradient_loss(self, model, inputs) -> torch.Tensor:
+    def _policy_gradient_loss(self, model, inputs, per_step: bool = False) -> torch.Tensor:
+        """The clipped policy-gradient loss of one micro-batch (plus the KL and critic terms); with `per_step`, GRPO's
+        policy term split by denoising step (`[K]`, summing to the loss without KL: what
+        `benchmarks/rl_gradient_snr.py` takes gradients of)."""
         args = self.args
         ppo = args.algorithm == "ppo"
+        if per_step and (ppo or args.beta > 0):
+            raise ValueError("per_step splits GRPO's policy term alone (algorithm grpo, beta 0)")
         if ppo:  # the critic's values from the same prefix pass
             means, values = chain_means(model, inputs, inputs["chain"], self.sde, value=True)
         else:
@@ -660,6 +665,9 @@ class RLTrainer(VLATrainer):
         log_probs = step_log_probs(inputs["chain"], means, self.sde, inputs["mask"])  # [b, K]
         log_ratio = log_probs - inputs["old_log_probs"]
         elements, clipped = clipped_objective(log_ratio, inputs["advantages"], args.epsilon, args.epsilon_high)
+        if per_step:
+            ranks = self.accelerator.num_processes  # DDP's average undone, as below
+            return (inputs["weights"][:, None] * elements).sum(dim=0) / elements.shape[1] * ranks
         per_decision = elements.mean(dim=1)
         if args.beta > 0:  # the KL to the start policy per denoising step, as TRL adds beta * KL per token
             per_decision = per_decision + args.beta * step_kl(means, inputs["reference_means"], self.sde,
