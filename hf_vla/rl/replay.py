@@ -33,6 +33,7 @@ def replay_stream(args, processor, config):
     the processor's collator. Every replayed head must be one of the policy's (the same dataset `name` and
     `control_mode` as in its supervised training)."""
     from ..data import VLACollator, WeightedDatasetMixture
+    from ..policy import stat_dims
 
     mixture = WeightedDatasetMixture(args.bc_datasets)
     heads = list(getattr(processor, "head_names", None) or [])
@@ -43,8 +44,7 @@ def replay_stream(args, processor, config):
                           "normalisation it is read with")
     for source in mixture.sources:
         head = source.norm_key
-        actions = processor.norm_stats[head]["actions"]
-        theirs = len(actions.get("q01") or actions["mean"])
+        theirs = stat_dims(processor.norm_stats[head]["actions"])
         if source.action_dim != theirs:
             raise ConfigError(f"bc_datasets: dataset {source.name!r} has {source.action_dim} action dims, the policy's "
                               f"head {head!r} {theirs}")
