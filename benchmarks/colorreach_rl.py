@@ -136,7 +136,7 @@ def _finish(work: Path, arm: str, budget_min: float, launched, results: dict) ->
     if process.returncode != (75 if sft else 0):
         sys.exit(f"arm {arm} failed (exit {process.returncode}); its output: {work / f'{arm}.log'}")
     if sft:
-        checkpoint = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        checkpoint = _weights(work, arm)
         results[arm] = {"run": {"steps": int(checkpoint.name.split("-")[1]), "learning_rate": 1e-4,
                                 "stopped": "SIGTERM at the budget", "wall_seconds": round(seconds, 1)}}
         return
@@ -148,9 +148,14 @@ def _finish(work: Path, arm: str, budget_min: float, launched, results: dict) ->
 
 
 def _weights(work: Path, arm: str) -> Path:
-    """The arm's final weights: its output (RL), or the checkpoint SIGTERM left (SFT)."""
+    """The arm's final weights: its output (RL), or the complete checkpoint SIGTERM left (SFT)."""
     if ARMS.get(arm, []) is None:
-        return max((work / arm).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        from hf_vla.checkpoints import last_complete_checkpoint
+
+        folder, _ = last_complete_checkpoint(work / arm)
+        if folder is None:
+            sys.exit(f"arm {arm}: no complete checkpoint in {work / arm} (see {work / f'{arm}.log'})")
+        return folder
     return work / arm
 
 
