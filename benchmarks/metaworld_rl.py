@@ -60,7 +60,7 @@ def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: l
     history = state["log_history"]
     results[f"{arm}_run"] = {
         "config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config),
-        "budget_min": budget_min, "wall_seconds": round(seconds, 1), "updates": summary["updates"],
+        "overrides": extra, "budget_min": budget_min, "wall_seconds": round(seconds, 1), "updates": summary["updates"],
         "episodes": int(max(e.get("rollout/episodes", 0) for e in history)), "method": summary["method"],
         "held_out_during_training": {str(e["step"]): e["eval_success"] for e in history if "eval_success" in e},
         "rollout_success": {str(e["step"]): e["rollout/success"] for e in history if "rollout/success" in e},
