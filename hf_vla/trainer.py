@@ -900,8 +900,10 @@ class VLATrainer(Trainer):
                     and not self.is_deepspeed_enabled and not self.is_fsdp_enabled)
 
 
-def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_model: str | None = None):
-    """The Hub model card of a trainer's model (`hf_vla.card.model_card` with the trainer's state)."""
+def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_model: str | None = None,
+                      extra_args: dict | None = None):
+    """The Hub model card of a trainer's model (`hf_vla.card.model_card` with the trainer's state); `extra_args`:
+    arguments listed after `CARD_ARGS` (a subclass's own, e.g. RL's `max_train_minutes`)."""
     from .card import model_card
 
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -918,7 +920,7 @@ def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_m
     provenance = trainer.provenance
     return model_card(
         core.config, datasets=provenance.datasets if provenance is not None else [], eval_metrics=metrics,
-        training_args={k: getattr(trainer.args, k) for k in CARD_ARGS},
+        training_args={k: getattr(trainer.args, k) for k in CARD_ARGS} | (extra_args or {}),
         model_name=model_name or Path(trainer.args.output_dir).name,
         repo_id=trainer.args.hub_model_id or model_name or Path(trainer.args.output_dir).name, base_model=base_model,
         lora=next(iter(peft_config.values())) if peft_config else None, rollouts=rollouts,

@@ -277,6 +277,7 @@ class TimeBudget(TrainerCallback):
             logger.info("max_train_minutes=%g reached after update %d: saving and stopping", args.max_train_minutes,
                         state.global_step)
             control.should_save, control.should_training_stop = True, True
+            self.trainer.stopped_by = f"max_train_minutes={args.max_train_minutes:g}"
         return control
 
 
@@ -381,6 +382,7 @@ class RLTrainer(VLATrainer):
         self._micro = 0
         self._rl_metrics: dict[str, list[float]] = {}
         self._episodes_total = 0
+        self.stopped_by: str | None = None  # what ended training before max_steps (the time budget), for the card
 
     # ---- data: the rollouts ----------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -831,6 +833,7 @@ class RLTrainer(VLATrainer):
                       + (f"; plus supervised training's loss (weight {args.bc_coef:g}) on the expert data "
                          f"{', '.join(d['name'] for d in args.bc_datasets)}" if args.bc_datasets else ""),
             "updates": self.state.global_step, "episodes": self._episodes_total,
+            "max_steps": args.max_steps, "max_train_minutes": args.max_train_minutes, "stopped_by": self.stopped_by,
             # the whole train() call, held-out evaluations included
             "minutes": round(sum(e.get("train_runtime", 0) for e in self.state.log_history) / 60, 1),
             "eval_episodes": args.eval_episodes,
@@ -844,15 +847,20 @@ class RLTrainer(VLATrainer):
 
         if not self.is_world_process_zero():
             return None
-        card = render_model_card(self, model_name=model_name, base_model=base_model)
         summary = self.rl_summary()
+        # the arguments that bound the run: a time-budgeted run's max_steps is only a ceiling
+        card = render_model_card(self, model_name=model_name, base_model=base_model,
+                                 extra_args={"max_train_minutes": self.args.max_train_minutes}
+                                 if self.args.max_train_minutes is not None else None)
+        stopped = f"stopped by {summary['stopped_by']}" if summary["stopped_by"] else f"max_steps={summary['max_steps']}"
+
         before = "–" if summary["before"] is None else f"{100 * summary['before']:.1f}%"
         after = "–" if summary["after"] is None else f"{100 * summary['after']:.1f}%"
         card.text += (
             "\n\n## Reinforcement-learning fine-tuning (hf_vla.rl)\n\n"
             f"- start checkpoint: `{summary['start']}`\n- env: {summary['env']} "
             f"{', '.join(summary['tasks'])}\n- method: {summary['method']}\n"
-            f"- budget: {summary['updates']} updates, {summary['episodes']} rollout episodes, "
+            f"- budget: {summary['updates']} updates ({stopped}), {summary['episodes']} rollout episodes, "
             f"{summary['minutes']} min\n- held-out success ({summary['eval_episodes']} episodes per task, seeds from "
             f"{EVAL_SEED}): {before} before -> {after} after"
             + (f" (best {100 * summary['best'][0]:.1f}%, {summary['best'][1]})" if summary["best"][0] is not None
