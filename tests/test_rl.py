@@ -401,15 +401,16 @@ def test_a_policy_gradient_step_moves_the_policy_toward_the_known_optimum(tmp_pa
         assert model.value_head.out.weight.abs().max() > 0  # the critic's update
 
 
-def test_a_time_budget_stops_after_the_update_with_a_checkpoint_and_the_card_says_so(tmp_path):
+def test_a_time_budget_stops_after_the_update_with_a_checkpoint_and_the_card_says_so(tmp_path, capsys):
     """max_train_minutes (the benchmarks' budget) ends the run after the update during which it passed, saves that
-    update's checkpoint although save_steps is not due, and the card names the budget, not max_steps, as the end."""
+    update's checkpoint although save_steps is not due, shows the minutes on the progress bar, and the card names the
+    budget, not max_steps, as the end."""
     from hf_vla.rl import RLConfig, RLTrainer
 
     model, processor = tiny_policy(seed=4, scale=0.05)
     args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=2,
                     groups_per_update=1, max_steps=50, max_train_minutes=1e-6, reward="dense", use_cpu=True,
-                    report_to=[], disable_tqdm=True, save_strategy="steps", save_steps=40, eval_strategy="no",
+                    report_to=[], disable_tqdm=False, save_strategy="steps", save_steps=40, eval_strategy="no",
                     eval_on_start=False, n_action_steps=1, seed=0, log_kl=False)
     trainer = RLTrainer(model, args, processing_class=processor)
     try:
@@ -417,6 +418,7 @@ def test_a_time_budget_stops_after_the_update_with_a_checkpoint_and_the_card_say
     finally:
         trainer.engine.close()
     assert trainer.state.global_step == 1 and (tmp_path / "run" / "checkpoint-1").is_dir()
+    assert " of 1e-06 min" in capsys.readouterr().err  # the budget beside the updates on the progress bar
     summary = trainer.rl_summary()
     assert summary["stopped_by"] == "max_train_minutes=1e-06" and summary["max_steps"] == 50
     card = trainer.create_model_card().text

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 
 from ..errors import ConfigError, NonFiniteError
 from ..trainer import VLATrainer, VLATrainingArguments
@@ -273,6 +274,9 @@ class TimeBudget(TrainerCallback):
         spent = torch.tensor([(time.perf_counter() - self.started - self.evaluating) / 60], device=args.device)
         if self.trainer.accelerator.num_processes > 1:
             spent = self.trainer.accelerator.reduce(spent, reduction="max")
+        for callback in self.trainer.callback_handler.callbacks:  # the budget beside the updates on the progress bar
+            if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+                callback.training_bar.set_postfix_str(f"{spent.item():.1f} of {args.max_train_minutes:g} min")
         if spent.item() >= args.max_train_minutes:
             logger.info("max_train_minutes=%g reached after update %d: saving and stopping", args.max_train_minutes,
                         state.global_step)
