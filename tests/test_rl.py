@@ -159,6 +159,51 @@ def test_the_chain_log_probability_equals_an_independent_float64_gaussian(schedu
     assert gaussian_log_prob(chain[:, 1], means[:, 0], stds[0], torch.zeros(4, 2)).abs().max() == 0
 
 
+@pytest.mark.parametrize("schedule", ["flow_sde", "constant"])
+def test_per_chunk_noise_levels_give_each_chain_its_own_gaussian(schedule):
+    """A batch of chunks sampled at three noise levels at once (a multi-task batch with `task_noise_levels`): each
+    chain's log-probability is scipy's float64 normal density with its own level's stds, its steps are its means plus
+    its own std times the normals, the update's recomputed means (which depend on the level under flow_sde) are the
+    rollout's, and the KL to a shifted policy has each chunk's closed form."""
+    from scipy.stats import norm
+
+    model, processor = tiny_policy()
+    inputs = {k: v.expand(3, *v.shape[1:]) for k, v in model_inputs(processor).items()}
+    sde = FlowSDE(4, 0.6, schedule)
+    levels = [0.6, 0.2, 1.1]
+    generator = torch.Generator().manual_seed(2)
+    noise = torch.randn(3, 4, 2, generator=generator)
+    step_noise = torch.randn(3, 4, 4, 2, generator=generator)
+    chain, means = sample_chain(model.eval(), inputs, noise, step_noise, sde, levels=levels)
+    mask = torch.zeros(4, 2)
+    mask[:2] = 1
+    ours = step_log_probs(chain, means, sde, mask, levels).sum(dim=1)
+    times = (1, .75, .5, .25)
+    for row, level in enumerate(levels):
+        if schedule == "flow_sde":
+            stds = [level * math.sqrt(min(t, 0.75) / (1 - min(t, 0.75))) * math.sqrt(0.25) for t in times]
+        else:
+            stds = [level * math.sqrt(0.25)] * 4
+        expected = sum(norm.logpdf(chain[row, k + 1, :2].double().numpy(), means[row, k, :2].double().numpy(),
+                                   std).sum() for k, std in enumerate(stds))
+        np.testing.assert_allclose(ours[row].item(), expected, rtol=1e-5)
+        for k, std in enumerate(stds):
+            torch.testing.assert_close(chain[row, k + 1], means[row, k] + std * step_noise[row, k], rtol=1e-5,
+                                       atol=1e-6)
+        shifted = step_kl(means[row:row + 1] + 0.1, means[row:row + 1], sde, mask, [level])
+        torch.testing.assert_close(shifted[0], torch.tensor([4 * 0.01 / (2 * s * s) for s in stds]), rtol=1e-4,
+                                   atol=0)
+    # the first row, at the sde's own level, is what sampling without levels gives
+    alone = sample_chain(model, {k: v[:1] for k, v in inputs.items()}, noise[:1], step_noise[:1], sde)[0]
+    torch.testing.assert_close(alone, chain[:1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chain_means(model, inputs, chain, sde, levels=levels), means, rtol=1e-4, atol=1e-5)
+    if schedule == "flow_sde":  # the mean depends on the level there: the default level's means are not the rows'
+        assert not torch.allclose(chain_means(model, inputs, chain, sde)[1:], means[1:], atol=1e-4)
+    torch.testing.assert_close(step_kl(means + 0.1, means, sde, mask, levels).sum(dim=1),
+                               torch.cat([step_kl(means[i:i + 1] + 0.1, means[i:i + 1], sde, mask, [lv]).sum(dim=1)
+                                          for i, lv in enumerate(levels)]))
+
+
 @pytest.mark.parametrize("policy", ["pi05", "pi0"])
 def test_the_cached_prefix_gives_the_gradient_of_full_forwards(policy):
     """The update runs the prefix once and the expert K times on its cache: the same gradient as K full forwards (for
@@ -519,8 +564,20 @@ def test_the_per_step_split_of_the_grpo_loss_sums_to_it(tmp_path):
         trainer.engine.close()
     model.train()
     parts = trainer._policy_gradient_loss(model, batch, per_step=True)
-    assert parts.shape == (trainer.sde.num_steps,) and parts.abs().min() > 0
-    torch.testing.assert_close(parts.sum(), trainer.compute_loss(model, batch), rtol=1e-5, atol=1e-8)
+    assert parts.shape == (trainer.sde.num_steps,)
+    # At ratio 1 (the rollout weights) each part's value is -sum(w A) over its step, about 0 (GRPO's advantages are
+    # centred per group), so the values agree only to rounding; the gradients, what the split is for, must add up.
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(loss):
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        return torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(params, grads)])
+
+    split = [gradient(part) for part in parts]
+    assert all(g.abs().sum() > 0 for g in split)  # every denoising step carries a gradient
+    whole = gradient(trainer.compute_loss(model, batch))
+    torch.testing.assert_close(sum(split), whole, rtol=1e-4, atol=1e-6 * whole.abs().max().item())
+    torch.testing.assert_close(parts.sum(), trainer.compute_loss(model, batch), rtol=1e-5, atol=1e-6)
     args.beta = 0.1
     with pytest.raises(ValueError, match="per_step splits GRPO's policy term alone"):
         trainer._policy_gradient_loss(model, batch, per_step=True)
@@ -538,9 +595,29 @@ def test_filtered_bc_and_noise_schedule_settings_are_checked():
         RLConfig(algorithm="filtered_bc", beta=0.1, **common)
     with pytest.raises(ConfigError, match="noise_schedule='linear': choose one of"):
         RLConfig(noise_schedule="linear", **common)
+    assert RLConfig(task_noise_levels={"door-open-v3": 0.2}, **common).task_noise_levels == {"door-open-v3": 0.2}
+    with pytest.raises(ConfigError, match=r"task_noise_levels\['door-open-v3'\]=0: must be a positive number"):
+        RLConfig(task_noise_levels={"door-open-v3": 0}, **common)
+    with pytest.raises(ConfigError, match=r"task_noise_levels\['door'\]='low': must be a positive number"):
+        RLConfig(task_noise_levels={"door": "low"}, **common)
+    assert RLConfig(algorithm="filtered_bc", task_noise_levels={"a": 0}, **common).task_noise_levels == {"a": 0}
+    with pytest.raises(ConfigError, match="task_noise_levels=0.2: a non-empty mapping of task names"):
+        RLConfig(task_noise_levels=0.2, **common)
     with pytest.raises(ConfigError, match="group_size=1: filtered_bc with reward='dense'"):
         RLConfig(algorithm="filtered_bc", reward="dense", group_size=1, **common)
     assert RLConfig(algorithm="filtered_bc", group_size=1, **common).group_size == 1  # successes need no groups
+
+
+def test_task_noise_levels_must_name_tasks_of_the_run(tmp_path):
+    """A level for a task the run does not roll out is a typo, refused by name before any env starts."""
+    from hf_vla.errors import ConfigError
+    from hf_vla.rl import RLConfig, RLTrainer
+
+    model, processor = tiny_policy(seed=4, scale=0.05)
+    args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", use_cpu=True, report_to=[],
+                    n_action_steps=1, task_noise_levels={"door-open-v3": 0.2})
+    with pytest.raises(ConfigError, match=r"task_noise_levels names \['door-open-v3'\], not tasks of this run"):
+        RLTrainer(model, args, processing_class=processor)
 
 
 # ---- rollouts through the evaluation episode loop -------------------------------------------------------------------
@@ -580,9 +657,11 @@ def test_batched_rollouts_equal_serial_ones_per_seed():
     assert not torch.allclose(first[0].chain[-1], first[1].chain[-1])
 
 
-def test_every_task_rolls_out_at_once_with_one_batched_call_per_control_step(monkeypatch):
+@pytest.mark.parametrize("own_levels", [None, {"b": 0.1}], ids=["one-level", "task-b-at-0.1"])
+def test_every_task_rolls_out_at_once_with_one_batched_call_per_control_step(monkeypatch, own_levels):
     """With several tasks, the engine runs them in one loop: each policy call batches the live envs of every task (2
-    tasks x 2 envs -> calls of 4), and every episode is the one its task gives alone (same chains, same outcomes)."""
+    tasks x 2 envs -> calls of 4), and every episode is the one its task gives alone (same chains, same outcomes),
+    also when one task explores at a noise level of its own (each decision records its task's level)."""
     from hf_vla.evaluate import make_env
     from hf_vla.rl import RolloutEngine, StochasticPolicy
 
@@ -603,13 +682,13 @@ def test_every_task_rolls_out_at_once_with_one_batched_call_per_control_step(mon
         engine.tasks = ["a", "b"]
         engine.envs = {task: [make_env("hf_vla/ColorReach-v0", None, {"max_episode_steps": 6}, worker=False)
                               for _ in range(2)] for task in engine.tasks}
-        together, together_tr = engine.run(_stochastic(model, processor), seeds, noise)
+        together, together_tr = engine.run(_stochastic(model, processor, task_noise_levels=own_levels), seeds, noise)
         calls_together = list(sizes)
         alone, alone_tr = {}, []
         for task in engine.tasks:
             sizes.clear()
-            episodes, transitions = engine.run(_stochastic(model, processor), {task: seeds[task]},
-                                               {task: noise[task]})
+            episodes, transitions = engine.run(_stochastic(model, processor, task_noise_levels=own_levels),
+                                               {task: seeds[task]}, {task: noise[task]})
             alone[task], alone_tr = episodes[task], alone_tr + transitions
             assert max(sizes) == 2  # one task: its 2 envs
     finally:
@@ -624,6 +703,10 @@ def test_every_task_rolls_out_at_once_with_one_batched_call_per_control_step(mon
     assert sorted(map(key, together_tr)) == sorted(by_key)
     for tr in together_tr:
         torch.testing.assert_close(tr.chain, by_key[key(tr)].chain, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(tr.log_probs, by_key[key(tr)].log_probs, rtol=1e-4, atol=1e-3)
+    task_of = {n: task for task, seeds_ in noise.items() for n in seeds_}
+    assert {tr.level for tr in together_tr if task_of[tr.noise_seed] == "a"} == {0.5}
+    assert {tr.level for tr in together_tr if task_of[tr.noise_seed] == "b"} == {(own_levels or {}).get("b", 0.5)}
 
 
 def test_a_dead_env_worker_is_restarted_and_its_episode_discarded_and_counted():
@@ -844,7 +927,9 @@ def test_help_lists_the_rl_fields_and_the_command_is_listed():
 
 
 def test_meta_world_rollouts_and_an_update_through_the_benchmark_wrapper(tmp_path):
-    """The benchmark path: lerobot's Meta-World wrapper in worker processes, the dense reward, one update."""
+    """The benchmark path: lerobot's Meta-World wrapper in worker processes, two tasks at once, one exploring at a
+    noise level of its own, the dense reward, one update. Its one optimizer step recomputes every decision's
+    likelihood at that decision's level under the rollout weights: ratio 1, nothing clipped."""
     from hf_vla.rl import RLConfig, RLTrainer
 
     torch.manual_seed(0)
@@ -853,19 +938,25 @@ def test_meta_world_rollouts_and_an_update_through_the_benchmark_wrapper(tmp_pat
     head = "metaworld::delta_xyz_gripper"
     stats = {head: {"state": {"q01": [-1.0] * 4, "q99": [1.0] * 4}, "actions": {"q01": [-1.0] * 4, "q99": [1.0] * 4}}}
     processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=stats, head_names=[head])
-    args = RLConfig(output_dir=str(tmp_path / "run"), env="metaworld", task="reach-v3", num_envs=2, group_size=2,
-                    groups_per_update=1, max_steps=1, reward="dense", n_action_steps=2, max_episode_steps=6,
-                    env_kwargs={"image_size": 32}, eval_episodes=2, eval_steps=1, save_strategy="no",
-                    use_cpu=True, report_to=[], disable_tqdm=True, learning_rate=1e-3)
+    args = RLConfig(output_dir=str(tmp_path / "run"), env="metaworld", task="reach-v3,push-v3", num_envs=2,
+                    group_size=2, groups_per_update=1, max_steps=1, reward="dense", n_action_steps=2,
+                    max_episode_steps=6, env_kwargs={"image_size": 32}, eval_episodes=2, eval_steps=1,
+                    save_strategy="no", use_cpu=True, report_to=[], disable_tqdm=True, learning_rate=1e-3,
+                    task_noise_levels={"push-v3": 0.15})
     trainer = RLTrainer(model, args, processing_class=processor)
     try:
         trainer.train()
     finally:
         trainer.engine.close()
     entry = next(e for e in trainer.state.log_history if "rollout/return" in e)
-    assert entry["rollout/episode_length"] == 6 and entry["rollout/decisions"] == 2 * 3
-    assert entry["rollout/return"] > 0 and entry["rollout/decisions_used"] == 6  # dense returns differ in a group
-    assert entry["grad_norm"] > 0 and "rollout/reach-v3/success" in entry
+    assert entry["rollout/episode_length"] == 6 and entry["rollout/decisions"] == 2 * 2 * 3
+    assert entry["rollout/return"] > 0 and entry["rollout/decisions_used"] == 12  # dense returns differ in a group
+    assert entry["grad_norm"] > 0 and "rollout/reach-v3/success" in entry and "rollout/push-v3/success" in entry
+    assert abs(entry["ratio"] - 1) < 1e-4 and entry["clip_fraction"] == 0
+    sde = trainer.sde  # half the decisions at 0.5, half at push's 0.15
+    expected = (sum(sde.stds(0.5)) + sum(sde.stds(0.15))) / (2 * sde.num_steps)
+    assert entry["noise_std"] == pytest.approx(expected, rel=1e-6)
+    assert "level 0.5 (push-v3 0.15)" in trainer.rl_summary()["method"]
     evals = [e for e in trainer.state.log_history if "eval_success" in e]
     assert [e["step"] for e in evals] == [0, 1] and "eval_reach-v3/success" in evals[0]
 

@@ -59,26 +59,39 @@ class FlowSDE:
         """t_k = 1 - k/K, k = 0..K-1 (the time each step starts from)."""
         return [1.0 + k * self.dt for k in range(self.num_steps)]
 
-    def sigma(self, t: float) -> float:
+    # `level`, where the methods take it: a noise level per chunk instead of `noise_level` (`levels_like`'s
+    # `[B, 1, 1]` tensor for a batch whose tasks explore at levels of their own, `task_noise_levels`)
+    def sigma(self, t: float, level=None):
+        a = self.noise_level if level is None else level
         if self.schedule == "constant":
-            return self.noise_level
+            return a
         t = min(t, 1.0 + self.dt)  # sqrt(t / (1 - t)) is infinite at t = 1: use the next time's value
-        return self.noise_level * math.sqrt(t / (1.0 - t))
+        return a * math.sqrt(t / (1.0 - t))
 
-    def stds(self) -> list[float]:
-        return [self.sigma(t) * math.sqrt(-self.dt) for t in self.times()]
+    def stds(self, level=None) -> list:
+        return [self.sigma(t, level) * math.sqrt(-self.dt) for t in self.times()]
 
-    def mean(self, x: torch.Tensor, velocity: torch.Tensor, t: float) -> torch.Tensor:
+    def mean(self, x: torch.Tensor, velocity: torch.Tensor, t: float, level=None) -> torch.Tensor:
         if self.schedule == "constant":
             return x + velocity * self.dt
-        sigma2 = self.sigma(t) ** 2
+        sigma2 = self.sigma(t, level) ** 2
         return x * (1 + sigma2 / (2 * t) * self.dt) + velocity * (1 + sigma2 * (1 - t) / (2 * t)) * self.dt
 
 
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float, mask: torch.Tensor) -> torch.Tensor:
-    """sum over the masked trailing (chunk step, action dim) elements of log N(x; mean, std^2): `[...]`."""
+def levels_like(levels, x: torch.Tensor):
+    """Per-chunk noise levels `[B]` (a tensor or list) as `[B, 1, 1]` float32 on `x`'s device, to broadcast over a
+    chunk's (step, dim) elements; `None` stays `None` (the `FlowSDE`'s own `noise_level`)."""
+    if levels is None:
+        return None
+    return torch.as_tensor(levels, dtype=torch.float32).to(x.device).reshape(-1, 1, 1)
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std, mask: torch.Tensor) -> torch.Tensor:
+    """sum over the masked trailing (chunk step, action dim) elements of log N(x; mean, std^2): `[...]`; `std` a
+    number or a tensor broadcasting over x (one per chunk, `[B, 1, 1]`)."""
     z = (x.float() - mean.float()) / std
-    element = -0.5 * z * z - math.log(std) - 0.5 * math.log(2 * math.pi)
+    log_std = torch.log(std) if torch.is_tensor(std) else math.log(std)
+    element = -0.5 * z * z - log_std - 0.5 * math.log(2 * math.pi)
     return (element * mask).sum(dim=(-2, -1))
 
 
@@ -147,29 +160,32 @@ def _pi0_velocity_fn(model, core, inputs: dict, state: dict):
     return velocity
 
 
-def chain_means(model, inputs: dict, chain: torch.Tensor, sde: FlowSDE, value: bool = False):
+def chain_means(model, inputs: dict, chain: torch.Tensor, sde: FlowSDE, value: bool = False, levels=None):
     """The Gaussian means of every step of stored chains `[B, K+1, chunk, dim]` under `model`: `[B, K, chunk, dim]`;
-    with `value`, (means, the critic's values `[B]`)."""
+    with `value`, (means, the critic's values `[B]`). `levels`: each chain's noise level `[B]` (default the sde's)."""
     velocity = velocity_fn(model, inputs, value=value)
+    level = levels_like(levels, chain)
     means = []
     for k, t in enumerate(sde.times()):
         x = chain[:, k]
-        means.append(sde.mean(x.float(), velocity(x, t).float(), t))
+        means.append(sde.mean(x.float(), velocity(x, t).float(), t, level))
     means = torch.stack(means, dim=1)
     return (means, velocity.state["value"]) if value else means
 
 
 @torch.no_grad()
 def sample_chain(model, inputs: dict, noise: torch.Tensor, step_noise: torch.Tensor, sde: FlowSDE,
-                 value: bool = False):
+                 value: bool = False, levels=None):
     """Sample chains from x_1 = `noise` `[B, chunk, dim]` with the Gaussian steps' standard normals `step_noise`
     `[B, K, chunk, dim]`: returns (chain `[B, K+1, chunk, dim]`, means `[B, K, chunk, dim]`), and with `value` the
-    critic's values `[B]` too; chain[:, -1] is the chunk."""
+    critic's values `[B]` too; chain[:, -1] is the chunk. `levels`: each chain's noise level `[B]` (default the
+    sde's)."""
     velocity = velocity_fn(model, inputs, value=value)
     x = noise.float()
+    level = levels_like(levels, x)
     chain, means = [x], []
-    for k, (t, std) in enumerate(zip(sde.times(), sde.stds())):
-        mean = sde.mean(x, velocity(x, t).float(), t)
+    for k, (t, std) in enumerate(zip(sde.times(), sde.stds(level))):
+        mean = sde.mean(x, velocity(x, t).float(), t, level)
         x = mean + std * step_noise[:, k].to(mean)
         chain.append(x)
         means.append(mean)
@@ -177,19 +193,23 @@ def sample_chain(model, inputs: dict, noise: torch.Tensor, step_noise: torch.Ten
     return (*out, velocity.state["value"]) if value else out
 
 
-def step_log_probs(chain: torch.Tensor, means: torch.Tensor, sde: FlowSDE, mask: torch.Tensor) -> torch.Tensor:
-    """log N(x_{k+1}; mean_k, std_k^2) of each step, summed over the masked elements: `[B, K]`."""
+def step_log_probs(chain: torch.Tensor, means: torch.Tensor, sde: FlowSDE, mask: torch.Tensor,
+                   levels=None) -> torch.Tensor:
+    """log N(x_{k+1}; mean_k, std_k^2) of each step, summed over the masked elements: `[B, K]`; `levels`: each
+    chain's noise level `[B]` (default the sde's)."""
     return torch.stack([gaussian_log_prob(chain[:, k + 1], means[:, k], std, mask)
-                        for k, std in enumerate(sde.stds())], dim=1)
+                        for k, std in enumerate(sde.stds(levels_like(levels, chain)))], dim=1)
 
 
-def step_kl(means: torch.Tensor, reference: torch.Tensor, sde: FlowSDE, mask: torch.Tensor) -> torch.Tensor:
+def step_kl(means: torch.Tensor, reference: torch.Tensor, sde: FlowSDE, mask: torch.Tensor,
+            levels=None) -> torch.Tensor:
     """KL between the Gaussian steps of two policies at the same x_k (equal stds): sum |m - m_ref|^2 / (2 std^2),
-    `[B, K]`; summed over k it is the KL of the chains along the sampled path (the chain rule of the KL)."""
+    `[B, K]`; summed over k it is the KL of the chains along the sampled path (the chain rule of the KL). `levels`:
+    each chain's noise level `[B]` (default the sde's)."""
     out = []
-    for k, std in enumerate(sde.stds()):
+    for k, std in enumerate(sde.stds(levels_like(levels, means))):
         diff = (means[:, k].float() - reference[:, k].float()) * mask
-        out.append((diff * diff).sum(dim=(-2, -1)) / (2 * std * std))
+        out.append((diff * diff / (2 * std * std)).sum(dim=(-2, -1)))
     return torch.stack(out, dim=1)
 
 
@@ -273,4 +293,4 @@ def clipped_objective(log_ratio: torch.Tensor, advantages: torch.Tensor, epsilon
 
 
 __all__ = ["FlowSDE", "absorbing_bonus", "chain_means", "clipped_objective", "gae", "gaussian_log_prob",
-           "group_advantages", "sample_chain", "step_kl", "step_log_probs", "value_loss", "velocity_fn"]
+           "group_advantages", "levels_like", "sample_chain", "step_kl", "step_log_probs", "value_loss", "velocity_fn"]

@@ -34,6 +34,7 @@ class Transition:
     noise_seed: int  # the episode's
     index: int  # its position in the episode
     value: float | None = None  # the critic's estimate at the observation (PPO)
+    level: float | None = None  # the noise level it was sampled with (its task's; None: the sde's noise_level)
 
 
 def decision_mask(config, n_action_steps: int, action_dims: int | None = None) -> torch.Tensor:
@@ -52,6 +53,8 @@ class StochasticPolicy(PolicyRunner):
     n_action_steps: int = 1
     action_dims: int | None = None  # the head's real action dims (the rest is padding); default all
     with_value: bool = False  # also record the critic's value of each observation (PPO)
+    task_noise_levels: dict | None = None  # {task: noise level} for tasks that explore at a level of their own
+    task: str | None = None  # the benchmark task of the env this copy serves (`RolloutEngine` sets it per slot)
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,6 +73,11 @@ class StochasticPolicy(PolicyRunner):
         super().reset(seed)
         self.noise_seed, self._calls = int(seed if seed is not None else 0), 0
 
+    @property
+    def level(self) -> float:
+        """The noise level of this copy's chunks: its task's in `task_noise_levels`, else the sde's."""
+        return float((self.task_noise_levels or {}).get(self.task, self.sde.noise_level))
+
     def mask(self) -> torch.Tensor:
         return decision_mask(self.model.config, self.n_action_steps, self.action_dims)
 
@@ -83,14 +91,17 @@ class StochasticPolicy(PolicyRunner):
         # the Gaussian steps' normals, from this slot's generator: the episode does not depend on its batch-mates
         request.step_noise = torch.randn(1, self.sde.num_steps, config.chunk_size, config.max_action_dim,
                                          generator=self.generator)
+        request.level = self.level
         return request
 
     def sample_batch(self, requests: list[PreparedRequest]) -> torch.Tensor:
         inputs, noise = batch_requests(requests, self.device)
         step_noise = torch.cat([r.step_noise for r in requests]).to(self.device)
-        chain, means, *value = sample_chain(self.model, inputs, noise, step_noise, self.sde, value=self.with_value)
-        if self.sde.noise_level > 0:
-            log_probs = step_log_probs(chain, means, self.sde, self.mask().to(chain.device))
+        levels = [r.level for r in requests]  # one per chunk: a batch holds every task's envs
+        chain, means, *value = sample_chain(self.model, inputs, noise, step_noise, self.sde, value=self.with_value,
+                                            levels=levels)
+        if min(levels) > 0:
+            log_probs = step_log_probs(chain, means, self.sde, self.mask().to(chain.device), levels)
         else:  # the deterministic sampler (filtered_bc's noise_level 0): no density to record
             log_probs = torch.zeros(chain.shape[0], self.sde.num_steps)
         for i, request in enumerate(requests):
@@ -101,7 +112,7 @@ class StochasticPolicy(PolicyRunner):
     def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
         self.transitions.append(Transition(dict(request.inputs), request.chain,
                                            request.log_probs, request.means, self.noise_seed, self._calls,
-                                           request.value))
+                                           request.value, request.level))
         self._calls += 1
         return super().finish(request, chunk)
 
@@ -152,6 +163,9 @@ class RolloutEngine:
         places = [(task, i) for task in tasks for i in range(len(self.envs[task]))]
         runner = EpisodeRunner({task: self.envs[task] for task in tasks}, policy, self.n_action_steps,
                                chunk_size=self.chunk_size, restart=lambda flat: self._restart(*places[flat]))
+        for slot in runner.slots:  # each copy of the policy serves one task's env (its noise level, if its own)
+            if isinstance(slot.policy, StochasticPolicy):
+                slot.policy.task = slot.group
         noise = {task: noise_seeds[task] for task in tasks if task in (noise_seeds or {})}
         episodes = runner.run({task: seeds[task] for task in tasks}, progress=progress, desc=desc,
                               noise_seeds=noise or None)
