@@ -241,13 +241,12 @@ class RLConfig(VLATrainingArguments):
             if not isinstance(self.task_noise_levels, dict) or not self.task_noise_levels:
                 raise ConfigError(f"task_noise_levels={self.task_noise_levels!r}: a non-empty mapping of task names to "
                                   "noise levels, e.g. '{\"door-open-v3\": 0.2}', or unset")
-            lowest = 0 if self.algorithm == "filtered_bc" else None
+            zero_ok = self.algorithm == "filtered_bc"  # as noise_level above: only filtered_bc needs no likelihood
             for task, level in self.task_noise_levels.items():
-                ok = isinstance(level, int | float) and not isinstance(level, bool) and math.isfinite(level) and (
-                    level >= 0 if lowest == 0 else level > 0)
-                if not ok:
+                number = isinstance(level, int | float) and not isinstance(level, bool) and math.isfinite(level)
+                if not (number and (level >= 0 if zero_ok else level > 0)):
                     raise ConfigError(f"task_noise_levels[{task!r}]={level!r}: must be a "
-                                      f"{'number >= 0' if lowest == 0 else 'positive number'}")
+                                      f"{'number >= 0' if zero_ok else 'positive number'}")
         from .flow import SCHEDULES
 
         if self.noise_schedule not in SCHEDULES:
