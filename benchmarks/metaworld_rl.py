@@ -64,6 +64,14 @@ def stage_rl(work: Path, start: Path, budget_min: float, results: dict, extra: l
         "episodes": int(max(e.get("rollout/episodes", 0) for e in history)), "method": summary["method"],
         "held_out_during_training": {str(e["step"]): e["eval_success"] for e in history if "eval_success" in e},
         "rollout_success": {str(e["step"]): e["rollout/success"] for e in history if "rollout/success" in e},
+        # per task: which task the rollouts improve or lose; episodes/s: how fast this machine rolls out (it sets
+        # how many updates the budget buys, so arms from machines of another speed are compared by minutes, not updates)
+        "rollout_success_by_task": {str(e["step"]): {k.split("/")[1]: v for k, v in e.items()
+                                                     if k.startswith("rollout/") and k.endswith("/success")
+                                                     and k.count("/") == 2}
+                                    for e in history if "rollout/success" in e},
+        "rollout_episodes_per_s": round(sum(rates) / len(rates), 4) if (rates := [
+            e["rollout/episodes_per_s"] for e in history if "rollout/episodes_per_s" in e]) else None,
         "minutes_with_evaluations": summary["minutes"]}
 
 
