@@ -22,8 +22,14 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The suite runs in TEST_WORKERS pytest-xdist processes, each given whole test files (module fixtures are built once),
+# the longest first (tests/conftest.py orders them): alone, pytest keeps about one of two cores busy (interpreter
+# start-up of the commands it runs, env workers, 2-process launches). TEST_WORKERS=auto: one per core; 0: in this
+# process (pdb, -s).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,5 +1,6 @@
-"""Elastic resume: a checkpoint of 2 processes continues in 1, and one of 1 in 2, under DDP and FSDP2 (gloo on CPU,
-`python -m hf_vla.train` unchanged, every training batch's provenance recorded by tests/elastic_run.py).
+"""Elastic resume: a checkpoint of 2 processes continues in 1, and one of 1 in 2, under FSDP2 (both ways) and DDP
+(2 -> 1) (gloo on CPU, `python -m hf_vla.train` unchanged, every training batch's provenance recorded by
+tests/elastic_run.py).
 
 Within the epoch under way no sample is repeated or skipped across the change: the samples consumed before the
 checkpoint and the pieces the resumed stream re-shards cover every frame exactly once, and the resumed run consumes
@@ -55,8 +56,9 @@ def losses(output_dir) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+# FSDP2 both ways (a sharded checkpoint gathered into one process, a full one sharded over two); DDP one way: its
+# checkpoint is the same on every rank, and the stream's re-sharding (what differs by direction) is engine-independent
+@pytest.mark.parametrize("engine, before, after", [("fsdp2", 2, 1), ("fsdp2", 1, 2), ("ddp", 2, 1)])
 def test_resume_on_another_number_of_processes_consumes_the_epoch_once(engine, before, after, data, tmp_path):
     port = 29700 + 10 * list(LAUNCHERS).index(engine) + before
     per_sample = 4  # samples per optimizer step in both runs: per-device batch 4 / processes

@@ -178,16 +178,35 @@ def test_a_crop_is_the_render_cut_then_resized():
     assert np.abs(whole.astype(int) - by_hand).mean() > 10  # and it is not the uncropped image
 
 
-def test_metaworld_errors(recorded, tmp_path, tiny_tokenizer):
+def refused(cli, argv, capsys) -> str:
+    """`cli(argv)` in this process (a command's start-up is ~15 s on the CI machine; `python -m` itself is tested in
+    tests/test_failures.py and tests/test_cli.py): it exits 2 and its last stderr line is returned."""
+    import torch
+
+    threads = torch.get_num_threads()  # evaluate sets this process's threads for its env workers
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli(argv)
+    finally:
+        torch.set_num_threads(threads)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2, last
+    return last
+
+
+def test_metaworld_errors(recorded, tmp_path, tiny_tokenizer, capsys):
+    from hf_vla.evaluate import cli as evaluate
+    from hf_vla.record import cli as record
+
     for crop in ("1,2,3", "0,0,500,100", "10,10,5,20"):
-        result = run_cli("hf_vla.record", "--env", "metaworld", "--task", "reach", "--episodes", "1", "--output",
-                         str(tmp_path / "c"), "--crop", crop)
-        last = result.stderr.strip().splitlines()[-1]
-        assert result.returncode == 2 and f"crop={crop!r}: give left,top,right,bottom" in last, last
+        last = refused(record, ["--env", "metaworld", "--task", "reach", "--episodes", "1", "--output",
+                                str(tmp_path / "c"), "--crop", crop], capsys)
+        assert f"crop={crop!r}: give left,top,right,bottom" in last, last
     assert not (tmp_path / "c").exists()
-    result = run_cli("hf_vla.record", "--env", "metaworld", "--task", "reach,nope", "--episodes", "1", "--output",
-                     str(tmp_path / "x"))
-    assert result.returncode == 2 and "Meta-World task 'nope' is not known" in result.stderr.strip().splitlines()[-1]
+    last = refused(record, ["--env", "metaworld", "--task", "reach,nope", "--episodes", "1", "--output",
+                            str(tmp_path / "x")], capsys)
+    assert "Meta-World task 'nope' is not known" in last, last
+    # the renderer is chosen when mujoco is imported: a process of its own
     result = run_cli("hf_vla.record", "--env", "metaworld", "--task", "reach", "--episodes", "1", "--output",
                      str(tmp_path / "y"), env={"MUJOCO_GL": "osmesa", "PYOPENGL_PLATFORM": "osmesa"})
     if "libosmesa6" in result.stderr:  # this machine has no OSMesa: the one line names what to install
@@ -202,10 +221,9 @@ def test_metaworld_errors(recorded, tmp_path, tiny_tokenizer):
     model = PI05ForConditionalGeneration(demo_config())
     model.save_pretrained(checkpoint)
     PI05Processor.from_config(model.config, tiny_tokenizer, norm_stats=NORM_STATS).save_pretrained(checkpoint)
-    result = run_cli("hf_vla.evaluate", "--checkpoint", str(checkpoint), "--env", "metaworld", "--task", "reach",
-                     "--episodes", "1")
-    last = result.stderr.strip().splitlines()[-1]
-    assert result.returncode == 2 and "Meta-World reach-v3 has 4 action dims but the checkpoint's head" in last, last
+    last = refused(evaluate, ["--checkpoint", str(checkpoint), "--env", "metaworld", "--task", "reach", "--episodes",
+                              "1"], capsys)
+    assert "Meta-World reach-v3 has 4 action dims but the checkpoint's head" in last, last
 
 
 def test_a_killed_multi_task_recording_continues_where_it_stopped(tmp_path, caplog):

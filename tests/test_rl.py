@@ -816,13 +816,20 @@ def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(
         assert (out / "adapter" / "adapter_config.json").exists()
 
 
-def test_the_command_refuses_bad_input_in_one_line(sft_checkpoint, tmp_path):
-    done = _run(_rl_command(_config(tmp_path, sft_checkpoint, group_size=1), tmp_path / "a"))
-    assert done.returncode == 2 and "group_size=1" in done.stderr and "Traceback" not in done.stderr
-    done = _run(_rl_command(_config(tmp_path, sft_checkpoint), tmp_path / "b", "--nois_level", "0.3"))
-    assert done.returncode == 2 and "noise_level" in done.stderr  # did-you-mean
-    done = _run(_rl_command(_config(tmp_path, sft_checkpoint), tmp_path / "c", "--n_action_steps", "3"))
-    assert done.returncode == 2 and "n_action_steps" in done.stderr and "--override" in done.stderr
+def test_the_command_refuses_bad_input_in_one_line(sft_checkpoint, tmp_path, capsys):
+    from hf_vla.rl.__main__ import cli
+
+    def refused(config, out, *extra) -> str:  # in this process: `python -m`'s own path is tested in test_failures.py
+        with pytest.raises(SystemExit) as exited:
+            cli([str(config), "--output_dir", str(out), *extra])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "Traceback" not in err, err[-3000:]
+        return err.strip().splitlines()[-1]
+
+    assert "group_size=1" in refused(_config(tmp_path, sft_checkpoint, group_size=1), tmp_path / "a")
+    assert "noise_level" in refused(_config(tmp_path, sft_checkpoint), tmp_path / "b", "--nois_level", "0.3")  # did-you-mean
+    last = refused(_config(tmp_path, sft_checkpoint), tmp_path / "c", "--n_action_steps", "3")
+    assert "n_action_steps" in last and "--override" in last and last.startswith("hf_vla.rl: error: "), last
 
 
 def test_ppo_on_a_pi0_checkpoint_is_refused_before_its_weights_load(tmp_path):
@@ -919,11 +926,16 @@ def test_every_rl_config_validates(config, tmp_path):
     assert args.model_name_or_path and args.max_steps > 0 and args.eval_strategy == "steps"
 
 
-def test_help_lists_the_rl_fields_and_the_command_is_listed():
-    done = _run([sys.executable, "-m", "hf_vla.rl", "--help"])
-    assert done.returncode == 0 and "--group_size (default: 8)" in done.stdout
-    assert "--learning_rate (default: 1e-05; training's: 2.5e-05)" in done.stdout
-    assert "python -m hf_vla.rl " in _run([sys.executable, "-m", "hf_vla"]).stdout
+def test_help_lists_the_rl_fields_and_the_command_is_listed(capsys):
+    import hf_vla.__main__
+    from hf_vla.rl.__main__ import cli
+
+    assert cli(["--help"]) is None
+    help_text = capsys.readouterr().out
+    assert "--group_size (default: 8)" in help_text
+    assert "--learning_rate (default: 1e-05; training's: 2.5e-05)" in help_text
+    hf_vla.__main__.main()
+    assert "python -m hf_vla.rl " in capsys.readouterr().out
 
 
 def test_meta_world_rollouts_and_an_update_through_the_benchmark_wrapper(tmp_path):
