@@ -339,10 +339,17 @@ def test_evaluate_through_the_server_equals_in_process(server, checkpoint, tmp_p
         evaluate_checkpoint(server=server.uri, **(common | {"n_action_steps": 7}))
 
 
-def test_serve_cli_rejects_an_unknown_head(checkpoint):
-    result = subprocess.run([sys.executable, "-m", "hf_vla.serve", "--checkpoint", str(checkpoint), "--port", "0",
-                             "--head", "nope::x"], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert result.returncode == 2 and "--head: unknown normalization head 'nope::x'" in result.stderr
+def test_serve_cli_rejects_an_unknown_head(checkpoint, capsys, monkeypatch):
+    from hf_vla.serve import PolicyServer, cli
+
+    def serves(*args, **kwargs):  # in this process: a server that got this far would never return
+        raise AssertionError("--head nope::x was not refused before serving")
+
+    monkeypatch.setattr(PolicyServer, "serve", serves)
+    with pytest.raises(SystemExit) as exited:
+        cli(["--checkpoint", str(checkpoint), "--port", "0", "--head", "nope::x"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2 and "--head: unknown normalization head 'nope::x'" in last, last
 
 
 def test_observation_map_file(tmp_path):
