@@ -41,9 +41,10 @@ def humanoid() -> Path:
 
 # `make test` hands whole files to two pytest-xdist workers in collection order (--dist loadfile
 # --no-loadscope-reorder): the longest files go first so the workers end together. Seconds per file, the suite alone
-# on the 2-core CI-like machine (2026-11-28, --durations=0): test_rl 383, test_engines 366, test_failures 229,
-# test_preemption 221, test_ema 206, test_metaworld 190, test_readme 180, test_elastic 175, test_rollouts 157,
-# test_cli 136, test_serve 120, test_structure 95, test_deployment 89; every other file under 75.
+# on the 2-core CI-like machine (2026-11-28, --durations=0, serial): test_rl 383, test_engines 366, test_failures 229,
+# test_preemption 221, test_ema 206, test_metaworld 280, test_readme 180, test_elastic 232, test_rollouts 157,
+# test_cli 136, test_serve 120, test_structure 95, test_deployment 89; every other file under 75. Later that day
+# test_metaworld lost ~85 s (its refusals run in-process) and test_elastic a case (~55 s), hence their places.
 LONGEST_FIRST = ("test_rl.py", "test_engines.py", "test_failures.py", "test_preemption.py", "test_ema.py",
                  "test_metaworld.py", "test_readme.py", "test_elastic.py", "test_rollouts.py", "test_cli.py",
                  "test_serve.py", "test_structure.py", "test_deployment.py")
