@@ -83,6 +83,23 @@ def tiny_tokenizer_dir(tmp_path_factory):
     return path
 
 
+def refused(cli, argv, capsys) -> str:
+    """A command's `cli(argv)` run in this process (a command's interpreter start-up is ~15 s on the CI machine;
+    `python -m` itself is tested in tests/test_failures.py and tests/test_cli.py): it must exit 2 with no traceback;
+    its last stderr line is returned. Restores torch's thread count (evaluate sets it for its env workers)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli(argv)
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err, err[-3000:]
+    return err.strip().splitlines()[-1]
+
+
 def randomize_(model, seed=0, scale=0.1):
     """Random weights everywhere, so zero-initialised adaRMS gates do not hide the expert."""
     import torch

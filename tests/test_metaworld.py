@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, refused
 
 pytest.importorskip("metaworld")
 
@@ -176,22 +176,6 @@ def test_a_crop_is_the_render_cut_then_resized():
     assert images[WORKSPACE].shape == (IMAGE, IMAGE, 3) and np.array_equal(images[WORKSPACE], by_hand)
     whole = np.asarray(Image.fromarray(images[None]).resize((IMAGE, IMAGE), Image.BILINEAR))
     assert np.abs(whole.astype(int) - by_hand).mean() > 10  # and it is not the uncropped image
-
-
-def refused(cli, argv, capsys) -> str:
-    """`cli(argv)` in this process (a command's start-up is ~15 s on the CI machine; `python -m` itself is tested in
-    tests/test_failures.py and tests/test_cli.py): it exits 2 and its last stderr line is returned."""
-    import torch
-
-    threads = torch.get_num_threads()  # evaluate sets this process's threads for its env workers
-    try:
-        with pytest.raises(SystemExit) as exited:
-            cli(argv)
-    finally:
-        torch.set_num_threads(threads)
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert exited.value.code == 2, last
-    return last
 
 
 def test_metaworld_errors(recorded, tmp_path, tiny_tokenizer, capsys):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import rl_toy
 import torch
-from conftest import REPO, randomize_
+from conftest import REPO, randomize_, refused
 
 from hf_vla import PI05ForConditionalGeneration, PI05Processor
 from hf_vla.rl.flow import (
@@ -819,16 +819,12 @@ def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(
 def test_the_command_refuses_bad_input_in_one_line(sft_checkpoint, tmp_path, capsys):
     from hf_vla.rl.__main__ import cli
 
-    def refused(config, out, *extra) -> str:  # in this process: `python -m`'s own path is tested in test_failures.py
-        with pytest.raises(SystemExit) as exited:
-            cli([str(config), "--output_dir", str(out), *extra])
-        err = capsys.readouterr().err
-        assert exited.value.code == 2 and "Traceback" not in err, err[-3000:]
-        return err.strip().splitlines()[-1]
+    def rl(config, out, *extra) -> str:
+        return refused(cli, [str(config), "--output_dir", str(out), *extra], capsys)
 
-    assert "group_size=1" in refused(_config(tmp_path, sft_checkpoint, group_size=1), tmp_path / "a")
-    assert "noise_level" in refused(_config(tmp_path, sft_checkpoint), tmp_path / "b", "--nois_level", "0.3")  # did-you-mean
-    last = refused(_config(tmp_path, sft_checkpoint), tmp_path / "c", "--n_action_steps", "3")
+    assert "group_size=1" in rl(_config(tmp_path, sft_checkpoint, group_size=1), tmp_path / "a")
+    assert "noise_level" in rl(_config(tmp_path, sft_checkpoint), tmp_path / "b", "--nois_level", "0.3")  # did-you-mean
+    last = rl(_config(tmp_path, sft_checkpoint), tmp_path / "c", "--n_action_steps", "3")
     assert "n_action_steps" in last and "--override" in last and last.startswith("hf_vla.rl: error: "), last
 
 

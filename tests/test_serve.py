@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, randomize_
+from conftest import REPO, randomize_, refused
 
 import hf_vla.envs  # noqa: F401  (registers ColorReach)
 from hf_vla.models.pi05 import PI05Config, PI05ForConditionalGeneration, PI05Processor
@@ -346,10 +346,8 @@ def test_serve_cli_rejects_an_unknown_head(checkpoint, capsys, monkeypatch):
         raise AssertionError("--head nope::x was not refused before serving")
 
     monkeypatch.setattr(PolicyServer, "serve", serves)
-    with pytest.raises(SystemExit) as exited:
-        cli(["--checkpoint", str(checkpoint), "--port", "0", "--head", "nope::x"])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert exited.value.code == 2 and "--head: unknown normalization head 'nope::x'" in last, last
+    last = refused(cli, ["--checkpoint", str(checkpoint), "--port", "0", "--head", "nope::x"], capsys)
+    assert "--head: unknown normalization head 'nope::x'" in last, last
 
 
 def test_observation_map_file(tmp_path):
