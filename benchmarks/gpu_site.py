@@ -1,6 +1,7 @@
 """Pack what a bare GPU machine lacks for the GPU benchmarks into one archive that travels with the repository.
 
     python benchmarks/gpu_site.py [--output .site/devsite.tar.xz]
+    python benchmarks/gpu_site.py --tests [--output .site/testsite.tar.xz]
 
 A lent GPU machine has PyTorch, accelerate, peft and most of the scientific stack but no network, another transformers
 (and a tokenizers that transformers 5.5 refuses), and neither lerobot nor Meta-World. This downloads the wheels of the
@@ -17,6 +18,10 @@ On the GPU machine (`.site` is ignored by git: name it in the call's `carry`):
 
 MuJoCo's EGL rendering there also needs the GL loader libraries (libegl1, libglvnd0, libopengl0, libgl1, libglx0,
 unpacked with `dpkg -x`), as the device tool's notes describe.
+
+`--tests` packs for the CUDA tests instead (`python3 -m pytest -m gpu`, with the same PYTHONPATH, from
+`.site/testsite.tar.xz`): they write small LeRobot video datasets, so the archive holds the real PyAV (40 MB) and,
+to stay under the 64 MiB a call carries, no simulator (Meta-World's wheel alone is 37 MB).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ WHEELS = ["transformers==5.5.4", "tokenizers==0.22.2", "peft==0.21.2", "lerobot=
           "dill==0.4.1", "multiprocess==0.70.19", "draccus==0.11.6", "mergedeep==1.3.4", "toml==0.10.2",
           "gymnasium==1.4.0", "farama-notifications==0.0.6", "metaworld==3.0.0", "mujoco==3.3.7",
           "PyOpenGL==3.1.10", "glfw==2.11.0", "pytz==2026.6"]
+SIMULATOR = {"metaworld==3.0.0", "mujoco==3.3.7", "PyOpenGL==3.1.10", "glfw==2.11.0"}  # gymnasium stays: lerobot imports it
+TEST_WHEELS = [w for w in WHEELS if w not in SIMULATOR] + ["av==15.1.0"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 
 AV_STAND_IN = '''"""A stand-in for PyAV on a machine where no video is decoded: lerobot imports `av` at module level and names its
@@ -84,19 +91,21 @@ sys.meta_path.append(_Submodules())
 '''
 
 
-def build(output: Path) -> Path:
+def build(output: Path, tests: bool = False) -> Path:
     with tempfile.TemporaryDirectory() as scratch:
         wheels, site = Path(scratch) / "wheels", Path(scratch) / "devsite"
         platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(wheels), *WHEELS],
+                        "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(wheels),
+                        *(TEST_WHEELS if tests else WHEELS)],
                        check=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--target", str(site), *map(str, sorted(wheels.glob("*.whl")))], check=True)
-        (site / "av").mkdir()
-        (site / "av" / "__init__.py").write_text(AV_STAND_IN)
-        (site / "av-15.1.0.dist-info").mkdir()
-        (site / "av-15.1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: av\nVersion: 15.1.0\n")
+        if not tests:  # the RL benchmark decodes no video: a stand-in saves 40 MB
+            (site / "av").mkdir()
+            (site / "av" / "__init__.py").write_text(AV_STAND_IN)
+            (site / "av-15.1.0.dist-info").mkdir()
+            (site / "av-15.1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: av\nVersion: 15.1.0\n")
         # bytecode for the machine's CPython 3.12 (this script must run under 3.12 too: the tag is in the file names)
         if sys.version_info[:2] != (3, 12):
             raise SystemExit(f"run this under Python 3.12 (the GPU machine's), not {sys.version.split()[0]}")
@@ -113,9 +122,11 @@ def build(output: Path) -> Path:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", default=str(REPO / ".site" / "devsite.tar.xz"))
+    parser.add_argument("--tests", action="store_true", help="pack for `pytest -m gpu` (real PyAV, no simulator)")
+    parser.add_argument("--output", default=None, help="default: .site/devsite.tar.xz, with --tests .site/testsite.tar.xz")
     args = parser.parse_args(argv)
-    path = build(Path(args.output))
+    output = args.output or REPO / ".site" / ("testsite.tar.xz" if args.tests else "devsite.tar.xz")
+    path = build(Path(output), tests=args.tests)
     print(f"{path}: {path.stat().st_size / 2**20:.1f} MiB")
 
 
