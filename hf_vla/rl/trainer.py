@@ -192,6 +192,15 @@ class RLConfig(VLATrainingArguments):
     greater_is_better: bool | None = True
     save_total_limit: int | None = 2
 
+    def _check_noise_level(self, name: str, level) -> None:
+        number = isinstance(level, int | float) and not isinstance(level, bool) and math.isfinite(level)
+        if self.algorithm == "filtered_bc":
+            if not (number and level >= 0):
+                raise ConfigError(f"{name}={level!r}: must be a number >= 0")
+        elif not (number and level > 0):
+            raise ConfigError(f"{name}={level!r}: must be a positive number (the rollouts' exploration noise; 0 "
+                              "gives no likelihood to differentiate)")
+
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"algorithm={self.algorithm!r}: choose one of {ALGORITHMS}")
@@ -225,28 +234,22 @@ class RLConfig(VLATrainingArguments):
             raise ConfigError(f"epsilon_high={self.epsilon_high}: must be positive")
         if not (math.isfinite(self.beta) and self.beta >= 0):
             raise ConfigError(f"beta={self.beta}: must be a finite number >= 0")
+        # Every noise level, the run's and each task's, is a finite number; zero only under filtered_bc, the one
+        # algorithm that needs no likelihood (the deterministic sampler explores through its initial noise alone).
+        self._check_noise_level("noise_level", self.noise_level)
         if self.algorithm == "filtered_bc":
-            if not (math.isfinite(self.noise_level) and self.noise_level >= 0):
-                raise ConfigError(f"noise_level={self.noise_level}: must be a number >= 0")
             if self.beta > 0:
                 raise ConfigError(f"beta={self.beta}: filtered_bc has no likelihood ratio to hold near the start "
                                   "policy; leave beta 0 (a lower learning_rate keeps it close)")
             if self.reward == "dense" and self.group_size < 2:
                 raise ConfigError(f"group_size={self.group_size}: filtered_bc with reward='dense' keeps the episodes "
                                   "above their group's mean; use at least 2")
-        elif not (math.isfinite(self.noise_level) and self.noise_level > 0):
-            raise ConfigError(f"noise_level={self.noise_level}: must be a positive number (the rollouts' exploration "
-                              "noise; 0 gives no likelihood to differentiate)")
         if self.task_noise_levels is not None:
             if not isinstance(self.task_noise_levels, dict) or not self.task_noise_levels:
                 raise ConfigError(f"task_noise_levels={self.task_noise_levels!r}: a non-empty mapping of task names to "
                                   "noise levels, e.g. '{\"door-open-v3\": 0.2}', or unset")
-            zero_ok = self.algorithm == "filtered_bc"  # as noise_level above: only filtered_bc needs no likelihood
             for task, level in self.task_noise_levels.items():
-                number = isinstance(level, int | float) and not isinstance(level, bool) and math.isfinite(level)
-                if not (number and (level >= 0 if zero_ok else level > 0)):
-                    raise ConfigError(f"task_noise_levels[{task!r}]={level!r}: must be a "
-                                      f"{'number >= 0' if zero_ok else 'positive number'}")
+                self._check_noise_level(f"task_noise_levels[{task!r}]", level)
         from .flow import SCHEDULES
 
         if self.noise_schedule not in SCHEDULES:
