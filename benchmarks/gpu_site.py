@@ -41,7 +41,8 @@ WHEELS = ["transformers==5.5.4", "tokenizers==0.22.2", "peft==0.21.2", "lerobot=
           "dill==0.4.1", "multiprocess==0.70.19", "draccus==0.11.6", "mergedeep==1.3.4", "toml==0.10.2",
           "gymnasium==1.4.0", "farama-notifications==0.0.6", "metaworld==3.0.0", "mujoco==3.3.7",
           "PyOpenGL==3.1.10", "glfw==2.11.0", "pytz==2026.6"]
-SIMULATOR = {"metaworld==3.0.0", "mujoco==3.3.7", "PyOpenGL==3.1.10", "glfw==2.11.0"}  # gymnasium stays: lerobot imports it
+# left out of --tests' archive; gymnasium stays (lerobot imports it)
+SIMULATOR = {"metaworld==3.0.0", "mujoco==3.3.7", "PyOpenGL==3.1.10", "glfw==2.11.0"}
 TEST_WHEELS = [w for w in WHEELS if w not in SIMULATOR] + ["av==15.1.0"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 
@@ -123,7 +124,8 @@ def build(output: Path, tests: bool = False) -> Path:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tests", action="store_true", help="pack for `pytest -m gpu` (real PyAV, no simulator)")
-    parser.add_argument("--output", default=None, help="default: .site/devsite.tar.xz, with --tests .site/testsite.tar.xz")
+    parser.add_argument("--output", default=None,
+                        help="default: .site/devsite.tar.xz, with --tests .site/testsite.tar.xz")
     args = parser.parse_args(argv)
     output = args.output or REPO / ".site" / ("testsite.tar.xz" if args.tests else "devsite.tar.xz")
     path = build(Path(output), tests=args.tests)
