@@ -58,10 +58,18 @@ class PreemptionCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.restore_signals()
+        return control
+
+    def restore_signals(self) -> None:
+        """Give the signals back to the handlers they had before training (idempotent). `VLATrainer.train` also calls
+        it when training raised, where `on_train_end` never runs: a notebook or service whose training failed would
+        otherwise keep a handler that turns its next SIGTERM into a flag for a trainer that is gone."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous.clear()
-        return control
 
     # ---- agreement ---------------------------------------------------------------------------------------------
     def _agreed(self) -> bool:

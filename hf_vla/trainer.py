@@ -893,7 +893,10 @@ class VLATrainer(Trainer):
                 logger.warning("resuming at step %d: %s", step, changed)
             resume_from_checkpoint = str(folder)
         self._resumed_from = resume_from_checkpoint or None  # the EMA loads its part from there
-        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        finally:  # also when training raised (on_train_end did not run): the signals get their handlers back
+            self._preemption.restore_signals()
 
     def _wants_master_weights(self) -> bool:
         return bool(self.args.master_weights and self._run_info["dtype"] == "bfloat16"

@@ -19,6 +19,7 @@ from test_failures import base_config, make_dataset, write_config
 
 from hf_vla import checkpoints
 from hf_vla.errors import Preempted
+from hf_vla.preemption import SIGNALS
 
 STEPS = 30
 
@@ -144,16 +145,47 @@ def test_sigterm_during_a_save_lets_it_finish_and_stops_there(setup, monkeypatch
             stopped["step"] = self.state.global_step
 
     monkeypatch.setattr(VLATrainer, "train", train)
+    before = {number: signal.getsignal(number) for number in SIGNALS}
     with pytest.raises(Preempted, match="stopped by SIGTERM at step 4"):
         main([str(path)])
     assert sent and stopped["step"] == 4  # no step after the interrupted save
     complete, skipped = checkpoints.last_complete_checkpoint(out)
     assert complete == out / "checkpoint-4" and not skipped
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+    assert {number: signal.getsignal(number) for number in SIGNALS} == before  # the handlers are given back
     monkeypatch.undo()
     trainer = main([str(path), "--resume_from_checkpoint", "true"])
     assert trainer.state.global_step == STEPS
     assert_equal(load_file(out / "model.safetensors"), expected)
+
+
+def test_a_training_that_raises_gives_the_signals_back(setup, tmp_path, monkeypatch):
+    """In a long-lived process (a notebook, a service) a training that failed must not keep hf_vla's handlers: its next
+    SIGTERM would only set a flag for a trainer that is gone."""
+    from transformers import TrainerCallback
+
+    from hf_vla.train import main
+    from hf_vla.trainer import VLATrainer
+
+    base, config, env, expected = setup
+
+    class Fails(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            assert signal.getsignal(signal.SIGTERM) != before[signal.SIGTERM]  # hf_vla's handler while it trains
+            if state.global_step == 2:
+                raise RuntimeError("a fault at step 2")
+
+    original_init = VLATrainer.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.add_callback(Fails())
+
+    monkeypatch.setattr(VLATrainer, "__init__", init)
+    path = write_config(base, config | {"output_dir": str(tmp_path / "fails"), "max_steps": 4}, "fails.json")
+    before = {number: signal.getsignal(number) for number in SIGNALS}
+    with pytest.raises(RuntimeError, match="a fault at step 2"):
+        main([str(path)])
+    assert {number: signal.getsignal(number) for number in SIGNALS} == before
 
 
 @pytest.mark.slow
