@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo python3.12)
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint install
+.PHONY: test test-all demo lint install
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -27,9 +27,16 @@ install: $(STAMP)
 # start-up of the commands it runs, env workers, 2-process launches). TEST_WORKERS=auto: one per core; 0: in this
 # process (pdb, -s).
 TEST_WORKERS ?= 2
+# `make test` is the default suite: every behaviour once, under 20 minutes on a 2-core machine. The tests marked `slow`
+# (the same behaviour on further engines, kill moments, attention backends; long end-to-end runs) run with
+# `make test-all` (everything) or `make test TEST_MARKS=slow` (only them); CI runs both tiers (.ci/run).
+TEST_MARKS ?= not slow
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile \
-		--no-loadscope-reorder $(PYTEST_ARGS)
+		--no-loadscope-reorder $(if $(TEST_MARKS),-m "$(TEST_MARKS)") $(PYTEST_ARGS)
+
+test-all:
+	$(MAKE) test TEST_MARKS=
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

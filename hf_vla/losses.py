@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from scipy.stats import beta as beta_distribution
 
 LOSS_AGGREGATIONS = ("sample_mean", "token_mean", "group_mean", "constant")
 GROUP_KEYS = {"episode": "episode_index", "dataset": "source_index"}
@@ -98,6 +97,10 @@ def sample_noise_and_time(batch: dict, shape: Sequence[int], seed: int, step: in
         generator = torch.Generator().manual_seed(_sample_seed(seed, step, source, episode, frame))
         noise.append(torch.randn(tuple(shape), generator=generator))
         uniform.append(torch.rand((), generator=generator, dtype=torch.float64).item())
+    # scipy.stats here, not at the top: importing it costs ~1.3 s of CPU, and `import hf_vla` (inference, serving,
+    # every command's start-up) does not need it
+    from scipy.stats import beta as beta_distribution
+
     alpha, beta = config.time_sampling_beta_alpha, config.time_sampling_beta_beta
     t = beta_distribution.ppf(np.asarray(uniform), alpha, beta)
     t = torch.as_tensor(t, dtype=torch.float32) * config.time_sampling_scale + config.time_sampling_offset

@@ -58,12 +58,17 @@ def launched(name, two_datasets, tmp_path_factory):  # noqa: F811
     return _results[name]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,variant", [
+def engine_cases(*cases):
+    """FSDP2's launch (one ~60 s two-process run) is in the default suite as the sharding engine's representative (DDP's
+    gradient is also tests/test_trainer.py's); the other engines' launches are `slow`."""
+    return [case if case[0] == "fsdp2" else pytest.param(*case, marks=pytest.mark.slow) for case in cases]
+
+
+@pytest.mark.parametrize("name,variant", engine_cases(
     ("ddp", "grad"), ("fsdp2", "grad"), ("zero2", "grad"), ("zero3", "grad"),
     ("fsdp2", "grad_rtc"), ("zero3", "grad_rtc"),  # training-time RTC (rtc_max_delay 2) on the sharding engines
     ("ddp", "grad_lora"), ("fsdp2", "grad_lora"), ("zero2", "grad_lora"), ("zero3", "grad_lora"),  # peft LoRA
-])
+))
 def test_one_step_gradient_equals_one_batch(name, variant, two_datasets, tmp_path_factory):  # noqa: F811
     from distributed_step import add_lora, make_model
 
@@ -91,7 +96,6 @@ def test_one_step_gradient_equals_one_batch(name, variant, two_datasets, tmp_pat
     assert (0.45 < share < 0.55) if name in ("fsdp2", "zero3") else share == 1.0, share
 
 
-@pytest.mark.slow
 def test_transformers_pi0_per_layer_under_fsdp2(two_datasets, tmp_path_factory):  # noqa: F811
     """transformers' pi0, unchanged, per-layer FSDP2 units: the same one-batch gradient, half the model per rank."""
     from engines import make_pi0
@@ -112,9 +116,8 @@ def test_transformers_pi0_per_layer_under_fsdp2(two_datasets, tmp_path_factory):
         torch.testing.assert_close(run["grads"][key], grad, atol=1e-6, rtol=1e-5, msg=key)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,scenario", [("ddp", "resume"), ("fsdp2", "resume"), ("zero2", "resume"),
-                                           ("ddp_bf16", "resume_bf16"), ("fsdp2_bf16", "resume_bf16")])
+@pytest.mark.parametrize("name,scenario", engine_cases(("ddp", "resume"), ("fsdp2", "resume"), ("zero2", "resume"),
+                                                       ("ddp_bf16", "resume_bf16"), ("fsdp2_bf16", "resume_bf16")))
 def test_kill_and_resume_equals_the_uninterrupted_run(name, scenario, two_datasets, tmp_path_factory):  # noqa: F811
     run = launched(name, two_datasets, tmp_path_factory)[scenario]
     assert run["expected"].keys() == run["resumed"].keys()

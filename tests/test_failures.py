@@ -512,8 +512,9 @@ def kill_setup(pristine, tmp_path_factory):
     return base, config, env, reference
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("moment", MOMENTS)
+# one moment in the default suite (each is a killed and a resumed command, ~45 s), the other three `slow`
+@pytest.mark.parametrize("moment", [m if m == "mid_optimizer" else pytest.param(m, marks=pytest.mark.slow)
+                                    for m in MOMENTS])
 def test_kill_during_a_checkpoint_save_then_resume_is_bitwise_exact(kill_setup, moment):
     base, config, env, reference = kill_setup
     out = base / moment

@@ -7,7 +7,9 @@ import pytest
 from conftest import REPO
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+# the quickstart notebook runs in the default suite, the others are `slow`
+NOTEBOOKS = [path if path.stem == "quickstart" else pytest.param(path, marks=pytest.mark.slow)
+             for path in sorted((REPO / "notebooks").glob("*.ipynb"))]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -58,6 +58,7 @@ def test_synchronous_rollouts_equal_evaluating_the_saved_weights(demo_data, tmp_
     assert "model-index" in card and "success_rate" in card and "weights of step 4" in card
 
 
+@pytest.mark.slow
 def test_asynchronous_rollout_is_awaited_at_the_end_and_a_failed_one_does_not_stop_training(demo_data, tmp_path,
                                                                                            caplog):
     out = tmp_path / "run"

@@ -748,6 +748,7 @@ def sample_batch_one(model, request):
     return sample_batch(model, [request], "cpu")[0]
 
 
+@pytest.mark.slow
 def test_serve_load_benchmark_small():
     """benchmarks/serve_load.py at CI size: every request of 4 concurrent clients answered with a finite chunk, RSS
     grows less than 30 MB over 200 connect/disconnect cycles, and the server log has no ERROR line."""

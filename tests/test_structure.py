@@ -270,6 +270,7 @@ print(json.dumps({{"card": str(card)}}))
     assert demo.returncode == 0 and "usage: python -m hf_vla.demo" in demo.stdout, demo.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_shared_data_tests_skip_on_a_user_machine_and_fail_under_ci(tmp_path):
     """A fresh clone without ../shared (any user's machine): the tests that read the real teleop dataset skip with one
     line naming what is missing; with CI=true they fail instead, so CI never silently stops running them."""
