@@ -27,9 +27,10 @@ install: $(STAMP)
 # start-up of the commands it runs, env workers, 2-process launches). TEST_WORKERS=auto: one per core; 0: in this
 # process (pdb, -s).
 TEST_WORKERS ?= 2
-# `make test` is the default suite: every behaviour once, under 20 minutes on a 2-core machine. The tests marked `slow`
-# (the same behaviour on further engines, kill moments, attention backends; long end-to-end runs) run with
-# `make test-all` (everything) or `make test TEST_MARKS=slow` (only them); CI runs both tiers (.ci/run).
+# `make test` is the default suite, under 20 minutes on a 2-core machine: every module and command, DDP and FSDP2
+# launches. The tests marked `slow` (the other engines' launches, elastic resume, further kill moments and attention
+# backends, long end-to-end runs; README "Quick start" lists them) run with `make test-all` (everything) or
+# `make test TEST_MARKS=slow` (only them); CI runs both tiers (.ci/run).
 TEST_MARKS ?= not slow
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile \

@@ -41,14 +41,14 @@ def humanoid() -> Path:
 
 # `make test` hands whole files to two pytest-xdist workers in collection order (--dist loadfile
 # --no-loadscope-reorder): the longest files go first so the workers end together. Seconds per file of the default
-# suite (not `slow`), both workers busy on the 2-core CI-like machine (2026-11-28, from --durations=0 of the full run):
-# test_rl ~370, test_metaworld 255, test_readme 250, test_serve 130, test_trainer 126, test_deployment 120,
-# test_failures ~120, test_preemption 80, test_cli 80, test_pi05_model ~75, test_engines ~70, test_rollouts 62; every
-# other file under 60. The `slow` tier (`make test TEST_MARKS=slow`) keeps the same order: test_engines ~540 first.
+# suite (not `slow`), both workers busy on the 2-core CI-like machine (2026-11-28, --durations=0, 940 s wall): test_rl
+# 311, test_metaworld 237, test_readme 229, test_serve 131, test_failures 126, test_trainer 121, test_engines 76,
+# test_cli 76, test_deployment 74, test_preemption 72; every other file under 55. test_engines goes second for the
+# `slow` tier (`make test TEST_MARKS=slow`), where its other engines' launches make it the longest (~540 s).
 LONGEST_FIRST = ("test_rl.py", "test_engines.py", "test_metaworld.py", "test_readme.py", "test_serve.py",
-                 "test_trainer.py", "test_deployment.py", "test_failures.py", "test_preemption.py", "test_cli.py",
-                 "test_pi05_model.py", "test_ema.py", "test_elastic.py", "test_rollouts.py", "test_notebooks.py",
-                 "test_hub.py", "test_structure.py")
+                 "test_failures.py", "test_trainer.py", "test_cli.py", "test_deployment.py", "test_preemption.py",
+                 "test_elastic.py", "test_ema.py", "test_hub.py", "test_rollouts.py", "test_pi05_model.py",
+                 "test_notebooks.py", "test_structure.py")
 
 
 def pytest_collection_modifyitems(config, items):
