@@ -272,6 +272,12 @@ class PolicyRunner:
         state = self.obs_map.state_vector(observation)
         self._check_state(state, head)
         leftover = self._leftover(head, inference_delay, executed_steps, prev_chunk_left_over)
+        chunk_size = self.model.config.chunk_size
+        if execution_horizon is not None and (isinstance(execution_horizon, bool) or not isinstance(
+                execution_horizon, int | np.integer) or not 1 <= execution_horizon <= chunk_size):
+            # checked whether or not a chunk is continued: a client's bad value is a bug to show at once
+            raise RequestError(f"execution_horizon={execution_horizon!r}: an integer in [1, {chunk_size}] (actions of "
+                               "the previous chunk the new one is blended with)")
         method = None
         if leftover is not None and model_input_keys(self.model) == PI0_INPUTS:
             raise RequestError("real-time chunking (executed_steps / prev_chunk_left_over) needs a pi0.5 policy; "
@@ -336,9 +342,9 @@ class PolicyRunner:
                 raise RequestError(f"prev_chunk_left_over: not numeric ({error})") from error
             if not np.isfinite(leftover).all():
                 raise RequestError("prev_chunk_left_over: holds NaN or inf")
-            if leftover.ndim != 2 or leftover.shape[0] > chunk_size:
-                raise RequestError(f"prev_chunk_left_over: expected [steps <= {chunk_size}, action_dim], got "
-                                   f"{leftover.shape}")
+            if leftover.ndim != 2 or not 1 <= leftover.shape[0] <= chunk_size:
+                raise RequestError(f"prev_chunk_left_over: expected [steps in 1..{chunk_size}, action_dim], got "
+                                   f"{leftover.shape} (send no leftover when the previous chunk is used up)")
             dims = stat_dims(self.processor.norm_stats[head]["actions"])
             if leftover.shape[1] != dims:
                 raise RequestError(f"prev_chunk_left_over: actions has {leftover.shape[1]} dims but head {head!r} has "
@@ -348,10 +354,13 @@ class PolicyRunner:
                 return self.processor.normalize(leftover, "actions", head)
             except ValueError as error:
                 raise RequestError(f"prev_chunk_left_over: {error}") from error
-        if executed_steps is None or self.last_chunk is None:
+        if executed_steps is None:
             return None
-        if not isinstance(executed_steps, int | np.integer) or not 0 <= executed_steps < chunk_size:
+        if (isinstance(executed_steps, bool) or not isinstance(executed_steps, int | np.integer)
+                or not 0 <= executed_steps < chunk_size):  # checked before the first chunk too: a client's bug
             raise RequestError(f"executed_steps={executed_steps!r}: an integer in [0, {chunk_size})")
+        if self.last_chunk is None:  # the episode's first request: nothing to continue
+            return None
         return self.last_chunk[executed_steps:]
 
     def _inputs(self, images, states, tasks, camera_mask, head) -> tuple[dict, torch.Tensor]:

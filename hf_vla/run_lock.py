@@ -57,13 +57,20 @@ class RunLock:
     # ---- holding ---------------------------------------------------------------------------------------------------
     def acquire(self) -> RunLock:
         self._created_directory = not self.directory.exists()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # /proc/x, a read-only mount, a file in the way: one line, not two tracebacks
+            raise ConfigError(f"output_dir {str(self.directory)!r} cannot be created: "
+                              f"{error.strerror or error}") from None
         for _ in range(100):
             try:
                 descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
+            except OSError as error:
+                raise ConfigError(f"output_dir {str(self.directory)!r}: cannot write the run lock {self.path.name} "
+                                  f"({error.strerror or error})") from None
             with os.fdopen(descriptor, "w") as handle:
                 json.dump(self.info, handle)
                 handle.flush()

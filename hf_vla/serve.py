@@ -402,6 +402,8 @@ class PolicyServer:
         """Serve until interrupted; `ready(port)` is called once listening (port 0 picks a free one)."""
         from websockets.sync.server import serve
 
+        quiet_keepalive_failures()
+
         with serve(self.handler, host, port, compression=None, max_size=int(self.max_message_mb * 2**20),
                    process_request=self.process_request) as server:
             self._server = server
@@ -431,6 +433,28 @@ def _peer(connection) -> str | None:
     except OSError:
         return None
     return f"{host}:{port}"
+
+
+class _KeepaliveFailure(logging.Filter):
+    """websockets logs "keepalive ping failed" with a traceback (ERROR) when a ping meets a connection that is already
+    closing, e.g. one the server just closed for an oversized message: nothing failed that the connection's own close
+    does not report. The record becomes one INFO line naming the exception."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() == "keepalive ping failed" and record.exc_info:
+            kind, error = record.exc_info[0], record.exc_info[1]
+            record.msg, record.args = "keepalive ping on a closing connection failed (%s: %s)", (
+                getattr(kind, "__name__", kind), error)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_keepalive_failures() -> None:
+    """Install `_KeepaliveFailure` on websockets' server logger (once)."""
+    server_logger = logging.getLogger("websockets.server")
+    if not any(isinstance(f, _KeepaliveFailure) for f in server_logger.filters):
+        server_logger.addFilter(_KeepaliveFailure())
 
 
 def _optional_int(value, key: str):

@@ -138,6 +138,10 @@ def test_output_dir_must_be_writable(pristine, tmp_path, capsys):
     blocker.write_text("x")
     _, message = run_fails(capsys, write_config(tmp_path, base_config(pristine, blocker / "out")), code=2)
     assert f"output_dir='{blocker / 'out'}'" in message and "is a file, not a directory" in message
+    # a directory that the permission probe allows and mkdir still refuses (a pseudo file system): one line at the run
+    # lock, not two chained tracebacks
+    _, message = run_fails(capsys, write_config(tmp_path, base_config(pristine, "/proc/hf_vla_out")), code=2)
+    assert "output_dir '/proc/hf_vla_out' cannot be created" in message, message
 
 
 def test_strings_are_decoded_like_the_command_line(pristine, tmp_path):
@@ -485,6 +489,51 @@ def test_a_changed_value_in_the_data_is_refused_at_resume(pristine, tmp_path, ca
         trainer = main([str(write_config(tmp_path, resume | {"on_data_change": "restart_epoch"}, "accept.json"))])
     assert trainer.state.global_step == 4
     assert "resuming under new normalisation statistics (head" in caplog.text and "the data changed" in caplog.text
+
+
+def test_a_value_changed_in_place_with_its_mtime_restored_is_refused_naming_file_and_episode(pristine, tmp_path,
+                                                                                              capsys):
+    """Four bytes of one state value changed inside the parquet file, its size kept and its mtime restored (bit rot,
+    or `cp -p` / `rsync -t` over an edited file): the scan cache, keyed by size and times, must not stand in for the
+    content. The resume is refused and the message names the file and the episode."""
+    import os
+
+    data = tmp_path / "toy"
+    shutil.copytree(pristine, data)
+    path = _data_file(data)
+    # plain, uncompressed values, so that one value's four bytes are in the file as they are; the toy state repeats
+    # one value over its dims, made distinct here
+    table = pq.read_table(path)
+    state = np.stack(table["observation.state"].to_numpy(zero_copy_only=False)).astype(np.float32)
+    state += np.float32(1e-3) * np.arange(state.shape[1], dtype=np.float32)
+    field = table.schema.get_field_index("observation.state")
+    table = table.set_column(field, "observation.state", pa.array(list(state), type=table.schema.field(field).type))
+    pq.write_table(table, path, compression="none", use_dictionary=False, write_statistics=False)
+    out = tmp_path / "out"
+    config = base_config(data, out, max_steps=2, save_strategy="steps", save_steps=2)
+    main([str(write_config(tmp_path, config))])  # scans the dataset and caches the scan
+    table = pq.read_table(path)
+    state = np.stack(table["observation.state"].to_numpy(zero_copy_only=False)).astype(np.float32)
+    episodes = table["episode_index"].to_numpy()
+    blob = bytearray(path.read_bytes())
+    order = np.argsort(state[:, 1])
+    middle = [int(i) for i in order[len(order) // 4: 3 * len(order) // 4]]  # middle values: the quantiles stay
+    row = next(i for i in middle if blob.count(state[i, 1].tobytes()) == 1)  # a value whose bytes occur once
+    donor = next(i for i in middle if state[i, 1] != state[row, 1])
+    old, new = state[row, 1].tobytes(), state[donor, 1].tobytes()
+    at = blob.index(old)
+    blob[at:at + 4] = new
+    info = path.stat()
+    path.write_bytes(bytes(blob))
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert path.stat().st_size == info.st_size and path.stat().st_mtime_ns == info.st_mtime_ns
+    changed = np.stack(pq.read_table(path)["observation.state"].to_numpy(zero_copy_only=False))
+    assert changed[row, 1] == state[donor, 1] and (changed != state).sum() == 1  # exactly that value changed
+    resume = config | {"max_steps": 4}
+    _resume_fails(capsys, tmp_path, resume, str(out / "checkpoint-2"),
+                  ["values in the training data changed since the checkpoint",
+                   f"dataset 'toy', {data}/{path.relative_to(data)} episode {int(episodes[row])}",
+                   "--on_data_change restart_epoch"])
 
 
 def test_a_bf16_checkpoint_into_a_float32_run(pristine, tmp_path, capsys):

@@ -818,7 +818,8 @@ def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(
         assert (out / "adapter" / "adapter_config.json").exists()
 
 
-def test_the_command_refuses_bad_input_in_one_line(sft_checkpoint, tmp_path, capsys):
+def test_the_command_refuses_bad_input_in_one_line(sft_checkpoint, tmp_path, capsys, monkeypatch):
+    import hf_vla.rl.__main__ as command
     from hf_vla.rl.__main__ import cli
 
     def rl(config, out, *extra) -> str:
@@ -828,6 +829,13 @@ def test_the_command_refuses_bad_input_in_one_line(sft_checkpoint, tmp_path, cap
     assert "noise_level" in rl(_config(tmp_path, sft_checkpoint), tmp_path / "b", "--nois_level", "0.3")  # did-you-mean
     last = rl(_config(tmp_path, sft_checkpoint), tmp_path / "c", "--n_action_steps", "3")
     assert "n_action_steps" in last and "--override" in last and last.startswith("hf_vla.rl: error: "), last
+
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the env was checked")
+
+    monkeypatch.setattr(command, "load_start", no_loading)  # an env named on the command line is checked first
+    last = rl(_config(tmp_path, sft_checkpoint), tmp_path / "d", "--env", "NoSuchEnv-v9")
+    assert "env='NoSuchEnv-v9'" in last and "doesn't exist" in last, last
 
 
 def test_ppo_on_a_pi0_checkpoint_is_refused_before_its_weights_load(tmp_path):

@@ -223,6 +223,42 @@ def test_runner_request_errors(demo_policy):
         runner(observation, inference_delay=8, executed_steps=0)
     with pytest.raises(RequestError, match=r"executed_steps=9"):
         runner(observation, inference_delay=1, executed_steps=9)
+    fresh = PolicyRunner(model, processor, obs_map=ObservationMap(cameras=["cam"], state=["joints"]))
+    with pytest.raises(RequestError, match=r"executed_steps=-1"):  # no previous chunk: still a client's bug
+        fresh(observation, executed_steps=-1)
+    leftover = np.zeros((4, 2), np.float32)
+    for horizon in (-5, 0, 9, 2**63 - 1, True):
+        with pytest.raises(RequestError, match=re.escape(f"execution_horizon={horizon!r}: an integer in [1, 8]")):
+            runner(observation, inference_delay=1, prev_chunk_left_over=leftover, execution_horizon=horizon)
+    with pytest.raises(RequestError, match=re.escape("prev_chunk_left_over: expected [steps in 1..8, action_dim], got "
+                                                     "(0, 2)")):
+        runner(observation, inference_delay=1, prev_chunk_left_over=np.zeros((0, 2), np.float32))
+    assert runner(observation, inference_delay=1, prev_chunk_left_over=leftover, execution_horizon=8).shape == (8, 2)
+
+
+def test_keepalive_failure_is_one_line_without_a_traceback(capsys):
+    """websockets logs a failed keepalive ping (a ping meeting a connection the server is closing) as an ERROR with
+    a traceback; the server's filter turns it into one INFO line."""
+    import logging
+
+    from hf_vla.serve import quiet_keepalive_failures
+
+    quiet_keepalive_failures()
+    quiet_keepalive_failures()  # installed once
+    source = logging.getLogger("websockets.server")
+    assert sum(type(f).__name__ == "_KeepaliveFailure" for f in source.filters) == 1
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    source.addHandler(handler)
+    try:
+        try:
+            raise BrokenPipeError(32, "Broken pipe")
+        except BrokenPipeError:
+            source.error("keepalive ping failed", exc_info=True)
+    finally:
+        source.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err.strip() == "INFO keepalive ping on a closing connection failed (BrokenPipeError: [Errno 32] Broken pipe)"
 
 
 # ---- the server, through openpi-client ---------------------------------------------------------------------------

@@ -14,8 +14,11 @@ container of every video file, and checks:
 
 The result (frame count and a seeded sample of at most `max_frames` rows for the quantiles) is cached on disk under
 `$HF_VLA_CACHE` (default `$HF_HOME/hf_vla/scan`), keyed by a fingerprint of the dataset's files (names, sizes,
-modification times), the keep-ranges selection and the feature mapping: later runs and other ranks read it instead of
-scanning, and a dataset that changed gets a new fingerprint and is scanned again.
+modification and status-change times), the keep-ranges selection and the feature mapping: later runs and other ranks
+read it instead of scanning, and a dataset that changed gets a new fingerprint and is scanned again. The status-change
+time (ctime) is in the key because no copy tool can set it: a file edited in place whose size is kept and whose mtime
+is restored (`cp -p`, `rsync -t` over an edit, bit rot repaired by hand) still gets a new ctime, so its content is
+read again rather than taken from the cache; the price is a re-scan after a dataset is copied or moved.
 
 The same pass writes every row of the used episodes (state, actions, task index; float32) into the cache entry as
 `.npy` files: a block opening then reads its episode with one positioned read, whatever the parquet row groups are
@@ -42,7 +45,7 @@ from ..errors import DataError
 from .sources import LeRobotSource, vector_column
 
 logger = logging.getLogger("hf_vla.data")
-SCAN_VERSION = 4  # 4: the content hash of the used rows
+SCAN_VERSION = 5  # 4: the content hash of the used rows; 5: ctime in the key, per-episode hashes
 MAX_STATS_FRAMES = 2_000_000
 
 
@@ -108,6 +111,9 @@ class ScanResult:
     # index. Unlike the cache key (sizes and modification times) it does not change when a dataset is copied or moved,
     # and it does change when a value does (a resume compares it: `EpisodeShuffleStream.load_state_dict`).
     content: str = ""
+    # The same content per data file (its path under the dataset root): the file's hash and a hash per kept episode,
+    # so a resume that finds the content changed can name the file and the episodes (`content_difference`).
+    detail: dict | None = None
 
 
 def cache_dir() -> Path:
@@ -121,7 +127,7 @@ def cache_dir() -> Path:
 
 def _stat(path: Path) -> list:
     info = path.stat()
-    return [info.st_size, info.st_mtime_ns]
+    return [info.st_size, info.st_mtime_ns, info.st_ctime_ns]
 
 
 def fingerprint(source: LeRobotSource, max_frames: int, seed: int) -> str:
@@ -318,6 +324,7 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
     states, actions = [], []
     extremes = _Extremes()
     content = hashlib.blake2b(digest_size=16)
+    detail = {}
     offset = 0
     used_files = source.data_files()
     writers, offsets, cursor = None, None, 0
@@ -355,9 +362,12 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
             writers["task_index"].append(table["task_index"].to_numpy()[rows])
         state, action = all_state[keep], all_action[keep]
         kept_episodes, kept_frames = episodes[keep], frames[keep]
-        for part in (kept_episodes.astype(np.int64), kept_frames.astype(np.int64), state.astype(np.float32),
-                     action.astype(np.float32), table["task_index"].to_numpy()[keep].astype(np.int64)):
-            content.update(np.ascontiguousarray(part).data)
+        parts = [np.ascontiguousarray(part) for part in (
+            kept_episodes.astype(np.int64), kept_frames.astype(np.int64), state.astype(np.float32),
+            action.astype(np.float32), table["task_index"].to_numpy()[keep].astype(np.int64))]
+        for part in parts:
+            content.update(part.data)
+        detail[str(path.relative_to(source.root))] = _episode_hashes(parts)
         _check_finite(source, path, config.state_key, state, kept_episodes, kept_frames)
         _check_finite(source, path, config.action_key, action, kept_episodes, kept_frames)
         extremes.add(config.state_key, path, state, kept_episodes, kept_frames)
@@ -395,7 +405,53 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
     check_videos(source)
     # the sample stays in the data's own dtype (float32 for lerobot's features): a float64 copy of 2M x dims x 2 would
     # dominate the start-up's peak memory; quantiles are computed per column in float64
-    return ScanResult(total, state_sample, action_sample, content=content.hexdigest())
+    return ScanResult(total, state_sample, action_sample, content=content.hexdigest(), detail=detail)
+
+
+def _episode_hashes(parts: list[np.ndarray]) -> dict:
+    """One file's kept rows (episode, frame, state, actions, task index; rows in file order, episodes contiguous) ->
+    `{"digest": file hash, "episodes": [ids], "hashes": 8 hex digits per episode}`."""
+    episodes = parts[0]
+    starts = np.flatnonzero(np.r_[True, episodes[1:] != episodes[:-1]]) if len(episodes) else np.zeros(0, int)
+    ends = np.r_[starts[1:], len(episodes)]
+    hashes = []
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        digest = hashlib.blake2b(digest_size=4)
+        for part in parts:
+            digest.update(part[start:end].data)
+        hashes.append(digest.hexdigest())
+    joined = "".join(hashes)
+    return {"digest": hashlib.blake2b(joined.encode(), digest_size=8).hexdigest(),
+            "episodes": episodes[starts].tolist(), "hashes": joined}
+
+
+def content_difference(saved: dict | None, current: dict | None) -> str | None:
+    """Where two scans' per-file hashes (`ScanResult.detail`) differ: `file F episode E` (and how many more), or None
+    when either has no detail or nothing differs."""
+    if not saved or not current:
+        return None
+    changed = []
+    for path in sorted(set(saved) | set(current)):
+        before, after = saved.get(path), current.get(path)
+        if before is None or after is None:
+            changed.append((path, None, 0))
+            continue
+        if before["digest"] == after["digest"]:
+            continue
+        old = dict(zip(before["episodes"], (before["hashes"][i:i + 8] for i in range(0, len(before["hashes"]), 8))))
+        new = dict(zip(after["episodes"], (after["hashes"][i:i + 8] for i in range(0, len(after["hashes"]), 8))))
+        episodes = sorted(e for e in set(old) | set(new) if old.get(e) != new.get(e))
+        changed.append((path, episodes[0] if episodes else None, len(episodes)))
+    if not changed:
+        return None
+    path, episode, count = changed[0]
+    where = f"{path} episode {episode}" if episode is not None else path
+    more = []
+    if count > 1:
+        more.append(f"{count - 1} more episode(s) in that file")
+    if len(changed) > 1:
+        more.append(f"{len(changed) - 1} more file(s)")
+    return where + (f" ({', '.join(more)})" if more else "")
 
 
 def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed: int = 0,
@@ -406,7 +462,7 @@ def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed:
     source keeps the content hash (`source.content_fingerprint`) for the training stream's resume check.
     """
     result = _scan_or_cached(source, max_frames, seed, use_cache)
-    source.content_fingerprint = result.content
+    source.content_fingerprint, source.content_detail = result.content, result.detail
     return result
 
 
@@ -417,7 +473,7 @@ def _scan_or_cached(source: LeRobotSource, max_frames: int, seed: int, use_cache
         try:
             with np.load(directory / "scan.npz") as data:
                 result = ScanResult(int(data["frames"]), data["state"], data["actions"], cached=True,
-                                    content=str(data["content"]))
+                                    content=str(data["content"]), detail=json.loads(str(data["detail"])))
             source.episode_rows = EpisodeRows(directory, source.state_dim, source.action_dim)
             logger.info("dataset %r: checks, statistics and episode rows from the cache %s", source.name, directory)
             return result
@@ -439,7 +495,7 @@ def _scan_or_cached(source: LeRobotSource, max_frames: int, seed: int, use_cache
         temporary.mkdir(parents=True, exist_ok=True)
         result = _scan(source, max_frames, seed, rows_dir=temporary)
         np.savez(temporary / "scan.npz", frames=result.frames, state=result.state, actions=result.actions,
-                 content=result.content)
+                 content=result.content, detail=json.dumps(result.detail))
         if directory.exists():  # written meanwhile by another process: keep that one
             shutil.rmtree(temporary, ignore_errors=True)
         else:
@@ -457,4 +513,5 @@ def _scan_or_cached(source: LeRobotSource, max_frames: int, seed: int, use_cache
     return result
 
 
-__all__ = ["MAX_STATS_FRAMES", "EpisodeRows", "ScanResult", "cache_dir", "check_videos", "fingerprint", "scan_source"]
+__all__ = ["MAX_STATS_FRAMES", "EpisodeRows", "ScanResult", "cache_dir", "check_videos", "content_difference",
+           "fingerprint", "scan_source"]

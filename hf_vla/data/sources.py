@@ -244,6 +244,7 @@ class LeRobotSource:
         self._parquet_metadata: OrderedDict[Path, tuple] = OrderedDict()
         self.episode_rows = None  # set by the start-up scan when its cache holds every used episode's rows
         self.content_fingerprint: str | None = None  # set by the start-up scan: a hash of the kept rows' values
+        self.content_detail: dict | None = None  # the same per data file and episode (`scan.content_difference`)
 
     # ---- metadata ------------------------------------------------------------------------------------------------
     def _metadata(self, config: DatasetConfig):

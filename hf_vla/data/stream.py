@@ -322,10 +322,27 @@ class EpisodeShuffleStream(IterableDataset):
             return None
         return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
+    def content_detail(self) -> dict:
+        """Per dataset, the scan's hashes per data file and episode (what a changed-content refusal names)."""
+        return {str(getattr(source, "name", i)): source.content_detail for i, source in enumerate(self.sources)
+                if getattr(source, "content_detail", None)}
+
+    def content_changes(self, saved: dict | None) -> str:
+        """`; changed: dataset 'x': FILE episode E (...)` for the first dataset whose hashes differ, or ''."""
+        from .scan import content_difference
+
+        roots = {str(getattr(source, "name", i)): getattr(source, "root", None) for i, source in enumerate(self.sources)}
+        for name, detail in self.content_detail().items():
+            where = content_difference((saved or {}).get(name), detail)
+            if where:
+                root = roots.get(name)
+                return f"; first change: dataset {name!r}, " + (f"{root}/{where}" if root is not None else where)
+        return ""
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_consumed": self.batches_consumed, "seed": self.seed,
                 **self.layout(), "segment": self.segment, "data_fingerprint": self.data_fingerprint(),
-                "content_fingerprint": self.content_fingerprint()}
+                "content_fingerprint": self.content_fingerprint(), "content_detail": self.content_detail()}
 
     def load_state_dict(self, state: dict, on_data_change: str = "error") -> str | None:
         """Restore the position. Returns None when the stream continues as it was, or what changed.
@@ -354,7 +371,8 @@ class EpisodeShuffleStream(IterableDataset):
                 what = ("the training data changed since the checkpoint (datasets, episodes, kept ranges, validation "
                         "split or weights): its stream position does not apply to these blocks" if blocks_changed else
                         "values in the training data changed since the checkpoint (the same episodes, but a state, "
-                        "action or task index differs): the normalisation and the samples are not the checkpoint's")
+                        "action or task index differs): the normalisation and the samples are not the checkpoint's"
+                        + self.content_changes(state.get("content_detail")))
                 raise CheckpointError(f"{what}; resume on the same data, or pass --on_data_change restart_epoch to "
                                       "start the next epoch on the new data")
             self.epoch = int(state["epoch"]) + 1 + max([int(e) for e in (state.get("segment") or {}).get(

@@ -89,6 +89,10 @@ def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
         raise ConfigError(f"{path}: set model_name_or_path (the policy to improve: an hf_vla output directory, a Hub id "
                           "or a lerobot pi0 / pi0.5 checkpoint)")
     check_writable_dir("output_dir", args.output_dir)
+    if args.env:  # an env named here is checked before gigabytes of weights load (the contract's, after loading)
+        from ..evaluate import check_env
+
+        check_env(args.env, args.task, "env=", "task=")
     resume = args.resume_from_checkpoint
     if resume and resume.lower() not in ("true", "false"):
         from ..checkpoints import check_resumable
