@@ -98,3 +98,160 @@ def test_bad_fits_are_refused_in_one_line(chunks, tmp_path):
     tokenizer = FASTActionTokenizer.fit(chunks[:40] * 0.1)  # fitted on small actions: a large chunk is refused
     with pytest.raises(ValueError, match="outside the fitted range"):
         tokenizer.encode(chunks[0] * 0 + 1.0)
+
+
+# ---- the model: target tokens behind knowledge insulation -----------------------------------------------------------
+def token_model(seed: int = 1, **overrides):
+    import torch
+    from conftest import randomize_
+
+    from hf_vla import PI05ForConditionalGeneration
+    from hf_vla.tiny import tiny_pi05_config
+
+    torch.manual_seed(0)
+    return randomize_(PI05ForConditionalGeneration(tiny_pi05_config(token_loss=True, **overrides)), seed=seed)
+
+
+def token_inputs(config, batch=3, seq=9, targets=6, seed=0):
+    """Ragged prompts, a missing camera, ragged targets (-100 after each sample's last one)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    size = config.image_size
+    mask = torch.ones(batch, seq, dtype=torch.bool)
+    mask[1, 5:] = False
+    mask[2, 2:] = False
+    cams = torch.ones(batch, 2, dtype=torch.bool)
+    cams[0, 1] = False
+    labels = torch.randint(4, 400, (batch, targets), generator=g)
+    labels[1, 4:] = -100
+    labels[2, 1:] = -100
+    return dict(input_ids=torch.randint(4, 400, (batch, seq), generator=g), attention_mask=mask,
+                pixel_values=torch.rand(batch, 2, 3, size, size, generator=g) * 2 - 1, pixel_attention_mask=cams,
+                noise=torch.randn(batch, config.chunk_size, config.max_action_dim, generator=g),
+                timestep=torch.rand(batch, generator=g), labels=labels)
+
+
+def reference_token_logits(model, inputs):
+    """float64 oracle: each sample alone, its real prompt tokens and real targets as one contiguous sequence through
+    the VLM's plain `GemmaDecoderLayer.forward`, with an explicit mask written from big_vision's rule (prefix ar=0,
+    each target ar=1), then the tied LM head; row k predicts target k from the position before it."""
+    import copy
+
+    import torch
+    from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
+
+    model = copy.deepcopy(model).double()
+    model.set_attn_implementation("eager")
+    text = model.model.text_model
+    out = []
+    for row in range(inputs["input_ids"].shape[0]):
+        cams = inputs["pixel_attention_mask"][row]
+        images = model.model.embed_prefix(inputs["input_ids"][row:row + 1], inputs["pixel_values"][row:row + 1].double(),
+                                          cams[None])[:, : cams.numel() * model.config.num_image_tokens]
+        images = images.reshape(cams.numel(), model.config.num_image_tokens, -1)[cams].reshape(1, -1, images.shape[-1])
+        prompt = inputs["input_ids"][row][inputs["attention_mask"][row]]
+        labels = inputs["labels"][row][inputs["labels"][row] != -100]
+        embed = model.model.get_input_embeddings()
+        sequence = torch.cat([images, embed(prompt[None]), embed(labels[None])], dim=1)
+        length, prefix = sequence.shape[1], sequence.shape[1] - len(labels)
+        blocks = torch.tensor([0] * prefix + list(range(1, len(labels) + 1)))
+        allowed = blocks[None, :] <= blocks[:, None]
+        mask = torch.zeros(1, 1, length, length, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+        positions = torch.arange(length)[None]
+        cos_sin = text.rotary_emb(sequence, position_ids=positions)
+        hidden = sequence
+        for layer in text.layers:
+            hidden = GemmaDecoderLayer.forward(layer, hidden, attention_mask=mask, position_embeddings=cos_sin)
+        hidden = text.norm(hidden)[0, prefix - 1: length - 1]
+        out.append(hidden @ embed.weight.T)
+    return out
+
+
+def test_target_tokens_equal_a_float64_causal_reference_and_leave_the_velocity_alone():
+    """Target logits equal the float64 oracle (ragged prompts and targets, a missing camera, both CPU backends); the
+    velocity is the one computed without targets (the expert never sees them, the prefix never sees them); a later
+    target changes no earlier logit."""
+    import torch
+
+    model = token_model().eval()
+    inputs = token_inputs(model.config)
+    expected = reference_token_logits(model, inputs)
+    without = {k: v for k, v in inputs.items() if k != "labels"}
+    for backend in ("eager", "sdpa"):
+        model.set_attn_implementation(backend)
+        with torch.no_grad():
+            out = model(**inputs)
+            plain = model(**without)
+        torch.testing.assert_close(out.logits, plain.logits, atol=1e-5, rtol=1e-5)
+        assert out.token_logits.shape == (3, 6, model.config.vlm_config.text_config.vocab_size)
+        for row, reference in enumerate(expected):
+            got = out.token_logits[row, : len(reference)].double()
+            torch.testing.assert_close(got, reference, atol=2e-4, rtol=2e-4)
+    changed = dict(inputs, labels=inputs["labels"].clone())
+    changed["labels"][0, 3] = 7
+    with torch.no_grad():
+        again = model(**changed).token_logits
+    torch.testing.assert_close(again[0, :4], out.token_logits[0, :4], atol=1e-6, rtol=1e-6)  # 0..3 read targets < 3
+    assert (again[0, 4] - out.token_logits[0, 4]).abs().max() > 1e-4  # target 4 reads target 3
+
+
+def _gradients(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    vlm = {n: p.grad for n, p in model.named_parameters() if n.startswith("model.vlm.") and p.requires_grad}
+    expert = {n: p.grad for n, p in model.named_parameters() if not n.startswith("model.vlm.") and p.requires_grad}
+    return vlm, expert
+
+
+def _moved(grads):
+    return [n for n, g in grads.items() if g is not None and g.abs().max() > 0]
+
+
+@pytest.mark.parametrize("insulated", [True, False])
+def test_knowledge_insulation_keeps_the_flow_loss_out_of_the_backbone(insulated):
+    """KI: the flow loss's gradient reaches the expert, the action/time heads and nothing of the VLM (vision tower
+    included); the token loss reaches the VLM and nothing of the expert. Without insulation the flow loss reaches the
+    VLM too. The VLM's last layer and final norm train under the token objective."""
+    import torch
+    import torch.nn.functional as F
+
+    model = token_model(knowledge_insulation=insulated).train()
+    assert all(p.requires_grad for p in model.model.vlm.language_model.norm.parameters())
+    inputs = token_inputs(model.config)
+    out = model(**inputs)
+    vlm, expert = _gradients(model, out.logits.pow(2).mean())
+    if insulated:
+        assert not _moved(vlm), _moved(vlm)[:5]
+    else:
+        assert any("vision_tower" in n for n in _moved(vlm)) and any("language_model.layers.0." in n
+                                                                      for n in _moved(vlm))
+    assert any("expert.layers" in n for n in _moved(expert)) and "action_in_proj.weight" in _moved(expert)
+    out = model(**inputs)
+    valid = inputs["labels"] != -100
+    ce = F.cross_entropy(out.token_logits[valid].float(), inputs["labels"][valid])
+    vlm, expert = _gradients(model, ce)
+    assert not _moved(expert), _moved(expert)[:5]
+    moved = _moved(vlm)
+    assert any("vision_tower" in n for n in moved) and "model.vlm.language_model.norm.weight" in moved
+    last = len(model.model.vlm.language_model.layers) - 1
+    assert f"model.vlm.language_model.layers.{last}.mlp.down_proj.weight" in moved
+
+
+def test_token_objective_refusals_and_a_flow_only_model_unchanged():
+    import torch
+
+    from hf_vla import PI05ForConditionalGeneration
+    from hf_vla.tiny import tiny_pi05_config
+
+    flow_only = PI05ForConditionalGeneration(tiny_pi05_config())
+    inputs = token_inputs(flow_only.config)
+    with pytest.raises(ValueError, match="labels \\(target tokens\\) need config.token_loss=True"):
+        flow_only(**inputs)
+    assert not flow_only.model.vlm.language_model.norm.weight.requires_grad  # frozen: nothing reads it flow-only
+    model = token_model().eval()
+    with torch.no_grad():
+        cache = model.prefix_cache(inputs["input_ids"], inputs["pixel_values"], inputs["pixel_attention_mask"],
+                                   inputs["attention_mask"])
+        with pytest.raises(ValueError, match="labels need the prefix"):
+            model(**{**inputs, "pixel_values": None}, past_key_values=cache)

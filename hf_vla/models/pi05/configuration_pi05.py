@@ -43,6 +43,14 @@ class PI05Config(PreTrainedConfig):
     value_head (`bool`, defaults to `False`): a critic for PPO fine-tuning (`hf_vla.rl`, `algorithm="ppo"`): a small
         MLP on the mean of the prefix's hidden states entering the VLM's last layer, predicting the return. Sampling
         never runs it; a loaded checkpoint keeps it frozen until the RL trainer trains it.
+    token_loss (`bool`, defaults to `False`): pi0.5's token objective (docs/cotraining.md). Training batches carry
+        `labels`, target tokens after the prompt (FAST action tokens, then text), which the backbone predicts with
+        causal attention over the prefix and over earlier targets; the expert never attends to them. The VLM's last
+        layer and final norm then run and train (flow-only, they are frozen: nothing reads them). Inference is
+        unchanged: no target is generated.
+    knowledge_insulation (`bool`, defaults to `True`): with target tokens, the expert reads stop-gradient keys/values
+        of the backbone (Driess et al. 2025, "Knowledge Insulating VLA models"): the flow loss trains the expert only
+        and the backbone learns from the token loss. Without target tokens it has no effect.
     image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
     """
 
@@ -66,6 +74,8 @@ class PI05Config(PreTrainedConfig):
     rtc_max_delay: int = 0
     rtc_prefix_noise: float = 0.0
     value_head: bool = False
+    token_loss: bool = False
+    knowledge_insulation: bool = True
 
     def __post_init__(self, **kwargs):
         if isinstance(self.vlm_config, dict):

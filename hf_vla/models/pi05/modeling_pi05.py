@@ -120,9 +120,11 @@ class PI05VLMDecoderLayer(GemmaDecoderLayer):
 @dataclass
 class PI05Output(CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` (`logits` = the velocity) plus `value` `[B]`: the critic's estimate of the return, with
-    `output_value=True` on a model with a value head."""
+    `output_value=True` on a model with a value head; `token_logits` `[B, L_t, vocab]` (the model's dtype): the
+    backbone's next-token logits for each target token, when `labels` were given (the token objective)."""
 
     value: torch.FloatTensor | None = None
+    token_logits: torch.FloatTensor | None = None
 
 
 class PI05ValueHead(nn.Module):
@@ -281,6 +283,8 @@ class PI05Model(PI05PreTrainedModel):
         output projections, its MLP and post-attention norm, and the VLM's final norm take no part. They stay in the
         checkpoint (the published layout has them) but are frozen: no optimizer state, no masters, no unused-parameter
         errors in DDP, and FSDP's strict optimizer-state loading finds state for every trainable parameter."""
+        if getattr(self.config, "token_loss", False):  # the target tokens read the last layer's output: all of it trains
+            return []
         text = self.vlm.language_model
         last = text.layers[-1]
         return [last.self_attn.q_proj, last.self_attn.o_proj, last.mlp, last.post_attention_layernorm, text.norm]
@@ -318,10 +322,22 @@ class PI05Model(PI05PreTrainedModel):
         features = features.to(text_embeds.dtype).reshape(batch_size, num_cameras * features.shape[1], -1)
         return torch.cat([features, text_embeds], dim=1)
 
-    def _masks(self, prefix_valid: torch.Tensor, prefix_embeds, suffix_embeds):
+    def _masks(self, prefix_valid: torch.Tensor, prefix_embeds, suffix_embeds, target_valid=None):
         text_config, expert_config = self.config.vlm_config.text_config, self.config.dit_config
         prefix_mask = None
-        if prefix_embeds is not None:
+        if prefix_embeds is not None and target_valid is not None:
+            # big_vision's rule over [prefix; targets]: the prefix is one bidirectional block (ar = 0), each target
+            # opens a block of its own (ar = 1), so a target sees the prefix and earlier targets, the prefix no target
+            blocks = torch.cat([torch.zeros_like(prefix_valid, dtype=torch.long),
+                                torch.ones_like(target_valid, dtype=torch.long).cumsum(-1)], dim=1)
+
+            def causal_targets(batch_idx, head_idx, q_idx, kv_idx):
+                return blocks[batch_idx, kv_idx] <= blocks[batch_idx, q_idx]
+
+            prefix_mask = create_bidirectional_mask(
+                config=text_config, inputs_embeds=prefix_embeds, attention_mask=torch.cat([prefix_valid, target_valid], 1),
+                and_mask_function=causal_targets)
+        elif prefix_embeds is not None:
             prefix_mask = create_bidirectional_mask(
                 config=text_config, inputs_embeds=prefix_embeds, attention_mask=prefix_valid
             )
@@ -344,11 +360,17 @@ class PI05Model(PI05PreTrainedModel):
         past_key_values: DynamicCache | None = None,
         use_cache: bool = False,
         output_prefix_hidden: bool = False,
+        target_valid: torch.Tensor | None = None,
     ) -> tuple:
         """Run the towers. Prefix only (fills a cache), suffix only (reads `past_key_values`), or both jointly.
 
         Returns the expert's normalised suffix hidden states (or None) and the prefix cache (when one was used); with
         `output_prefix_hidden`, also the prefix's hidden states entering the VLM's last layer (what the critic reads).
+
+        With `target_valid` `[B, L_t]` (the token objective), `prefix_embeds` ends with `L_t` target-token embeddings:
+        they attend to the prefix and causally to each other, the expert attends to the prefix without them (through
+        stop-gradient keys/values under `config.knowledge_insulation`), and the last element returned is the VLM's
+        final-normed hidden states that predict each target (next-token) `[B, L_t, width]`.
         """
         self._check_attention()
         if prefix_embeds is None and past_key_values is None:
@@ -356,8 +378,13 @@ class PI05Model(PI05PreTrainedModel):
         text = self.text_model
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
-        prefix_mask, suffix_mask = self._masks(prefix_valid, prefix_embeds, suffix_embeds)
-        prefix_positions = prefix_valid.long().cumsum(-1) - 1
+        targets = 0 if target_valid is None else target_valid.shape[1]
+        if targets and (prefix_embeds is None or use_cache):
+            raise ValueError("target tokens need the prefix embeddings and no cache (they are a training objective)")
+        prefix_mask, suffix_mask = self._masks(prefix_valid, prefix_embeds, suffix_embeds, target_valid)
+        # targets continue the positions right after the last real prompt token (the prompt's padding has none)
+        all_valid = prefix_valid if not targets else torch.cat([prefix_valid, target_valid], dim=1)
+        prefix_positions = all_valid.long().cumsum(-1) - 1
         if prefix_embeds is not None:
             prefix_cos, prefix_sin = text.rotary_emb(prefix_embeds, position_ids=prefix_positions)
         if suffix_embeds is not None:
@@ -367,14 +394,22 @@ class PI05Model(PI05PreTrainedModel):
 
         hidden_prefix, hidden_suffix = prefix_embeds, suffix_embeds
         last = len(text.layers) - 1
+        insulate = targets and self.config.knowledge_insulation
+        entering_last = None
         for index, (vlm_layer, expert_layer) in enumerate(zip(text.layers, self.expert.layers)):
             # each step through the layer module's forward: FSDP/ZeRO-3 hooks and gradient checkpointing see it
             if hidden_prefix is not None:
+                if index == last:
+                    entering_last = hidden_prefix
                 hidden_prefix, key, value = vlm_layer(
                     hidden_prefix, attention_mask=prefix_mask, position_embeddings=(prefix_cos, prefix_sin),
-                    return_kv=True, kv_only=index == last)
+                    return_kv=True, kv_only=index == last and not targets)
                 if use_cache:
                     past_key_values.update(key, value, index)
+                if targets:  # the expert attends to the prefix only, never to the targets
+                    key, value = key[:, :, :-targets], value[:, :, :-targets]
+                if insulate:  # knowledge insulation: the flow loss does not reach the backbone
+                    key, value = key.detach(), value.detach()
             else:
                 key, value = past_key_values.layers[index].keys, past_key_values.layers[index].values
             if hidden_suffix is not None:
@@ -382,9 +417,17 @@ class PI05Model(PI05PreTrainedModel):
                                              position_embeddings=(suffix_cos, suffix_sin))
         if hidden_suffix is not None:
             hidden_suffix, _ = self.expert.norm(hidden_suffix, adarms_cond)
-        if output_prefix_hidden:  # the last layer ran kv_only: hidden_prefix is what entered it
-            return hidden_suffix, past_key_values, hidden_prefix
-        return hidden_suffix, past_key_values
+        out = (hidden_suffix, past_key_values)
+        if output_prefix_hidden:  # what entered the last layer (which ran kv_only without targets)
+            out += (entering_last[:, :-targets] if targets else hidden_prefix,)
+        if targets:
+            # next-token prediction: target k is read from the position before it, target 0 from the last real prompt
+            # token (the prompt is right-padded, so that is the last valid prefix position)
+            length = prefix_valid.shape[1]
+            last_real = length - 1 - prefix_valid.flip(-1).long().argmax(-1)
+            first = hidden_prefix[torch.arange(len(last_real), device=last_real.device), last_real][:, None]
+            out += (text.norm(torch.cat([first, hidden_prefix[:, length:length + targets - 1]], dim=1)),)
+        return out
 
 
 class PI05ForConditionalGeneration(PI05PreTrainedModel):
@@ -463,6 +506,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         past_key_values: DynamicCache | None = None,
         use_cache: bool = False,
         output_value: bool = False,
+        labels: torch.LongTensor | None = None,
         **kwargs,
     ) -> PI05Output:
         r"""
@@ -478,6 +522,11 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         state: accepted for a uniform policy signature and unused: pi0.5 reads the state from the prompt.
         past_key_values: a prefix cache from a previous call (`use_cache=True`); the prefix is then not recomputed.
         output_value: also return the critic's `value` `[B]` (needs a value head and the prefix, not a cache).
+        labels (`[B, L_t]`, token objective, `config.token_loss`): target token ids after the prompt (FAST action
+            tokens, then text), -100 where there is none (right-padded). The backbone reads them causally after the
+            prefix and returns its next-token `token_logits`; the expert never sees them and, under
+            `config.knowledge_insulation`, reads the backbone's keys/values through a stop-gradient. With `actions`,
+            `loss` adds the mean cross-entropy over the targets to the flow MSE.
 
         Returns `logits` = predicted velocity `[B, chunk, max_action_dim]` (fp32).
         """
@@ -510,7 +559,17 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
                              "(pixel_values, not a past_key_values cache)")
         suffix_embeds, cond = self.embed_suffix(x_t, timestep)
         prefix_valid = self.model.prefix_mask(pixel_attention_mask, attention_mask)
-        hidden, cache, *prefix_hidden = self.model(
+        target_valid = None
+        if labels is not None:
+            if not self.config.token_loss:
+                raise ValueError("labels (target tokens) need config.token_loss=True: flow-only, the VLM's last layer "
+                                 "is frozen and nothing predicts tokens")
+            if prefix_embeds is None:
+                raise ValueError("labels need the prefix (pixel_values), not a past_key_values cache")
+            target_valid = labels != -100
+            targets = self.model.get_input_embeddings()(labels.masked_fill(~target_valid, 0))
+            prefix_embeds = torch.cat([prefix_embeds, targets.to(prefix_embeds.dtype)], dim=1)
+        hidden, cache, *extra = self.model(
             suffix_embeds,
             cond,
             prefix_valid=prefix_valid,
@@ -518,14 +577,23 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             past_key_values=past_key_values,
             use_cache=use_cache,
             output_prefix_hidden=output_value,
+            target_valid=target_valid,
         )
+        token_logits = None
+        if labels is not None:  # the LM head is the input embedding, tied (PaliGemma)
+            target_hidden = extra.pop()
+            embedding = self.model.get_input_embeddings().weight
+            token_logits = F.linear(target_hidden.to(embedding.dtype), embedding)
+        prefix_hidden = extra
         velocity = self.action_out_proj(hidden[:, -self.config.chunk_size :].to(self.action_out_proj.weight.dtype))
         velocity = velocity.float()
         loss = None
         if actions is not None:
             loss = F.mse_loss(velocity, (noise - actions).float())
+            if token_logits is not None and target_valid.any():
+                loss = loss + F.cross_entropy(token_logits[target_valid].float(), labels[target_valid])
         value = self.value_head(prefix_hidden[0], prefix_valid) if output_value else None
-        return PI05Output(loss=loss, logits=velocity, past_key_values=cache, value=value)
+        return PI05Output(loss=loss, logits=velocity, past_key_values=cache, value=value, token_logits=token_logits)
 
     # ---- structure, for the trainer and peft ---------------------------------------------------------------------
     freeze_modes = ("none", "vision_tower", "vlm", "expert_only")
