@@ -213,7 +213,6 @@ def test_knowledge_insulation_keeps_the_flow_loss_out_of_the_backbone(insulated)
     """KI: the flow loss's gradient reaches the expert, the action/time heads and nothing of the VLM (vision tower
     included); the token loss reaches the VLM and nothing of the expert. Without insulation the flow loss reaches the
     VLM too. The VLM's last layer and final norm train under the token objective."""
-    import torch
     import torch.nn.functional as F
 
     model = token_model(knowledge_insulation=insulated).train()
