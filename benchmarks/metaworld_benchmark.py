@@ -4,6 +4,8 @@
     python benchmarks/metaworld_benchmark.py --stage record --crop 144,96,400,352 --work data_cache/metaworld_crop
                                                                        # the same, the workspace cropped first
     python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20
+    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20 --tag cotrain \
+        --config configs/pi05_metaworld_cotrain.json       # pi0.5's token objective (FAST + knowledge insulation)
     python benchmarks/metaworld_benchmark.py --stage lerobot --budget_min 20   # lerobot-train, ACT (no pretrained backbone)
     python benchmarks/metaworld_benchmark.py --stage evaluate --episodes 50
 
@@ -89,21 +91,25 @@ def stage_record(work: Path, episodes: int, results: dict, crop: str | None = No
                          "frames": frames, "expert_success": expert, "rejected": rejected}
 
 
-def _train(work: Path, out: Path, overrides: list[str]) -> float:
+CONFIG = REPO / "configs" / "pi05_metaworld.json"
+
+
+def _train(work: Path, out: Path, overrides: list[str], config: Path = CONFIG) -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "pi05_metaworld.json"),
+    subprocess.run([sys.executable, "-m", "hf_vla.train", str(config),
                     "--datasets", json.dumps(_dataset_spec(work)), "--output_dir", str(out), *overrides],
                    check=True, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"))
     return time.perf_counter() - started
 
 
 def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict, tag: str = "hf_vla",
-                 rate: float | None = None, rollout_episodes: int = 0, max_episode_steps: int = 200):
+                 rate: float | None = None, rollout_episodes: int = 0, max_episode_steps: int = 200,
+                 config: Path = CONFIG):
     if rate is None:  # the step rate, measured undisturbed (a run's wall clock may be stretched by other work)
-        probe = work / "probe"
+        probe = work / f"probe_{tag}"
         probe_steps = 200
         seconds = _train(work, probe, ["--max_steps", str(probe_steps), "--save_strategy", "no", "--validation_ratio",
-                                       "0.05", "--eval_strategy", "no"])
+                                       "0.05", "--eval_strategy", "no"], config)
         rate = probe_steps / seconds  # includes start-up: a safe under-estimate
     steps = int(rate * budget_min * 60 / 100) * 100
     out = work / tag
@@ -117,12 +123,13 @@ def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict,
                                  "--max_episode_steps", str(max_episode_steps),
                                  "--eval_strategy", "steps", "--eval_steps", str(save), "--validation_ratio", "0.05",
                                  "--lr_scheduler_kwargs", json.dumps({"num_decay_steps": max(1, steps // 4),
-                                                                      "min_lr_ratio": 0.1}), *rollouts])
+                                                                      "min_lr_ratio": 0.1}), *rollouts], config)
     history = json.loads(sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
                          .joinpath("trainer_state.json").read_text())["log_history"]
     evals = {int(e["step"]): {k: v for k, v in e.items() if k.startswith("eval_")} for e in history
              if "eval_loss" in e}
-    results[tag] = {"budget_min": budget_min, "probe_steps_per_s": round(rate, 2), "max_steps": steps,
+    results[tag] = {"config": str(Path(config).relative_to(REPO)) if Path(config).is_relative_to(REPO) else str(config),
+                    "budget_min": budget_min, "probe_steps_per_s": round(rate, 2), "max_steps": steps,
                     "train_seconds": round(seconds, 1), "checkpoint_every": save, "offline": evals, "batch_size": 32}
     if (out / "rollout_results.jsonl").exists():  # hf_vla.rollouts: per-task success at each rollout step
         results[tag]["rollouts"] = {
@@ -297,6 +304,8 @@ def main(argv=None):
                         "at every checkpoint, during training (hf_vla.rollouts)")
     parser.add_argument("--which", choices=["both", "hf_vla", "lerobot"], default="both", help="evaluate stage: whose "
                         "checkpoints")
+    parser.add_argument("--config", default=str(CONFIG), help="hf_vla stage: the training config (e.g. "
+                        "configs/pi05_metaworld_cotrain.json, the token objective)")
     parser.add_argument("--crop", default=None, help="record stage: left,top,right,bottom of the 480 px render kept "
                         "before resizing (python -m hf_vla.record --crop); the checkpoints' contract carries it")
     args = parser.parse_args(argv)
@@ -307,7 +316,7 @@ def main(argv=None):
         stage_record(work, args.record_episodes, results, args.crop)
     elif args.stage == "hf_vla":
         stage_hf_vla(work, args.budget_min, args.checkpoints, results, args.tag, args.steps_per_s,
-                     args.rollout_episodes, args.max_episode_steps)
+                     args.rollout_episodes, args.max_episode_steps, Path(args.config).resolve())
     elif args.stage == "lerobot":
         stage_lerobot(work, args.budget_min, results)
     else:

@@ -134,7 +134,9 @@ def policy_per_sample_loss(model, inputs: dict, seed: int, step: int) -> tuple[P
         # a per-sample offset on the prefix keeps the model from continuing it blindly (padded dims stay 0).
         offsets = prefix_offsets(inputs, actions.shape[2:], seed, step, scale).to(actions.device, actions.dtype)
         x_t = x_t + committed[..., None] * inputs["action_dim_mask"][:, None, :] * offsets
-    outputs = model(noise=x_t.to(unwrapped.dtype), timestep=t, **{k: inputs[k] for k in MODEL_INPUTS if k in inputs})
+    extra = {"labels": inputs["labels"]} if "labels" in inputs else {}  # the token objective's targets
+    outputs = model(noise=x_t.to(unwrapped.dtype), timestep=t, **{k: inputs[k] for k in MODEL_INPUTS if k in inputs},
+                    **extra)
     loss = per_sample_flow_loss(outputs.logits, noise, actions, padding, inputs["action_dim_mask"])
     return loss, outputs
 
@@ -146,6 +148,7 @@ class StepTotals:
     num_samples: int  # samples with at least one valid element
     num_elements: float
     group_counts: dict = field(default_factory=dict)  # group id -> elements
+    tokens: StepTotals | None = None  # the token objective's totals over target tokens (`hf_vla.cotraining`)
 
     @classmethod
     def from_counts(cls, counts: Sequence[float], groups: Sequence[int] | None = None) -> StepTotals:

@@ -70,6 +70,15 @@ class ModelArguments:
     rtc_prefix_noise: with `rtc_max_delay`, the std of one offset per sample on its committed prefix (normalised
         units; see `PI05Config`). Overrides the checkpoint's value and is saved with the model. On the demo's RTC
         fine-tune, 0 lost 0.9 points of closed-loop success to no RTC; 0.2 lost 0.1 (10 vs 6 failures of 3,500).
+    token_loss: pi0.5's token objective (pi05; docs/cotraining.md): the backbone also predicts each chunk's FAST
+        action tokens (cross-entropy beside `flow_loss_weight` x the flow MSE). Saved with the model; inference is
+        unchanged.
+    knowledge_insulation: with `token_loss`, the expert reads stop-gradient backbone keys/values, so the backbone
+        learns from the tokens only (KI, arXiv 2505.23705). Saved with the model.
+    fast_tokenizer: a FAST tokenizer to use (`fast_tokenizer.json`, its folder, or a checkpoint trained with the
+        token loss); unset, one is fitted at start-up on the training mixture's chunks.
+    fast_vocab_size / fast_scale / fast_fit_chunks: the fit's BPE vocabulary, DCT coefficient scale, and how many
+        chunks of the training mixture it reads.
     """
 
     policy: str = field(default="pi05", metadata={"help": f"one of {POLICIES}"})
@@ -86,6 +95,14 @@ class ModelArguments:
         "help": "training-time RTC: committed prefixes of up to this many actions (pi05; default: the config's)"})
     rtc_prefix_noise: float | None = field(default=None, metadata={
         "help": "training-time RTC: std of a per-sample offset on the committed prefix (default: the config's)"})
+    token_loss: bool | None = field(default=None, metadata={
+        "help": "pi0.5's token objective: FAST action tokens trained by the backbone (default: the config's)"})
+    knowledge_insulation: bool | None = field(default=None, metadata={
+        "help": "with token_loss: the flow loss trains only the expert (default: the config's, true)"})
+    fast_tokenizer: str | None = field(default=None, metadata={"help": "FAST tokenizer to load (default: fit one)"})
+    fast_vocab_size: int = field(default=1024, metadata={"help": "FAST BPE vocabulary when fitted"})
+    fast_scale: float = field(default=10.0, metadata={"help": "FAST DCT coefficient scale when fitted"})
+    fast_fit_chunks: int = field(default=20_000, metadata={"help": "training chunks the FAST fit reads"})
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -109,6 +126,15 @@ class ModelArguments:
             if getattr(self, name) is not None and self.policy != "pi05":
                 raise ConfigError(f"{name}={getattr(self, name)}: training-time RTC needs policy 'pi05' (its "
                                   f"action expert takes a time per action token), not {self.policy!r}")
+        for name in ("token_loss", "knowledge_insulation", "fast_tokenizer"):
+            if getattr(self, name) not in (None, False) and self.policy != "pi05":
+                raise ConfigError(f"{name}={getattr(self, name)!r}: the token objective needs policy 'pi05', not "
+                                  f"{self.policy!r}")
+        if self.fast_vocab_size <= 0 or self.fast_fit_chunks <= 0:
+            raise ConfigError(f"fast_vocab_size={self.fast_vocab_size}, fast_fit_chunks={self.fast_fit_chunks}: "
+                              "must be positive")
+        if not (math.isfinite(self.fast_scale) and self.fast_scale > 0):
+            raise ConfigError(f"fast_scale={self.fast_scale}: must be a finite number > 0")
         if self.rtc_prefix_noise is not None and not (math.isfinite(self.rtc_prefix_noise)
                                                       and self.rtc_prefix_noise >= 0):
             raise ConfigError(f"rtc_prefix_noise={self.rtc_prefix_noise}: must be a finite number >= 0")
@@ -366,6 +392,9 @@ def model_config(model_args: ModelArguments):
             raise ConfigError(f"rtc_prefix_noise={model_args.rtc_prefix_noise}: only used with training-time RTC; "
                               "set rtc_max_delay > 0 too")
         config.rtc_prefix_noise = float(model_args.rtc_prefix_noise)
+    for name in ("token_loss", "knowledge_insulation"):
+        if getattr(model_args, name) is not None:
+            setattr(config, name, bool(getattr(model_args, name)))
     return config
 
 
@@ -504,6 +533,17 @@ def _train(model_args, data_args, training_args):
     if model_args.policy == "pi05":
         processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
                                               head_names=mixture.head_names)
+        if getattr(model.config, "token_loss", False):  # the FAST targets: loaded, or fitted on the training chunks
+            from .cotraining import fit_fast
+
+            fast_path = model_args.fast_tokenizer
+            if fast_path is None and model_args.model_name_or_path:  # continuing a token-loss checkpoint: its FAST
+                saved = Path(model_args.model_name_or_path) / "processor_config.json"
+                if saved.is_file() and json.loads(saved.read_text()).get("fast_config"):
+                    fast_path = model_args.model_name_or_path
+            fit_fast(mixture, processor, model.config, path=fast_path,
+                     vocab_size=model_args.fast_vocab_size, scale=model_args.fast_scale,
+                     max_chunks=model_args.fast_fit_chunks, seed=training_args.seed)
         collator = PI05Collator(processor)
     else:  # transformers' pi0: its prompt layout (image placeholder tokens), mean/std normalization per head
         from .models.pi0_adapter import PI0HeadProcessor

@@ -60,6 +60,10 @@ class VLATrainingArguments(TrainingArguments):
         `group_mean` (every group weighs the same, see `loss_group_key`) or `constant` (sum / (divisor * samples)).
     loss_divisor (`float`, *optional*): the fixed divisor of `constant`; refused by the other modes.
     loss_group_key (`str`, defaults to `"episode"`): groups of `group_mean`: `episode` or `dataset`.
+    flow_loss_weight (`float`, defaults to 1.0): alpha of pi0.5's objective `CE + alpha * flow MSE` when batches carry
+        target tokens (`labels`, the token objective, `hf_vla.cotraining`); each term is aggregated by
+        `loss_aggregation` over its own elements (valid action elements, target tokens). 1 is knowledge insulation's
+        choice (the stop-gradient keeps the terms on separate parameters); pi0.5 post-trained with 10 without it.
     master_weights (`bool`, defaults to `True`): with a bf16 model, keep fp32 master weights and fp32 Adam state;
         gradients are clipped in fp32. Under DDP (and in one process) `MasterWeightOptimizer` holds them; under FSDP2
         the sharded fp32 parameters are the masters (bf16 mixed precision); DeepSpeed's bf16 mode keeps its own.
@@ -110,6 +114,7 @@ class VLATrainingArguments(TrainingArguments):
     loss_aggregation: str = field(default="sample_mean", metadata={"help": f"one of {LOSS_AGGREGATIONS}"})
     loss_divisor: float | None = field(default=None, metadata={"help": "divisor of loss_aggregation=constant"})
     loss_group_key: str = field(default="episode", metadata={"help": "group_mean groups: episode | dataset"})
+    flow_loss_weight: float = field(default=1.0, metadata={"help": "alpha in CE + alpha * flow MSE (token objective)"})
     master_weights: bool = field(default=True, metadata={"help": "fp32 master weights for a bf16 model"})
     freeze: str = field(default="none", metadata={"help": f"one of {FREEZE_CHOICES}"})
     stream_open_blocks: int = field(default=32, metadata={"help": "episodes open at once per data worker"})
@@ -185,6 +190,8 @@ class VLATrainingArguments(TrainingArguments):
         elif self.loss_divisor is not None:
             raise ConfigError(f"loss_divisor={self.loss_divisor} is only used by loss_aggregation='constant', "
                               f"not {self.loss_aggregation!r}")
+        if not (math.isfinite(self.flow_loss_weight) and self.flow_loss_weight >= 0):
+            raise ConfigError(f"flow_loss_weight={self.flow_loss_weight}: must be a finite number >= 0")
         if self.loss_group_key not in GROUP_KEYS:
             raise ConfigError(f"loss_group_key={self.loss_group_key!r}: choose one of {sorted(GROUP_KEYS)}")
         if self.freeze not in FREEZE_CHOICES:
@@ -323,7 +330,7 @@ class VLATrainer(Trainer):
         self._defer_push = False
         # Training metrics the TRL way, flushed in log(): per normalization head, the masked squared-error sum and
         # element count since the last log, so a user sees which embodiment is not learning between evaluations.
-        self._metrics = {"train": {"head_sum": None, "head_count": None}}
+        self._metrics = {"train": {"head_sum": None, "head_count": None, "tokens": {}}}
 
     @property
     def provenance(self):
@@ -449,15 +456,22 @@ class VLATrainer(Trainer):
         group_key = GROUP_KEYS[self.args.loss_group_key]
         counts, groups = [], []
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        tokens = []  # target tokens per sample (the token objective's own denominators)
         for batch in batch_samples:
             padding, _ = loss_padding(batch, self.args.seed, self.state.global_step, config)
             counts += valid_elements(padding, batch["action_dim_mask"]).sum(dim=(1, 2)).tolist()
             groups += batch[group_key].tolist()
+            if "labels" in batch:
+                tokens += (batch["labels"] != -100).sum(-1).tolist()
         if self.accelerator.num_processes > 1:
-            gathered = gather_object([(counts, groups)])
-            counts = [c for rank_counts, _ in gathered for c in rank_counts]
-            groups = [g for _, rank_groups in gathered for g in rank_groups]
-        return StepTotals.from_counts(counts, groups)
+            gathered = gather_object([(counts, groups, tokens)])
+            counts = [c for rank_counts, _, _ in gathered for c in rank_counts]
+            groups = [g for _, rank_groups, _ in gathered for g in rank_groups]
+            tokens = [t for _, _, rank_tokens in gathered for t in rank_tokens]
+        totals = StepTotals.from_counts(counts, groups)
+        if tokens:
+            totals.tokens = StepTotals.from_counts(tokens, groups)
+        return totals
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # The trainer owns the objective (DESIGN): the model only predicts the velocity.
@@ -472,6 +486,17 @@ class VLATrainer(Trainer):
             totals = StepTotals.from_counts(per_sample.count.tolist(), groups.tolist())
         weights = sample_weights(self.args.loss_aggregation, per_sample, totals, groups, self.args.loss_divisor)
         loss = (weights * per_sample.sum).sum()
+        if "labels" in inputs:  # pi0.5's objective: CE + alpha * flow MSE, each over its own elements
+            from .cotraining import token_per_sample_loss
+
+            tokens = token_per_sample_loss(outputs.token_logits, inputs["labels"],
+                                           getattr(self.processing_class, "fast_token_range", None))
+            token_totals = totals.tokens or StepTotals.from_counts(tokens["ce"].count.tolist(), groups.tolist())
+            token_weights = sample_weights(self.args.loss_aggregation, tokens["ce"], token_totals, groups,
+                                           self.args.loss_divisor)
+            loss = self.args.flow_loss_weight * loss + (token_weights * tokens["ce"].sum).sum()
+            if model.training:
+                self._record_token_losses(tokens, inputs.get("dataset_index"))
         if model.training and not torch.isfinite(loss):
             self._on_nonfinite_loss(loss, per_sample, inputs)
         if model.training and "dataset_index" in inputs:
@@ -517,7 +542,34 @@ class VLATrainer(Trainer):
         metrics["head_sum"].index_add_(0, heads.to(per_sample.sum.device), per_sample.sum.detach().double())
         metrics["head_count"].index_add_(0, heads.to(per_sample.sum.device), per_sample.count.detach().double())
 
+    def _record_token_losses(self, tokens: dict, heads: torch.Tensor | None):
+        """The window's cross-entropy sums and counts: overall, per component, per head (logged as `ce`, `fast_ce`,
+        `text_ce`, `<head>/ce`)."""
+        window = self._metrics["train"]["tokens"]
+        parts = [(name, loss.sum.detach().sum(), loss.count.detach().sum()) for name, loss in tokens.items()]
+        if heads is not None:
+            provenance = self.provenance
+            for head in heads.unique().tolist():
+                rows = heads == head
+                name = provenance.head_names[head] if provenance is not None else str(head)
+                parts.append((f"{name}/ce", tokens["ce"].sum.detach()[rows].sum(), tokens["ce"].count[rows].sum()))
+        for name, total, count in parts:
+            before = window.get(name, (0.0, 0.0))
+            window[name] = (before[0] + total.double(), before[1] + count.double())
+
     def _flush_head_errors(self, logs: dict):
+        window, self._metrics["train"]["tokens"] = self._metrics["train"]["tokens"], {}
+        window = {name: (float(total), float(count)) for name, (total, count) in window.items()}
+        if self.accelerator.num_processes > 1:  # every rank logs here; a head one rank did not see is not in its dict
+            merged: dict = {}
+            for part in gather_object([window]):
+                for name, (total, count) in part.items():
+                    before = merged.get(name, (0.0, 0.0))
+                    merged[name] = (before[0] + total, before[1] + count)
+            window = merged
+        for name, (total, count) in sorted(window.items()):
+            if count > 0:
+                logs[name] = total / count
         metrics = self._metrics["train"]
         sums, counts = metrics["head_sum"], metrics["head_count"]
         if sums is None:
@@ -642,18 +694,23 @@ class VLATrainer(Trainer):
         # buckets are sum(sum) / sum(count), never a mean of means.
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
         model.eval()
-        keys = ("sum", "count", "dataset_index", "source_index", "episode_index")
-        collected: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+        collected: dict[str, list[torch.Tensor]] = {}
         action_errors: dict[int, list[float]] = {}
         for batch_index, inputs in enumerate(dataloader):
             inputs = self._prepare_inputs(inputs)
             with torch.no_grad():
-                per_sample, _ = self.per_sample_loss(model, inputs, EVAL_NOISE_STEP)
+                per_sample, outputs = self.per_sample_loss(model, inputs, EVAL_NOISE_STEP)
             values = {"sum": per_sample.sum, "count": per_sample.count,
                       **{k: inputs[k] for k in ("dataset_index", "source_index", "episode_index")}}
+            if "labels" in inputs:  # the token objective: CE per sample and component, beside the MSE
+                from .cotraining import token_per_sample_loss
+
+                for name, loss in token_per_sample_loss(outputs.token_logits, inputs["labels"], getattr(
+                        self.processing_class, "fast_token_range", None)).items():
+                    values[f"{name}_sum"], values[f"{name}_count"] = loss.sum, loss.count
             gathered = self.accelerator.gather_for_metrics(values)
-            for key in keys:
-                collected[key].append(gathered[key].detach().cpu())
+            for key, value in gathered.items():
+                collected.setdefault(key, []).append(value.detach().cpu())
             if batch_index < self.args.action_metrics_batches:
                 self._action_errors(model, inputs, action_errors)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
@@ -683,6 +740,18 @@ class VLATrainer(Trainer):
         provenance = self.provenance
         heads = provenance.head_names if provenance is not None else None
         names = provenance.names if provenance is not None else None
+        if "ce_sum" in data:  # the token objective: eval_loss is CE + alpha * MSE, as trained; CE as the MSE is
+            ce = PerSampleLoss(data["ce_sum"].double(), data["ce_count"].double())
+            metrics[f"{prefix}_loss"] = self.args.flow_loss_weight * metrics[f"{prefix}_loss"] + float(
+                aggregate(self.args.loss_aggregation, ce, groups, self.args.loss_divisor))
+            for component in ("ce", "fast_ce", "text_ce"):
+                part = PerSampleLoss(data[f"{component}_sum"].double(), data[f"{component}_count"].double())
+                if float(part.count.sum()) > 0:
+                    metrics[f"{prefix}_{component}"] = float(part.sum.sum() / part.count.sum())
+                    for name, value in bucket_mse(part, data["dataset_index"], heads).items():
+                        metrics[f"{prefix}_{name}/{component}"] = value
+                    for name, value in bucket_mse(part, data["source_index"], names).items():
+                        metrics[f"{prefix}_by_dataset/{name}/{component}"] = value
         for name, mse in bucket_mse(per_sample, data["dataset_index"], heads).items():
             metrics[f"{prefix}_{name}/mse"] = mse
         by_dataset = bucket_mse(per_sample, data["source_index"], names)

@@ -8,8 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from scipy.fft import dct, idct
 
-from hf_vla.errors import ConfigError
-from hf_vla.models.fast_tokenizer import FASTActionTokenizer, dct_matrix
+from hf_vla.models.pi05.fast_tokenizer import FASTActionTokenizer, FASTError, dct_matrix
 
 
 def recorded_chunks(root, chunk_size: int = 50, stride: int = 10) -> np.ndarray:
@@ -83,17 +82,17 @@ def test_malformed_sequences_decode_to_zeros_and_are_counted(fitted, chunks):
 
 
 def test_bad_fits_are_refused_in_one_line(chunks, tmp_path):
-    with pytest.raises(ConfigError, match=r"FAST fit on humanoid: the quantised coefficients span -?\d+\.\.\d+ "
+    with pytest.raises(FASTError, match=r"FAST fit on humanoid: the quantised coefficients span -?\d+\.\.\d+ "
                                           r"\(\d+ values\), more than vocab_size=64"):
         FASTActionTokenizer.fit(chunks, vocab_size=64, source="humanoid")
-    with pytest.raises(ConfigError, match="FAST fit on tiny: 2 chunk\\(s\\) are too few"):
+    with pytest.raises(FASTError, match="FAST fit on tiny: 2 chunk\\(s\\) are too few"):
         FASTActionTokenizer.fit(chunks[:2], source="tiny")
     bad = chunks[:10].copy()
     bad[3, 4, 5] = np.nan
-    with pytest.raises(ConfigError, match="NaN or inf"):
+    with pytest.raises(FASTError, match="NaN or inf"):
         FASTActionTokenizer.fit(bad)
     (tmp_path / "fast_tokenizer.json").write_text('{"chunk_size": 4}')
-    with pytest.raises(ConfigError, match="not a FAST tokenizer"):
+    with pytest.raises(FASTError, match="not a FAST tokenizer"):
         FASTActionTokenizer.from_pretrained(tmp_path)
     tokenizer = FASTActionTokenizer.fit(chunks[:40] * 0.1)  # fitted on small actions: a large chunk is refused
     with pytest.raises(ValueError, match="outside the fitted range"):
@@ -254,3 +253,78 @@ def test_token_objective_refusals_and_a_flow_only_model_unchanged():
                                    inputs["attention_mask"])
         with pytest.raises(ValueError, match="labels need the prefix"):
             model(**{**inputs, "pixel_values": None}, past_key_values=cache)
+
+
+# ---- training with the token objective ------------------------------------------------------------------------------
+def test_training_with_the_token_objective(tmp_path):
+    """`token_loss` end to end on a small LeRobot dataset: FAST fitted at start-up on the training chunks, `labels` in
+    every batch that decode back to the chunk, the loss = alpha * flow + CE (each sample_mean over its own elements;
+    checked against a one-batch computation), CE logged per component and head in training and evaluation, the FAST
+    tokenizer saved with the processor and loaded back through AutoProcessor."""
+    import json
+
+    import torch
+    import torch.nn.functional as F
+    from test_data import make_dataset
+    from test_failures import base_config, write_config
+    from transformers import AutoProcessor
+
+    from hf_vla.train import main
+
+    data = make_dataset(tmp_path / "toy", 6)
+    out = tmp_path / "out"
+    config = base_config(data, out, max_steps=3, token_loss=True, fast_vocab_size=256, flow_loss_weight=2.0,
+                         validation_ratio=0.34, eval_strategy="steps", eval_steps=3, save_strategy="steps",
+                         save_steps=3)
+    trainer = main([str(write_config(tmp_path, config))])
+    processor = trainer.processing_class
+    fast = processor.fast
+    assert fast.chunk_size == 4 and fast.action_dim == 2 and processor.fast_token_range == (475, 475 + 256)
+    assert trainer.model.config.token_loss and trainer.model.config.knowledge_insulation
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert {"ce", "fast_ce", "arm_a::joint/ce", "eval_ce", "eval_fast_ce", "eval_arm_a::joint/fast_ce",
+            "eval_by_dataset/toy/fast_ce", "eval_mse"} <= logged, sorted(logged)
+    assert "text_ce" not in logged  # no text targets in this data
+    saved = json.loads((out / "processor_config.json").read_text())
+    assert saved["fast_config"]["vocab_size"] == 256 and saved["fast_token_offset"] == 475
+    assert (out / "fast_tokenizer.py").is_file()  # with processing_pi05.py: loads where hf_vla is not installed
+    loaded = AutoProcessor.from_pretrained(out)
+    assert loaded.fast.to_dict() == fast.to_dict()
+
+    batch = next(iter(trainer.get_train_dataloader()))
+    labels = batch["labels"]
+    assert ((labels == -100) | ((labels >= 475) & (labels < 475 + 256))).all()
+    bound = 0.5 * 2 / fast.scale  # 0.5 * sqrt(chunk 4) / scale
+    for row in range(len(labels)):
+        ids = (labels[row][labels[row] != -100] - 475).tolist()
+        real = (~batch["action_is_pad"][row]).nonzero().flatten()
+        decoded = torch.from_numpy(fast.decode(ids)).float()[real]
+        assert (decoded - batch["actions"][row, real]).abs().max() <= bound + 1e-5
+    model = trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, batch)
+        per_sample, outputs = trainer.per_sample_loss(model, batch, trainer.state.global_step)
+        valid = labels != -100
+        ce = torch.stack([F.cross_entropy(outputs.token_logits[i][valid[i]].float(), labels[i][valid[i]])
+                          for i in range(len(labels))])
+    expected = 2.0 * (per_sample.sum / per_sample.count).mean() + ce.mean()
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_token_objective_refusals(tmp_path, capsys):
+    from test_data import make_dataset
+    from test_failures import base_config, run_fails, write_config
+
+    data = make_dataset(tmp_path / "toy", 6)
+    cases = [
+        (dict(token_loss=True), "fast_vocab_size=1024: FAST ids 475..1498 do not fit the language model's vocabulary "
+                                "of 1024 (475 tokenizer tokens); a FAST vocabulary of at most 549 fits"),
+        (dict(token_loss=True, fast_vocab_size=8), "token_loss: FAST fit on the training mixture ['toy']: the "
+                                                   "quantised coefficients span"),
+        (dict(token_loss=True, fast_tokenizer=str(tmp_path / "none")), "token_loss: FAST tokenizer"),
+        (dict(policy="pi0", token_loss=True), "token_loss=True: the token objective needs policy 'pi05'"),
+        (dict(flow_loss_weight=-1), "flow_loss_weight=-1"),
+    ]
+    for overrides, culprit in cases:
+        _, message = run_fails(capsys, write_config(tmp_path, base_config(data, tmp_path / "out", **overrides)))
+        assert culprit in message, message

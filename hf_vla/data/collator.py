@@ -2,7 +2,8 @@
 
 The processor builds the model inputs exactly as at inference (pi0.5: `PI05Processor`, prompt with the discretized
 state; transformers' pi0: `hf_vla.models.pi0_adapter.PI0HeadProcessor`), each row normalized by its own head. The
-collator only adds what training needs: the target chunk's padding mask (padded steps zeroed) and provenance.
+collator only adds what training needs: the target chunk's padding mask (padded steps zeroed), provenance, and with
+the token objective (a processor with a FAST tokenizer) the target tokens `labels`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class VLACollator:
         )
         batch = dict(inputs)
         batch["action_is_pad"] = torch.stack([s["action_is_pad"] for s in samples])
+        if getattr(self.processor, "fast_config", None):  # the token objective: FAST targets of each chunk
+            batch["labels"] = self.processor.target_labels(batch["actions"], batch["action_is_pad"])
         batch["actions"][batch["action_is_pad"]] = 0.0  # chunk steps past the end: zeros, masked out of the loss
         for key in PROVENANCE:
             batch[key] = torch.tensor([int(s[key]) for s in samples], dtype=torch.long)

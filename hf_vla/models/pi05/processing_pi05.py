@@ -187,6 +187,10 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
     head_names (`list[str]`): heads in `dataset_index` order.
     image_size, max_state_dim, max_action_dim, chunk_size, state_bins: as in `PI05Config`; prompt_max_length is its
         `tokenizer_max_length`.
+    fast_config (`dict`, *optional*): the FAST action tokenizer of the token objective (`FASTActionTokenizer`'s
+        `to_dict()`; `PI05Config.token_loss`), saved in `processor_config.json`. Training batches then carry `labels`
+        (`target_labels`); inference never uses it.
+    fast_token_offset (`int`, *optional*): the language-model id of FAST id 0 (`set_fast_tokenizer` chooses it).
     """
 
     attributes = ["tokenizer"]
@@ -203,6 +207,8 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         chunk_size: int = 50,
         prompt_max_length: int = 200,
         state_bins: int = 256,
+        fast_config: dict | None = None,
+        fast_token_offset: int | None = None,
         **kwargs,
     ):
         self.norm_stats = norm_stats or {}
@@ -213,6 +219,8 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         self.chunk_size = chunk_size
         self.prompt_max_length = prompt_max_length
         self.state_bins = state_bins
+        self.fast_config = fast_config
+        self.fast_token_offset = fast_token_offset
         super().__init__(tokenizer, **kwargs)
 
     @classmethod
@@ -373,9 +381,70 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
                                                                             self.max_action_dim, normalized)
         return BatchFeature(data=data)
 
+    # ---- the token objective's targets (training only) ----------------------------------------------------------
+    @property
+    def fast(self):
+        """The `FASTActionTokenizer` (None without one), built once from `fast_config`."""
+        if not self.fast_config:
+            return None
+        cached = _FAST_CACHE.get(id(self))
+        if cached is None or cached[0] is not self.fast_config:
+            from .fast_tokenizer import FASTActionTokenizer
+
+            cached = _FAST_CACHE[id(self)] = (self.fast_config, FASTActionTokenizer.from_dict(self.fast_config))
+        return cached[1]
+
+    def set_fast_tokenizer(self, fast, vocab_size: int) -> None:
+        """Use `fast` (a `FASTActionTokenizer`) for the action targets, its ids placed in a language-model vocabulary
+        of `vocab_size`: just below `<loc0000>` when the tokenizer has PaliGemma's location tokens (so FAST ids collide
+        neither with `<loc>` nor `<seg>`, nor with text), else right after the tokenizer's own tokens. ValueError when
+        they do not fit."""
+        loc = self.tokenizer.convert_tokens_to_ids("<loc0000>")
+        has_loc = isinstance(loc, int) and loc != self.tokenizer.unk_token_id and loc is not None
+        offset = loc - fast.vocab_size if has_loc else len(self.tokenizer)
+        if offset < 0 or offset + fast.vocab_size > vocab_size:
+            room = (loc if has_loc else vocab_size - len(self.tokenizer))
+            raise ValueError(f"FAST ids {offset}..{offset + fast.vocab_size - 1} do not fit the language model's "
+                             f"vocabulary of {vocab_size} ({len(self.tokenizer)} tokenizer tokens"
+                             f"{', <loc0000> at ' + str(loc) if has_loc else ''}); a FAST vocabulary of at most "
+                             f"{max(room, 0)} fits")
+        self.fast_config, self.fast_token_offset = fast.to_dict(), int(offset)
+
+    @property
+    def fast_token_range(self) -> tuple[int, int] | None:
+        """[first, end) language-model ids of FAST tokens (None without FAST)."""
+        if not self.fast_config:
+            return None
+        return self.fast_token_offset, self.fast_token_offset + int(self.fast_config["vocab_size"])
+
+    def target_labels(self, actions: torch.Tensor, action_is_pad: torch.Tensor | None = None) -> torch.Tensor:
+        """`labels` `[B, L_t]` of the token objective: each normalised, zero-padded chunk `[B, chunk, max_action_dim]`
+        as FAST tokens (steps past the episode end hold its last action; coefficients outside the fitted range are
+        clipped and counted in `fast.clipped`), right-padded with -100. A sample without a real step has none."""
+        fast = self.fast
+        if fast is None:
+            raise ValueError("target_labels needs a FAST tokenizer (set_fast_tokenizer)")
+        rows = []
+        values = actions.detach().float().cpu().numpy()
+        pad = action_is_pad.cpu().numpy() if action_is_pad is not None else np.zeros(values.shape[:2], dtype=bool)
+        for chunk, is_pad in zip(values, pad):
+            real = np.flatnonzero(~is_pad)
+            if not len(real):
+                rows.append([])
+                continue
+            held = chunk.copy()
+            held[real[-1] + 1:] = chunk[real[-1]]
+            rows.append([self.fast_token_offset + i for i in fast.encode(held[:, : fast.action_dim], clip=True)])
+        labels = torch.full((len(rows), max(1, max(len(r) for r in rows))), -100, dtype=torch.long)
+        for index, row in enumerate(rows):
+            labels[index, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return labels
+
     @property
     def model_input_names(self):
         return ["input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state"]
 
+
+_FAST_CACHE: dict = {}  # id(processor) -> (its fast_config dict, the tokenizer built from it)
 
 __all__ = ["PI05Processor", "as_image_batch", "resize_with_pad"]

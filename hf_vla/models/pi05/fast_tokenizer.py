@@ -27,7 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
+
+class FASTError(ValueError):
+    """A FAST fit or file that cannot be used (this file has no hf_vla import: it loads as remote code too; the
+    training start-up turns it into hf_vla's one-line configuration error)."""
+
 
 logger = logging.getLogger("hf_vla.fast")
 
@@ -50,7 +54,7 @@ class FASTActionTokenizer:
     Attributes: `scale` (coefficient multiplier before rounding), `min_token` (the smallest quantised coefficient seen
     in the fit; integers are stored shifted by it), `vocab_size` (BPE vocabulary, the number of FAST ids), `stats`
     (what the fit measured: tokens per chunk, the round-trip error per dimension), `malformed` (sequences `decode`
-    could not decode since this object was made).
+    could not decode since this object was made), `clipped` (chunks `encode(clip=True)` clipped).
     """
 
     def __init__(self, bpe, chunk_size: int, action_dim: int, scale: float, min_token: int, vocab_size: int,
@@ -59,6 +63,7 @@ class FASTActionTokenizer:
         self.scale, self.min_token, self.vocab_size = float(scale), int(min_token), int(vocab_size)
         self.stats = dict(stats or {})
         self.malformed = 0
+        self.clipped = 0
         self._dct = dct_matrix(self.chunk_size)
 
     # ---- fitting ------------------------------------------------------------------------------------------------
@@ -71,21 +76,21 @@ class FASTActionTokenizer:
 
         chunks = np.asarray(chunks, dtype=np.float64)
         if chunks.ndim != 3 or not chunks.shape[0]:
-            raise ConfigError(f"FAST fit on {source}: expected chunks [N, T, D] with N >= 1, got {chunks.shape}")
+            raise FASTError(f"FAST fit on {source}: expected chunks [N, T, D] with N >= 1, got {chunks.shape}")
         if not np.isfinite(chunks).all():
-            raise ConfigError(f"FAST fit on {source}: the chunks hold NaN or inf")
+            raise FASTError(f"FAST fit on {source}: the chunks hold NaN or inf")
         if not (math.isfinite(scale) and scale > 0):
-            raise ConfigError(f"FAST scale={scale!r}: must be a finite number > 0")
+            raise FASTError(f"FAST scale={scale!r}: must be a finite number > 0")
         count, chunk_size, action_dim = chunks.shape
         if count < 2 * min_frequency:  # a merge needs min_frequency occurrences: a handful of chunks fits nothing
-            raise ConfigError(f"FAST fit on {source}: {count} chunk(s) are too few to fit a vocabulary (at least "
+            raise FASTError(f"FAST fit on {source}: {count} chunk(s) are too few to fit a vocabulary (at least "
                               f"{2 * min_frequency}; use more episodes or a smaller chunk stride)")
         matrix = dct_matrix(chunk_size)
         quantised = np.rint(np.einsum("ts,nsd->ntd", matrix, chunks) * scale).astype(np.int64)
         low, high = int(quantised.min()), int(quantised.max())
         alphabet = high - low + 1
         if alphabet > vocab_size:
-            raise ConfigError(f"FAST fit on {source}: the quantised coefficients span {low}..{high} ({alphabet} "
+            raise FASTError(f"FAST fit on {source}: the quantised coefficients span {low}..{high} ({alphabet} "
                               f"values), more than vocab_size={vocab_size} can hold; raise vocab_size or lower "
                               f"scale={scale:g} (are the actions normalised to about [-1, 1]?)")
         bpe = Tokenizer(models.BPE())
@@ -117,12 +122,17 @@ class FASTActionTokenizer:
             raise ValueError(f"FAST: expected a chunk of shape {(self.chunk_size, self.action_dim)}, got {chunk.shape}")
         return np.rint(self._dct @ chunk * self.scale).astype(np.int64)
 
-    def encode(self, chunk) -> list[int]:
-        """A normalised chunk `[T, D]` -> FAST ids. A coefficient outside the fitted range raises ValueError."""
+    def encode(self, chunk, clip: bool = False) -> list[int]:
+        """A normalised chunk `[T, D]` -> FAST ids. A coefficient outside the fitted range raises ValueError, or
+        with `clip` is clipped to it (counted in `clipped`: training targets of a chunk the fit never saw)."""
         shifted = self.quantise(chunk).reshape(-1) - self.min_token
         alphabet = self.stats.get("coefficient_range")
         top = (alphabet[1] - alphabet[0]) if alphabet else None
         if shifted.min() < 0 or (top is not None and shifted.max() > top):
+            if clip:
+                self.clipped += 1
+                shifted = np.clip(shifted, 0, top)
+                return self.bpe.encode("".join(chr(_CHAR_OFFSET + int(v)) for v in shifted)).ids
             raise ValueError(f"FAST: a coefficient of this chunk ({int(shifted.min()) + self.min_token}.."
                              f"{int(shifted.max()) + self.min_token}) lies outside the fitted range "
                              f"{alphabet}; refit on data that covers it")
@@ -155,7 +165,7 @@ class FASTActionTokenizer:
             return cls(bpe, data["chunk_size"], data["action_dim"], data["scale"], data["min_token"],
                        data["vocab_size"], data.get("stats"))
         except (KeyError, TypeError, ValueError, Exception) as error:  # tokenizers raises its own Exception
-            raise ConfigError(f"{source}: not a FAST tokenizer ({type(error).__name__}: {error})") from error
+            raise FASTError(f"{source}: not a FAST tokenizer ({type(error).__name__}: {error})") from error
 
     def save_pretrained(self, directory) -> Path:
         path = Path(directory) / FILE_NAME
@@ -165,14 +175,19 @@ class FASTActionTokenizer:
 
     @classmethod
     def from_pretrained(cls, path) -> FASTActionTokenizer:
-        """From a directory holding `fast_tokenizer.json`, or that file."""
+        """From `fast_tokenizer.json`, a directory holding it, or a processor directory whose
+        `processor_config.json` carries one (a checkpoint trained with the token objective)."""
         path = Path(path)
         if path.is_dir():
-            path = path / FILE_NAME
+            path = path / FILE_NAME if (path / FILE_NAME).is_file() else path / "processor_config.json"
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as error:
-            raise ConfigError(f"FAST tokenizer {path}: cannot be read ({error})") from error
+            raise FASTError(f"FAST tokenizer {path}: cannot be read ({error})") from error
+        if path.name == "processor_config.json":
+            if not data.get("fast_config"):
+                raise FASTError(f"FAST tokenizer {path}: this processor has none (trained without the token loss)")
+            data = data["fast_config"]
         return cls.from_dict(data, source=str(path))
 
     def __repr__(self) -> str:
@@ -180,4 +195,4 @@ class FASTActionTokenizer:
                 f" vocab_size={self.vocab_size}, tokens_per_chunk={self.stats.get('tokens_per_chunk_mean')})")
 
 
-__all__ = ["FASTActionTokenizer", "dct_matrix"]
+__all__ = ["FASTActionTokenizer", "FASTError", "dct_matrix"]
