@@ -21,18 +21,23 @@ MODES = [("sample_mean", None, 0), ("token_mean", None, 0), ("group_mean", None,
          ("token_mean", None, 2), ("sample_mean", None, 2)]
 
 
-def run_key(mode, rtc_max_delay=0):
-    return mode if not rtc_max_delay else f"{mode}+rtc{rtc_max_delay}"
+# pi0.5's token objective (CE + alpha x flow MSE, each aggregated over its own elements across the step)
+TOKEN_MODES = [("sample_mean", 2.0), ("token_mean", 0.5)]
+FAST_VOCAB = 128
+
+
+def run_key(mode, rtc_max_delay=0, token=False):
+    return (mode if not rtc_max_delay else f"{mode}+rtc{rtc_max_delay}") + ("+tokens" if token else "")
 
 
 RTC_PREFIX_NOISE = 0.2  # a model trained with committed prefixes also gets their per-sample offsets
 
 
-def make_model(rtc_max_delay=0):
+def make_model(rtc_max_delay=0, token_loss=False):
     torch.manual_seed(0)
     noise = RTC_PREFIX_NOISE if rtc_max_delay else 0.0
     model = PI05ForConditionalGeneration(tiny_pi05_config(chunk_size=6, rtc_max_delay=rtc_max_delay,
-                                                          rtc_prefix_noise=noise))
+                                                          rtc_prefix_noise=noise, token_loss=token_loss))
     with torch.no_grad():  # random adaRMS too, so every parameter gets a gradient
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.05)
@@ -54,15 +59,19 @@ def add_lora(model):
     return model
 
 
-def build(root_a, root_b, rtc_max_delay=0):
+def build(root_a, root_b, rtc_max_delay=0, token_loss=False):
     mixture = WeightedDatasetMixture([
         dict(root=root_a, name="a", cameras=["observation.images.cam"], control_mode="joint"),
         dict(root=root_b, name="b", cameras=["front", None], control_mode="eef", weight=2.0),
     ])
-    model = make_model(rtc_max_delay)
+    model = make_model(rtc_max_delay, token_loss)
     config = model.config
     processor = PI05Processor.from_config(config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
                                           head_names=mixture.head_names)
+    if token_loss:
+        from hf_vla.cotraining import fit_fast
+
+        fit_fast(mixture, processor, config, vocab_size=FAST_VOCAB)
     return mixture, model, processor
 
 
@@ -100,21 +109,24 @@ def evaluate_split(root_a, root_b, out_dir, **extra):
 
 def main(root_a, root_b, out):
     results = {"eval": evaluate_split(root_a, root_b, f"{out}.eval")}
-    for mode, divisor, rtc_max_delay in MODES:
-        mixture, model, processor = build(root_a, root_b, rtc_max_delay)
-        args = VLATrainingArguments(output_dir=f"{out}.{run_key(mode, rtc_max_delay)}", max_steps=1, per_device_train_batch_size=2,
+    runs = [(mode, divisor, rtc, False, 1.0) for mode, divisor, rtc in MODES]
+    runs += [(mode, None, 0, True, alpha) for mode, alpha in TOKEN_MODES]
+    for mode, divisor, rtc_max_delay, token_loss, alpha in runs:
+        mixture, model, processor = build(root_a, root_b, rtc_max_delay, token_loss)
+        key = run_key(mode, rtc_max_delay, token_loss)
+        args = VLATrainingArguments(output_dir=f"{out}.{key}", max_steps=1, per_device_train_batch_size=2,
                                     gradient_accumulation_steps=4, loss_aggregation=mode, loss_divisor=divisor,
                                     max_grad_norm=0.0, report_to=[], use_cpu=True, ddp_backend="gloo",
                                     save_strategy="no", warmup_steps=0, seed=3, stream_open_blocks=2,
-                                    disable_tqdm=True)
+                                    disable_tqdm=True, flow_loss_weight=alpha)
         capture = Capture(model)
         train, _ = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=model.config.chunk_size)
         trainer = Recording(model, args, train_dataset=train, processing_class=processor, callbacks=[capture])
         trainer.seen = []
         trainer.train()
         batches = gather_object([trainer.seen])
-        results[run_key(mode, rtc_max_delay)] = {"grads": capture.grads, "batches": [b for rank in batches for b in rank],
-                         "world_size": trainer.accelerator.num_processes}
+        results[key] = {"grads": capture.grads, "batches": [b for rank in batches for b in rank],
+                        "world_size": trainer.accelerator.num_processes, "fast_range": processor.fast_token_range}
     if torch.distributed.get_rank() == 0:
         torch.save(results, out)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_step import MODES
+from distributed_step import MODES, TOKEN_MODES
 from test_data import CAM, make_dataset
 from transformers import TrainerCallback, get_scheduler
 
@@ -167,6 +167,34 @@ def test_ga4_x_dp2_gradient_equals_one_batch_of_16(distributed_run, mode, diviso
     loss.backward()
     reference = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert reference.keys() == run["grads"].keys()
+    for name, grad in reference.items():
+        torch.testing.assert_close(run["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("mode,alpha", TOKEN_MODES)
+def test_token_objective_ga4_x_dp2_gradient_equals_one_batch_of_16(distributed_run, mode, alpha):
+    """pi0.5's objective under DDP and gradient accumulation: CE over the target tokens and alpha x the flow MSE,
+    each aggregated over its own elements of the whole step, give the gradient of one batch of all 16 samples."""
+    from distributed_step import make_model, run_key
+
+    from hf_vla.cotraining import token_per_sample_loss
+
+    run = distributed_run[run_key(mode, token=True)]
+    batch = {k: torch.cat([b[k] for b in run["batches"]]) if k != "labels" else None for k in run["batches"][0]}
+    width = max(b["labels"].shape[1] for b in run["batches"])  # each micro-batch pads its targets to its own max
+    batch["labels"] = torch.cat([torch.nn.functional.pad(b["labels"], (0, width - b["labels"].shape[1]), value=-100)
+                                 for b in run["batches"]])
+    token_counts = (batch["labels"] != -100).sum(-1)
+    assert batch["actions"].shape[0] == 16 and len(set(token_counts.tolist())) > 1  # ragged targets
+    model = make_model(token_loss=True).train()
+    per_sample, outputs = policy_per_sample_loss(model, batch, seed=3, step=0)
+    tokens = token_per_sample_loss(outputs.token_logits, batch["labels"], run["fast_range"])
+    groups = batch[GROUP_KEYS["episode"]]
+    loss = alpha * aggregate(mode, per_sample, groups) + aggregate(mode, tokens["ce"], groups)
+    loss.backward()
+    reference = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert reference.keys() == run["grads"].keys()
+    assert any("language_model.norm" in n for n in reference)  # the backbone's last layer trains (CE only: KI)
     for name, grad in reference.items():
         torch.testing.assert_close(run["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
