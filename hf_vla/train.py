@@ -443,6 +443,17 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
     return model.to(dtype)
 
 
+def _check_token_objective(config, model_args: ModelArguments, args) -> None:
+    """The token loss trains the backbone (under knowledge insulation, nothing else does): a run that freezes it would
+    compute a cross-entropy that trains nothing."""
+    frozen = {"vlm": "freeze='vlm'", "expert_only": "freeze='expert_only'"}.get(args.freeze)
+    if model_args.lora_preset == "expert":
+        frozen = "lora_preset='expert' (LoRA on the expert only)"
+    if frozen:
+        raise ConfigError(f"token_loss with {frozen}: the token loss trains the VLM backbone, which this leaves "
+                          "frozen; use lora_preset='all_linear' or freeze 'none' / 'vision_tower'")
+
+
 def _check_dims(config, mixture, from_scratch: bool):
     for head in mixture.head_names:
         for key, dim in (("state", config.max_state_dim), ("actions", config.max_action_dim)):
@@ -509,6 +520,8 @@ def _train(model_args, data_args, training_args):
         if model_args.model_name_or_path != source:
             model_args.model_revision = None  # the converted copy is local
     config = model_config(model_args)
+    if getattr(config, "token_loss", False):
+        _check_token_objective(config, model_args, training_args)
     if training_args.n_action_steps is not None and training_args.n_action_steps > config.chunk_size:
         raise ConfigError(f"n_action_steps={training_args.n_action_steps}: at most the chunk size "
                           f"({config.chunk_size}); it is how many actions of each predicted chunk are executed")

@@ -324,6 +324,9 @@ def test_token_objective_refusals(tmp_path, capsys):
         (dict(token_loss=True, fast_tokenizer=str(tmp_path / "none")), "token_loss: FAST tokenizer"),
         (dict(policy="pi0", token_loss=True), "token_loss=True: the token objective needs policy 'pi05'"),
         (dict(flow_loss_weight=-1), "flow_loss_weight=-1"),
+        (dict(token_loss=True, lora_preset="expert"), "token_loss with lora_preset='expert' (LoRA on the expert only): "
+                                                      "the token loss trains the VLM backbone"),
+        (dict(token_loss=True, freeze="vlm"), "token_loss with freeze='vlm'"),
     ]
     for overrides, culprit in cases:
         _, message = run_fails(capsys, write_config(tmp_path, base_config(data, tmp_path / "out", **overrides)))

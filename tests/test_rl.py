@@ -1147,3 +1147,26 @@ def test_replay_settings_are_checked(sft_checkpoint, tmp_path):
                                           head_names=[other])
     with pytest.raises(ConfigError, match=r"bc_datasets: head\(s\) \['color_reach::delta_xy'\] are not the policy's"):
         RLTrainer(model, _replay_args(tmp_path, sft_checkpoint), processing_class=processor)
+
+
+def test_a_token_loss_policy_improves_by_its_flow_objective(sft_checkpoint, tmp_path):
+    """A policy trained with pi0.5's token objective (its processor holds FAST) starts RL: the RL objective and the
+    replayed expert loss are the flow policy's (no token targets in the replayed batches), the target-token path is
+    frozen as in flow-only training, and one update runs."""
+    from hf_vla.models.pi05.fast_tokenizer import FASTActionTokenizer
+    from hf_vla.rl import RLTrainer
+
+    model, processor = tiny_policy(seed=4, scale=0.05, token_loss=True)
+    assert model.model.vlm.language_model.norm.weight.requires_grad
+    chunks = np.random.default_rng(0).uniform(-1, 1, (40, 4, 2))
+    processor.set_fast_tokenizer(FASTActionTokenizer.fit(chunks, vocab_size=256), 1024)
+    trainer = RLTrainer(model, _replay_args(tmp_path, sft_checkpoint), processing_class=processor)
+    try:
+        assert not model.config.token_loss and not model.model.vlm.language_model.norm.weight.requires_grad
+        replay = next(iter(trainer._loader(trainer.train_dataset.replay, trainer._replay_collate)))
+        assert "labels" not in replay and "actions" in replay
+        trainer.train()
+    finally:
+        trainer.engine.close()
+    assert trainer.state.global_step == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -16,8 +16,10 @@ PROVENANCE = ("dataset_index", "source_index", "episode_index", "frame_index")
 
 
 class VLACollator:
-    def __init__(self, processor):
-        self.processor = processor
+    """`targets`: with a processor that has a FAST tokenizer, also build the token objective's `labels` (default)."""
+
+    def __init__(self, processor, targets: bool = True):
+        self.processor, self.targets = processor, targets
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         inputs = self.processor(
@@ -28,7 +30,7 @@ class VLACollator:
         )
         batch = dict(inputs)
         batch["action_is_pad"] = torch.stack([s["action_is_pad"] for s in samples])
-        if getattr(self.processor, "fast_config", None):  # the token objective: FAST targets of each chunk
+        if self.targets and getattr(self.processor, "fast_config", None):  # the token objective: FAST targets of each chunk
             batch["labels"] = self.processor.target_labels(batch["actions"], batch["action_is_pad"])
         batch["actions"][batch["action_is_pad"]] = 0.0  # chunk steps past the end: zeros, masked out of the loss
         for key in PROVENANCE:

@@ -49,7 +49,9 @@ def replay_stream(args, processor, config):
             raise ConfigError(f"bc_datasets: dataset {source.name!r} has {source.action_dim} action dims, the policy's "
                               f"head {head!r} {theirs}")
     stream, _ = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=config.chunk_size)
-    return stream, HeadIndexCollator(VLACollator(processor), [heads.index(h) for h in mixture.head_names])
+    # the replayed loss is supervised training's flow loss: no token targets, whatever the policy was trained with
+    collator = VLACollator(processor, targets=False)
+    return stream, HeadIndexCollator(collator, [heads.index(h) for h in mixture.head_names])
 
 
 __all__ = ["HeadIndexCollator", "replay_stream"]

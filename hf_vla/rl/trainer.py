@@ -368,6 +368,13 @@ class RLTrainer(VLATrainer):
         if not isinstance(args, RLConfig):
             raise TypeError("RLTrainer needs an RLConfig")
         check_model_type(getattr(getattr(model, "config", None), "model_type", None), args)
+        if getattr(model.config, "token_loss", False):
+            # a policy trained with pi0.5's token objective improves by its flow policy's objective alone (and its
+            # replayed flow loss): the backbone's target-token path takes no part, so it is frozen as in flow-only
+            # training, and the saved result says token_loss false (a later token-loss run re-enables it)
+            model.config.token_loss = False
+            model.model.freeze_unused()
+            logger.info("token_loss policy: RL trains its flow objective; the target-token path is frozen")
         from .settings import rollout_settings
 
         self.rl_settings = rollout_settings(args, processing_class, model.config)
