@@ -34,8 +34,11 @@ def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, t
         return f"{value:.4g}" if isinstance(value, float) else "–"
 
     eval_rows = [{"name": d["name"], "mse": fmt(metrics.get(f"eval_by_dataset/{d['name']}/mse")),
-                  "action_mse": fmt(metrics.get(f"eval_by_dataset/{d['name']}/action_mse"))}
+                  "action_mse": fmt(metrics.get(f"eval_by_dataset/{d['name']}/action_mse")),
+                  "fast_ce": fmt(metrics.get(f"eval_by_dataset/{d['name']}/fast_ce")),
+                  "text_ce": fmt(metrics.get(f"eval_by_dataset/{d['name']}/text_ce"))}
                  for d in datasets if f"eval_by_dataset/{d['name']}/mse" in metrics]
+    token_loss = bool(getattr(config, "token_loss", False)) or "eval_ce" in metrics  # pi0.5's token objective
     card_data = ModelCardData(
         library_name="transformers", license="apache-2.0", pipeline_tag="robotics",
         tags=["robotics", "vla", "lerobot", "hf_vla", config.model_type],
@@ -65,6 +68,8 @@ def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, t
         example_task=first.get("example_task", "..."), example_head=first.get("head", "..."),
         datasets=[{k: d.get(k) for k in ("name", "source", "weight", "head", "cameras")} for d in datasets],
         eval_rows=eval_rows, eval_loss=fmt(metrics["eval_loss"]) if "eval_loss" in metrics else None,
+        token_loss=token_loss, eval_ce=fmt(metrics.get("eval_ce")),
+        knowledge_insulation=bool(getattr(config, "knowledge_insulation", False)),
         mixture_mse=fmt(metrics.get("eval_mixture_mse")),
         training_args=[(key, _arg(value)) for key, value in (training_args or {}).items()],
         lora=lora_text, lora_base=lora_base, rollout_rows=rollout_rows, rollouts=rollouts, weights=weights,

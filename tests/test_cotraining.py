@@ -287,6 +287,9 @@ def test_training_with_the_token_objective(tmp_path):
     assert "text_ce" not in logged  # no text targets in this data
     saved = json.loads((out / "processor_config.json").read_text())
     assert saved["fast_config"]["vocab_size"] == 256 and saved["fast_token_offset"] == 475
+    card = (out / "README.md").read_text()
+    assert "| dataset | flow-matching MSE | action MSE (un-normalized) | FAST-token CE | text CE |" in card
+    assert "pi0.5's token objective" in card and "knowledge insulation" in card
     assert (out / "fast_tokenizer.py").is_file()  # with processing_pi05.py: loads where hf_vla is not installed
     loaded = AutoProcessor.from_pretrained(out)
     assert loaded.fast.to_dict() == fast.to_dict()
@@ -331,3 +334,29 @@ def test_token_objective_refusals(tmp_path, capsys):
     for overrides, culprit in cases:
         _, message = run_fails(capsys, write_config(tmp_path, base_config(data, tmp_path / "out", **overrides)))
         assert culprit in message, message
+
+
+def test_a_resumed_token_objective_run_equals_the_uninterrupted_one(tmp_path):
+    """The FAST fit is deterministic, so a run resumed from a checkpoint rebuilds the same targets: its final weights
+    are bitwise those of the run that was not interrupted."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from test_data import make_dataset
+    from test_failures import base_config, write_config
+
+    from hf_vla.train import main
+
+    data = make_dataset(tmp_path / "toy", 6)
+    config = base_config(data, tmp_path / "full", max_steps=4, token_loss=True, fast_vocab_size=256,
+                         save_strategy="steps", save_steps=2)
+    main([str(write_config(tmp_path, config))])
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", resumed / "checkpoint-2")
+    main([str(write_config(tmp_path, config | {"output_dir": str(resumed), "resume_from_checkpoint": True},
+                           "resume.json"))])
+    expected = load_file(tmp_path / "full" / "model.safetensors")
+    for name, tensor in load_file(resumed / "model.safetensors").items():
+        assert torch.equal(tensor, expected[name]), name
