@@ -128,7 +128,10 @@ def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict,
                          .joinpath("trainer_state.json").read_text())["log_history"]
     evals = {int(e["step"]): {k: v for k, v in e.items() if k.startswith("eval_")} for e in history
              if "eval_loss" in e}
-    results[tag] = {"config": str(Path(config).relative_to(REPO)) if Path(config).is_relative_to(REPO) else str(config),
+    import resource
+
+    peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # the largest child so far: the training
+    results[tag] = {"peak_rss_gb": round(peak_gb, 2), "config": str(Path(config).relative_to(REPO)) if Path(config).is_relative_to(REPO) else str(config),
                     "budget_min": budget_min, "probe_steps_per_s": round(rate, 2), "max_steps": steps,
                     "train_seconds": round(seconds, 1), "checkpoint_every": save, "offline": evals, "batch_size": 32}
     if (out / "rollout_results.jsonl").exists():  # hf_vla.rollouts: per-task success at each rollout step

@@ -85,6 +85,10 @@ def fit_fast(mixture, processor, config, path: str | None = None, vocab_size: in
             fast = FASTActionTokenizer.fit(chunks, scale=scale, vocab_size=vocab_size,
                                            source=f"the training mixture {mixture.names}")
         processor.set_fast_tokenizer(fast, config.vlm_config.text_config.vocab_size)
+        first, end = processor.fast_token_range
+        logger.info("token_loss: FAST ids are language-model ids %d..%d; the LM head is the VLM's input embedding "
+                    "(tied, as PaliGemma's: a checkpoint that stores no lm_head, lerobot's pi0.5, trains it through "
+                    "the embedding)", first, end - 1)
     except FASTError as error:
         raise ConfigError(f"token_loss: {error}") from error
     except ValueError as error:  # the vocabulary placement

@@ -78,9 +78,9 @@ def test_train_from_hub_ids_converts_once_and_equals_hf_vla_convert(hub, tmp_pat
               "warmup_steps": 0, "save_strategy": "no", "report_to": [], "use_cpu": True, "disable_tqdm": True,
               "dataloader_num_workers": 0}
 
-    def train(name):
+    def train(name, **extra):
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(config | {"output_dir": str(tmp_path / name)}))
+        path.write_text(json.dumps(config | {"output_dir": str(tmp_path / name)} | extra))
         result = subprocess.run([sys.executable, "-m", "hf_vla.train", str(path)], capture_output=True, text=True,
                                 env=env, cwd=REPO, timeout=900)
         assert result.returncode == 0, result.stderr[-4000:]
@@ -90,8 +90,10 @@ def test_train_from_hub_ids_converts_once_and_equals_hf_vla_convert(hub, tmp_pat
     converted = tmp_path / "hf_vla_cache" / "converted" / f"lerobot--pi05_tiny--{COMMIT}--v1"
     assert "converting it once" in first and converted.is_dir()
     stamp = (converted / "model.safetensors").stat().st_mtime_ns
-    second = train("second")
+    second = train("second", token_loss=True, fast_vocab_size=256)  # the lerobot checkpoint trains with the token loss
     assert "converting it once" not in second and "using its converted copy" in second
+    assert "token_loss: FAST ids are language-model ids 475..730; the LM head is the VLM's input embedding" in second
+    assert json.loads((tmp_path / "second" / "config.json").read_text())["token_loss"] is True
     assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
     # bit for bit what `python -m hf_vla.convert` writes from the same files
     convert_checkpoint(hub["snapshot"], tmp_path / "reference", tokenizer=str(tiny_tokenizer_dir))

@@ -1,0 +1,97 @@
+"""pi0.5's token objective on the five-task Meta-World benchmark: flow only vs FAST CE + knowledge insulation.
+
+    python benchmarks/metaworld_benchmark.py --stage record
+    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20 --tag cotrain \\
+        --config configs/pi05_metaworld_cotrain.json --output data_cache/metaworld_bench/cotrain.json
+    python benchmarks/metaworld_benchmark.py --stage evaluate --tag cotrain --which hf_vla --checkpoint_episodes 0 \\
+        --episodes 50 --output data_cache/metaworld_bench/cotrain.json
+    python benchmarks/metaworld_cotraining.py          # -> benchmarks/results/metaworld_cotraining_cpu.json
+
+The arms share the recorded data (5 tasks x 50 expert episodes at 96 px), the 20-minute budget (steps from each
+arm's own probe of 200 steps, so the token objective's cost per step shows as fewer steps) and the evaluation (50
+held-out episodes per task, seeds from 10,000). `flow_only` is `configs/pi05_metaworld.json`, whose figures are
+benchmarks/results/metaworld_cpu.json (the committed run); `fast_ki` is `configs/pi05_metaworld_cotrain.json`. This
+script collects both into the issue's schema and measures the policy call's latency of the token-objective
+checkpoint, and of its weights in a flow-only model of the same dims (inference runs the same code path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _arm(run: dict, name: str) -> dict:
+    final = run["closed_loop"][name]
+    return {"mean_success": round(final["success_rate"], 4),
+            "tasks": {task: r["success_rate"] for task, r in final["tasks"].items()},
+            "minutes": run["budget_min"], "max_steps": run["max_steps"],
+            "steps_per_s": run["probe_steps_per_s"], "peak_rss_gb": run.get("peak_rss_gb"),
+            "train_seconds": run["train_seconds"]}
+
+
+def latency_ms(checkpoint: Path, token_loss: bool, repeats: int = 30) -> float:
+    """Median `PolicyRunner` call (prompt, images, `sample_actions`, un-normalisation) on one thread: the checkpoint as
+    saved, or its weights in a model built with `token_loss` off (a flow-only model of the same dims)."""
+    import numpy as np
+    import torch
+
+    from hf_vla import PI05ForConditionalGeneration
+    from hf_vla.policy import PolicyRunner, load_pretrained
+
+    model, processor = load_pretrained(str(checkpoint))
+    if not token_loss:
+        config = model.config
+        config.token_loss = False
+        flow_only = PI05ForConditionalGeneration(config)
+        flow_only.load_state_dict(model.state_dict())
+        model = flow_only
+    runner = PolicyRunner(model.eval(), processor)
+    observation = {"observation.image": np.zeros((96, 96, 3), np.uint8),
+                   "observation.state": np.zeros(4, np.float32), "task": "reach the goal"}
+    torch.set_num_threads(1)
+    times = []
+    for index in range(repeats + 3):
+        started = time.perf_counter()
+        runner(observation, "reach the goal")
+        if index >= 3:
+            times.append(1000 * (time.perf_counter() - started))
+    return round(statistics.median(times), 2)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", default=str(REPO / "data_cache" / "metaworld_bench"))
+    parser.add_argument("--flow_only", default=str(REPO / "benchmarks" / "results" / "metaworld_cpu.json"))
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "metaworld_cotraining_cpu.json"))
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    flow = json.loads(Path(args.flow_only).read_text())["hf_vla"]
+    cotrain = json.loads((work / "results.json").read_text())["cotrain"]
+    final = sorted(cotrain["closed_loop"], key=lambda n: int(n.split("-")[1]) if "-" in n else 10**9)[-1]
+    checkpoint = work / "cotrain" / final
+    offline = cotrain["offline"][str(max(int(k) for k in cotrain["offline"]))]
+    results = {
+        "five_task": {
+            "flow_only": _arm(flow, "checkpoint-5700_50_episodes") | {"source": "benchmarks/results/metaworld_cpu.json"},
+            "fast_ki": _arm(cotrain, final) | {
+                "config": cotrain.get("config"),
+                "eval_fast_ce": offline.get("eval_fast_ce"), "eval_mse": offline.get("eval_mse"),
+                "sample_actions_ms": {"token_loss": latency_ms(checkpoint, True),
+                                      "flow_only_config": latency_ms(checkpoint, False)}},
+        },
+        "object_centred": {"not_measured": "this session measured the five-task arms only"},
+        "mt50": {"not_measured": "this session measured the five-task arms only"},
+        "episodes_per_task": 50,
+    }
+    Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
