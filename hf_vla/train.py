@@ -522,6 +522,10 @@ def _train(model_args, data_args, training_args):
     config = model_config(model_args)
     if getattr(config, "token_loss", False):
         _check_token_objective(config, model_args, training_args)
+    texts = [d.get("name") or d.get("repo_id") or d.get("root") for d in data_args.datasets if d.get("target_text_key")]
+    if texts and not getattr(config, "token_loss", False):
+        raise ConfigError(f"datasets {texts}: target_text_key is a target of the token objective; set token_loss "
+                          "true (or leave target_text_key out)")
     if training_args.n_action_steps is not None and training_args.n_action_steps > config.chunk_size:
         raise ConfigError(f"n_action_steps={training_args.n_action_steps}: at most the chunk size "
                           f"({config.chunk_size}); it is how many actions of each predicted chunk are executed")

@@ -360,3 +360,92 @@ def test_a_resumed_token_objective_run_equals_the_uninterrupted_one(tmp_path):
     expected = load_file(tmp_path / "full" / "model.safetensors")
     for name, tensor in load_file(resumed / "model.safetensors").items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def _with_subtasks(root, missing_episode=None, as_int=False):
+    """Add a per-frame string column `subtask` (first half of an episode "approach", then "retreat") to a toy dataset
+    and its info.json; `missing_episode`'s last frame gets none (a null), `as_int` writes integers instead."""
+    import json
+
+    import pyarrow as pa
+
+    for path in sorted((root / "data").rglob("*.parquet")):
+        table = pq.read_table(path)
+        episodes, frames = table["episode_index"].to_numpy(), table["frame_index"].to_numpy()
+        lengths = {e: int((episodes == e).sum()) for e in set(episodes.tolist())}
+        values = [("approach" if f < lengths[e] // 2 else "retreat") for e, f in zip(episodes, frames)]
+        if missing_episode is not None:
+            last = int(np.flatnonzero(episodes == missing_episode)[-1])
+            values[last] = None
+        column = pa.array([len(v or "") for v in values]) if as_int else pa.array(values, type=pa.string())
+        pq.write_table(table.append_column("subtask", column), path)
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["subtask"] = {"dtype": "int64" if as_int else "string", "shape": [1], "names": None}
+    info_path.write_text(json.dumps(info, indent=2))
+    return root
+
+
+def test_text_targets_follow_the_fast_tokens(tmp_path):
+    """A dataset's `target_text_key` column (a subtask annotation) becomes text targets after each chunk's FAST tokens
+    (then EOS), `text_ce` is logged beside `fast_ce`, and a mixture with a dataset without text trains both (that
+    dataset's rows carry FAST targets only)."""
+    from test_data import make_dataset
+    from test_failures import base_config, write_config
+
+    from hf_vla.train import main
+
+    annotated = _with_subtasks(make_dataset(tmp_path / "toy", 6))
+    plain = make_dataset(tmp_path / "plain", 4, robot_type="arm_b")
+    config = base_config(annotated, tmp_path / "out", max_steps=2, token_loss=True, fast_vocab_size=256,
+                         validation_ratio=0.3, eval_strategy="steps", eval_steps=2)
+    config["datasets"] = [config["datasets"][0] | {"target_text_key": "subtask"},
+                          {"root": str(plain), "name": "plain", "cameras": config["datasets"][0]["cameras"],
+                           "control_mode": "joint"}]
+    trainer = main([str(write_config(tmp_path, config))])
+    processor = trainer.processing_class
+    tokenizer = processor.tokenizer
+    eos = tokenizer.eos_token_id
+    approach = tokenizer("approach", add_special_tokens=False)["input_ids"]
+    retreat = tokenizer("retreat", add_special_tokens=False)["input_ids"]
+    first, end = processor.fast_token_range
+    seen = {"toy": 0, "plain": 0}
+    loader = iter(trainer.get_train_dataloader())
+    for _ in range(3):
+        batch = next(loader)
+        for row, labels in enumerate(batch["labels"].tolist()):
+            labels = [t for t in labels if t != -100]
+            fast = [t for t in labels if first <= t < end]
+            text = labels[len(fast):]
+            assert labels[: len(fast)] == fast and fast  # FAST first
+            if int(batch["source_index"][row]) == 0:
+                assert text in (approach + [eos], retreat + [eos]), text
+                seen["toy"] += 1
+            else:
+                assert text == []
+                seen["plain"] += 1
+    assert seen["toy"] and seen["plain"]
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert {"fast_ce", "text_ce", "eval_text_ce", "eval_by_dataset/toy/text_ce", "eval_fast_ce"} <= logged
+    assert "eval_by_dataset/plain/text_ce" not in logged
+
+
+def test_bad_text_targets_are_one_line_at_start_up(tmp_path, capsys):
+    from test_data import make_dataset
+    from test_failures import base_config, run_fails, write_config
+
+    def fails(root, extra, culprit, **overrides):
+        config = base_config(root, tmp_path / "out", fast_vocab_size=256, **overrides)
+        config["datasets"][0] |= extra
+        _, message = run_fails(capsys, write_config(tmp_path, config))
+        assert culprit in message, message
+
+    missing = _with_subtasks(make_dataset(tmp_path / "missing", 4), missing_episode=2)
+    fails(missing, {"target_text_key": "subtask"}, "episode 2 frame 13 has no target text in 'subtask' (1 used row(s)",
+          token_loss=True)
+    fails(missing, {"target_text_key": "subtitle"}, "target_text_key 'subtitle' is not a feature", token_loss=True)
+    numbers = _with_subtasks(make_dataset(tmp_path / "numbers", 4), as_int=True)
+    fails(numbers, {"target_text_key": "subtask"}, "target_text_key 'subtask' is int64; target text must be a string",
+          token_loss=True)
+    fails(missing, {"target_text_key": "subtask"}, "target_text_key is a target of the token objective; set "
+                                                   "token_loss true")

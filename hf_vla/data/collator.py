@@ -31,7 +31,9 @@ class VLACollator:
         batch = dict(inputs)
         batch["action_is_pad"] = torch.stack([s["action_is_pad"] for s in samples])
         if self.targets and getattr(self.processor, "fast_config", None):  # the token objective: FAST targets of each chunk
-            batch["labels"] = self.processor.target_labels(batch["actions"], batch["action_is_pad"])
+            texts = [s.get("target_text") for s in samples]
+            batch["labels"] = self.processor.target_labels(batch["actions"], batch["action_is_pad"],
+                                                           texts if any(t is not None for t in texts) else None)
         batch["actions"][batch["action_is_pad"]] = 0.0  # chunk steps past the end: zeros, masked out of the loss
         for key in PROVENANCE:
             batch[key] = torch.tensor([int(s[key]) for s in samples], dtype=torch.long)

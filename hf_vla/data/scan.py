@@ -139,6 +139,7 @@ def fingerprint(source: LeRobotSource, max_frames: int, seed: int) -> str:
         "cameras": [c for c in config.cameras if c], "max_frames": max_frames, "seed": seed,
         "check_tasks": config.task is None and config.shuffle_tasks_seed is None,
         "outlier_widths": getattr(config, "outlier_widths", None),
+        "target_text_key": getattr(config, "target_text_key", None),
     }, sort_keys=True).encode())
     digest.update(np.ascontiguousarray(source.ranges).tobytes())
     root = source.root
@@ -181,6 +182,8 @@ def kept_mask(episodes: np.ndarray, frames: np.ndarray, merged: np.ndarray) -> n
 def _read_file(source: LeRobotSource, path: Path) -> pa.Table:
     config = source.config
     columns = [config.state_key, config.action_key, "episode_index", "frame_index", "task_index"]
+    if getattr(config, "target_text_key", None):
+        columns.append(config.target_text_key)
     try:
         present = pq.read_schema(path).names
         missing = [c for c in columns if c not in present]
@@ -212,6 +215,17 @@ def _check_layout(source: LeRobotSource, path: Path, table: pa.Table, file_rows:
         raise DataError(f"dataset {source.name!r}: {path} row {row} holds episode {episodes[row]} frame {frames[row]}, "
                         f"meta/episodes says episode {expected_episodes[row]} frame {expected_frames[row]}")
     return episodes, frames
+
+
+def _check_text(source: LeRobotSource, path: Path, name: str, column, keep, episodes, frames):
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise DataError(f"dataset {source.name!r}: {path} column {name!r} (target_text_key) holds {column.type}, not "
+                        "strings")
+    missing = np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False)[keep])
+    if len(missing):
+        row = int(missing[0])
+        raise DataError(f"dataset {source.name!r}: {path} episode {episodes[row]} frame {frames[row]} has no target "
+                        f"text in {name!r} ({len(missing)} used row(s) without one)")
 
 
 def _check_finite(source: LeRobotSource, path: Path, name: str, values: np.ndarray, episodes, frames):
@@ -368,6 +382,9 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
         for part in parts:
             content.update(part.data)
         detail[str(path.relative_to(source.root))] = _episode_hashes(parts)
+        if getattr(config, "target_text_key", None):  # every used row has its target text, a string
+            _check_text(source, path, config.target_text_key, table[config.target_text_key], keep, kept_episodes,
+                        kept_frames)
         _check_finite(source, path, config.state_key, state, kept_episodes, kept_frames)
         _check_finite(source, path, config.action_key, action, kept_episodes, kept_frames)
         extremes.add(config.state_key, path, state, kept_episodes, kept_frames)

@@ -65,6 +65,9 @@ class DatasetConfig:
         2M frames, subsampled with a fixed seed); `"metadata"` uses `meta/stats.json`, whose quantiles lerobot builds
         as a frame-weighted mean of per-episode quantiles (too narrow when episodes cover different ranges). Either
         way the start-up scan checks every state/action value for NaN/inf.
+    target_text_key: a per-frame string column (e.g. a subtask annotation) the backbone learns to predict after the
+        chunk's FAST tokens under `token_loss` (docs/cotraining.md); a training target only (never a model input).
+        Checked at start-up in every used row: present, a string.
     outlier_widths: the start-up scan refuses a state/action value farther than this many q01..q99 widths outside
         that range (per dim; the width is at least 1e-3 of the dim's magnitude, so a constant dim tolerates its own
         scale): bit rot in a parquet page body decodes to values like 1e38 that pass every format check. `null`
@@ -88,6 +91,7 @@ class DatasetConfig:
     shuffle_tasks_seed: int | None = None
     quantile_stats: str = "exact"
     outlier_widths: float | None = 1e4
+    target_text_key: str | None = None
 
     def __post_init__(self):
         if self.quantile_stats not in ("exact", "metadata"):
@@ -218,6 +222,13 @@ class LeRobotSource:
             if feature["dtype"] not in NUMERIC_DTYPES or len(feature["shape"]) != 1:
                 raise DataError(f"dataset {self.name!r}: {role} {key!r} is {feature['dtype']} of shape "
                                 f"{feature['shape']}; state and actions must be numeric vectors")
+        if config.target_text_key is not None:
+            if config.target_text_key not in features:
+                raise FeatureKeyError(f"dataset {self.name!r} ({self.root / 'meta/info.json'}): target_text_key "
+                                      f"{config.target_text_key!r} is not a feature; available: {sorted(features)}")
+            if features[config.target_text_key]["dtype"] != "string":
+                raise DataError(f"dataset {self.name!r}: target_text_key {config.target_text_key!r} is "
+                                f"{features[config.target_text_key]['dtype']}; target text must be a string column")
         for key in config.cameras:
             if key is not None and features[key]["dtype"] not in ("video", "image"):
                 raise DataError(f"dataset {self.name!r}: camera {key!r} has dtype {features[key]['dtype']!r}")
@@ -594,13 +605,35 @@ class LeRobotSource:
         length = int(self.episodes["length"][row])
         if self.episode_rows is not None:
             try:
-                return self.episode_rows.read(row, length)
+                table = self.episode_rows.read(row, length)
             except (OSError, ValueError) as error:
                 raise DataError(f"dataset {self.name!r}: cannot read episode {episode} from the scan cache "
                                 f"{self.episode_rows.directory}: {error}") from error
+            if self.config.target_text_key is not None:  # strings are not in the cache: from the parquet rows
+                table["target_text"] = self._episode_rows(episode, row, length, [self.config.target_text_key,
+                                                                                  "episode_index"])[
+                    self.config.target_text_key].to_pylist()
+            return table
+        columns = [self.config.state_key, self.config.action_key, "task_index", "episode_index"]
+        if self.config.target_text_key is not None:
+            columns.append(self.config.target_text_key)
+        table = self._episode_rows(episode, row, length, columns)
+        where = f"dataset {self.name!r}: {self._data_path_of_row(row)} episode {episode}"
+        out = {
+            "task_index": table["task_index"].to_numpy(),
+            "state": vector_column(table[self.config.state_key], self.state_dim,
+                                   f"{where} column {self.config.state_key!r}").astype(np.float32),
+            "actions": vector_column(table[self.config.action_key], self.action_dim,
+                                     f"{where} column {self.config.action_key!r}").astype(np.float32),
+        }
+        if self.config.target_text_key is not None:
+            out["target_text"] = table[self.config.target_text_key].to_pylist()
+        return out
+
+    def _episode_rows(self, episode: int, row: int, length: int, columns: list[str]) -> pa.Table:
+        """`columns` of one episode's rows, reading only the row groups that hold them."""
         path = self._data_path_of_row(row)
         first = int(self.episodes["file_row"][row])
-        columns = [self.config.state_key, self.config.action_key, "task_index", "episode_index"]
         try:
             metadata, starts = self._parquet(path)
             if first + length > starts[-1]:
@@ -616,14 +649,7 @@ class LeRobotSource:
         if len(episodes) != length or (episodes != episode).any():
             raise DataError(f"dataset {self.name!r}: {path} rows {first}..{first + length - 1} do not hold episode "
                             f"{episode} as meta/episodes says")
-        where = f"dataset {self.name!r}: {path} episode {episode}"
-        return {
-            "task_index": table["task_index"].to_numpy(),
-            "state": vector_column(table[self.config.state_key], self.state_dim,
-                                   f"{where} column {self.config.state_key!r}").astype(np.float32),
-            "actions": vector_column(table[self.config.action_key], self.action_dim,
-                                     f"{where} column {self.config.action_key!r}").astype(np.float32),
-        }
+        return table
 
     def task(self, task_index: int, episode: int | None = None) -> str:
         if self.config.task is not None:

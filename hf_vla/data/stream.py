@@ -230,6 +230,7 @@ class FrameReader:
             "actions": torch.from_numpy(actions),
             "action_is_pad": torch.from_numpy(is_pad),
             "task": source.task(table["task_index"][frame], block.episode),
+            **({"target_text": table["target_text"][frame]} if "target_text" in table else {}),
             "dataset_index": self.head_of_source[source_index],
             "source_index": source_index,
             "episode_index": source.episode_offset + block.episode,

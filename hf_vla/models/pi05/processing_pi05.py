@@ -417,10 +417,12 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
             return None
         return self.fast_token_offset, self.fast_token_offset + int(self.fast_config["vocab_size"])
 
-    def target_labels(self, actions: torch.Tensor, action_is_pad: torch.Tensor | None = None) -> torch.Tensor:
+    def target_labels(self, actions: torch.Tensor, action_is_pad: torch.Tensor | None = None,
+                      texts: Sequence[str | None] | None = None) -> torch.Tensor:
         """`labels` `[B, L_t]` of the token objective: each normalised, zero-padded chunk `[B, chunk, max_action_dim]`
         as FAST tokens (steps past the episode end hold its last action; coefficients outside the fitted range are
-        clipped and counted in `fast.clipped`), right-padded with -100. A sample without a real step has none."""
+        clipped and counted in `fast.clipped`), then the row's target text (`texts`, e.g. a subtask annotation) as
+        text tokens and EOS, right-padded with -100. A sample without a real step has no FAST tokens."""
         fast = self.fast
         if fast is None:
             raise ValueError("target_labels needs a FAST tokenizer (set_fast_tokenizer)")
@@ -435,6 +437,9 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
             held = chunk.copy()
             held[real[-1] + 1:] = chunk[real[-1]]
             rows.append([self.fast_token_offset + i for i in fast.encode(held[:, : fast.action_dim], clip=True)])
+        for row, text in zip(rows, texts if texts is not None else []):
+            if text is not None:
+                row += self.tokenizer(str(text), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         labels = torch.full((len(rows), max(1, max(len(r) for r in rows))), -100, dtype=torch.long)
         for index, row in enumerate(rows):
             labels[index, : len(row)] = torch.tensor(row, dtype=torch.long)
