@@ -58,10 +58,14 @@ class RecordResult:
     shortfall: dict[str, int] = field(default_factory=dict)  # task name -> episodes missing after --max_tries
 
 
+LOCATIONS = "locations"  # Meta-World recordings: per-frame object/goal/gripper points, a token-objective target
+
+
 def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, only_successful: bool = True,
-                    stats: dict | None = None, bar=None) -> Iterator[list[dict]]:
+                    stats: dict | None = None, bar=None, locations: bool = False) -> Iterator[list[dict]]:
     """Up to `count` episodes of `env.expert_action()` (frames in the writer's format), over `seeds`; failures are
-    counted in `stats["rejected"]` and skipped when `only_successful`."""
+    counted in `stats["rejected"]` and skipped when `only_successful`. With `locations`, each frame also carries the
+    env's `target_text()` (where the gripper, object and goal are in that frame's image) under `text`."""
     kept = 0
     stats = stats if stats is not None else {}
     stats.setdefault("kept", 0)
@@ -77,8 +81,11 @@ def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, on
         frames, success, done = [], False, False
         while not done:
             action = np.asarray(env.expert_action(), dtype=np.float32)
-            frames.append({"images": {CAMERA: observation[CAMERA]}, "state": observation[STATE], "action": action,
-                           "task": task})
+            frame = {"images": {CAMERA: observation[CAMERA]}, "state": observation[STATE], "action": action,
+                     "task": task}
+            if locations:
+                frame["text"] = {LOCATIONS: env.call("target_text") if hasattr(env, "call") else env.target_text()}
+            frames.append(frame)
             observation, _, terminated, truncated, info = env.step(action)
             success = success or bool(info.get("is_success", False))
             done = terminated or truncated
@@ -233,7 +240,7 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
 
             def task_episodes(live=live, stats=stats, used_seeds=used_seeds, frames_count=frames_count):
                 for frames in expert_episodes(live, episodes, tried(seed), max_attempts=max_tries, stats=stats,
-                                              bar=bar):
+                                              bar=bar, locations=env == "metaworld"):
                     frames_count[0] += len(frames)
                     yield frames
 
@@ -247,6 +254,7 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
                         partial / "dataset", itertools.chain([first], episodes_iter), fps=fps,
                         cameras={CAMERA: (size, size)}, state_dim=state_dim, action_dim=action_dim,
                         robot_type=robot_type, state_key=STATE, action_key=ACTION, repo_id=f"local/{name}",
+                        text_features=(LOCATIONS,) if env == "metaworld" else (),
                         # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env
                         # renders.
                         pix_fmt="yuv444p", crf=0)

@@ -47,6 +47,7 @@ def test_recorded_expert_data_is_a_lerobot_dataset(recorded):
     marker = json.loads((recorded / "meta" / "hf_vla_record.json").read_text())
     assert marker["tasks"]["reach-v3"]["kept"] == 2 and marker["tasks"]["reach-v3"]["rejected"] == 0
     assert marker["env_kwargs"] == {"crop": [144, 96, 400, 352]}
+    assert frame["locations"].startswith("<loc") and " gripper" in frame["locations"]  # a token-objective target
     assert not [p for p in recorded.parent.iterdir() if p.name.startswith(".")]  # no staging left
 
 
@@ -155,6 +156,40 @@ def test_the_expert_ceiling_and_upright_images():
         assert successes == 2 and info["task"] == "Reach a goal position"
     finally:
         env.close()
+
+
+def test_recorded_locations_are_where_the_renderer_draws_them():
+    """The gripper point `project` puts in the observation image (the tool centre, between the fingers) lies inside the
+    gripper's pixels in a segmentation render of the same camera (oriented, cropped and resized like the image; their
+    bounding box, one pixel of resize slack), on every frame of an expert episode, in three tasks, image sizes and
+    crops; the other orientation (upright, not turned) misses on some. The `<loc>` text is PaliGemma's point form."""
+    import re
+
+    from hf_vla.envs.metaworld import in_worker, location_text
+
+    assert location_text({"goal": (10.0, 63.9)}, 64) == "<loc1022><loc0160> goal"
+    frames = inside = flipped_inside = 0
+    for task, size, crop in (("reach-v3", 64, None), ("push-v3", 96, CROP), ("drawer-open-v3", 128, None)):
+        env = in_worker(task, image_size=size, max_episode_steps=60, crop=crop)
+        try:
+            env.reset(seed=5)
+            for step in range(60):
+                points, mask = env.call("locations"), env.call("body_mask", "hand")
+                ys, xs = np.nonzero(mask)
+                if "gripper" in points and len(xs):
+                    x, y = points["gripper"]
+                    frames += 1
+                    inside += bool(xs.min() - 1 <= x <= xs.max() + 1 and ys.min() - 1 <= y <= ys.max() + 1)
+                    flipped_inside += bool(ys.min() - 1 <= size - y <= ys.max() + 1 and xs.min() - 1 <= x <= xs.max() + 1)
+                text = env.call("target_text")
+                assert re.fullmatch(r"(<loc\d{4}><loc\d{4}> (gripper|object|goal)( ; )?)+", text), text
+                _, _, terminated, truncated, _ = env.step(env.expert_action())
+                if terminated or truncated:
+                    break
+        finally:
+            env.close()
+    assert frames >= 100 and inside == frames, (inside, frames)
+    assert flipped_inside < 0.8 * frames  # the check tells the orientations apart
 
 
 def test_a_crop_is_the_render_cut_then_resized():

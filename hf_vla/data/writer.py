@@ -23,10 +23,12 @@ def write_lerobot_dataset(
     vcodec: str = "h264",
     pix_fmt: str = "yuv420p",
     crf: int | None = None,
+    text_features: tuple[str, ...] = (),
 ):
     """Write episodes (each an iterable of frames) as a LeRobot v3.0 dataset at `root`.
 
-    A frame is `{"images": {camera: uint8 HxWx3}, "state": [state_dim], "action": [action_dim], "task": str}`.
+    A frame is `{"images": {camera: uint8 HxWx3}, "state": [state_dim], "action": [action_dim], "task": str}`, plus
+    `"text": {name: str}` for each of `text_features` (per-frame string columns, e.g. Meta-World's `locations`).
     `vcodec`, `pix_fmt` and `crf` go to lerobot's video encoder (`crf=None`: lerobot's default). Returns lerobot's
     `LeRobotDatasetMetadata` of the finished dataset.
     """
@@ -37,6 +39,8 @@ def write_lerobot_dataset(
         state_key: {"dtype": "float32", "shape": (state_dim,), "names": [f"s{i}" for i in range(state_dim)]},
         action_key: {"dtype": "float32", "shape": (action_dim,), "names": [f"a{i}" for i in range(action_dim)]},
     }
+    for name in text_features:
+        features[name] = {"dtype": "string", "shape": (1,), "names": None}
     for camera, (height, width) in cameras.items():
         features[camera] = {"dtype": "video", "shape": (height, width, 3), "names": ["height", "width", "channels"]}
     logging.getLogger("lerobot").setLevel(logging.WARNING)
@@ -49,6 +53,7 @@ def write_lerobot_dataset(
             row = {state_key: np.asarray(frame["state"], np.float32), action_key: np.asarray(frame["action"], np.float32),
                    "task": frame["task"]}
             row.update(frame["images"])
+            row.update({name: frame["text"][name] for name in text_features})
             dataset.add_frame(row)
         dataset.save_episode(parallel_encoding=False)
     dataset.finalize()

@@ -200,11 +200,93 @@ class MetaWorldEnv(gym.Env):
     def render(self):
         return self._image
 
+    # ---- where things are in the image: training targets (pi0.5's object locations), never policy inputs ----------
+    def project(self, points) -> np.ndarray:
+        """World points `[n, 3]` -> `[n, 2]` pixel (x, y) in this env's observation image (after the crop and the
+        resize), through the corner2 camera's pinhole (MuJoCo's `cam_xpos` / `cam_xmat` / `cam_fovy`) and lerobot's
+        orientation: gymnasium flips the render upright and lerobot's wrapper then flips both axes, so its image is the
+        camera's upright view turned 180 degrees (checked against a segmentation render: tests/test_metaworld.py)."""
+        env = self.inner._env
+        model, data = env.model, env.data
+        cam = model.camera("corner2").id
+        points = np.atleast_2d(np.asarray(points, dtype=np.float64))
+        local = (points - data.cam_xpos[cam]) @ data.cam_xmat[cam].reshape(3, 3)  # camera frame: looks along -z
+        focal = 0.5 * RENDER / np.tan(np.deg2rad(model.cam_fovy[cam]) / 2)
+        depth = np.maximum(-local[:, 2], 1e-9)
+        upright = np.stack([RENDER / 2 + focal * local[:, 0] / depth, RENDER / 2 - focal * local[:, 1] / depth], 1)
+        pixels = RENDER - upright  # turned 180 degrees
+        left, top, right, bottom = self.crop or (0, 0, RENDER, RENDER)
+        return (pixels - [left, top]) * [self.image_size / (right - left), self.image_size / (bottom - top)]
+
+    def locations(self) -> dict[str, tuple[float, float]]:
+        """Pixel (x, y) of the gripper, the task's (first) object and its goal in the current observation image, from
+        the raw observation the expert reads (hand xyz, object xyz, goal xyz); those outside the image are left out."""
+        raw = np.asarray(self.inner.raw_obs, dtype=np.float64)
+        names = ("gripper", "object", "goal")
+        pixels = self.project(np.stack([raw[0:3], raw[4:7], raw[-3:]]))
+        return {name: (float(x), float(y)) for name, (x, y) in zip(names, pixels)
+                if 0 <= x < self.image_size and 0 <= y < self.image_size}
+
+    def body_mask(self, body: str = "hand") -> np.ndarray:
+        """`[image_size, image_size]` bool: the pixels of the observation image where a geom of `body` (or of a body
+        below it) is seen, from a segmentation render of the same camera through the env's own GL context, oriented,
+        cropped and resized (nearest) as the observation is: the check of `project`."""
+        import mujoco
+        from PIL import Image
+
+        env = self.inner._env
+        model = env.model
+        viewer = env.mujoco_renderer._get_viewer("rgb_array")
+        viewer.cam.type, viewer.cam.fixedcamid = mujoco.mjtCamera.mjCAMERA_FIXED, model.camera("corner2").id
+        mujoco.mjv_updateScene(model, env.data, viewer.vopt, viewer.pert, viewer.cam, mujoco.mjtCatBit.mjCAT_ALL,
+                               viewer.scn)
+        flags = (mujoco.mjtRndFlag.mjRND_SEGMENT, mujoco.mjtRndFlag.mjRND_IDCOLOR)
+        for flag in flags:
+            viewer.scn.flags[flag] = 1
+        try:
+            mujoco.mjr_render(viewer.viewport, viewer.scn, viewer.con)
+            pixels = np.zeros(3 * viewer.viewport.width * viewer.viewport.height, dtype=np.uint8)
+            mujoco.mjr_readPixels(pixels, None, viewer.viewport, viewer.con)
+        finally:
+            for flag in flags:
+                viewer.scn.flags[flag] = 0
+        # read bottom-up; gymnasium flips it upright, lerobot's wrapper then flips both axes: net, left-right only
+        rgb = pixels.reshape(viewer.viewport.height, viewer.viewport.width, 3)[:, ::-1].astype(np.int64)
+        index = rgb[..., 0] + rgb[..., 1] * 256 + rgb[..., 2] * 65536 - 1  # the scene geom drawn there, -1: none
+        root = model.body(body).id
+        wanted = np.zeros(viewer.scn.ngeom + 1, dtype=bool)
+        for i in range(viewer.scn.ngeom):
+            geom = viewer.scn.geoms[i]
+            if geom.objtype == mujoco.mjtObj.mjOBJ_GEOM:
+                owner = model.geom_bodyid[geom.objid]
+                while owner not in (0, root):
+                    owner = model.body_parentid[owner]
+                wanted[i] = owner == root
+        mask = np.where(index >= 0, wanted[np.clip(index, 0, viewer.scn.ngeom)], False)
+        if self.crop is not None:
+            left, top, right, bottom = self.crop
+            mask = mask[top:bottom, left:right]
+        return np.asarray(Image.fromarray(mask).resize((self.image_size, self.image_size), Image.NEAREST))
+
+    def target_text(self) -> str:
+        """The locations as PaliGemma point tokens, `<locY><locX> name` joined by ` ; ` (1024 bins per axis
+        against the image's own size): the `locations` column `hf_vla.record` writes."""
+        return location_text(self.locations(), self.image_size)
+
     def expert_action(self) -> np.ndarray:
         return np.clip(self.inner.expert_policy.get_action(self.inner.raw_obs), -1.0, 1.0).astype(np.float32)
 
     def close(self):
         self.inner.close()
+
+
+def location_text(points: dict[str, tuple[float, float]], size: int) -> str:
+    """`{name: (x, y)}` pixel points of a `size` px image -> `<locYYYY><locXXXX> name ; ...` (PaliGemma's point
+    form: y first, 1024 bins per axis)."""
+    def bin_of(value: float) -> int:
+        return int(min(max(np.floor(value / size * 1024), 0), 1023))
+
+    return " ; ".join(f"<loc{bin_of(y):04d}><loc{bin_of(x):04d}> {name}" for name, (x, y) in points.items())
 
 
 def in_worker(task: str, **kwargs) -> InWorker:
@@ -213,4 +295,4 @@ def in_worker(task: str, **kwargs) -> InWorker:
 
 
 __all__ = ["ACTION", "CAMERA", "FPS", "GROUPS", "InWorker", "MetaWorldEnv", "MT50", "RENDER", "ROBOT_TYPE", "STATE",
-           "WORKSPACE", "check_crop", "in_worker", "task_description", "task_group", "task_names"]
+           "WORKSPACE", "check_crop", "in_worker", "location_text", "task_description", "task_group", "task_names"]
