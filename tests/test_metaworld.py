@@ -173,7 +173,7 @@ def test_recorded_locations_are_where_the_renderer_draws_them():
         env = in_worker(task, image_size=size, max_episode_steps=60, crop=crop)
         try:
             env.reset(seed=5)
-            for step in range(60):
+            for _ in range(60):
                 points, mask = env.call("locations"), env.call("body_mask", "hand")
                 ys, xs = np.nonzero(mask)
                 if "gripper" in points and len(xs):
