@@ -53,7 +53,7 @@ def _save(work: Path, output: Path, results: dict):
     print(text)
 
 
-def _dataset_spec(work: Path, focus: list[str] | None = None) -> list[dict]:
+def _dataset_spec(work: Path, focus: list[str] | None = None, target_text_key: str | None = None) -> list[dict]:
     """One dataset per task, one normalisation head: the validation metrics come per task
     (`eval_by_dataset/<task>/mse`). `focus`: sample those tasks' frames (weight 1) and the others almost never
     (weight 0.001); every task stays in the mixture so the normalisation statistics, pooled over all five, are the
@@ -62,6 +62,8 @@ def _dataset_spec(work: Path, focus: list[str] | None = None) -> list[dict]:
              "robot_type": "metaworld", "control_mode": "delta_xyz_gripper"} for task in TASKS]
     for dataset in spec if focus else []:
         dataset["weight"] = 1.0 if dataset["name"] in focus else 0.001
+    for dataset in spec if target_text_key else []:  # e.g. the recordings' object locations (token objective)
+        dataset["target_text_key"] = target_text_key
     return spec
 
 
@@ -96,8 +98,9 @@ CONFIG = REPO / "configs" / "pi05_metaworld.json"
 
 def _train(work: Path, out: Path, overrides: list[str], config: Path = CONFIG) -> float:
     started = time.perf_counter()
+    target = next((d.get("target_text_key") for d in json.loads(Path(config).read_text()).get("datasets", [])), None)
     subprocess.run([sys.executable, "-m", "hf_vla.train", str(config),
-                    "--datasets", json.dumps(_dataset_spec(work)), "--output_dir", str(out), *overrides],
+                    "--datasets", json.dumps(_dataset_spec(work, target_text_key=target)), "--output_dir", str(out), *overrides],
                    check=True, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"))
     return time.perf_counter() - started
 

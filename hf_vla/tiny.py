@@ -10,6 +10,11 @@ import os
 from pathlib import Path
 
 TINY_VOCAB_SIZE = 1024
+# The tiny tokenizer with PaliGemma's location tokens (`build_tiny_tokenizer(locations=True)`, config "tiny_loc"):
+# its 475 text tokens, 1024 reserved ids (`<unused0000>`..: where FAST ids land, just below `<loc0000>`, as with
+# PaliGemma's vocabulary), then `<loc0000>`..`<loc1023>`; a model vocabulary of 2560 holds them.
+TINY_LOC_VOCAB_SIZE = 2560
+LOCATION_TOKENS = 1024
 
 
 def _corpus() -> list[str]:
@@ -22,10 +27,12 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(save_dir: str | os.PathLike | None = None):
+def build_tiny_tokenizer(save_dir: str | os.PathLike | None = None, locations: bool = False):
     """Train a small SentencePiece-style BPE tokenizer offline with `tokenizers` and wrap it for transformers.
 
-    Every state bin 0..255 is a single token, like in the PaliGemma tokenizer. Returns a
+    Every state bin 0..255 is a single token, like in the PaliGemma tokenizer. With `locations`, 1024 reserved ids and
+    PaliGemma's `<loc0000>`..`<loc1023>` follow the text tokens (`TINY_LOC_VOCAB_SIZE`): location targets are then one
+    token per coordinate and FAST ids go below `<loc0000>` as with the real vocabulary. Returns a
     `PreTrainedTokenizerFast`; saved to `save_dir` when given (then loadable with `AutoTokenizer`).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -39,11 +46,17 @@ def build_tiny_tokenizer(save_dir: str | os.PathLike | None = None):
     trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB_SIZE, special_tokens=specials, initial_alphabet=list("0123456789"))
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
     tokenizer.add_tokens(numbers)
+    if locations:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(f"<unused{i:04d}>", special=False) for i in range(LOCATION_TOKENS)])
+        tokenizer.add_tokens([AddedToken(f"<loc{i:04d}>", special=False) for i in range(LOCATION_TOKENS)])
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
     )
-    if len(wrapped) > TINY_VOCAB_SIZE:
-        raise RuntimeError(f"tiny tokenizer has {len(wrapped)} tokens > {TINY_VOCAB_SIZE}")
+    limit = TINY_LOC_VOCAB_SIZE if locations else TINY_VOCAB_SIZE
+    if len(wrapped) > limit:
+        raise RuntimeError(f"tiny tokenizer has {len(wrapped)} tokens > {limit}")
     if save_dir is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         wrapped.save_pretrained(save_dir)

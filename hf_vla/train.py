@@ -44,6 +44,7 @@ logger = logging.getLogger("hf_vla.train")
 POLICIES = ("pi05", "pi0")
 DTYPES = ("float32", "bfloat16")
 TINY_TOKENIZER = "tiny"
+TINY_LOC_TOKENIZER = "tiny_loc"  # with <loc0000>..<loc1023> (a model vocabulary of 2560)
 ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
@@ -58,7 +59,8 @@ class ModelArguments:
     model_revision: the Hub revision (branch, tag or commit) of `model_name_or_path`.
     model_config: config fields for a policy built from scratch (the demo's tiny dims, for example); its keys are
         checked against the policy's config class.
-    tokenizer: tokenizer id or path (real runs: `google/paligemma-3b-pt-224`); `"tiny"` builds the small offline one.
+    tokenizer: tokenizer id or path (real runs: `google/paligemma-3b-pt-224`); `"tiny"` builds the small offline one
+        (`"tiny_loc"`: with PaliGemma's `<loc>` tokens, for location targets; model vocabulary 2560).
     attn_implementation: eager | sdpa | flex_attention | flash_attention_2 | flash_attention_3.
     dtype: float32 | bfloat16 (bf16 trains with fp32 master weights unless `master_weights` is off).
     lora_preset: `expert` or `all_linear` (peft LoRA, see `hf_vla.lora`); none trains the full model.
@@ -366,10 +368,10 @@ def _check_combination(model_args: ModelArguments, data_args: DataArguments, arg
 def build_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    if name == TINY_TOKENIZER:
+    if name in (TINY_TOKENIZER, TINY_LOC_TOKENIZER):
         from .tiny import build_tiny_tokenizer
 
-        return build_tiny_tokenizer()
+        return build_tiny_tokenizer(locations=name == TINY_LOC_TOKENIZER)
     try:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as error:

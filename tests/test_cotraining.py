@@ -449,3 +449,32 @@ def test_bad_text_targets_are_one_line_at_start_up(tmp_path, capsys):
           token_loss=True)
     fails(missing, {"target_text_key": "subtask"}, "target_text_key is a target of the token objective; set "
                                                    "token_loss true")
+
+
+def test_fast_ids_avoid_location_and_text_tokens():
+    """With `<loc>` tokens in the vocabulary (the tiny_loc tokenizer, as PaliGemma's), FAST takes the ids just below
+    `<loc0000>`: no FAST id is a location token or one of the tokenizer's text tokens, and a location target is one
+    token per coordinate. Without them FAST takes the ids after the tokenizer's own; too large a FAST vocabulary is
+    refused with how many ids are free."""
+    from hf_vla import PI05Processor
+    from hf_vla.models.pi05.fast_tokenizer import FASTActionTokenizer
+    from hf_vla.tiny import TINY_LOC_VOCAB_SIZE, build_tiny_tokenizer, tiny_pi05_config
+
+    chunks = np.random.default_rng(0).uniform(-1, 1, (64, 5, 6))
+    fast = FASTActionTokenizer.fit(chunks, vocab_size=1024)
+    located = build_tiny_tokenizer(locations=True)
+    processor = PI05Processor.from_config(tiny_pi05_config(), located)
+    processor.set_fast_tokenizer(fast, TINY_LOC_VOCAB_SIZE)
+    first, end = processor.fast_token_range
+    locations = set(located.convert_tokens_to_ids([f"<loc{i:04d}>" for i in range(1024)]))
+    text = {i for token, i in located.get_vocab().items() if not token.startswith(("<loc", "<unused"))}
+    fast_ids = set(range(first, end))
+    assert end == min(locations) and not fast_ids & locations and not fast_ids & text
+    assert len(located("<loc0512><loc0300> gripper", add_special_tokens=False)["input_ids"]) == 2 + len(
+        located(" gripper", add_special_tokens=False)["input_ids"])
+    plain = PI05Processor.from_config(tiny_pi05_config(), build_tiny_tokenizer())
+    with pytest.raises(ValueError, match="a FAST vocabulary of at most 549 fits"):
+        plain.set_fast_tokenizer(fast, 1024)
+    small = FASTActionTokenizer.fit(chunks, vocab_size=512)
+    plain.set_fast_tokenizer(small, 1024)
+    assert plain.fast_token_range == (475, 987)

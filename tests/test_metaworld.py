@@ -134,6 +134,26 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
     assert default_tasks_at_once(5, 64) == 1
 
 
+def test_locations_train_as_text_targets(recorded, tmp_path):
+    """configs/pi05_metaworld_cotrain_locations.json on a recording: the recorded locations become text targets after
+    the FAST tokens (one `<loc>` token per coordinate, tiny_loc tokenizer), `text_ce` is logged, and the deployment
+    contract lists no such input (the policy runs from images and state)."""
+    out = tmp_path / "locations"
+    dataset = {"root": str(recorded), "name": "metaworld", "cameras": ["observation.image"],
+               "control_mode": "delta_xyz_gripper", "target_text_key": "locations"}
+    trainer = train_main([str(REPO / "configs" / "pi05_metaworld_cotrain_locations.json"), "--datasets",
+                          json.dumps([dataset]), "--output_dir", str(out), "--max_steps", "2", "--save_strategy", "no",
+                          "--validation_ratio", "0", "--stream_open_blocks", "2", "--per_device_train_batch_size", "4",
+                          "--logging_steps", "1", "--warmup_steps", "0", "--fast_vocab_size", "256"])
+    tokenizer = trainer.processing_class.tokenizer
+    locations = set(tokenizer.convert_tokens_to_ids([f"<loc{i:04d}>" for i in range(1024)]))
+    labels = next(iter(trainer.get_train_dataloader()))["labels"]
+    per_row = [sum(int(t) in locations for t in row) for row in labels]
+    assert all(count >= 4 and count % 2 == 0 for count in per_row), per_row  # points: two tokens each
+    assert any("text_ce" in entry for entry in trainer.state.log_history)
+    assert "locations" not in (out / "deployment_config.json").read_text()
+
+
 def test_the_expert_ceiling_and_upright_images():
     """The benchmark's expert succeeds in the wrapper (seeded resets differ), and the image is the right way up: the
     table (brown, below) fills more of the bottom half than of the top."""
