@@ -5,6 +5,12 @@
         --config configs/pi05_metaworld_cotrain.json --output data_cache/metaworld_bench/cotrain.json
     python benchmarks/metaworld_benchmark.py --stage evaluate --tag cotrain --which hf_vla --checkpoint_episodes 0 \\
         --episodes 50 --output data_cache/metaworld_bench/cotrain.json
+    # the third arm, FAST + KI + object locations, on a recording that carries them:
+    python benchmarks/metaworld_benchmark.py --stage record --work data_cache/metaworld_loc
+    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20 --tag locations \
+        --work data_cache/metaworld_loc --config configs/pi05_metaworld_cotrain_locations.json
+    python benchmarks/metaworld_benchmark.py --stage evaluate --tag locations --which hf_vla --checkpoint_episodes 0 \
+        --episodes 50 --work data_cache/metaworld_loc
     python benchmarks/metaworld_cotraining.py          # -> benchmarks/results/metaworld_cotraining_cpu.json
 
 The arms share the recorded data (5 tasks x 50 expert episodes at 96 px), the 20-minute budget (steps from each
@@ -68,23 +74,31 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default=str(REPO / "data_cache" / "metaworld_bench"))
     parser.add_argument("--flow_only", default=str(REPO / "benchmarks" / "results" / "metaworld_cpu.json"))
+    parser.add_argument("--locations_work", default=str(REPO / "data_cache" / "metaworld_loc"),
+                        help="the locations arm's --work (recorded again: its recordings carry the locations column)")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "metaworld_cotraining_cpu.json"))
     args = parser.parse_args(argv)
     work = Path(args.work)
     flow = json.loads(Path(args.flow_only).read_text())["hf_vla"]
-    cotrain = json.loads((work / "results.json").read_text())["cotrain"]
-    final = sorted(cotrain["closed_loop"], key=lambda n: int(n.split("-")[1]) if "-" in n else 10**9)[-1]
-    checkpoint = work / "cotrain" / final
-    offline = cotrain["offline"][str(max(int(k) for k in cotrain["offline"]))]
+    five_task = {"flow_only": _arm(flow, "checkpoint-5700_50_episodes") | {
+        "source": "benchmarks/results/metaworld_cpu.json"}}
+    for arm, folder, tag in (("fast_ki", work, "cotrain"), ("fast_ki_locations", Path(args.locations_work),
+                                                               "locations")):
+        if not (folder / "results.json").is_file() or tag not in json.loads((folder / "results.json").read_text()):
+            continue
+        run = json.loads((folder / "results.json").read_text())[tag]
+        if "closed_loop" not in run:
+            continue
+        final = sorted(run["closed_loop"], key=lambda n: int(n.split("-")[1]) if "-" in n else 10**9)[-1]
+        checkpoint = folder / tag if final == "final" else folder / tag / final
+        offline = run["offline"][str(max(int(k) for k in run["offline"]))]
+        five_task[arm] = _arm(run, final) | {
+            "config": run.get("config"), "evaluated": final,
+            **{key: offline.get(f"eval_{key}") for key in ("fast_ce", "text_ce", "mse")},
+            "policy_call_ms": {"this_checkpoint": latency_ms(checkpoint, True),
+                               "its_weights_flow_only_model": latency_ms(checkpoint, False)}}
     results = {
-        "five_task": {
-            "flow_only": _arm(flow, "checkpoint-5700_50_episodes") | {"source": "benchmarks/results/metaworld_cpu.json"},
-            "fast_ki": _arm(cotrain, final) | {
-                "config": cotrain.get("config"),
-                "eval_fast_ce": offline.get("eval_fast_ce"), "eval_mse": offline.get("eval_mse"),
-                "sample_actions_ms": {"token_loss": latency_ms(checkpoint, True),
-                                      "flow_only_config": latency_ms(checkpoint, False)}},
-        },
+        "five_task": five_task,
         "object_centred": {"not_measured": "this session measured the five-task arms only"},
         "mt50": {"not_measured": "this session measured the five-task arms only"},
         "episodes_per_task": 50,
