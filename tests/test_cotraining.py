@@ -478,3 +478,30 @@ def test_fast_ids_avoid_location_and_text_tokens():
     small = FASTActionTokenizer.fit(chunks, vocab_size=512)
     plain.set_fast_tokenizer(small, 1024)
     assert plain.fast_token_range == (475, 987)
+
+
+def test_token_objective_with_lora_bf16_and_ema(tmp_path):
+    """LoRA (all_linear: the VLM's layers, last one included, and the expert), a bf16 model with fp32 masters and an
+    EMA train with the token loss: the VLM's adapters move (the CE reaches them through knowledge insulation), the
+    merged output keeps token_loss and its FAST tokenizer."""
+    import json
+
+    import torch
+    from test_data import make_dataset
+    from test_failures import base_config, write_config
+
+    from hf_vla.train import main
+
+    data = make_dataset(tmp_path / "toy", 6)
+    out = tmp_path / "out"
+    config = base_config(data, out, max_steps=2, token_loss=True, fast_vocab_size=256, lora_preset="all_linear",
+                         lora_r=4, dtype="bfloat16", ema_decay=0.5)
+    trainer = main([str(write_config(tmp_path, config))])
+    model = trainer.model
+    last = len(model.get_base_model().model.vlm.language_model.layers) - 1
+    adapters = {n: p for n, p in model.named_parameters() if "lora_B" in n and "language_model" in n}
+    assert any(f"layers.{last}.mlp" in n for n in adapters)  # the last VLM layer runs, so it is adapted
+    assert any(p.float().abs().max() > 0 for p in adapters.values())  # lora_B starts at 0: the CE moved them
+    assert json.loads((out / "config.json").read_text())["token_loss"] is True
+    assert json.loads((out / "processor_config.json").read_text())["fast_config"]["vocab_size"] == 256
+    assert all(torch.isfinite(p.float()).all() for p in model.parameters())
