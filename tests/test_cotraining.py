@@ -336,6 +336,7 @@ def test_token_objective_refusals(tmp_path, capsys):
         assert culprit in message, message
 
 
+@pytest.mark.slow  # exact resume is the trainer's (default suite); the FAST fit's determinism is tested above
 def test_a_resumed_token_objective_run_equals_the_uninterrupted_one(tmp_path):
     """The FAST fit is deterministic, so a run resumed from a checkpoint rebuilds the same targets: its final weights
     are bitwise those of the run that was not interrupted."""
@@ -480,6 +481,7 @@ def test_fast_ids_avoid_location_and_text_tokens():
     assert plain.fast_token_range == (475, 987)
 
 
+@pytest.mark.slow  # LoRA, bf16 masters and EMA each have their own tests; this is their combination with the CE
 def test_token_objective_with_lora_bf16_and_ema(tmp_path):
     """LoRA (all_linear: the VLM's layers, last one included, and the expert), a bf16 model with fp32 masters and an
     EMA train with the token loss: the VLM's adapters move (the CE reaches them through knowledge insulation), the

@@ -134,6 +134,7 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
     assert default_tasks_at_once(5, 64) == 1
 
 
+@pytest.mark.slow  # text targets train in tests/test_cotraining.py; this is the recorded column
 def test_locations_train_as_text_targets(recorded, tmp_path):
     """configs/pi05_metaworld_cotrain_locations.json on a recording: the recorded locations become text targets after
     the FAST tokens (one `<loc>` token per coordinate, tiny_loc tokenizer), `text_ce` is logged, and the deployment

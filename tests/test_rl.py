@@ -1149,6 +1149,7 @@ def test_replay_settings_are_checked(sft_checkpoint, tmp_path):
         RLTrainer(model, _replay_args(tmp_path, sft_checkpoint), processing_class=processor)
 
 
+@pytest.mark.slow  # one RL update beside the other RL tests; the freeze is what it adds
 def test_a_token_loss_policy_improves_by_its_flow_objective(sft_checkpoint, tmp_path):
     """A policy trained with pi0.5's token objective (its processor holds FAST) starts RL: the RL objective and the
     replayed expert loss are the flow policy's (no token targets in the replayed batches), the target-token path is
