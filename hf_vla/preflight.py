@@ -11,9 +11,11 @@ from urllib.parse import urlparse
 
 from .errors import ConfigError
 
+HUB_ANSWER_S = 10.0  # a compute node without internet may drop packets silently: no answer within this is an answer
+
 
 def check_hub_push(args) -> None:
-    """`push_to_hub`: a token, the Hub reachable, and the token accepted."""
+    """`push_to_hub`: a token, the Hub reachable (an answer within `HUB_ANSWER_S`), and the token accepted."""
     if not args.push_to_hub:
         return
     from huggingface_hub import constants, get_token, whoami
@@ -26,8 +28,27 @@ def check_hub_push(args) -> None:
     if not token:
         raise ConfigError(f"push_to_hub=true (to {target!r}) but no Hugging Face token is set: log in with "
                           "`hf auth login` (or set HF_TOKEN, or pass --hub_token) before training")
+    import threading
+
+    answer: dict = {}
+
+    def ask():
+        try:
+            answer["user"] = whoami(token=token)
+        except Exception as error:  # noqa: BLE001  (reported below)
+            answer["error"] = error
+
+    # huggingface_hub's whoami has no timeout of its own: where packets are dropped it waits minutes in silence
+    asking = threading.Thread(target=ask, name="hf_vla-hub-check", daemon=True)
+    asking.start()
+    asking.join(HUB_ANSWER_S)
+    if asking.is_alive():
+        raise ConfigError(f"push_to_hub=true (to {target!r}) but the Hub did not answer within {HUB_ANSWER_S:g} s "
+                          f"({constants.ENDPOINT}): no internet here? Drop push_to_hub and upload output_dir later "
+                          f"(`hf upload {target} {args.output_dir}` where the Hub is reachable)")
     try:
-        whoami(token=token)
+        if "error" in answer:
+            raise answer["error"]
     except Exception as error:  # noqa: BLE001  (HTTP 401, no network, DNS, proxy: all mean the push would fail)
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         status = getattr(getattr(error, "response", None), "status_code", None)

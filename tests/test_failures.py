@@ -652,6 +652,27 @@ def test_hub_and_wandb_problems_stop_the_run_before_it_starts(tmp_path, capsys, 
     _, message = run_fails(capsys, path, code=2)
     assert "the Hub cannot be reached (Name or service not known)" in message
     assert not out.exists()
+    # a Hub that never answers (a compute node whose packets are dropped): the real whoami against a silent server
+    import socket
+    import time
+
+    import huggingface_hub.hf_api as hf_api
+
+    import hf_vla.preflight as preflight
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        monkeypatch.setattr(huggingface_hub, "whoami", hf_api.whoami)
+        monkeypatch.setattr(hf_api.api, "endpoint", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(preflight, "HUB_ANSWER_S", 1.0)
+        started = time.monotonic()
+        _, message = run_fails(capsys, path, code=2)
+        assert time.monotonic() - started < 10
+        assert "the Hub did not answer within 1 s (http://127.0.0.1:" in message and "`hf upload me/policy " in message
+    finally:
+        silent.close()
+    assert not out.exists()
 
     path = write_config(tmp_path, base_config(tmp_path / "no_such_dataset", out, report_to=["wandb"]), "wandb.json")
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED"):
