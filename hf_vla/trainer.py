@@ -994,13 +994,25 @@ def render_model_card(trainer: VLATrainer, model_name: str | None = None, base_m
         core.config, datasets=provenance.datasets if provenance is not None else [], eval_metrics=metrics,
         training_args={k: getattr(trainer.args, k) for k in CARD_ARGS} | (extra_args or {}),
         model_name=model_name or Path(trainer.args.output_dir).name,
-        repo_id=trainer.args.hub_model_id or model_name or Path(trainer.args.output_dir).name, base_model=base_model,
+        repo_id=_card_location(trainer), base_model=base_model,
         lora=next(iter(peft_config.values())) if peft_config else None, rollouts=rollouts,
         weights=None if trainer.args.ema_decay is None else (
             f"the raw training weights (an EMA with decay {trainer.args.ema_decay} was kept beside them)"
             if trainer.args.ema_save_raw else f"the exponential moving average of the training weights (decay "
             f"{trainer.args.ema_decay}, as openpi's recipes ship), not the last step's raw weights"),
     )
+
+
+def _card_location(trainer) -> str:
+    """What the card's load snippets name: the Hub repository when the model goes there (`hub_model_id`, or the one
+    `push_to_hub` created), else the output directory as the run was given it (a bare folder name is no Hub id and
+    would not resolve)."""
+    args = trainer.args
+    if args.hub_model_id:
+        return args.hub_model_id
+    if args.push_to_hub and getattr(trainer, "hub_model_id", None):
+        return trainer.hub_model_id
+    return str(args.output_dir)
 
 
 CARD_ARGS = ("ema_decay", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "learning_rate",

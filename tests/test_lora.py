@@ -114,6 +114,8 @@ def test_lora_output_loads_as_the_trained_model(lora_run):
     torch.testing.assert_close(_actions(reloaded, processor), expected, atol=1e-5, rtol=1e-5)
     card = (out / "README.md").read_text()
     assert 'subfolder="adapter"' in card and "merged" in card
+    # not pushed: the snippets name the output directory (a bare folder name is no Hub id and would not resolve)
+    assert f'AutoModel.from_pretrained("{out}")' in card and f'"{out}", subfolder="adapter"' in card
     # arguments as written: the scheduler's name, integers as integers
     assert "SchedulerType" not in card and "- `lr_scheduler_type`: cosine_with_min_lr" in card
     assert "- `warmup_steps`: 0\n" in card and "- `max_steps`: 3\n" in card
