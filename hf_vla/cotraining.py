@@ -76,25 +76,25 @@ def fit_fast(mixture, processor, config, path: str | None = None, vocab_size: in
     try:
         if path:
             fast = FASTActionTokenizer.from_pretrained(path)
-            if (fast.chunk_size, fast.action_dim) != (config.chunk_size, config.max_action_dim):
-                raise ConfigError(f"fast_tokenizer={path!r} encodes chunks of {fast.chunk_size} x {fast.action_dim}; "
-                                  f"this model's are {config.chunk_size} x {config.max_action_dim}")
-            logger.info("FAST tokenizer from %s: %s", path, fast)
         else:
             chunks = training_chunks(mixture, processor, config.chunk_size, max_chunks, seed)
             fast = FASTActionTokenizer.fit(chunks, scale=scale, vocab_size=vocab_size,
                                            source=f"the training mixture {mixture.names}")
-        processor.set_fast_tokenizer(fast, config.vlm_config.text_config.vocab_size)
-        first, end = processor.fast_token_range
-        logger.info("token_loss: FAST ids are language-model ids %d..%d; the LM head is the VLM's input embedding "
-                    "(tied, as PaliGemma's: a checkpoint that stores no lm_head, lerobot's pi0.5, trains it through "
-                    "the embedding)", first, end - 1)
     except FASTError as error:
         raise ConfigError(f"token_loss: {error}") from error
-    except ValueError as error:  # the vocabulary placement
-        if isinstance(error, ConfigError):
-            raise
+    if path:
+        if (fast.chunk_size, fast.action_dim) != (config.chunk_size, config.max_action_dim):
+            raise ConfigError(f"fast_tokenizer={path!r} encodes chunks of {fast.chunk_size} x {fast.action_dim}; "
+                              f"this model's are {config.chunk_size} x {config.max_action_dim}")
+        logger.info("FAST tokenizer from %s: %s", path, fast)
+    try:  # where FAST ids go in the language model's vocabulary
+        processor.set_fast_tokenizer(fast, config.vlm_config.text_config.vocab_size)
+    except ValueError as error:
         raise ConfigError(f"fast_vocab_size={fast.vocab_size}: {error}") from error
+    first, end = processor.fast_token_range
+    logger.info("token_loss: FAST ids are language-model ids %d..%d; the LM head is the VLM's input embedding "
+                "(tied, as PaliGemma's: a checkpoint that stores no lm_head, lerobot's pi0.5, trains it through "
+                "the embedding)", first, end - 1)
     return fast
 
 

@@ -46,10 +46,8 @@ def check_hub_push(args) -> None:
         raise ConfigError(f"push_to_hub=true (to {target!r}) but the Hub did not answer within {HUB_ANSWER_S:g} s "
                           f"({constants.ENDPOINT}): no internet here? Drop push_to_hub and upload output_dir later "
                           f"(`hf upload {target} {args.output_dir}` where the Hub is reachable)")
-    try:
-        if "error" in answer:
-            raise answer["error"]
-    except Exception as error:  # noqa: BLE001  (HTTP 401, no network, DNS, proxy: all mean the push would fail)
+    error = answer.get("error")  # HTTP 401, no network, DNS, proxy: all mean the push would fail
+    if error is not None:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         status = getattr(getattr(error, "response", None), "status_code", None)
         cause = "the token was rejected (log in again: `hf auth login`)" if status == 401 else \

@@ -744,7 +744,9 @@ class VLATrainer(Trainer):
             ce = PerSampleLoss(data["ce_sum"].double(), data["ce_count"].double())
             metrics[f"{prefix}_loss"] = self.args.flow_loss_weight * metrics[f"{prefix}_loss"] + float(
                 aggregate(self.args.loss_aggregation, ce, groups, self.args.loss_divisor))
-            for component in ("ce", "fast_ce", "text_ce"):
+            from .cotraining import COMPONENTS
+
+            for component in ("ce", *COMPONENTS):
                 part = PerSampleLoss(data[f"{component}_sum"].double(), data[f"{component}_count"].double())
                 if float(part.count.sum()) > 0:
                     metrics[f"{prefix}_{component}"] = float(part.sum.sum() / part.count.sum())

@@ -442,6 +442,12 @@ def _episode_hashes(parts: list[np.ndarray]) -> dict:
             "episodes": episodes[starts].tolist(), "hashes": joined}
 
 
+def _by_episode(entry: dict) -> dict:
+    """`_episode_hashes`'s entry of one file -> {episode id: its 8 hex digits}."""
+    hashes = entry["hashes"]
+    return dict(zip(entry["episodes"], (hashes[i:i + 8] for i in range(0, len(hashes), 8))))
+
+
 def content_difference(saved: dict | None, current: dict | None) -> str | None:
     """Where two scans' per-file hashes (`ScanResult.detail`) differ: `file F episode E` (and how many more), or None
     when either has no detail or nothing differs."""
@@ -455,8 +461,7 @@ def content_difference(saved: dict | None, current: dict | None) -> str | None:
             continue
         if before["digest"] == after["digest"]:
             continue
-        old = dict(zip(before["episodes"], (before["hashes"][i:i + 8] for i in range(0, len(before["hashes"]), 8))))
-        new = dict(zip(after["episodes"], (after["hashes"][i:i + 8] for i in range(0, len(after["hashes"]), 8))))
+        old, new = _by_episode(before), _by_episode(after)
         episodes = sorted(e for e in set(old) | set(new) if old.get(e) != new.get(e))
         changed.append((path, episodes[0] if episodes else None, len(episodes)))
     if not changed:

@@ -329,14 +329,15 @@ class EpisodeShuffleStream(IterableDataset):
                 if getattr(source, "content_detail", None)}
 
     def content_changes(self, saved: dict | None) -> str:
-        """`; changed: dataset 'x': FILE episode E (...)` for the first dataset whose hashes differ, or ''."""
+        """`; first change: dataset 'x', ROOT/FILE episode E (...)` for the first dataset whose per-file hashes
+        differ from the checkpoint's `saved` ones, or '' when none can be named."""
         from .scan import content_difference
 
-        roots = {str(getattr(source, "name", i)): getattr(source, "root", None) for i, source in enumerate(self.sources)}
-        for name, detail in self.content_detail().items():
-            where = content_difference((saved or {}).get(name), detail)
+        for index, source in enumerate(self.sources):
+            name = str(getattr(source, "name", index))
+            where = content_difference((saved or {}).get(name), getattr(source, "content_detail", None))
             if where:
-                root = roots.get(name)
+                root = getattr(source, "root", None)
                 return f"; first change: dataset {name!r}, " + (f"{root}/{where}" if root is not None else where)
         return ""
 
