@@ -50,7 +50,18 @@ SETTINGS = {
                   {"model_config.vlm_config.vision_config.image_size": 96,
                    "model_config.vlm_config.vision_config.patch_size": 8}),
     "aug_long_128": ("long_128 with openpi's training-time image augmentation", {"image_augmentation": "openpi"}),
+    # pi0.5's token objective (issue #64, docs/cotraining.md), compared at equal minutes with --budget_min
+    "flow_only": ("the MT50 candidate (flow loss only), at the token arms' budget", {}),
+    "fast_ki": ("+ FAST action tokens' CE, knowledge insulation (512 FAST ids in the tiny vocabulary)",
+                {"token_loss": True, "knowledge_insulation": True, "fast_vocab_size": 512}),
+    "fast_ki_locations": ("+ FAST CE, knowledge insulation and the recording's object locations as text targets",
+                          {"token_loss": True, "knowledge_insulation": True, "fast_vocab_size": 1024,
+                           "tokenizer": "tiny_loc", "model_config.vlm_config.text_config.vocab_size": 2560,
+                           "model_config.vlm_config.image_token_id": 2559,
+                           "model_config.dit_config.vocab_size": 2560}),
 }
+# Settings whose dataset carries per-frame target text (the column written by hf_vla.record --env metaworld).
+TARGET_TEXT = {"fast_ki_locations": "locations"}
 # Settings trained for a fixed number of optimizer steps instead of --steps (the question they ask is the steps').
 STEPS = {"short_128": 4000, "patch8_96": 4000, "long_128": 12000, "aug_long_128": 12000}
 # Settings that differ from another only in how the policy is run, not in how it is trained: evaluate that setting's
@@ -83,8 +94,24 @@ def keep_ranges(data: Path, tasks: list[str]) -> dict:
     return ranges
 
 
+def probe_rate(name: str, data: Path, work: Path, ranges: dict, env: dict, probe_steps: int = 200) -> float:
+    """Optimizer steps per second of `name`'s training, from `probe_steps` steps run undisturbed (start-up included: a
+    safe under-estimate); the run itself gets `rate x budget` steps, so a wall clock stretched by other work later
+    changes its duration, not its steps."""
+    cache = work / "probe_rates.json"  # one probe per setting: `--probe_only` runs them all first, undisturbed
+    rates = json.loads(cache.read_text()) if cache.exists() else {}
+    if name not in rates:
+        seconds = _train(data, work / f"probe_{name}", probe_steps, SETTINGS[name][1], ranges, env,
+                         TARGET_TEXT.get(name), save=False)
+        rates = json.loads(cache.read_text()) if cache.exists() else {}
+        rates[name] = probe_steps / seconds
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(rates, indent=2) + "\n")
+    return rates[name]
+
+
 def run(name: str, data: Path, work: Path, tasks: list[str], steps: int, episodes: int, ranges: dict,
-        trained: dict) -> dict:
+        trained: dict, budget_min: float | None = None) -> dict:
     what, overrides = SETTINGS[name]
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
     if name in EVAL_ONLY:
@@ -96,8 +123,11 @@ def run(name: str, data: Path, work: Path, tasks: list[str], steps: int, episode
         eval_flags = [f"--{key}={value}" for key, value in overrides.items()] + ["--override", *overrides]
         train_seconds, steps = trained[base]["train_seconds"], trained[base]["steps"]
     else:
-        out, eval_flags, steps = work / name, [], STEPS.get(name, steps)
-        train_seconds = _train(data, out, steps, overrides, ranges, env)
+        out, eval_flags, steps, rate = work / name, [], STEPS.get(name, steps), None
+        if budget_min is not None:
+            rate = probe_rate(name, data, work, ranges, env)
+            steps = int(rate * budget_min * 60 / 100) * 100
+        train_seconds = _train(data, out, steps, overrides, ranges, env, TARGET_TEXT.get(name))
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(out), "--task", ",".join(tasks),
                     "--episodes", str(episodes), "--num_envs", "2", "--output_dir", str(work / f"eval_{name}"),
@@ -107,12 +137,21 @@ def run(name: str, data: Path, work: Path, tasks: list[str], steps: int, episode
     return {"what": what, "overrides": overrides, "steps": steps, "train_seconds": round(train_seconds, 1),
             "eval_seconds": round(time.perf_counter() - started, 1), "mean_success": result["success_rate"],
             "tasks": {t: r["success_rate"] for t, r in result["tasks"].items()}, "episodes_per_task": episodes,
-            **({"trained_as": EVAL_ONLY[name]} if name in EVAL_ONLY else {})}
+            **({"trained_as": EVAL_ONLY[name]} if name in EVAL_ONLY else {}),
+            **({"budget_min": budget_min, "probe_steps_per_s": round(rate, 3), "peak_rss_gb": _peak_rss_gb()}
+               if budget_min is not None and name not in EVAL_ONLY else {})}
 
 
-def _train(data: Path, out: Path, steps: int, overrides: dict, ranges: dict, env: dict) -> float:
+def _peak_rss_gb() -> float:
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)  # the largest child so far
+
+
+def _train(data: Path, out: Path, steps: int, overrides: dict, ranges: dict, env: dict,
+           target_text_key: str | None = None, save: bool = True) -> float:
     dataset = [{"root": str(data), "name": "mt50", "cameras": ["observation.image"], "control_mode": "delta_xyz_gripper",
-                "keep_ranges": ranges}]
+                "keep_ranges": ranges, **({"target_text_key": target_text_key} if target_text_key else {})}]
     flags = []
     for key, value in overrides.items():
         flags += [f"--{key}", json.dumps(value)]
@@ -120,6 +159,7 @@ def _train(data: Path, out: Path, steps: int, overrides: dict, ranges: dict, env
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "hf_vla.train", str(CONFIG), "--datasets", json.dumps(dataset),
                     "--output_dir", str(out), "--max_steps", str(steps), "--save_steps", str(max(100, steps // 4)),
+                    *([] if save else ["--save_strategy", "no"]),
                     "--validation_ratio", "0", "--lr_scheduler_kwargs",
                     json.dumps({"num_decay_steps": max(1, steps // 4), "min_lr_ratio": 0.1}), *flags, *resume],
                    check=True, cwd=REPO, env=env)
@@ -135,7 +175,13 @@ def main(argv=None):
     parser.add_argument("--tasks", default=TASKS)
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per setting (batch 32)")
     parser.add_argument("--episodes", type=int, default=10, help="held-out episodes per task")
+    parser.add_argument("--budget_min", type=float, default=None,
+                        help="train each setting for this many minutes' steps (from its own 200-step probe) instead "
+                             "of --steps: the token objective's cost per step shows as fewer steps")
     parser.add_argument("--force", action="store_true", help="rerun settings already in --output")
+    parser.add_argument("--probe_only", action="store_true",
+                        help="with --budget_min: measure every setting's step rate (kept in --work) and stop, so that "
+                             "the rates are measured alone and the runs may share the machine afterwards")
     args = parser.parse_args(argv)
     data, work, output = Path(args.data), Path(args.work), Path(args.output)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -143,13 +189,21 @@ def main(argv=None):
     ranges = keep_ranges(data, tasks)
     results.update({"tasks": tasks, "data": str(data), "episodes_in_training": len(ranges),
                     "machine": "2-core CPU, no GPU", "seeds": "10,000.. per task", "settings": results.get("settings", {})})
-    for name in (s.strip() for s in args.settings.split(",")):
+    names = [s.strip() for s in args.settings.split(",")]
+    for name in names:
         if name not in SETTINGS:
             raise SystemExit(f"--settings: unknown {name!r}; known: {sorted(SETTINGS)}")
+    if args.probe_only:
+        if args.budget_min is None:
+            raise SystemExit("--probe_only measures the step rates of --budget_min: give --budget_min")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+        print(json.dumps({name: probe_rate(name, data, work, ranges, env) for name in names if name not in EVAL_ONLY}))
+        return
+    for name in names:
         if name in results["settings"] and not args.force:
             continue
         results["settings"][name] = run(name, data, work, tasks, args.steps, args.episodes, ranges,
-                                        results["settings"])
+                                        results["settings"], args.budget_min)
         # settings may run side by side in two processes (one core each): merge this one into what is there now
         current = json.loads(output.read_text()) if output.exists() else {"settings": {}}
         current["settings"][name] = dict(results["settings"][name], data=str(data),

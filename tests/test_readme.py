@@ -20,6 +20,8 @@ FAST = {
     ("hf_vla.demo",): ["--max_steps", "30", "--episodes", "2", "--demo_episodes", "24"],
     ("hf_vla.evaluate",): ["--episodes", "2"],
     ("hf_vla.train",): ["--max_steps", "3"],
+    ("hf_vla.rl",): ["--max_steps", "1", "--eval_episodes", "2", "--group_size", "2", "--groups_per_update", "1",
+                     "--num_envs", "1"],
 }
 
 
@@ -38,7 +40,8 @@ def test_the_walkthrough_is_found_and_covers_the_newcomer_path():
     blocks = walkthrough()
     text = "\n".join(code for _, code in blocks)
     for step in ("make install", "python -m hf_vla.demo", "AutoModel.from_pretrained", "python -m hf_vla.evaluate",
-                 "python -m hf_vla.serve", "WebsocketClientPolicy", "--lora_preset", "hf upload"):
+                 "python -m hf_vla.serve", "WebsocketClientPolicy", "--lora_preset", "python -m hf_vla.rl",
+                 "hf upload"):
         assert step in text, step
 
 
@@ -104,7 +107,7 @@ def test_readme_walkthrough_runs_as_written(tmp_path):
             process.terminate()
             process.wait(timeout=30)
     ran = [argv[2] for argv, _ in log if len(argv) > 2 and argv[1] == "-m"]
-    assert ran.count("hf_vla.evaluate") == 3 and "hf_vla.demo" in ran and "hf_vla.train" in ran
+    assert ran.count("hf_vla.evaluate") == 4 and {"hf_vla.demo", "hf_vla.train", "hf_vla.rl"} <= set(ran)
 
 
 def _free_port() -> int:
