@@ -29,7 +29,7 @@ install: $(STAMP)
 TEST_WORKERS ?= 2
 # `make test` is the default suite, under 20 minutes on a 2-core machine: every module and command, DDP and FSDP2
 # launches. The tests marked `slow` (the other engines' launches, elastic resume, further kill moments and attention
-# backends, long end-to-end runs; README "Quick start" lists them) run with `make test-all` (everything) or
+# backends, long end-to-end runs; docs/testing.md lists them) run with `make test-all` (everything) or
 # `make test TEST_MARKS=slow` (only them); CI runs both tiers (.ci/run).
 TEST_MARKS ?= not slow
 test: $(STAMP)

@@ -150,7 +150,7 @@ def _finish(work: Path, arm: str, budget_min: float, launched, results: dict) ->
 def _weights(work: Path, arm: str) -> Path:
     """The arm's final weights: its output (RL), or the complete checkpoint SIGTERM left (SFT)."""
     if ARMS.get(arm, []) is None:
-        from hf_vla.checkpoints import last_complete_checkpoint
+        from hf_vla.training.checkpoints import last_complete_checkpoint
 
         folder, _ = last_complete_checkpoint(work / arm)
         if folder is None:

@@ -28,7 +28,7 @@ from transformers import AutoModel
 import hf_vla  # noqa: F401  (registers pi05)
 from hf_vla.envs.reach import ColorReachEnv
 from hf_vla.models.pi05 import PI05Processor
-from hf_vla.policy import PolicyRunner
+from hf_vla.serving.policy import PolicyRunner
 
 HEADING_ACTIONS = 4
 

@@ -3,11 +3,11 @@
     python benchmarks/engine_memory.py [--dataset ../shared/datasets/humanoid_teleop_24] [--engines ddp fsdp2 zero2 zero3]
 
 For each engine it runs `accelerate launch --config_file configs/accelerate/<engine>.yaml --num_processes 2` on CPU
-(gloo; `hf_vla.engines.allow_sharding_on_cpu`), training a tiny pi0.5 held in bfloat16 with fp32 master weights (the
+(gloo; `hf_vla.training.engines.allow_sharding_on_cpu`), training a tiny pi0.5 held in bfloat16 with fp32 master weights (the
 production setting) through `VLATrainer` on a real dataset. Right after the first optimizer step it measures, on each
 rank, the tensors the run holds: the model's parameters (the local shard), gradients, fp32 masters (the optimizer's
 own parameters when they are not the model's), optimizer state and the EMA of the weights (`ema_decay` 0.999,
-`hf_vla.ema`). Parameters are divided by the model's parameter count, the rest by its trainable count. The full-size figures apply them to pi0.5 at the published dims (counted on the
+`hf_vla.training.ema`). Parameters are divided by the model's parameter count, the rest by its trainable count. The full-size figures apply them to pi0.5 at the published dims (counted on the
 meta device) on 8 GPUs, with each engine's sharded parts divided by 8 instead of 2. Activations, communication buckets
 and the allocator's slack are not included. Prints JSON.
 """
@@ -48,7 +48,7 @@ def _innermost(optimizer):
 
 
 def worker(engine: str, dataset: str, out: str):
-    from hf_vla.engines import allow_sharding_on_cpu
+    from hf_vla.training.engines import allow_sharding_on_cpu
 
     allow_sharding_on_cpu()
     import torch

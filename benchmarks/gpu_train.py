@@ -81,7 +81,7 @@ def _pipeline(root: Path, episodes: int):
     """The mixture, the full-size config and the processor, as `python -m hf_vla.train` builds them."""
     from hf_vla import PI05Config, PI05Processor
     from hf_vla.data import WeightedDatasetMixture
-    from hf_vla.reference import hf_pi05_config
+    from hf_vla.models.reference import hf_pi05_config
     from hf_vla.tiny import build_tiny_tokenizer
 
     mixture = WeightedDatasetMixture([_ensure_dataset(root, episodes)], validation_ratio=0.0)
@@ -181,7 +181,7 @@ def run_lerobot(root: Path, episodes: int, batch: int, checkpointing: bool, step
     le_config = LeConfig(dtype="bfloat16", device=DEVICE, gradient_checkpointing=checkpointing)
     torch.manual_seed(0)
     if TINY:
-        from hf_vla.reference import build_lerobot_pi05
+        from hf_vla.models.reference import build_lerobot_pi05
 
         model = build_lerobot_pi05(0, TINY)
     else:
@@ -230,7 +230,7 @@ def worker(spec: dict) -> dict:
 
     global TINY, DEVICE
     if spec.get("tiny"):
-        from hf_vla.reference import Dims
+        from hf_vla.models.reference import Dims
 
         TINY, DEVICE = Dims(chunk=50, max_state=32, max_action=32), "cpu"
     root, episodes = Path(spec["root"]), spec["episodes"]

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from hf_vla.reference import Dims
+from hf_vla.models.reference import Dims
 
 MID = Dims(
     text=dict(width=256, depth=4, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32),
@@ -82,7 +82,7 @@ def build(size: str, device, dtype):
         config = PI05Config(**demo["model_config"])
         cameras = len(demo["datasets"][0]["cameras"])
     elif size == "mid":
-        from hf_vla.reference import build_lerobot_pi05, hf_pi05_config
+        from hf_vla.models.reference import build_lerobot_pi05, hf_pi05_config
 
         config, cameras = hf_pi05_config(MID), 3
         lerobot = build_lerobot_pi05(seed=0, d=MID).to(device)
@@ -195,7 +195,7 @@ def policy_level(repeats: int, warmup: int) -> dict:
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
 
     from hf_vla import PI05ForConditionalGeneration, PI05Processor
-    from hf_vla.reference import _tiny_lerobot, hf_pi05_config
+    from hf_vla.models.reference import _tiny_lerobot, hf_pi05_config
     from hf_vla.tiny import build_tiny_tokenizer
 
     cams = [f"observation.images.cam{i}" for i in range(3)]
@@ -272,7 +272,7 @@ def serve_overhead(repeats: int, warmup: int) -> dict:
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
     from hf_vla import PI05Config, PI05ForConditionalGeneration, PI05Processor
-    from hf_vla.policy import PolicyRunner
+    from hf_vla.serving.policy import PolicyRunner
     from hf_vla.tiny import build_tiny_tokenizer
 
     demo = json.loads(resources.files("hf_vla").joinpath("configs/demo.json").read_text())

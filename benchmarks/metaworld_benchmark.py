@@ -69,7 +69,7 @@ def _dataset_spec(work: Path, focus: list[str] | None = None, target_text_key: s
 
 def _recorded_env_kwargs(work: Path) -> dict:
     """The env arguments the data was recorded with (a crop), as the checkpoints' contract has them."""
-    from hf_vla.deployment import benchmark_of
+    from hf_vla.serving.contract import benchmark_of
 
     return (benchmark_of(work / "data" / TASKS[0]) or {}).get("env_kwargs") or {}
 
@@ -137,7 +137,7 @@ def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict,
     results[tag] = {"peak_rss_gb": round(peak_gb, 2), "config": str(Path(config).relative_to(REPO)) if Path(config).is_relative_to(REPO) else str(config),
                     "budget_min": budget_min, "probe_steps_per_s": round(rate, 2), "max_steps": steps,
                     "train_seconds": round(seconds, 1), "checkpoint_every": save, "offline": evals, "batch_size": 32}
-    if (out / "rollout_results.jsonl").exists():  # hf_vla.rollouts: per-task success at each rollout step
+    if (out / "rollout_results.jsonl").exists():  # hf_vla.training.rollouts: per-task success at each rollout step
         results[tag]["rollouts"] = {
             str(line["step"]): {task: r["success_rate"] for task, r in line["result"]["tasks"].items()}
             for line in map(json.loads, (out / "rollout_results.jsonl").read_text().splitlines())}
@@ -188,7 +188,7 @@ def _evaluate(checkpoint: Path, episodes: int, max_steps: int, out: Path, tasks:
 
 
 class LeRobotChunks:
-    """A lerobot policy checkpoint (ACT here) as a chunk predictor for `hf_vla.evaluate.run_episodes`: lerobot's own
+    """A lerobot policy checkpoint (ACT here) as a chunk predictor for `hf_vla.evaluation.runner.run_episodes`: lerobot's own
     pre-processor (normalisation), `predict_action_chunk`, post-processor (un-normalisation), on the observation the
     hf_vla harness gives (lerobot's Meta-World wrapper, the recorded image size)."""
 
@@ -215,7 +215,7 @@ class LeRobotChunks:
 
 def _evaluate_lerobot(path: Path, episodes: int, max_steps: int, out: Path, env_kwargs: dict | None = None) -> dict:
     from hf_vla.envs import metaworld
-    from hf_vla.evaluate import BenchmarkResult, run_episodes
+    from hf_vla.evaluation.runner import BenchmarkResult, run_episodes
 
     policy = LeRobotChunks(path)
     results = {}
@@ -307,7 +307,7 @@ def main(argv=None):
     parser.add_argument("--steps_per_s", type=float, default=None, help="hf_vla stage: a step rate measured before "
                         "(skips the probe)")
     parser.add_argument("--rollout_episodes", type=int, default=0, help="hf_vla stage: closed-loop episodes per task "
-                        "at every checkpoint, during training (hf_vla.rollouts)")
+                        "at every checkpoint, during training (hf_vla.training.rollouts)")
     parser.add_argument("--which", choices=["both", "hf_vla", "lerobot"], default="both", help="evaluate stage: whose "
                         "checkpoints")
     parser.add_argument("--config", default=str(CONFIG), help="hf_vla stage: the training config (e.g. "

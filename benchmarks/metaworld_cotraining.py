@@ -41,14 +41,14 @@ def _arm(run: dict, name: str) -> dict:
             "train_seconds": run["train_seconds"]}
 
 
-def latency_ms(checkpoint: Path, token_loss: bool, repeats: int = 30) -> float:
+def latency_ms(checkpoint: Path, token_loss: bool, repeats: int = 30, image: int = 96) -> float:
     """Median `PolicyRunner` call (prompt, images, `sample_actions`, un-normalisation) on one thread: the checkpoint as
     saved, or its weights in a model built with `token_loss` off (a flow-only model of the same dims)."""
     import numpy as np
     import torch
 
     from hf_vla import PI05ForConditionalGeneration
-    from hf_vla.policy import PolicyRunner, load_pretrained
+    from hf_vla.serving.policy import PolicyRunner, load_pretrained
 
     model, processor = load_pretrained(str(checkpoint))
     if not token_loss:
@@ -58,7 +58,7 @@ def latency_ms(checkpoint: Path, token_loss: bool, repeats: int = 30) -> float:
         flow_only.load_state_dict(model.state_dict())
         model = flow_only
     runner = PolicyRunner(model.eval(), processor)
-    observation = {"observation.image": np.zeros((96, 96, 3), np.uint8),
+    observation = {"observation.image": np.zeros((image, image, 3), np.uint8),
                    "observation.state": np.zeros(4, np.float32), "task": "reach the goal"}
     torch.set_num_threads(1)
     times = []
@@ -70,6 +70,25 @@ def latency_ms(checkpoint: Path, token_loss: bool, repeats: int = 30) -> float:
     return round(statistics.median(times), 2)
 
 
+def object_centred(ablation: dict, work: Path) -> dict:
+    """The issue's schema for the four object-centred tasks, from the ablation script's arms at equal minutes."""
+    out = {"tasks": ablation["tasks"], "episodes_per_task": None, "data": ablation["data"],
+           "episodes_in_training": ablation["episodes_in_training"]}
+    for arm in ("flow_only", "fast_ki", "fast_ki_locations"):
+        run = ablation["settings"].get(arm)
+        if run is None:
+            continue
+        out["episodes_per_task"] = run["episodes_per_task"]
+        checkpoint = work / arm
+        out[arm] = {"mean_success": run["mean_success"], "tasks": run["tasks"], "minutes": run["budget_min"],
+                    "steps": run["steps"], "steps_per_s": run["probe_steps_per_s"],
+                    "peak_rss_gb": run.get("peak_rss_gb"), "train_seconds": run["train_seconds"],
+                    "eval_seconds": run["eval_seconds"],
+                    **({"policy_call_ms": latency_ms(checkpoint, arm != "flow_only", image=160)}
+                       if (checkpoint / "config.json").is_file() else {})}
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default=str(REPO / "data_cache" / "metaworld_bench"))
@@ -77,7 +96,20 @@ def main(argv=None):
     parser.add_argument("--locations_work", default=str(REPO / "data_cache" / "metaworld_loc"),
                         help="the locations arm's --work (recorded again: its recordings carry the locations column)")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "metaworld_cotraining_cpu.json"))
+    parser.add_argument("--object_centred", default=None,
+                        help="the four object-centred tasks' arms (benchmarks/metaworld_mt50_ablation.py --budget_min "
+                             "--settings flow_only,fast_ki,fast_ki_locations --output PATH): put into the output's "
+                             "object_centred entry, the five-task entries kept as they are")
+    parser.add_argument("--object_centred_work", default=str(REPO / "data_cache" / "object_centred"),
+                        help="that run's --work (its checkpoints, for the policy call's latency)")
     args = parser.parse_args(argv)
+    if args.object_centred:
+        results = json.loads(Path(args.output).read_text())
+        results["object_centred"] = object_centred(json.loads(Path(args.object_centred).read_text()),
+                                                   Path(args.object_centred_work))
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+        print(json.dumps(results["object_centred"], indent=2))
+        return
     work = Path(args.work)
     flow = json.loads(Path(args.flow_only).read_text())["hf_vla"]
     five_task = {"flow_only": _arm(flow, "checkpoint-5700_50_episodes") | {

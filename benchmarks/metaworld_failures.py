@@ -103,12 +103,13 @@ def main():
     parser.add_argument("--output", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
-    from hf_vla.deployment import for_checkpoint
     from hf_vla.envs.metaworld import MetaWorldEnv
-    from hf_vla.evaluate import evaluation_settings, head_spec, run_episodes
-    from hf_vla.policy import ObservationMap, load_policy
+    from hf_vla.evaluation.runner import run_episodes
+    from hf_vla.evaluation.settings import evaluation_settings, head_spec
+    from hf_vla.hub.resolve import resolve_contract
+    from hf_vla.serving.policy import ObservationMap, load_policy
 
-    contract = for_checkpoint(args.checkpoint)  # what hf_vla.evaluate would run it with
+    contract = resolve_contract(args.checkpoint)  # what hf_vla.evaluate would run it with
     settings = evaluation_settings(contract, None, "metaworld", args.tasks, args.episodes,
                                    chunk_size=contract.chunk_size if contract else None)
     image_size, limit = settings["image_size"].value, settings["max_episode_steps"].value

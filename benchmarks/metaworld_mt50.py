@@ -194,11 +194,11 @@ def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results
         spec.loader.exec_module(module)  # its lerobot policy adapter (LeRobotChunks), shared by both benchmarks
         LeRobotChunks = module.LeRobotChunks
 
-        from hf_vla.deployment import for_checkpoint
         from hf_vla.envs import metaworld
-        from hf_vla.evaluate import BenchmarkResult, run_episodes
+        from hf_vla.evaluation.runner import BenchmarkResult, run_episodes
+        from hf_vla.hub.resolve import resolve_contract
 
-        contract = for_checkpoint(str(work / "hf_vla")) if (work / "hf_vla").exists() else None
+        contract = resolve_contract(str(work / "hf_vla")) if (work / "hf_vla").exists() else None
         limit = 500 if contract is None else next(iter(contract.heads.values()))["benchmark"]["max_episode_steps"]
         image = _load(data / "meta" / "hf_vla_record.json")["image_size"]
         policy_dir = sorted((work / f"lerobot_{results['lerobot_train']['policy']}" / "checkpoints").glob(

@@ -17,7 +17,7 @@ import torch
 
 from hf_vla import PI05ForConditionalGeneration
 from hf_vla.convert import convert_lerobot_state_dict
-from hf_vla.reference import Dims, build_lerobot_pi05, hf_pi05_config, sample_inputs
+from hf_vla.models.reference import Dims, build_lerobot_pi05, hf_pi05_config, sample_inputs
 
 DIMS = Dims(
     text=dict(width=256, depth=4, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32),

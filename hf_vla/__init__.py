@@ -2,9 +2,8 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText, AutoProcessor
 
-from .hub import resolve_pretrained
-from .losses import PerSampleLoss
-from .models.pi05 import (
+from hf_vla.hub.resolve import resolve_pretrained
+from hf_vla.models.pi05 import (
     PI05Config,
     PI05ForConditionalGeneration,
     PI05Model,
@@ -12,7 +11,8 @@ from .models.pi05 import (
     PI05Processor,
     RTCConfig,
 )
-from .optim import MasterWeightOptimizer
+from hf_vla.training.losses import PerSampleLoss
+from hf_vla.training.optim import MasterWeightOptimizer
 
 __version__ = "0.1.0"
 
@@ -46,7 +46,7 @@ __all__ = [
 def __getattr__(name):
     # The trainer pulls in the data stack (lerobot, PyAV); load it on first use so `import hf_vla` stays light.
     if name in ("VLATrainer", "VLATrainingArguments"):
-        from . import trainer
+        from hf_vla.training import trainer
 
         return getattr(trainer, name)
     raise AttributeError(f"module 'hf_vla' has no attribute {name!r}")

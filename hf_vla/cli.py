@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import ConfigError, VLAError
+from hf_vla.errors import ConfigError, VLAError
 
 # what huggingface_hub accepts as a repo id: "name" or "namespace/name"
 HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
@@ -121,6 +121,12 @@ def setup_logging(level: int = logging.INFO) -> None:
     configures the root at WARNING first (and makes a later `basicConfig` a no-op), hiding every INFO line of ours.
     """
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not sys.stderr.isatty():  # a log file or a pipe: the libraries' live bars (weights loading, downloads) would
+        import huggingface_hub.utils  # write a line per refresh there
+        import transformers.utils.logging
+
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
     logging.getLogger("hf_vla").setLevel(level)
     # other libraries' INFO lines (OpenGL, httpx, ...) only with --verbose; their warnings always
     logging.getLogger().setLevel(level if os.environ.get(VERBOSE_ENV) else max(level, logging.WARNING))
@@ -145,7 +151,7 @@ def model_source(flag: str, value: str) -> str:
         if not path.is_dir():
             raise ConfigError(f"{flag} {value!r}: is a file, not a checkpoint directory")
         if (path / "adapter_config.json").is_file():
-            return str(path)  # LoRA adapters: merged with their base when loaded (hf_vla.hub.merged_adapter)
+            return str(path)  # LoRA adapters: merged with their base when loaded (hf_vla.hub.resolve.merged_adapter)
         if not (path / "config.json").is_file():
             inner = sorted(p.name for p in path.iterdir() if (p / "config.json").is_file())
             hint = f"; it holds {inner[-1]}/, a checkpoint" if inner else ""
@@ -160,8 +166,6 @@ def output_dir(flag: str, value) -> Path | None:
     """A directory that exists or can be created (nothing is created here)."""
     if value is None:
         return None
-    from .validation import check_writable_dir
-
     check_writable_dir(flag, value)
     return Path(value)
 
@@ -172,5 +176,72 @@ def websocket_uri(flag: str, value: str) -> str:
     return value
 
 
-__all__ = ["ArgumentParser", "HUB_ID", "quiet_libraries", "take_verbose", "model_source", "output_dir", "positive", "run", "setup_logging",
+class _PhaseLine:
+    """A progress bar's interface for output that is not a terminal (a log file, a pipe, a batch system): nothing while
+    the phase runs, one INFO line when it ends (live bars there become one line per refresh, and nested ones leave
+    cursor-movement codes)."""
+
+    def __init__(self, total: int | None, desc: str, unit: str, initial: int = 0):
+        import time
+
+        self.total, self.desc, self.unit, self.n, self.postfix = total, desc, unit, initial, ""
+        self._started, self._closed = time.perf_counter(), False
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
+        items = {**(ordered_dict or {}), **kwargs}
+        self.postfix = ", ".join(f"{key}={value}" for key, value in items.items())
+
+    def set_postfix_str(self, text: str = "", refresh: bool = True) -> None:
+        self.postfix = text
+
+    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
+        self.desc = desc or ""
+
+    def close(self) -> None:
+        import time
+
+        if self._closed:
+            return
+        self._closed = True
+        done = f"{self.n:,}" + (f"/{self.total:,}" if self.total is not None else "")
+        logging.getLogger("hf_vla").info("%s: %s %s in %.1f s%s", self.desc, done, self.unit,
+                                         time.perf_counter() - self._started, f" ({self.postfix})" if self.postfix else "")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def progress_bar(total: int | None, desc: str, unit: str, enabled: bool = True, **kwargs):
+    """tqdm's live bar on a terminal; elsewhere one log line when the phase ends (`_PhaseLine`); nothing if not
+    `enabled`."""
+    from tqdm.auto import tqdm
+
+    if not enabled:
+        return tqdm(total=total, disable=True)
+    if not sys.stderr.isatty():
+        return _PhaseLine(total, desc, unit, initial=kwargs.get("initial", 0))
+    return tqdm(total=total, desc=desc, unit=unit, **kwargs)
+
+
+def check_writable_dir(key: str, path: str | os.PathLike):
+    """The directory exists and is writable, or can be created: without creating anything."""
+    target = Path(path).expanduser().absolute()
+    probe = target
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(f"{key}={str(path)!r}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={str(path)!r}: {probe} is not writable")
+
+
+__all__ = ["ArgumentParser", "HUB_ID", "check_writable_dir", "progress_bar", "quiet_libraries", "take_verbose", "model_source", "output_dir", "positive", "run", "setup_logging",
            "websocket_uri"]

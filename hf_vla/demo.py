@@ -18,8 +18,8 @@ CONFIG = Path(__file__).resolve().parent / "configs" / "demo.json"  # inside the
 def run(config: Path, overrides: list[str], episodes: int, tag: str, n_action_steps: int | None = None) -> dict:
     from transformers import AutoModel
 
-    from .evaluate import evaluate_checkpoint
-    from .train import main as train_main
+    from hf_vla.evaluation.runner import evaluate_checkpoint
+    from hf_vla.train import main as train_main
 
     start = time.perf_counter()
     if n_action_steps is not None:  # trained into the checkpoint's deployment contract, which evaluation reads
@@ -38,7 +38,7 @@ def run(config: Path, overrides: list[str], episodes: int, tag: str, n_action_st
 
 
 def main(argv=None):
-    from .cli import ArgumentParser
+    from hf_vla.cli import ArgumentParser
 
     parser = ArgumentParser(prog="python -m hf_vla.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(CONFIG))
@@ -57,7 +57,7 @@ def main(argv=None):
 
 
 def cli(argv=None):
-    from .cli import run as run_command
+    from hf_vla.cli import run as run_command
 
     return run_command("hf_vla.demo", main, argv)
 

@@ -14,7 +14,7 @@ What a LoRA run saves for use (its output directory, rollout snapshots): the mer
 with the adapters folded in, the trained heads in place), which `AutoModel.from_pretrained`, `hf_vla.evaluate` and
 `hf_vla.serve` load as any checkpoint, and the adapters alone in `adapter/` (`PeftModel.from_pretrained(base, dir,
 subfolder="adapter")`). Checkpoints (`checkpoint-N`) keep the Trainer's layout (adapters at the root) to resume from;
-`hf_vla.hub.resolve_pretrained` merges such a directory with its base when it is evaluated, served or converted.
+`hf_vla.hub.resolve.resolve_pretrained` merges such a directory with its base when it is evaluated, served or converted.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig
 
-from .models.pi0_adapter import policy_structure
+from hf_vla.models.pi0_adapter import policy_structure
 
 PRESETS = ("expert", "all_linear")
 ADAPTER_DIR = "adapter"  # the adapters of a merged save

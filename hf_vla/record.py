@@ -35,10 +35,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from .cli import ArgumentParser, positive, run
-from .errors import ConfigError
+from hf_vla.cli import ArgumentParser, positive, progress_bar, run
+from hf_vla.errors import ConfigError
 
 logger = logging.getLogger("hf_vla.record")
 ENVS = ("metaworld", "color_reach")
@@ -105,7 +104,7 @@ class _ColorReachWithExpert:
     """ColorReach with its scripted expert as `expert_action()` (one seeded generator for the expert's noise)."""
 
     def __init__(self, seed: int, **env_kwargs):
-        from .envs.reach import ColorReachEnv
+        from hf_vla.envs.reach import ColorReachEnv
 
         self.env = ColorReachEnv(**env_kwargs)
         self.rng = np.random.default_rng(seed)
@@ -121,7 +120,7 @@ class _ColorReachWithExpert:
         return self.env.step(action)
 
     def expert_action(self):
-        from .envs.reach import expert_action
+        from hf_vla.envs.reach import expert_action
 
         return expert_action(self.env, self.rng)
 
@@ -141,7 +140,7 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     complete; the parts are joined with lerobot's `aggregate_datasets` and the result renamed into place. Killed and
     rerun with the same arguments, the recording continues from the first task not done. A task gets at most
     `max_tries` episodes (default 3 x episodes + 10); a shortfall is reported in the result, not hidden."""
-    from .data.writer import write_lerobot_dataset
+    from hf_vla.data.writer import write_lerobot_dataset
 
     if env not in ENVS:
         raise ConfigError(f"env {env!r}: choose one of {list(ENVS)}")
@@ -155,11 +154,11 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     output = Path(output)
     if output.exists() and not (output.is_dir() and not any(output.iterdir())) and not overwrite:
         raise ConfigError(f"output {str(output)!r} exists: choose a new directory, or pass --overwrite to replace it")
-    from .validation import check_writable_dir
+    from hf_vla.cli import check_writable_dir
 
     check_writable_dir("output", output.parent)
     if env == "metaworld":
-        from .envs import metaworld
+        from hf_vla.envs import metaworld
 
         names = metaworld.task_names(tasks or "reach-v3")
         kwargs = dict(env_kwargs or {})
@@ -175,8 +174,7 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         fps, state_dim, action_dim, robot_type, size = metaworld.FPS, 4, 4, metaworld.ROBOT_TYPE, image_size or 128
         default_steps = metaworld.DEFAULT_STEPS
     else:
-        from .envs.generate import ROBOT_TYPE
-        from .envs.reach import ColorReachEnv
+        from hf_vla.envs.reach import ROBOT_TYPE, ColorReachEnv
 
         if (env_kwargs or {}).get("crop") is not None:
             raise ConfigError("--crop: Meta-World only (ColorReach renders its 32 px scene whole)")
@@ -220,8 +218,8 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     resumed = [name for name, stats in done.items() if stats is not None]
     if resumed:
         logger.info("continuing the recording in %s: %d of %d tasks already done", staging, len(resumed), len(names))
-    bar = tqdm(total=episodes * len(names), desc=f"recording {env}", unit="ep", disable=not progress,
-               initial=sum(done[name]["kept"] for name in resumed))
+    bar = progress_bar(episodes * len(names), f"recording {env}", "episodes", enabled=progress,
+                       initial=sum(done[name]["kept"] for name in resumed))
     try:
         for name in names:
             if done[name] is not None:
@@ -329,7 +327,7 @@ def main(argv=None):
     parser.add_argument("--env", required=True, choices=ENVS)
     parser.add_argument("--task", default=None, help="Meta-World: task names (comma-separated, -v3 optional), a "
                         "difficulty group (easy, medium, hard, very_hard), or mt50 / all (the 50 tasks)")
-    parser.add_argument("--episodes", type=int, required=True, help="successful episodes per task")
+    parser.add_argument("--episodes", type=int, default=None, help="successful episodes per task (required to record)")
     parser.add_argument("--output", required=True, help="the dataset directory to create")
     parser.add_argument("--image_size", type=int, default=None, help="square image side (Meta-World default 128)")
     parser.add_argument("--seed", type=int, default=0, help="first episode seed of each task")
@@ -341,9 +339,24 @@ def main(argv=None):
     parser.add_argument("--crop", default=None, help="Meta-World: left,top,right,bottom pixels of the 480 px render to "
                         "keep before resizing to --image_size (e.g. 144,96,400,352, the five-task workspace); kept in "
                         "the dataset's deployment contract, so evaluation and RL crop the same way")
+    parser.add_argument("--add_locations", default=None, metavar="RECORDING",
+                        help="Meta-World: instead of recording, write --output as RECORDING (a recording of this "
+                        "command without the per-frame locations column) with it, by replaying each episode from its "
+                        "seed; refused where the replay departs from the recording")
     args = parser.parse_args(argv)
-    from .cli import setup_logging
+    from hf_vla.cli import setup_logging
 
+    if args.add_locations is not None:
+        if args.env != "metaworld":
+            parser.error("--add_locations: locations are Meta-World's (--env metaworld)")
+        from hf_vla.envs.replay import add_locations
+
+        setup_logging()
+        output = add_locations(args.add_locations, args.output, overwrite=args.overwrite)
+        print(json.dumps({"output": str(output), "added": "locations"}))
+        return output
+    if args.episodes is None:
+        parser.error("--episodes is required to record")
     setup_logging()
     result = record(args.env, args.output, args.episodes, tasks=args.task, image_size=args.image_size,
                     seed=args.seed, max_episode_steps=args.max_episode_steps, overwrite=args.overwrite,

@@ -31,7 +31,7 @@ normalisation head per request. An optional integer `episode_seed` starts a new 
 generator is seeded with it and the previous chunk forgotten (`hf_vla.evaluate --server` sends it, so a remote episode
 is the same function of its seed as an in-process one).
 
-The server's metadata carries the checkpoint's deployment contract under `deployment` (`hf_vla.deployment`: cameras
+The server's metadata carries the checkpoint's deployment contract under `deployment` (`hf_vla.serving.contract`: cameras
 with their recorded sizes, actions per chunk, heads, benchmark settings), and its cameras default to the contract's.
 """
 
@@ -55,9 +55,9 @@ import msgpack
 import numpy as np
 import torch
 
-from .cli import ArgumentParser, model_source, run
-from .errors import ConfigError, ConnectionFailedError
-from .policy import (
+from hf_vla.cli import ArgumentParser, model_source, run
+from hf_vla.errors import ConfigError, ConnectionFailedError
+from hf_vla.serving.policy import (
     InputLimits,
     ObservationMap,
     PolicyRunner,
@@ -266,7 +266,7 @@ class PolicyServer:
 
     def default_metadata(self) -> dict:
         runner, config = self.runner, self.runner.model.config
-        from .policy import stat_dims
+        from hf_vla.serving.policy import stat_dims
 
         heads = {name: stat_dims(stats["actions"]) for name, stats in runner.processor.norm_stats.items()}
         return {
@@ -518,7 +518,7 @@ def main(argv=None):
         obs_map = ObservationMap.from_json(args.obs_map) if args.obs_map else ObservationMap()
     except ValueError as error:
         raise ConfigError(f"--obs_map: {error}") from error
-    from .cli import setup_logging
+    from hf_vla.cli import setup_logging
 
     setup_logging()
 
@@ -559,12 +559,13 @@ def _contract_cameras(parser, checkpoint, args, obs_map: ObservationMap):
     """The checkpoint's deployment contract and the camera slots to serve: the contract's camera keys unless
     --cameras (or --obs_map) names the client's keys, which must be as many, once each; --num_camera_slots must
     agree with it. A contradiction is refused unless --override names it."""
-    from .deployment import ContractError, choose, for_checkpoint, refuse_repeated_cameras
+    from hf_vla.hub.resolve import resolve_contract
+    from hf_vla.serving.contract import ContractError, choose, refuse_repeated_cameras
 
-    contract = for_checkpoint(checkpoint, args.revision)
+    contract = resolve_contract(checkpoint, args.revision)
     spec = None
     if contract is not None:
-        from .evaluate import head_spec
+        from hf_vla.evaluation.settings import head_spec
 
         spec = head_spec(contract, args.head)
     cameras = obs_map.cameras

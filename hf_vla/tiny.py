@@ -106,7 +106,7 @@ def _tiny_policy_kwargs() -> dict:
 
 def tiny_pi05_config(**overrides):
     """A pi0.5 config of ~150k parameters with the real architecture (two cameras' worth of 16 image tokens)."""
-    from .models.pi05 import PI05Config
+    from hf_vla.models.pi05 import PI05Config
 
     return PI05Config(**(_tiny_policy_kwargs() | {"tokenizer_max_length": 48} | overrides))
 

@@ -28,17 +28,17 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from .errors import ConfigError, MissingFileError
-from .lora import PRESETS
-from .trainer import VLATrainingArguments
-from .validation import (
+from hf_vla.cli import check_writable_dir
+from hf_vla.errors import ConfigError, MissingFileError
+from hf_vla.lora import PRESETS
+from hf_vla.training.config_checks import (
     check_dataset_specs,
     check_fields,
     check_model_config,
-    check_writable_dir,
     field_annotations,
     is_bool_field,
 )
+from hf_vla.training.trainer import VLATrainingArguments
 
 logger = logging.getLogger("hf_vla.train")
 POLICIES = ("pi05", "pi0")
@@ -54,7 +54,7 @@ class ModelArguments:
 
     policy: `pi05` (hf_vla) or `pi0` (transformers' own model).
     model_name_or_path: a checkpoint (local dir or Hub id) to start from: hf_vla / transformers, or lerobot's pi0 /
-        pi0.5 (e.g. `lerobot/pi05_base`), converted on load and cached (`hf_vla.hub.resolve_pretrained`); without it
+        pi0.5 (e.g. `lerobot/pi05_base`), converted on load and cached (`hf_vla.hub.resolve.resolve_pretrained`); without it
         the policy is built from `model_config` with fresh weights (seeded with `seed`).
     model_revision: the Hub revision (branch, tag or commit) of `model_name_or_path`.
     model_config: config fields for a policy built from scratch (the demo's tiny dims, for example); its keys are
@@ -157,7 +157,7 @@ class ModelArguments:
 
 def policy_config_class(policy: str):
     if policy == "pi05":
-        from .models.pi05 import PI05Config
+        from hf_vla.models.pi05 import PI05Config
 
         return PI05Config
     from transformers import PI0Config
@@ -215,7 +215,7 @@ def _apply_overrides(config: dict, overrides: list[str], annotations: dict) -> N
         key = key.replace("-", "_")
         target, *path_keys = key.split(".")
         if target not in annotations:  # a typo on the command line is the command line's, not the config file's
-            from .validation import _suggest
+            from hf_vla.training.config_checks import _suggest
 
             raise ConfigError(f"command line: --{key}: unknown argument{_suggest([target], annotations)} (not a "
                               "model, data or training argument; python -m hf_vla.train --help lists them)")
@@ -335,7 +335,7 @@ def parse_config(path: str | Path, overrides: list[str] | None = None):
         config["bf16"] = True
     unknown = sorted(set(config) - set(annotations))
     if unknown:
-        from .validation import _suggest
+        from hf_vla.training.config_checks import _suggest
 
         raise ConfigError(f"{path}: unknown key(s) {unknown}{_suggest(unknown, annotations)} (not a model, data or "
                           "training argument)")
@@ -360,7 +360,7 @@ def _check_combination(model_args: ModelArguments, data_args: DataArguments, arg
         raise ConfigError("dtype='bfloat16' with fp16=true: choose one precision")
     resume = args.resume_from_checkpoint
     if resume and resume.lower() not in ("true", "false"):
-        from .checkpoints import check_resumable
+        from hf_vla.training.checkpoints import check_resumable
 
         check_resumable(resume)
 
@@ -369,13 +369,13 @@ def build_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     if name in (TINY_TOKENIZER, TINY_LOC_TOKENIZER):
-        from .tiny import build_tiny_tokenizer
+        from hf_vla.tiny import build_tiny_tokenizer
 
         return build_tiny_tokenizer(locations=name == TINY_LOC_TOKENIZER)
     try:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as error:
-        from .hub import load_error
+        from hf_vla.hub.resolve import load_error
 
         raise load_error(error, f"tokenizer={name!r} could not be loaded", name) from error
 
@@ -422,8 +422,8 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
     import torch
     from transformers import AutoModelForImageTextToText, PI0ForConditionalGeneration, enable_full_determinism, set_seed
 
-    from .engines import built_without_zero3_init
-    from .models.pi05 import PI05ForConditionalGeneration
+    from hf_vla.models.pi05 import PI05ForConditionalGeneration
+    from hf_vla.training.engines import built_without_zero3_init
 
     if seed is not None:  # weights not in a checkpoint (fresh heads, a from-scratch model) come from the seeded RNG
         enable_full_determinism(seed) if full_determinism else set_seed(seed)
@@ -465,7 +465,7 @@ def _check_dims(config, mixture, from_scratch: bool):
     widest = max(len(mixture.norm_stats[head]["actions"]["q01"]) for head in mixture.head_names)
     if from_scratch and widest < config.max_action_dim:
         # Measured on the demo: with 6 padded dims 93% of first moves chose the named target after 5,000 steps, 45%
-        # after 3,000; with none 99% (README, 'The built-in demo').
+        # after 3,000; with none 99% (docs/measurements.md, 'The built-in demo').
         logger.warning(
             "training from scratch with max_action_dim=%d but at most %d real action dims: the padded dims of x_t are "
             "pure noise the masked loss never supervises, which slows learning; consider max_action_dim=%d",
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None):
         print(help_text())
         return None
     if os.environ.get("HF_VLA_CPU_SHARDING") == "1":  # dry-run an FSDP/DeepSpeed launch config on CPU processes
-        from .engines import allow_sharding_on_cpu
+        from hf_vla.training.engines import allow_sharding_on_cpu
 
         allow_sharding_on_cpu()
     model_args, data_args, training_args = parse_config(argv[0], argv[1:])
@@ -489,13 +489,13 @@ def main(argv: list[str] | None = None):
 def run_checked(args, run):
     """`run()` after the start-up checks every training command makes: the Hub and wandb (main process, before any
     data is read or model built), logging, and one run per output_dir (the main process holds its lock until the run
-    ends, `hf_vla.run_lock`); a run that fails before writing anything leaves no empty output directory."""
+    ends, `hf_vla.training.run_lock`); a run that fails before writing anything leaves no empty output directory."""
     if args.process_index == 0:
-        from .preflight import check_services
+        from hf_vla.training.preflight import check_services
 
         check_services(args)
-    from .cli import setup_logging
-    from .run_lock import RunLock
+    from hf_vla.cli import setup_logging
+    from hf_vla.training.run_lock import RunLock
 
     setup_logging(logging.INFO if args.should_log else logging.WARNING)
     output = Path(args.output_dir)
@@ -514,7 +514,7 @@ def _train(model_args, data_args, training_args):
     tokenizer = build_tokenizer(model_args.tokenizer)
     source = model_args.model_name_or_path
     if source:  # a lerobot checkpoint (Hub id or directory) is converted once per node, then read from the cache
-        from .hub import resolve_pretrained
+        from hf_vla.hub.resolve import resolve_pretrained
 
         with training_args.main_process_first(local=True, desc="checkpoint conversion"):
             model_args.model_name_or_path = resolve_pretrained(source, model_args.model_revision, tokenizer=tokenizer,
@@ -532,13 +532,13 @@ def _train(model_args, data_args, training_args):
         raise ConfigError(f"n_action_steps={training_args.n_action_steps}: at most the chunk size "
                           f"({config.chunk_size}); it is how many actions of each predicted chunk are executed")
     if data_args.generate_demo_data:
-        from .envs.generate import ensure_demo_dataset
+        from hf_vla.envs.generate import ensure_demo_dataset
 
         ensure_demo_dataset(data_args.datasets[0]["root"], episodes=data_args.demo_episodes,
                             main_process=training_args.process_index == 0)
-    from .data import PI0Collator, PI05Collator, WeightedDatasetMixture
-    from .models.pi05 import PI05Processor
-    from .trainer import VLATrainer
+    from hf_vla.data import PI0Collator, PI05Collator, WeightedDatasetMixture
+    from hf_vla.models.pi05 import PI05Processor
+    from hf_vla.training.trainer import VLATrainer
 
     # The data checks and exact statistics scan run once per node (the local main process first); the other ranks
     # read its cache. An error there reaches every rank.
@@ -553,7 +553,7 @@ def _train(model_args, data_args, training_args):
         processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
                                               head_names=mixture.head_names)
         if getattr(model.config, "token_loss", False):  # the FAST targets: loaded, or fitted on the training chunks
-            from .cotraining import fit_fast
+            from hf_vla.training.cotraining import fit_fast
 
             fast_path = model_args.fast_tokenizer
             if fast_path is None and model_args.model_name_or_path:  # continuing a token-loss checkpoint: its FAST
@@ -565,12 +565,12 @@ def _train(model_args, data_args, training_args):
                      max_chunks=model_args.fast_fit_chunks, seed=training_args.seed)
         collator = PI05Collator(processor)
     else:  # transformers' pi0: its prompt layout (image placeholder tokens), mean/std normalization per head
-        from .models.pi0_adapter import PI0HeadProcessor
+        from hf_vla.models.pi0_adapter import PI0HeadProcessor
 
         processor = PI0HeadProcessor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
                                                  head_names=mixture.head_names)
         collator = PI0Collator(processor)
-    from . import deployment
+    from hf_vla.serving import contract as deployment
 
     # how the result must be run (cameras and their recorded sizes, actions per chunk, heads, benchmark settings):
     # saved with the processor in every checkpoint, the final output and rollout snapshots
@@ -584,14 +584,14 @@ def _train(model_args, data_args, training_args):
                                                             chunk_size=model.config.chunk_size)
     peft_config = None
     if model_args.lora_preset:
-        from .lora import lora_config
+        from hf_vla.lora import lora_config
 
         # the adapters are drawn from the RNG the seeded build left: every rank draws the same ones
         peft_config = lora_config(model_args.lora_preset, r=model_args.lora_r, alpha=model_args.lora_alpha, model=model)
     trainer = VLATrainer(model, training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          data_collator=collator, processing_class=processor, peft_config=peft_config)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    from .preemption import raise_if_preempted
+    from hf_vla.training.preemption import raise_if_preempted
 
     raise_if_preempted(trainer)  # a complete checkpoint of this step is written: stop here, resumable
     if trainer._ema is not None and not training_args.ema_save_raw:
@@ -631,7 +631,7 @@ def cli(argv: list[str] | None = None):
 def launched_cli(prog: str, main, argv: list[str] | None = None):
     """`hf_vla.cli.run(prog, main, argv)`; in a launched multi-process run, each process then leaves through
     `_leave_launched_run` with the run's exit status (`python -m hf_vla.train`, `python -m hf_vla.rl`)."""
-    from .cli import run
+    from hf_vla.cli import run
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return run(prog, main, argv)

@@ -69,7 +69,7 @@ def build(root_a, root_b, rtc_max_delay=0, token_loss=False):
     processor = PI05Processor.from_config(config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
                                           head_names=mixture.head_names)
     if token_loss:
-        from hf_vla.cotraining import fit_fast
+        from hf_vla.training.cotraining import fit_fast
 
         fit_fast(mixture, processor, config, vocab_size=FAST_VOCAB)
     return mixture, model, processor

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from hf_vla.trainer import VLATrainer
+from hf_vla.training.trainer import VLATrainer
 
 prefix = sys.argv[1]
 rank = int(os.environ.get("RANK", "0"))

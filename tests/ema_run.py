@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from hf_vla.ema import WeightEMA
+from hf_vla.training.ema import WeightEMA
 
 record = sys.argv[1]
 rank = int(os.environ.get("RANK", "0"))

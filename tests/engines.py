@@ -27,8 +27,8 @@ from transformers import TrainerCallback
 
 from hf_vla import PI05Processor, VLATrainer, VLATrainingArguments
 from hf_vla.data import WeightedDatasetMixture
-from hf_vla.engines import built_without_zero3_init
 from hf_vla.tiny import build_tiny_tokenizer
+from hf_vla.training.engines import built_without_zero3_init
 
 
 def mixture_of(root_a, root_b):
@@ -145,13 +145,19 @@ def arguments(engine: str, out: str, **overrides) -> VLATrainingArguments:
 
 
 def build_trainer(engine, roots, out, dtype=torch.float32, callbacks=(), cls=VLATrainer, rtc_max_delay=0,
-                  lora=False, **overrides):
+                  lora=False, token_loss=False, **overrides):
     mixture = mixture_of(*roots)
     with built_without_zero3_init():  # as the CLI builds a model from scratch (an earlier scenario registered ZeRO-3)
-        model = make_model(rtc_max_delay)
+        model = make_model(rtc_max_delay, token_loss=token_loss)
     model = (add_lora(model) if lora else model).to(dtype)
     processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats=mixture.norm_stats,
                                           head_names=mixture.head_names)
+    if token_loss:  # pi0.5's token objective: FAST fitted on the mixture, the collator adds the target tokens
+        from distributed_step import FAST_VOCAB
+
+        from hf_vla.training.cotraining import fit_fast
+
+        fit_fast(mixture, processor, model.config, vocab_size=FAST_VOCAB)
     args = arguments(engine, out, **overrides)
     train, _ = mixture.training_datasets(args, image_size=processor.image_size, chunk_size=model.config.chunk_size)
     trainer = cls(model, args, train_dataset=train, processing_class=processor, callbacks=list(callbacks))
@@ -161,16 +167,17 @@ def build_trainer(engine, roots, out, dtype=torch.float32, callbacks=(), cls=VLA
     return trainer
 
 
-def scenario_grad(engine, roots, out, rtc_max_delay=0, lora=False):
+def scenario_grad(engine, roots, out, rtc_max_delay=0, lora=False, token_loss=False):
     capture = CaptureGrads()
-    name = "grad_rtc" if rtc_max_delay else "grad_lora" if lora else "grad"
+    name = "grad_rtc" if rtc_max_delay else "grad_lora" if lora else "grad_tokens" if token_loss else "grad"
     trainer = build_trainer(engine, roots, f"{out}/{name}", callbacks=[capture], cls=Recording,
-                            rtc_max_delay=rtc_max_delay, lora=lora)
+                            rtc_max_delay=rtc_max_delay, lora=lora, token_loss=token_loss)
     trainer.seen = []
     trainer.train()
     batches = [b for rank in gather_object([trainer.seen]) for b in rank]
     return {"grads": capture.grads, "batches": batches, "world_size": trainer.accelerator.num_processes,
-            "engine": str(trainer.accelerator.distributed_type), "share": local_share(trainer)}
+            "engine": str(trainer.accelerator.distributed_type), "share": local_share(trainer),
+            "fast_range": getattr(trainer.processing_class, "fast_token_range", None)}
 
 
 def make_pi0():
@@ -274,6 +281,8 @@ def main(engine, root_a, root_b, out, *scenarios):
             result = scenario_grad(engine, roots, out, rtc_max_delay=2)
         elif scenario == "grad_lora":  # peft LoRA (expert preset) with its trained heads
             result = scenario_grad(engine, roots, out, lora=True)
+        elif scenario == "grad_tokens":  # pi0.5's token objective: CE + flow MSE, knowledge insulation
+            result = scenario_grad(engine, roots, out, token_loss=True)
         elif scenario == "grad_pi0":
             result = scenario_grad_pi0(engine, roots, out)
         elif scenario == "resume":

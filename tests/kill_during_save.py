@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from hf_vla import checkpoints
 from hf_vla.train import main
+from hf_vla.training import checkpoints
 
 
 def _kill():
@@ -26,7 +26,7 @@ def _kill():
 
 
 def install(moment: str, step: int, state: dict):
-    from hf_vla.trainer import VLATrainer
+    from hf_vla.training.trainer import VLATrainer
 
     original_save_checkpoint = VLATrainer._save_checkpoint
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_vla.augment import AUGMENT_SALT, ImageAugmentation, _draws, augment_images, preset
+from hf_vla.data.augment import AUGMENT_SALT, ImageAugmentation, _draws, augment_images, preset
 from hf_vla.errors import ConfigError
 
 GEOMETRY_ONLY = ImageAugmentation(crop_scale=0.8, max_rotation_degrees=20.0, brightness=0.0, contrast=0.0, saturation=0.0)
@@ -94,10 +94,10 @@ def test_the_trainer_augments_training_batches_only(tmp_path):
     batch twice gives the same loss), evaluation the real ones."""
     from conftest import randomize_
 
-    from hf_vla.losses import _identities, _sample_seed
     from hf_vla.models.pi05 import PI05ForConditionalGeneration, PI05Processor
     from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
-    from hf_vla.trainer import VLATrainer, VLATrainingArguments
+    from hf_vla.training.losses import _identities, _sample_seed
+    from hf_vla.training.trainer import VLATrainer, VLATrainingArguments
 
     # random weights everywhere: zero-initialised gates would hide the image from the expert
     model = randomize_(PI05ForConditionalGeneration(tiny_pi05_config(chunk_size=4, max_state_dim=2, max_action_dim=2)))

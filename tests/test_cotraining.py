@@ -180,7 +180,7 @@ def test_target_tokens_equal_a_float64_causal_reference_and_leave_the_velocity_a
     for backend in ("eager", "sdpa"):
         model.set_attn_implementation(backend)
         with torch.no_grad():
-            out = model(**inputs)
+            out = model(**inputs, output_token_logits=True)
             plain = model(**without)
         torch.testing.assert_close(out.logits, plain.logits, atol=1e-5, rtol=1e-5)
         assert out.token_logits.shape == (3, 6, model.config.vlm_config.text_config.vocab_size)
@@ -190,9 +190,36 @@ def test_target_tokens_equal_a_float64_causal_reference_and_leave_the_velocity_a
     changed = dict(inputs, labels=inputs["labels"].clone())
     changed["labels"][0, 3] = 7
     with torch.no_grad():
-        again = model(**changed).token_logits
+        again = model(**changed, output_token_logits=True).token_logits
     torch.testing.assert_close(again[0, :4], out.token_logits[0, :4], atol=1e-6, rtol=1e-6)  # 0..3 read targets < 3
     assert (again[0, 4] - out.token_logits[0, 4]).abs().max() > 1e-4  # target 4 reads target 3
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 0])
+def test_the_cross_entropy_in_pieces_equals_the_whole_logits(chunk):
+    """`token_losses` go through the LM head `token_loss_chunk` targets at a time (recomputed in backward), so a
+    257k vocabulary never holds every target's logits: losses and gradients equal the cross-entropy of the whole
+    `[B, L_t, vocab]` logits."""
+    import torch
+    import torch.nn.functional as F
+
+    model = token_model().train()
+    model.config.token_loss_chunk = chunk
+    inputs = token_inputs(model.config)
+    valid = inputs["labels"] != -100
+    out = model(**inputs, output_token_logits=True)
+    whole = F.cross_entropy(out.token_logits.float().flatten(0, 1), inputs["labels"].masked_fill(~valid, 0).flatten(),
+                            reduction="none").view(valid.shape) * valid
+    torch.testing.assert_close(out.token_losses, whole, atol=1e-5, rtol=1e-5)
+    assert (out.token_losses[~valid] == 0).all() and valid.sum() > 4  # more targets than one piece of 4
+    vlm_pieces, _ = _gradients(model, out.token_losses.sum())
+    vlm_pieces = {n: g.clone() for n, g in vlm_pieces.items() if g is not None}
+    out = model(**inputs, output_token_logits=True)
+    whole = F.cross_entropy(out.token_logits.float()[valid], inputs["labels"][valid], reduction="sum")
+    vlm_whole, _ = _gradients(model, whole)
+    assert vlm_pieces.keys() == {n for n, g in vlm_whole.items() if g is not None}
+    for name, grad in vlm_pieces.items():
+        torch.testing.assert_close(grad, vlm_whole[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def _gradients(model, loss):
@@ -212,7 +239,6 @@ def test_knowledge_insulation_keeps_the_flow_loss_out_of_the_backbone(insulated)
     """KI: the flow loss's gradient reaches the expert, the action/time heads and nothing of the VLM (vision tower
     included); the token loss reaches the VLM and nothing of the expert. Without insulation the flow loss reaches the
     VLM too. The VLM's last layer and final norm train under the token objective."""
-    import torch.nn.functional as F
 
     model = token_model(knowledge_insulation=insulated).train()
     assert all(p.requires_grad for p in model.model.vlm.language_model.norm.parameters())
@@ -227,7 +253,7 @@ def test_knowledge_insulation_keeps_the_flow_loss_out_of_the_backbone(insulated)
     assert any("expert.layers" in n for n in _moved(expert)) and "action_in_proj.weight" in _moved(expert)
     out = model(**inputs)
     valid = inputs["labels"] != -100
-    ce = F.cross_entropy(out.token_logits[valid].float(), inputs["labels"][valid])
+    ce = out.token_losses[valid].mean()  # the cross-entropy as trained: in pieces through the LM head
     vlm, expert = _gradients(model, ce)
     assert not _moved(expert), _moved(expert)[:5]
     moved = _moved(vlm)
@@ -264,7 +290,6 @@ def test_training_with_the_token_objective(tmp_path):
     import json
 
     import torch
-    import torch.nn.functional as F
     from test_data import make_dataset
     from test_failures import base_config, write_config
     from transformers import AutoProcessor
@@ -308,8 +333,7 @@ def test_training_with_the_token_objective(tmp_path):
         loss = trainer.compute_loss(model, batch)
         per_sample, outputs = trainer.per_sample_loss(model, batch, trainer.state.global_step)
         valid = labels != -100
-        ce = torch.stack([F.cross_entropy(outputs.token_logits[i][valid[i]].float(), labels[i][valid[i]])
-                          for i in range(len(labels))])
+        ce = torch.stack([outputs.token_losses[i][valid[i]].mean() for i in range(len(labels))])
     expected = 2.0 * (per_sample.sum / per_sample.count).mean() + ce.mean()
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
 
@@ -507,3 +531,26 @@ def test_token_objective_with_lora_bf16_and_ema(tmp_path):
     assert json.loads((out / "config.json").read_text())["token_loss"] is True
     assert json.loads((out / "processor_config.json").read_text())["fast_config"]["vocab_size"] == 256
     assert all(torch.isfinite(p.float()).all() for p in model.parameters())
+
+
+def test_zero3_partitioning_the_tied_head_is_refused_in_one_line():
+    """Under ZeRO-3 the LM head (the input embedding's weight, read outside its module) would read an empty partition;
+    refused before the engine starts unless the embedding stays whole; ZeRO-2 and a high persistence threshold pass."""
+    from types import SimpleNamespace
+
+    from hf_vla.errors import ConfigError
+    from hf_vla.training.engines import _check_zero3_token_head
+
+    model = token_model()
+    size = model.get_input_embeddings().weight.numel()
+
+    def args(stage, threshold):
+        return SimpleNamespace(deepspeed={"zero_optimization": {"stage": stage,
+                                                               "stage3_param_persistence_threshold": threshold}})
+
+    with pytest.raises(ConfigError, match=r"token_loss under DeepSpeed ZeRO-3: .* use FSDP2"):
+        _check_zero3_token_head(model, args(3, size - 1))
+    _check_zero3_token_head(model, args(3, size))  # persistent: whole on every rank
+    _check_zero3_token_head(model, args(2, 0))
+    model.config.token_loss = False
+    _check_zero3_token_head(model, args(3, 0))  # flow-only: no head

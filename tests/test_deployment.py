@@ -1,4 +1,4 @@
-"""The deployment contract (hf_vla.deployment) and batched evaluation (hf_vla.episodes).
+"""The deployment contract (hf_vla.serving.contract) and batched evaluation (hf_vla.evaluation.episodes).
 
 A ColorReach policy recorded at 24 px with a 30-step limit and trained with n_action_steps 3: its checkpoint says so,
 `hf_vla.evaluate` and `hf_vla.serve` take every such setting from it, and a flag that contradicts one is refused with
@@ -64,7 +64,7 @@ def test_the_contract_is_filled_from_the_data_and_the_config(trained):
 
 
 def test_evaluate_takes_every_setting_from_the_checkpoint(trained, tmp_path):
-    from hf_vla.evaluate import evaluate_checkpoint
+    from hf_vla.evaluation.runner import evaluate_checkpoint
 
     result = evaluate_checkpoint(trained, episodes=2, save_videos=1, progress=False, output_dir=tmp_path, num_envs=1)
     taken = {name: s["value"] for name, s in result.settings.items() if s["source"] == "checkpoint"}
@@ -197,7 +197,7 @@ class SeededWalker:
 
 def test_batched_episodes_equal_serial_ones_per_seed():
     from hf_vla.envs.worker import InWorker, make_gym
-    from hf_vla.evaluate import run_episodes
+    from hf_vla.evaluation.runner import run_episodes
 
     serial = run_episodes(make_gym(ENV), SeededWalker(), 12, 2, seed=500, progress=False)
     import functools
@@ -216,7 +216,7 @@ def test_batched_episodes_equal_serial_ones_per_seed():
 def test_batched_evaluation_of_a_checkpoint_equals_serial(trained, tmp_path):
     """The real policy through `evaluate_checkpoint`: 2 envs in workers and one batched forward per control step give
     each seed the success, steps and chunk-boundary figures of 1 env in this process."""
-    from hf_vla.evaluate import evaluate_checkpoint
+    from hf_vla.evaluation.runner import evaluate_checkpoint
 
     common = dict(episodes=4, save_videos=0, progress=False, seed=20_000)
     one = evaluate_checkpoint(trained, num_envs=1, output_dir=tmp_path / "one", **common)
@@ -231,11 +231,11 @@ def test_batched_evaluation_of_a_checkpoint_equals_serial(trained, tmp_path):
 def test_reading_a_contract_is_versioned_and_forward_compatible(tmp_path, caplog):
     """A field added later within the same version is ignored with a warning (an older hf_vla still runs the
     checkpoint); another version or a missing field is refused naming the file."""
-    from hf_vla import deployment
+    from hf_vla.serving import contract as deployment
 
     base = {"version": 1, "policy": "pi05", "chunk_size": 8, "n_action_steps": 4, "image_size": 32, "heads": {}}
     (tmp_path / deployment.FILE_NAME).write_text(json.dumps(base | {"camera_rig": "later"}))
-    with caplog.at_level("WARNING", logger="hf_vla.deployment"):
+    with caplog.at_level("WARNING", logger="hf_vla.serving.contract"):
         assert deployment.read(tmp_path).n_action_steps == 4
     assert "ignoring field(s) ['camera_rig']" in caplog.text
     for data, message in ((base | {"version": 2}, "deployment contract version 2; this hf_vla reads version 1"),
@@ -251,17 +251,17 @@ def test_recordings_of_one_head_merge_and_a_differing_one_is_named(caplog):
     """One dataset per Meta-World task recorded alike merges into one benchmark (tasks and seeds of all, no warning);
     a dataset recorded with another crop or image size keeps the first's settings and the warning names both datasets
     and what differs (the contract would otherwise run the second task the first's way in silence)."""
-    from hf_vla.deployment import _merge_benchmarks
+    from hf_vla.serving.contract import _merge_benchmarks
 
     reach = {"env": "metaworld", "tasks": ["reach-v3"], "image_size": 96, "data_seeds": [0, 49],
              "max_episode_steps": 200, "env_kwargs": {"crop": [144, 96, 400, 352]}}
     push = reach | {"tasks": ["push-v3"], "data_seeds": [0, 299]}
-    with caplog.at_level("WARNING", logger="hf_vla.deployment"):
+    with caplog.at_level("WARNING", logger="hf_vla.serving.contract"):
         merged = _merge_benchmarks(reach, push, ("reach", "push"))
     assert merged["tasks"] == ["reach-v3", "push-v3"] and merged["data_seeds"] == [0, 299]
     assert merged["env_kwargs"] == {"crop": [144, 96, 400, 352]} and caplog.text == ""
     uncropped = push | {"env_kwargs": {}, "image_size": 128}
-    with caplog.at_level("WARNING", logger="hf_vla.deployment"):
+    with caplog.at_level("WARNING", logger="hf_vla.serving.contract"):
         assert _merge_benchmarks(reach, uncropped, ("reach", "push_128")) == reach
     assert "datasets 'reach' and 'push_128'" in caplog.text
     assert "image_size: 96 vs 128" in caplog.text and "env_kwargs: {'crop': [144, 96, 400, 352]} vs {}" in caplog.text

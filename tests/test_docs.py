@@ -10,7 +10,6 @@ import importlib
 import io
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 from conftest import REPO

@@ -1,4 +1,4 @@
-"""EMA of the weights (hf_vla.ema): after k steps it equals a float64 reference computed from the recorded weights
+"""EMA of the weights (hf_vla.training.ema): after k steps it equals a float64 reference computed from the recorded weights
 (1e-6), in one process and under DDP, FSDP2, ZeRO-2 and ZeRO-3 (2 gloo processes on CPU); the saved model holds the
 average (or the raw weights with ema_save_raw); kill-and-resume with EMA is bitwise equal to the uninterrupted run."""
 

@@ -22,7 +22,7 @@ import torch
 from test_trainer import two_datasets  # noqa: F401  (session fixture: two small LeRobot datasets)
 
 from hf_vla.errors import ConfigError
-from hf_vla.losses import GROUP_KEYS, aggregate, policy_per_sample_loss
+from hf_vla.training.losses import GROUP_KEYS, aggregate, policy_per_sample_loss
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
@@ -31,11 +31,11 @@ pytest.importorskip("deepspeed")
 LAUNCHES = {  # name: (accelerate config, engine, mixed precision override or None, scenarios)
     "ddp": ("ddp.yaml", "ddp", "no", ["grad", "resume", "grad_lora"]),
     "ddp_bf16": ("ddp.yaml", "ddp", None, ["resume_bf16", "same"]),
-    "fsdp2": ("fsdp2.yaml", "fsdp2", "no", ["grad", "resume", "grad_pi0", "grad_rtc", "grad_lora"]),
+    "fsdp2": ("fsdp2.yaml", "fsdp2", "no", ["grad", "resume", "grad_pi0", "grad_rtc", "grad_lora", "grad_tokens"]),
     # a bfloat16 model with master_weights and mixed precision "no": the trainer switches FSDP2 to bf16 mixed precision
     "fsdp2_bf16": ("fsdp2.yaml", "fsdp2", "no", ["resume_bf16"]),
-    "zero2": ("zero2.yaml", "zero2", "no", ["grad", "resume", "grad_lora"]),
-    "zero3": ("zero3.yaml", "zero3", "no", ["grad", "grad_rtc", "grad_lora"]),
+    "zero2": ("zero2.yaml", "zero2", "no", ["grad", "resume", "grad_lora", "grad_tokens"]),
+    "zero3": ("zero3.yaml", "zero3", "no", ["grad", "grad_rtc", "grad_lora", "grad_tokens"]),
 }
 _results: dict = {}
 
@@ -94,6 +94,34 @@ def test_one_step_gradient_equals_one_batch(name, variant, two_datasets, tmp_pat
         torch.testing.assert_close(grads[key].float(), grad, atol=1e-6, rtol=1e-5, msg=key)
     share = run["share"]
     assert (0.45 < share < 0.55) if name in ("fsdp2", "zero3") else share == 1.0, share
+
+
+@pytest.mark.parametrize("name", ["fsdp2", pytest.param("zero2", marks=pytest.mark.slow),
+                                  pytest.param("zero3", marks=pytest.mark.slow)])
+def test_token_objective_gradient_under_sharding(name, two_datasets, tmp_path_factory):  # noqa: F811
+    """pi0.5's token objective (CE over the FAST targets + the flow MSE, knowledge insulation) under FSDP2 and ZeRO:
+    the one-step gradient equals one batch's, computed in one process."""
+    from distributed_step import make_model
+
+    from hf_vla.training.cotraining import token_per_sample_loss
+
+    run = launched(name, two_datasets, tmp_path_factory)["grad_tokens"]
+    assert run["world_size"] == 2 and len(run["batches"]) == 4
+    width = max(b["labels"].shape[1] for b in run["batches"])  # each micro-batch pads its targets to its own max
+    batch = {k: torch.cat([b[k] for b in run["batches"]]) for k in run["batches"][0] if k != "labels"}
+    batch["labels"] = torch.cat([torch.nn.functional.pad(b["labels"], (0, width - b["labels"].shape[1]), value=-100)
+                                 for b in run["batches"]])
+    model = make_model(token_loss=True).train()
+    per_sample, outputs = policy_per_sample_loss(model, batch, seed=3, step=0)
+    tokens = token_per_sample_loss(outputs.token_losses, batch["labels"], run["fast_range"])
+    groups = batch[GROUP_KEYS["episode"]]
+    (aggregate("sample_mean", per_sample, groups) + aggregate("sample_mean", tokens["ce"], groups)).backward()
+    reference = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n.removeprefix("module."): g for n, g in run["grads"].items() if g is not None}
+    assert any("language_model.norm" in n for n in reference)  # the backbone's last layer trains (CE only: KI)
+    assert {n for n in grads if grads[n].abs().sum() > 0} <= reference.keys()
+    for key, grad in reference.items():
+        torch.testing.assert_close(grads[key].float(), grad, atol=1e-6, rtol=1e-5, msg=key)
 
 
 def test_transformers_pi0_per_layer_under_fsdp2(two_datasets, tmp_path_factory):  # noqa: F811

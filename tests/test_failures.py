@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 from test_data import CAM, make_dataset
 
-from hf_vla import checkpoints
 from hf_vla.tiny import tiny_dit_config, tiny_vlm_config
 from hf_vla.train import cli, main, parse_config
+from hf_vla.training import checkpoints
 
 TESTS = Path(__file__).parent
 LENGTHS = [12 + e for e in range(6)]
@@ -448,7 +448,7 @@ def test_resume_true_skips_incomplete_checkpoints_and_an_explicit_one_is_refused
     _resume_fails(capsys, tmp_path, config, str(copy / "checkpoint-4"),
                   ["is incomplete", "the newest complete one is", "checkpoint-2"])
     assert checkpoints.resolve_resume(copy) == copy / "checkpoint-2"
-    with caplog.at_level("WARNING", logger="hf_vla.checkpoints"):
+    with caplog.at_level("WARNING", logger="hf_vla.training.checkpoints"):
         trainer = main([str(write_config(tmp_path, config | {"resume_from_checkpoint": True}, "again.json"))])
     assert "skipping incomplete checkpoint" in caplog.text and "checkpoint-4" in caplog.text
     assert trainer.state.global_step == 4
@@ -658,7 +658,7 @@ def test_hub_and_wandb_problems_stop_the_run_before_it_starts(tmp_path, capsys, 
 
     import huggingface_hub.hf_api as hf_api
 
-    import hf_vla.preflight as preflight
+    import hf_vla.training.preflight as preflight
 
     silent = socket.create_server(("127.0.0.1", 0))
     try:

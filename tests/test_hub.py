@@ -1,4 +1,4 @@
-"""Hub ids in, offline, through huggingface_hub's real cache resolution (hf_vla.hub): a lerobot-layout pi0.5
+"""Hub ids in, offline, through huggingface_hub's real cache resolution (hf_vla.hub.resolve): a lerobot-layout pi0.5
 checkpoint under a Hub id is converted on load (bit for bit what `hf_vla.convert` writes) and cached, so the second
 run does not convert again; a `repo_id` dataset in lerobot's cache trains with no root; only the used episodes' and
 cameras' files are requested from the Hub; keep_ranges by hf:// reference; missing ids and revisions are one line."""
@@ -38,7 +38,7 @@ def add_to_hub_cache(cache: Path, repo_id: str, source: Path, repo_type: str = "
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, tiny_tokenizer_dir):
     """A Hub cache with lerobot's pi0.5 layout under `lerobot/pi05_tiny` and the tokenizer its pre-processor names."""
-    from hf_vla.reference import build_lerobot_pi05
+    from hf_vla.models.reference import build_lerobot_pi05
 
     root = tmp_path_factory.mktemp("hub")
     checkpoint = root / "lerobot_pi05"
@@ -153,7 +153,7 @@ def test_only_the_used_episodes_and_cameras_are_downloaded(hub_cache, tmp_path, 
 
 def test_missing_hub_ids_and_revisions_are_one_line(hub_cache, tmp_path, capsys):
     from hf_vla.evaluate import cli
-    from hf_vla.hub import fetch_file, resolve_pretrained
+    from hf_vla.hub.resolve import fetch_file, resolve_pretrained
 
     with pytest.raises(ConfigError, match=r"Hub checkpoint 'nobody/nothing' is not in the local Hub cache"):
         resolve_pretrained("nobody/nothing")

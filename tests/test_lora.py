@@ -128,8 +128,8 @@ def test_a_lora_checkpoint_is_evaluated_and_served_as_its_merged_model(lora_run,
 
     from hf_vla.cli import model_source
     from hf_vla.errors import ConfigError
-    from hf_vla.hub import resolve_pretrained
-    from hf_vla.policy import load_policy
+    from hf_vla.hub.resolve import resolve_pretrained
+    from hf_vla.serving.policy import load_policy
 
     monkeypatch.setenv("HF_VLA_CACHE", str(tmp_path / "cache"))
     root, _ = lora_run

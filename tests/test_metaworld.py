@@ -52,7 +52,7 @@ def test_recorded_expert_data_is_a_lerobot_dataset(recorded):
 
 
 def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
-    from hf_vla.evaluate import BenchmarkResult, evaluate_checkpoint
+    from hf_vla.evaluation.runner import BenchmarkResult, evaluate_checkpoint
 
     out = tmp_path / "run"
     dataset = {"root": str(recorded), "name": "metaworld", "cameras": ["observation.image"],
@@ -72,7 +72,7 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
     assert bench["max_episode_steps"] == 12 and bench["data_seeds"] == [0, 1] and contract["n_action_steps"] == 8
     assert bench["env_kwargs"] == {"crop": [144, 96, 400, 352]}  # the recording's crop travels with the checkpoint
     # every setting from the checkpoint: env, task, image size, episode limit, actions per chunk, camera
-    import hf_vla.evaluate as evaluate_module
+    import hf_vla.evaluation.runner as evaluate_module  # where the runner looks the env builder up
 
     made, make_envs = [], evaluate_module._make_envs
 
@@ -99,7 +99,7 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
 
     # several tasks side by side (MT50's way): each task's seeds in its own envs, one policy call per control step for
     # the live envs of every task of a wave; per seed the episodes of the tasks evaluated one after another
-    import hf_vla.episodes as episodes
+    import hf_vla.evaluation.episodes as episodes
 
     calls = []
     call = episodes._call_policies
@@ -128,7 +128,7 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
     # wave 1 (reach, push): calls of 2 while both run (12 steps, 8 actions per chunk); wave 2: button-press alone
     assert max(calls) == 2 and calls.count(2) >= 2 and calls[-1] == 1
     # no flag: as many tasks as keep MAX_ENVS_AT_ONCE workers (all three here)
-    from hf_vla.evaluate import MAX_ENVS_AT_ONCE, default_tasks_at_once
+    from hf_vla.evaluation.runner import MAX_ENVS_AT_ONCE, default_tasks_at_once
 
     assert default_tasks_at_once(50, 2) == MAX_ENVS_AT_ONCE // 2 and default_tasks_at_once(3, 1) == 3
     assert default_tasks_at_once(5, 64) == 1
@@ -153,6 +153,54 @@ def test_locations_train_as_text_targets(recorded, tmp_path):
     assert all(count >= 4 and count % 2 == 0 for count in per_row), per_row  # points: two tokens each
     assert any("text_ce" in entry for entry in trainer.state.log_history)
     assert "locations" not in (out / "deployment_config.json").read_text()
+
+
+def test_a_recording_gains_its_locations_by_replay(recorded, tmp_path):
+    """`hf_vla.record --add_locations`: a recording without the locations column gets the very strings the recorder
+    wrote (each episode's seed found from its first frame, its actions replayed, every frame's state and every 10th
+    image checked), and lerobot loads the result; a recording whose actions were altered is refused, naming the episode
+    and frame, and nothing is written."""
+    import shutil
+
+    import pyarrow.parquet as pq
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    stripped = tmp_path / "stripped"
+    shutil.copytree(recorded, stripped)
+    info = json.loads((stripped / "meta" / "info.json").read_text())
+    del info["features"]["locations"]
+    (stripped / "meta" / "info.json").write_text(json.dumps(info, indent=4))
+    written = {}
+    for path in sorted((stripped / "data").glob("*/*.parquet")):
+        table = pq.read_table(path)
+        written[path.relative_to(stripped)] = table["locations"].to_pylist()
+        pq.write_table(table.drop(["locations"]), path)
+    out = tmp_path / "added"
+    result = run_cli("hf_vla.record", "--env", "metaworld", "--add_locations", str(stripped), "--output", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for relative, texts in written.items():
+        assert pq.read_table(out / relative)["locations"].to_pylist() == texts
+    assert json.loads((out / "meta" / "info.json").read_text())["features"]["locations"]["dtype"] == "string"
+    assert LeRobotDataset("local/reach", root=out)[5]["locations"] == written[next(iter(written))][5]
+    assert not any((stripped / "data").glob("*/*.locations*")) and "locations" not in (stripped / "meta" /
+                                                                                        "info.json").read_text()
+    # an altered action: the replay leaves the recording after that frame, and says where
+    path = next(iter(written))
+    table = pq.read_table(stripped / path)
+    actions = np.asarray(table["action"].to_pylist(), np.float32)
+    row = int(np.flatnonzero(np.asarray(table["episode_index"].to_pylist()) == 1)[10])
+    actions[row] = -actions[row]
+    import pyarrow as pa
+
+    table = table.set_column(table.column_names.index("action"), "action",
+                             pa.array(actions.tolist(), type=table.schema.field("action").type))
+    pq.write_table(table, stripped / path)
+    refused_out = tmp_path / "refused"
+    result = run_cli("hf_vla.record", "--env", "metaworld", "--add_locations", str(stripped), "--output",
+                     str(refused_out))
+    assert result.returncode == 1 and "episode 1 (reach-v3, seed 1) departs from the recording at frame 11" in \
+        result.stderr, result.stderr[-2000:]
+    assert not refused_out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_the_expert_ceiling_and_upright_images():
@@ -319,7 +367,7 @@ def test_mt50_figures_are_the_published_group_means():
     """The published MT50 figure: success per difficulty group (lerobot's grouping: 28 / 11 / 6 / 5 tasks) and the
     mean of the four group means, computed here from made-up per-task results against a hand computation."""
     from hf_vla.envs.metaworld import task_group, task_names
-    from hf_vla.evaluate import BenchmarkResult, EvalResult
+    from hf_vla.evaluation.runner import BenchmarkResult, EvalResult
 
     names = task_names("mt50")
     assert len(names) == 50 and [task_group(n) for n in names].count("easy") == 28

@@ -13,7 +13,7 @@ from conftest import randomize_
 import hf_vla
 from hf_vla import PI05Config, PI05ForConditionalGeneration
 from hf_vla.convert import convert_lerobot_state_dict
-from hf_vla.reference import (
+from hf_vla.models.reference import (
     build_lerobot_pi0,
     build_lerobot_pi05,
     hf_pi0_config,

@@ -1,4 +1,4 @@
-"""Preemption (hf_vla.preemption): SIGTERM at a random step, or during a checkpoint save, writes a complete
+"""Preemption (hf_vla.training.preemption): SIGTERM at a random step, or during a checkpoint save, writes a complete
 checkpoint of that step and exits 75; resuming from it ends bitwise equal to the uninterrupted run, in one process
 and under a 2-process DDP launch where only one rank got the signal; a second signal exits at once."""
 
@@ -17,9 +17,9 @@ from conftest import REPO
 from safetensors.torch import load_file
 from test_failures import base_config, make_dataset, write_config
 
-from hf_vla import checkpoints
 from hf_vla.errors import Preempted
-from hf_vla.preemption import SIGNALS
+from hf_vla.training import checkpoints
+from hf_vla.training.preemption import SIGNALS
 
 STEPS = 30
 
@@ -117,7 +117,7 @@ def test_sigterm_at_a_random_step_saves_that_step_and_resume_is_bitwise(setup):
 
 def test_sigterm_during_a_save_lets_it_finish_and_stops_there(setup, monkeypatch, request):
     from hf_vla.train import main
-    from hf_vla.trainer import VLATrainer
+    from hf_vla.training.trainer import VLATrainer
 
     base, config, env, expected = setup
     threads = torch.get_num_threads()
@@ -164,7 +164,7 @@ def test_a_training_that_raises_gives_the_signals_back(setup, tmp_path, monkeypa
     from transformers import TrainerCallback
 
     from hf_vla.train import main
-    from hf_vla.trainer import VLATrainer
+    from hf_vla.training.trainer import VLATrainer
 
     base, config, env, expected = setup
 

@@ -16,7 +16,15 @@ from transformers import AutoModel, AutoModelForImageTextToText, AutoProcessor
 import hf_vla.convert as convert
 from hf_vla import PI05ForConditionalGeneration, PI05Processor
 from hf_vla.models.pi05.processing_pi05 import resize_with_pad
-from hf_vla.reference import EXPERT, IMAGE_SIZE, TEXT, VISION, build_lerobot_pi0, build_lerobot_pi05, sample_inputs
+from hf_vla.models.reference import (
+    EXPERT,
+    IMAGE_SIZE,
+    TEXT,
+    VISION,
+    build_lerobot_pi0,
+    build_lerobot_pi05,
+    sample_inputs,
+)
 from hf_vla.tiny import tiny_pi05_config
 
 STATS = {
@@ -124,7 +132,9 @@ def _tiny_variants():
                     num_attention_heads=d["num_heads"], num_key_value_heads=d["num_kv_heads"], head_dim=d["head_dim"])
 
     vision = {**VISION, "image_size": IMAGE_SIZE}
-    return mock.patch.multiple(convert, _GEMMA_VARIANTS={"gemma_2b": dims(TEXT), "gemma_300m": dims(EXPERT)},
+    from hf_vla.hub import convert as conversion  # the conversion library (hf_vla.convert is its command)
+
+    return mock.patch.multiple(conversion, _GEMMA_VARIANTS={"gemma_2b": dims(TEXT), "gemma_300m": dims(EXPERT)},
                                _VISION_DIMS=vision)
 
 
@@ -169,7 +179,7 @@ def test_convert_cli_pi0(tmp_path, tiny_tokenizer_dir):
     assert isinstance(AutoModelForImageTextToText.from_pretrained(tmp_path / "hf_05"), PI05ForConditionalGeneration)
     # every command loads a converted pi0 with hf_vla's pi0 processor and the checkpoint's normalisation stats
     from hf_vla.models.pi0_adapter import PI0HeadProcessor
-    from hf_vla.policy import load_pretrained
+    from hf_vla.serving.policy import load_pretrained
 
     model, processor = load_pretrained(tmp_path / "hf")
     assert isinstance(model, PI0ForConditionalGeneration) and isinstance(processor, PI0HeadProcessor)
@@ -260,3 +270,24 @@ def test_processor_loads_with_remote_code_where_hf_vla_is_absent(tmp_path, tiny_
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert "REMOTE_OK" in result.stdout, result.stderr[-3000:]
     assert repr(processor.head_names) in result.stdout
+    # where Pillow is not installed either: the processor loads and takes arrays (PIL images need Pillow, by nature)
+    no_pillow = script.replace('sys.modules["hf_vla"] = None', 'sys.modules["hf_vla"] = None; sys.modules["PIL"] = None')
+    result = subprocess.run([sys.executable, "-c", no_pillow], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert "REMOTE_OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_pil_images_go_in_without_a_warning(tiny_tokenizer):
+    """A PIL image is read-only as an array; the processor copies it rather than hand torch a read-only buffer (which
+    printed "The given NumPy array is not writable")."""
+    import warnings
+
+    from PIL import Image
+
+    processor = _processor(tiny_tokenizer)
+    head = processor.head_names[0]
+    dims = len(processor.norm_stats[head]["state"]["q01"])
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pixels = processor(images=image, text="pick", state=np.zeros(dims, np.float32), head=head)["pixel_values"]
+    assert pixels.shape[:2] == (1, 1)

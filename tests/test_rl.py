@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def tiny_policy(seed=0, scale=0.1, policy="pi05", **overrides):
 
 
 def model_inputs(processor, batch=3, seed=0, model=None):
-    from hf_vla.policy import MODEL_INPUTS, model_input_keys
+    from hf_vla.serving.policy import MODEL_INPUTS, model_input_keys
 
     generator = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 255, (batch, 1, 3, 32, 32), generator=generator, dtype=torch.uint8)
@@ -278,7 +279,7 @@ def test_dense_rewards_credit_a_success_with_the_steps_it_did_not_take():
     state, lingering next to the goal for 200 steps earns more than reaching it at step 50."""
     from types import SimpleNamespace
 
-    from hf_vla.episodes import Episode
+    from hf_vla.evaluation.episodes import Episode
     from hf_vla.rl.trainer import RLTrainer
 
     # n = 2, limit 8, success at step 5 (the last decision executed 1 of its 2 steps), last reward 5: the 3 steps
@@ -334,8 +335,8 @@ def test_the_critic_reads_the_prefix_once_and_learns_a_return():
 def test_the_critic_gets_a_learning_rate_of_its_own(tmp_path, dtype):
     """Also for a bf16 model over fp32 master weights (GPU runs): the critic's masters move with it, and the first
     Adam step moves the critic by its rate and the policy by its own."""
-    from hf_vla.optim import MasterWeightOptimizer
     from hf_vla.rl import RLConfig, RLTrainer
+    from hf_vla.training.optim import MasterWeightOptimizer
 
     model, processor = tiny_policy(seed=4)
     model.to(dtype)
@@ -396,7 +397,7 @@ def test_a_resumed_ppo_run_ends_with_the_critic_and_policy_of_the_uninterrupted_
 
 # ---- a policy-gradient step on a toy env with a known optimum ------------------------------------------------------
 def _mean_action(model, processor, draws=256):
-    from hf_vla.policy import model_input_keys
+    from hf_vla.serving.policy import model_input_keys
 
     images = torch.full((1, 1, 3, 32, 32), 90, dtype=torch.uint8)
     real = processor(images=images, text=[rl_toy.PointBandit().task], state=np.zeros((1, 2), np.float32), head=HEAD,
@@ -497,8 +498,8 @@ def test_filtered_bc_with_the_deterministic_sampler_trains_the_supervised_loss_o
     the loss equals supervised training's flow-matching MSE computed by hand with plain full forwards (same time and
     noise draws) over the executed steps, weighted 1 / (imitated decisions); only the episodes above their group's
     mean are imitated."""
-    from hf_vla.policy import model_input_keys
     from hf_vla.rl import RLConfig, RLTrainer
+    from hf_vla.serving.policy import model_input_keys
 
     model, processor = tiny_policy(seed=4, scale=0.05)
     args = RLConfig(output_dir=str(tmp_path / "run"), env="hf_vla_test/PointBandit-v0", num_envs=1, group_size=4,
@@ -536,7 +537,7 @@ def test_filtered_bc_with_the_deterministic_sampler_trains_the_supervised_loss_o
     loss = trainer.compute_loss(model, batch)
     chunk = batch["chain"][:, -1]
     # the supervised objective's draws: seeded by the decision's identity (episode noise seed, decision index)
-    from hf_vla.losses import sample_noise_and_time
+    from hf_vla.training.losses import sample_noise_and_time
 
     noise, t = sample_noise_and_time(batch, chunk.shape[1:], args.seed, 0, model.config)
     x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * chunk
@@ -662,7 +663,7 @@ def test_every_task_rolls_out_at_once_with_one_batched_call_per_control_step(mon
     """With several tasks, the engine runs them in one loop: each policy call batches the live envs of every task (2
     tasks x 2 envs -> calls of 4), and every episode is the one its task gives alone (same chains, same outcomes),
     also when one task explores at a noise level of its own (each decision records its task's level)."""
-    from hf_vla.evaluate import make_env
+    from hf_vla.evaluation.envs import make_env
     from hf_vla.rl import RolloutEngine, StochasticPolicy
 
     model, processor = tiny_policy(seed=8)
@@ -785,10 +786,16 @@ def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(
     if not lora:  # with the expert data replayed beside the RL loss (a JSON list on the command line)
         extra += ["--bc_datasets", json.dumps(_replay_spec(sft_checkpoint)), "--per_device_train_batch_size", "4",
                   "--stream_open_blocks", "2"]
-    extra += ["--algorithm", algorithm]
+    extra += ["--algorithm", algorithm, "--disable_tqdm", "false"]  # progress on, into a pipe (not a terminal)
     done = _run(_rl_command(_config(tmp_path, sft_checkpoint), out, *extra))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "held-out success" in done.stdout and str(out) in done.stdout
+    # into a log: one line per finished phase, no live bars' cursor codes (nested bars left "\x1b[A" and a line each
+    # refresh); the updates' rollouts (0 and 1) and the held-out evaluations (before, after update 2)
+    assert "\x1b[A" not in done.stderr
+    phases = [m.group(1) for m in re.finditer(r"INFO hf_vla: (.+?): [\d,]+/[\d,]+ episodes in ", done.stderr)]
+    assert phases == ["held-out evaluation", "rollouts (update 0)", "rollouts (update 1)", "held-out evaluation"], \
+        done.stderr[-3000:]
     summary = json.loads((out / "rl_result.json").read_text())
     assert summary["updates"] == 2 and summary["episodes"] == 4 and summary["before"] is not None
     assert summary["env"] == "hf_vla/ColorReach-v0"  # from the checkpoint's contract, not a flag
@@ -804,7 +811,7 @@ def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(
     if algorithm == "ppo":
         assert {"value", "value_loss"} <= logged
     assert (out / "deployment_config.json").exists()  # the contract travels with the improved policy
-    from hf_vla.policy import load_policy
+    from hf_vla.serving.policy import load_policy
 
     policy = load_policy(out)  # AutoModel + processor: the merged model under LoRA
     start = load_policy(sft_checkpoint)
@@ -985,7 +992,7 @@ def test_each_episode_is_credited_the_decisions_that_made_it(sft_checkpoint, tmp
     to it (matched by noise seed, in decision order) gives, at every decision, the observation the stored model
     inputs were built from, and at the end the episode's steps and outcome. Two envs run each group's episodes side
     by side, so a decision credited to a batch-mate would show here."""
-    from hf_vla.evaluate import make_env
+    from hf_vla.evaluation.envs import make_env
     from hf_vla.rl.__main__ import load_start, parse_rl_config
     from hf_vla.rl.trainer import RLTrainer
 
@@ -1049,9 +1056,9 @@ def test_the_replayed_expert_loss_is_supervised_trainings_loss_on_the_policys_no
     the data's own."""
     import pandas as pd
 
-    from hf_vla.losses import sample_noise_and_time
-    from hf_vla.policy import model_input_keys
     from hf_vla.rl import RLTrainer
+    from hf_vla.serving.policy import model_input_keys
+    from hf_vla.training.losses import sample_noise_and_time
 
     model, processor = tiny_policy(seed=4, scale=0.05)
     trainer = RLTrainer(model, _replay_args(tmp_path, sft_checkpoint, bc_coef=0.5, gradient_accumulation_steps=2),

@@ -1,4 +1,4 @@
-"""Closed-loop rollouts during training (hf_vla.rollouts) on the ColorReach demo: snapshots evaluated in a process of
+"""Closed-loop rollouts during training (hf_vla.training.rollouts) on the ColorReach demo: snapshots evaluated in a process of
 their own, figures logged and in the model card, equal to evaluating the same weights afterwards; bad arguments
 refused before training; a failed rollout is logged and training goes on."""
 
@@ -33,7 +33,7 @@ def train(demo_data, out, *overrides):
 
 
 def test_synchronous_rollouts_equal_evaluating_the_saved_weights(demo_data, tmp_path):
-    from hf_vla.evaluate import evaluate_checkpoint
+    from hf_vla.evaluation.runner import evaluate_checkpoint
 
     out = tmp_path / "run"
     trainer = train(demo_data, out, "--max_steps", "4", "--rollout_steps", "2", "--rollout_wait", "true")
@@ -113,7 +113,7 @@ def test_rollouts_under_a_two_process_fsdp2_launch(demo_data, tmp_path):
     import subprocess
     import sys
 
-    from hf_vla.evaluate import evaluate_checkpoint
+    from hf_vla.evaluation.runner import evaluate_checkpoint
 
     settings = json.loads((REPO / "configs/demo.json").read_text())
     settings["datasets"][0]["root"] = str(demo_data)

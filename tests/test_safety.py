@@ -24,8 +24,8 @@ from test_failures import _data_file, _set_vector, assert_no_output, base_config
 from test_processor_convert import _tiny_variants, _write_lerobot_checkpoint, build_lerobot_pi05
 
 from hf_vla import convert
-from hf_vla.run_lock import LOCK_NAME, RunLock
 from hf_vla.train import main
+from hf_vla.training.run_lock import LOCK_NAME, RunLock
 
 
 def tree_hash(root: Path) -> dict:
@@ -130,7 +130,7 @@ def test_convert_argument_errors(tmp_path, capsys):
 # ---- one run per output_dir --------------------------------------------------------------------------------------
 HOLDER = """
 import sys, time
-from hf_vla.run_lock import RunLock
+from hf_vla.training.run_lock import RunLock
 with RunLock(sys.argv[1]):
     print("holding", flush=True)
     time.sleep(120)
@@ -309,7 +309,7 @@ def test_serve_argument_errors(served_checkpoint, tmp_path, capsys):
 # ---- resume with another gradient_accumulation_steps -------------------------------------------------------------
 def _recorded_run(config_path, seen: list):
     """`main` with every training batch's provenance (episode and state, which tells the frame) recorded."""
-    from hf_vla import trainer as trainer_module
+    from hf_vla.training import trainer as trainer_module
 
     original = trainer_module.VLATrainer.compute_loss
 

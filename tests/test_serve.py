@@ -22,7 +22,7 @@ from conftest import REPO, randomize_, refused
 import hf_vla.envs  # noqa: F401  (registers ColorReach)
 from hf_vla.models.pi05 import PI05Config, PI05ForConditionalGeneration, PI05Processor
 from hf_vla.models.pi05.rtc import RTCConfig, guidance_weight, guided_velocity, prefix_weights
-from hf_vla.policy import ObservationMap, PolicyRunner, RequestError, add_rtc_arguments, rtc_config_from_args
+from hf_vla.serving.policy import ObservationMap, PolicyRunner, RequestError, add_rtc_arguments, rtc_config_from_args
 
 HEAD = "color_reach::delta_xy"
 NORM_STATS = {HEAD: {"state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0]},
@@ -362,7 +362,7 @@ def test_server_real_time_chunking(server):
 
 def test_evaluate_through_the_server_equals_in_process(server, checkpoint, tmp_path):
     """`evaluate --server` with a simulated delay and RTC gives the episodes in-process evaluation gives (same seed)."""
-    from hf_vla.evaluate import evaluate_checkpoint
+    from hf_vla.evaluation.runner import evaluate_checkpoint
 
     common = dict(episodes=3, save_videos=0, progress=False, inference_delay=2, rtc=True, n_action_steps=4)
     remote = evaluate_checkpoint(server=server.uri, seed=5, output_dir=tmp_path / "remote", **common)
@@ -431,7 +431,7 @@ def _garbage(observation: dict) -> list[tuple[dict, str]]:
 
 def test_runner_refuses_garbage(demo_policy):
     """PolicyRunner (in-process) refuses each bad observation before the model runs; the next good one is served."""
-    from hf_vla.policy import InputLimits
+    from hf_vla.serving.policy import InputLimits
 
     model, processor = demo_policy
     runner = PolicyRunner(model, processor, limits=InputLimits(max_image_side=64))
@@ -779,7 +779,7 @@ def test_batcher_runs_waiting_requests_in_one_forward(demo_policy):
 
 
 def sample_batch_one(model, request):
-    from hf_vla.policy import sample_batch
+    from hf_vla.serving.policy import sample_batch
 
     return sample_batch(model, [request], "cpu")[0]
 

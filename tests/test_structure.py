@@ -23,9 +23,9 @@ from test_trainer import _trainer, two_datasets  # noqa: F401  (session fixture)
 from hf_vla import PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLATrainingArguments
 from hf_vla.data import PI0Collator, PI05Collator, WeightedDatasetMixture
 from hf_vla.errors import ConfigError
-from hf_vla.losses import GROUP_KEYS, PerSampleLoss, aggregate
-from hf_vla.optim import MasterWeightOptimizer
 from hf_vla.tiny import build_tiny_tokenizer, tiny_pi0_config, tiny_pi05_config
+from hf_vla.training.losses import GROUP_KEYS, PerSampleLoss, aggregate
+from hf_vla.training.optim import MasterWeightOptimizer
 
 REPO = Path(__file__).resolve().parents[1]
 CAM = "observation.images.cam"
@@ -193,7 +193,7 @@ def test_trainer_takes_datasets_like_trl(two_datasets, tmp_path):  # noqa: F811
     parameters = inspect.signature(VLATrainer.__init__).parameters
     assert {"train_dataset", "eval_dataset", "data_collator", "processing_class", "peft_config"} <= set(parameters)
     assert "mixture" not in parameters
-    source = (REPO / "hf_vla" / "trainer.py").read_text()
+    source = (REPO / "hf_vla" / "training" / "trainer.py").read_text()
     assert "WeightedDatasetMixture" not in source and "mixture import" not in source
     mixture = WeightedDatasetMixture([dict(root=str(two_datasets / "a"), name="a", cameras=[CAM], control_mode="joint")])
     model = PI05ForConditionalGeneration(tiny_pi05_config(chunk_size=6))
@@ -251,7 +251,7 @@ def test_the_wheel_works_outside_the_repository(tmp_path):
     script = tmp_path / "render.py"
     script.write_text(f"""
 import json, hf_vla
-from hf_vla.card import model_card
+from hf_vla.hub.card import model_card
 from hf_vla.tiny import tiny_pi05_config
 assert hf_vla.__file__.startswith({str(env_site)!r}), hf_vla.__file__
 datasets = [dict(name="toy", source="org/toy", weight=1.0, head="arm::joint", cameras="cam",

@@ -14,7 +14,8 @@ from transformers import TrainerCallback, get_scheduler
 
 from hf_vla import MasterWeightOptimizer, PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLATrainingArguments
 from hf_vla.data import PI05Collator, WeightedDatasetMixture
-from hf_vla.losses import (
+from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
+from hf_vla.training.losses import (
     GROUP_KEYS,
     RTC_NOISE_SALT,
     StepTotals,
@@ -26,7 +27,6 @@ from hf_vla.losses import (
     sample_noise_and_time,
     sample_weights,
 )
-from hf_vla.tiny import build_tiny_tokenizer, tiny_pi05_config
 
 TESTS = Path(__file__).parent
 
@@ -109,7 +109,7 @@ def test_training_time_rtc_objective(monkeypatch):
     assert per_sample.count.tolist() == mask.sum(dim=(1, 2)).float().tolist()
 
     # other noise on the committed actions: the same loss to the bit (they are clean and unsupervised)
-    import hf_vla.losses as losses
+    import hf_vla.training.losses as losses
 
     def other_committed_noise(*args, **kwargs):
         drawn, times = sample_noise_and_time(*args, **kwargs)
@@ -177,7 +177,7 @@ def test_token_objective_ga4_x_dp2_gradient_equals_one_batch_of_16(distributed_r
     each aggregated over its own elements of the whole step, give the gradient of one batch of all 16 samples."""
     from distributed_step import make_model, run_key
 
-    from hf_vla.cotraining import token_per_sample_loss
+    from hf_vla.training.cotraining import token_per_sample_loss
 
     run = distributed_run[run_key(mode, token=True)]
     batch = {k: torch.cat([b[k] for b in run["batches"]]) if k != "labels" else None for k in run["batches"][0]}
@@ -188,7 +188,7 @@ def test_token_objective_ga4_x_dp2_gradient_equals_one_batch_of_16(distributed_r
     assert batch["actions"].shape[0] == 16 and len(set(token_counts.tolist())) > 1  # ragged targets
     model = make_model(token_loss=True).train()
     per_sample, outputs = policy_per_sample_loss(model, batch, seed=3, step=0)
-    tokens = token_per_sample_loss(outputs.token_logits, batch["labels"], run["fast_range"])
+    tokens = token_per_sample_loss(outputs.token_losses, batch["labels"], run["fast_range"])
     groups = batch[GROUP_KEYS["episode"]]
     loss = alpha * aggregate(mode, per_sample, groups) + aggregate(mode, tokens["ce"], groups)
     loss.backward()

@@ -1,9 +1,9 @@
 """LeRobot data for VLA training: sources, the episode-shuffle stream, the weighted mixture, the collator."""
 
-from .collator import PI0Collator, PI05Collator, VLACollator
-from .mixture import WeightedDatasetMixture
-from .sources import Block, DatasetConfig, LeRobotSource, VideoReader
-from .stream import EpisodeShuffleStream, ForkFriendlyDataLoader, Provenance, ValidationStream, schedule
+from hf_vla.data.collator import PI0Collator, PI05Collator, VLACollator
+from hf_vla.data.mixture import WeightedDatasetMixture
+from hf_vla.data.sources import Block, DatasetConfig, LeRobotSource, VideoReader
+from hf_vla.data.stream import EpisodeShuffleStream, ForkFriendlyDataLoader, Provenance, ValidationStream, schedule
 
 __all__ = [
     "Block",

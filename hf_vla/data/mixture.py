@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from lerobot.datasets.compute_stats import aggregate_feature_stats
 
-from ..errors import ConfigError, DataError
-from .scan import MAX_STATS_FRAMES, scan_source
-from .sources import BlockList, DatasetConfig, LeRobotSource
-from .stream import EpisodeShuffleStream, Provenance, ValidationStream
+from hf_vla.data.scan import MAX_STATS_FRAMES, scan_source
+from hf_vla.data.sources import BlockList, DatasetConfig, LeRobotSource
+from hf_vla.data.stream import EpisodeShuffleStream, Provenance, ValidationStream
+from hf_vla.errors import ConfigError, DataError
 
 logger = logging.getLogger("hf_vla.data")
 

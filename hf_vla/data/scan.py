@@ -35,14 +35,17 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import av
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import DataError
-from .sources import LeRobotSource, vector_column
+from hf_vla.errors import DataError
+
+if TYPE_CHECKING:
+    from hf_vla.data.sources import LeRobotSource
 
 logger = logging.getLogger("hf_vla.data")
 SCAN_VERSION = 5  # 4: the content hash of the used rows; 5: ctime in the key, per-episode hashes
@@ -128,6 +131,28 @@ def cache_dir() -> Path:
 def _stat(path: Path) -> list:
     info = path.stat()
     return [info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+
+
+def vector_column(column: pa.ChunkedArray | pa.Array, dim: int, what: str) -> np.ndarray:
+    """A list column of `dim` numbers per row as a `[rows, dim]` array; a DataError naming `what` otherwise."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    kind = array.type
+    if not (pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        raise DataError(f"{what} is a scalar column ({kind}), not a vector: state and actions must be numeric vectors")
+    if not (pa.types.is_floating(kind.value_type) or pa.types.is_integer(kind.value_type)):
+        raise DataError(f"{what} holds {kind.value_type} values, not numbers")
+    if array.null_count:
+        raise DataError(f"{what} has {array.null_count} null rows")
+    if not pa.types.is_fixed_size_list(kind):
+        import pyarrow.compute as pc
+
+        lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
+        if len(lengths) and (lengths != dim).any():
+            row = int(np.flatnonzero(lengths != dim)[0])
+            raise DataError(f"{what}: row {row} has {lengths[row]} values, the feature has {dim}")
+    elif kind.list_size != dim:
+        raise DataError(f"{what} has {kind.list_size} values per row, meta/info.json says {dim}")
+    return array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), dim)
 
 
 def fingerprint(source: LeRobotSource, max_frames: int, seed: int) -> str:

@@ -27,7 +27,8 @@ import pyarrow.parquet as pq
 import torch
 from av.video.reformatter import VideoReformatter
 
-from ..errors import ConfigError, DataError, FeatureKeyError, MissingFileError
+from hf_vla.data.scan import vector_column
+from hf_vla.errors import ConfigError, DataError, FeatureKeyError, MissingFileError
 
 logger = logging.getLogger("hf_vla.data")
 NUMERIC_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
@@ -174,28 +175,6 @@ def _lerobot_metadata_class():
     return Metadata
 
 
-def vector_column(column: pa.ChunkedArray | pa.Array, dim: int, what: str) -> np.ndarray:
-    """A list column of `dim` numbers per row as a `[rows, dim]` array; a DataError naming `what` otherwise."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    kind = array.type
-    if not (pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind)):
-        raise DataError(f"{what} is a scalar column ({kind}), not a vector: state and actions must be numeric vectors")
-    if not (pa.types.is_floating(kind.value_type) or pa.types.is_integer(kind.value_type)):
-        raise DataError(f"{what} holds {kind.value_type} values, not numbers")
-    if array.null_count:
-        raise DataError(f"{what} has {array.null_count} null rows")
-    if not pa.types.is_fixed_size_list(kind):
-        import pyarrow.compute as pc
-
-        lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
-        if len(lengths) and (lengths != dim).any():
-            row = int(np.flatnonzero(lengths != dim)[0])
-            raise DataError(f"{what}: row {row} has {lengths[row]} values, the feature has {dim}")
-    elif kind.list_size != dim:
-        raise DataError(f"{what} has {kind.list_size} values per row, meta/info.json says {dim}")
-    return array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), dim)
-
-
 class LeRobotSource:
     """Metadata, blocks and frame reading for one dataset (`source_index` = its position in the mixture)."""
 
@@ -264,7 +243,7 @@ class LeRobotSource:
 
         root = config.root
         if root is None and config.repo_id:
-            from ..hub import lerobot_home
+            from hf_vla.hub.resolve import lerobot_home
 
             root = lerobot_home() / config.repo_id  # lerobot's layout for a dataset in its cache
             if (root / "meta" / "info.json").is_file():
@@ -280,7 +259,7 @@ class LeRobotSource:
             from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
             if config.repo_id and isinstance(error, HfHubHTTPError | LocalEntryNotFoundError | OfflineModeIsEnabled):
-                from ..hub import hub_error
+                from hf_vla.hub.resolve import hub_error
 
                 raise hub_error(error, f"dataset {config.repo_id!r}", config.revision) from error
             raise
@@ -414,7 +393,7 @@ class LeRobotSource:
     def _load_keep_ranges_spec(self) -> dict:
         spec = self.config.keep_ranges
         if isinstance(spec, str | os.PathLike):
-            from ..hub import fetch_file, is_remote
+            from hf_vla.hub.resolve import fetch_file, is_remote
 
             path = fetch_file(spec, f"dataset {self.name!r}: keep_ranges") if is_remote(spec) else Path(spec)
             if not path.is_file():
@@ -558,7 +537,7 @@ class LeRobotSource:
         missing = sorted(str(p) for p in paths if not p.is_file())
         if missing and self.config.repo_id and self.config.root is None:
             # in lerobot's cache: fetch exactly the files of the used episodes and cameras
-            from ..hub import download_dataset_files
+            from hf_vla.hub.resolve import download_dataset_files
 
             download_dataset_files(self.config.repo_id, self.meta.revision, self.root,
                                    [str(Path(p).relative_to(self.root)) for p in missing])
@@ -665,7 +644,7 @@ class LeRobotSource:
     # ---- statistics ----------------------------------------------------------------------------------------------
     def column_values(self, max_frames: int = 2_000_000, seed: int = 0) -> dict[str, np.ndarray]:
         """state / actions of (a seeded subsample of) the used frames, read from parquet only (see `scan`)."""
-        from .scan import scan_source
+        from hf_vla.data.scan import scan_source
 
         result = scan_source(self, max_frames=max_frames, seed=seed)
         return {"state": result.state, "actions": result.actions, "frames": result.frames}

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ..errors import ConfigError
-from .sources import Block, BlockList, LeRobotSource, VideoReader
+from hf_vla.data.sources import Block, BlockList, LeRobotSource, VideoReader
+from hf_vla.errors import ConfigError
 
 
 @dataclass
@@ -331,7 +331,7 @@ class EpisodeShuffleStream(IterableDataset):
     def content_changes(self, saved: dict | None) -> str:
         """`; first change: dataset 'x', ROOT/FILE episode E (...)` for the first dataset whose per-file hashes
         differ from the checkpoint's `saved` ones, or '' when none can be named."""
-        from .scan import content_difference
+        from hf_vla.data.scan import content_difference
 
         for index, source in enumerate(self.sources):
             name = str(getattr(source, "name", index))
@@ -358,7 +358,7 @@ class EpisodeShuffleStream(IterableDataset):
         episodes, kept ranges, split or weights: `data_fingerprint`), resuming is refused unless `on_data_change` is
         `"restart_epoch"`, which starts the next epoch on the new data.
         """
-        from ..errors import CheckpointError
+        from hf_vla.errors import CheckpointError
 
         if state.get("seed") != self.seed:
             raise CheckpointError(f"cannot resume the stream: the checkpoint has seed={state.get('seed')}, this run "
@@ -524,7 +524,7 @@ class ValidationStream(IterableDataset):
 
 
 def _worker_init(worker_id: int, then: Callable | None = None) -> None:
-    """In each DataLoader worker: ignore the signals that announce a preemption (`hf_vla.preemption.SIGNALS`).
+    """In each DataLoader worker: ignore the signals that announce a preemption (`hf_vla.training.preemption.SIGNALS`).
 
     `timeout`, `kill -TERM -PGID` and batch systems that signal every process of a job step reach the workers too;
     torch's worker dies on SIGTERM, and the main process, which is finishing its step and writing the preemption
@@ -532,7 +532,7 @@ def _worker_init(worker_id: int, then: Callable | None = None) -> None:
     its workers leave when it shuts them down or exits (torch's workers watch their parent)."""
     import signal
 
-    from ..preemption import SIGNALS
+    from hf_vla.training.preemption import SIGNALS
 
     for number in SIGNALS:
         signal.signal(number, signal.SIG_IGN)

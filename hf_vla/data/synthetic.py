@@ -79,7 +79,7 @@ def write_droid_like(root: str | os.PathLike, episodes: int = 92_000, mean_lengt
                      frames_per_data_file: int = 1_000_000, row_groups: str = "episode", episodes_per_video: int = 100,
                      episodes_per_meta_file: int = 50_000, seed: int = 0, progress: bool = True) -> Path:
     """Write the dataset to `root` (which must not exist) and return it. See the module docstring."""
-    from tqdm.auto import tqdm
+    from hf_vla.cli import progress_bar
 
     root = Path(root)
     if root.exists():
@@ -97,7 +97,7 @@ def write_droid_like(root: str | os.PathLike, episodes: int = 92_000, mean_lengt
     # ---- data files: random-walk state, actions = next state, rotated every ~frames_per_data_file frames --------
     file_of_episode = np.minimum(starts // frames_per_data_file, (total - 1) // frames_per_data_file)
     state_stats, action_stats = [], []
-    bar = tqdm(total=total, desc="synthetic DROID frames", unit="frame", disable=not progress, unit_scale=True)
+    bar = progress_bar(total, "synthetic DROID frames", "frames", enabled=progress, unit_scale=True)
     for file_index in np.unique(file_of_episode):
         members = np.flatnonzero(file_of_episode == file_index)
         rows = int(lengths[members].sum())

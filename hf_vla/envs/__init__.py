@@ -2,7 +2,7 @@
 
 import gymnasium as gym
 
-from .reach import COLORS, ColorReachEnv, expert_action
+from hf_vla.envs.reach import COLORS, ColorReachEnv, expert_action
 
 ENV_ID = "hf_vla/ColorReach-v0"
 if ENV_ID not in gym.registry:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
-ROBOT_TYPE = "color_reach"
 # Bumped whenever the env or the recording changes, so `ensure_demo_dataset` rebuilds stale data.
 DEMO_DATA_VERSION = 2
 
@@ -22,7 +21,7 @@ def generate_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: in
     demo's episode seeds `seed * 100_003 + i` (for seed 0: the recorder's own 0, 1, 2, ...)."""
     import itertools
 
-    from ..record import record
+    from hf_vla.record import record
 
     root = Path(root)
     if root.exists():

@@ -21,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from ..errors import ConfigError
+from hf_vla.errors import ConfigError
 
 # the suites and their task counts (LIBERO's benchmark), so that a task list is checked without LIBERO installed
 SUITES = {"libero_spatial": 10, "libero_object": 10, "libero_goal": 10, "libero_10": 10, "libero_90": 90}
@@ -118,7 +118,7 @@ class LiberoEnv(gym.Env):
 
 def in_worker(task: str, **kwargs):
     """A `LiberoEnv` in its own process (one GL context per process, as for Meta-World)."""
-    from .worker import InWorker
+    from hf_vla.envs.worker import InWorker
 
     require_libero()  # not installed: one line here, not a traceback from the worker
     return InWorker(functools.partial(LiberoEnv, task=task, **kwargs), name=f"LIBERO {task}")

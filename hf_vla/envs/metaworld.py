@@ -29,8 +29,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from ..errors import ConfigError
-from .worker import InWorker
+from hf_vla.envs.worker import InWorker
+from hf_vla.errors import ConfigError
 
 os.environ.setdefault("MUJOCO_GL", "egl")  # before mujoco is first imported: headless rendering
 if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):

@@ -22,6 +22,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+ROBOT_TYPE = "color_reach"  # the robot type of ColorReach's recordings (the demo data)
 COLORS = {
     "red": (220, 40, 40),
     "green": (40, 190, 60),

@@ -29,7 +29,7 @@ def _serve(connection, factory: Callable) -> None:
     for number in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGUSR1", signal.SIGTERM)):
         signal.signal(number, signal.SIG_IGN)
     try:
-        from ..cli import quiet_libraries
+        from hf_vla.cli import quiet_libraries
 
         quiet_libraries()  # a fresh interpreter: the driving command's settings do not carry over
         env = factory()

@@ -3,12 +3,13 @@
 - `flow`: Flow-SDE (the Euler sampler as Gaussian steps with an exact chain likelihood), GRPO advantages, GAE and the
   critic's loss (PPO), the clipped objective;
 - `rollout`: the stochastic policy and the envs of a run, through the episode loop evaluation uses;
-- `trainer`: `RLConfig` (extends `VLATrainingArguments`) and `RLTrainer` (extends `VLATrainer`, as TRL's trainers
-  extend `Trainer`).
+- `config`: `RLConfig` (extends `VLATrainingArguments`);
+- `trainer`: `RLTrainer` (extends `VLATrainer`, as TRL's trainers extend `Trainer`), with its rollout collection
+  (`collection`) and reporting (`reporting`).
 """
 
-from .flow import FlowSDE
-from .rollout import RolloutEngine, StochasticPolicy, Transition
-from .trainer import RLConfig, RLTrainer
+from hf_vla.rl.flow import FlowSDE
+from hf_vla.rl.rollout import RolloutEngine, StochasticPolicy, Transition
+from hf_vla.rl.trainer import RLConfig, RLTrainer
 
 __all__ = ["FlowSDE", "RLConfig", "RLTrainer", "RolloutEngine", "StochasticPolicy", "Transition"]

@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from hf_vla.errors import ConfigError
 
 logger = logging.getLogger("hf_vla.rl")
 
@@ -28,8 +28,8 @@ def help_text() -> str:
     import dataclasses
     import textwrap
 
-    from ..trainer import VLATrainingArguments
-    from .trainer import RLConfig
+    from hf_vla.rl.config import RLConfig
+    from hf_vla.training.trainer import VLATrainingArguments
 
     base = {f.name: f for f in dataclasses.fields(VLATrainingArguments)}
     lines = [__doc__.strip(), "", "RL fields (every field of `python -m hf_vla.train --help`'s training arguments "
@@ -64,9 +64,10 @@ def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
     """JSON config + `--key value` overrides -> a validated `RLConfig` (nothing loaded yet)."""
     from transformers import HfArgumentParser
 
-    from ..train import _apply_overrides, read_config_file
-    from ..validation import _suggest, check_fields, check_writable_dir, field_annotations
-    from .trainer import RLConfig
+    from hf_vla.cli import check_writable_dir
+    from hf_vla.rl.config import RLConfig
+    from hf_vla.train import _apply_overrides, read_config_file
+    from hf_vla.training.config_checks import _suggest, check_fields, field_annotations
 
     path = Path(path)
     config = read_config_file(path)
@@ -90,12 +91,12 @@ def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
                           "or a lerobot pi0 / pi0.5 checkpoint)")
     check_writable_dir("output_dir", args.output_dir)
     if args.env:  # an env named here is checked before gigabytes of weights load (the contract's, after loading)
-        from ..evaluate import check_env
+        from hf_vla.evaluation.envs import check_env
 
         check_env(args.env, args.task, "env=", "task=")
     resume = args.resume_from_checkpoint
     if resume and resume.lower() not in ("true", "false"):
-        from ..checkpoints import check_resumable
+        from hf_vla.training.checkpoints import check_resumable
 
         check_resumable(resume)
     return args
@@ -106,9 +107,9 @@ def load_start(args):
     import torch
     from transformers import AutoConfig  # knows pi05: this module's package, hf_vla, registered it on import
 
-    from ..hub import load_error, resolve_pretrained
-    from ..policy import load_pretrained
-    from .trainer import check_model_type
+    from hf_vla.hub.resolve import load_error, resolve_pretrained
+    from hf_vla.rl.trainer import check_model_type
+    from hf_vla.serving.policy import load_pretrained
 
     with args.main_process_first(local=True, desc="checkpoint conversion"):
         source = resolve_pretrained(args.model_name_or_path, args.model_revision, label="model_name_or_path")
@@ -129,19 +130,19 @@ def main(argv: list[str] | None = None):
         print(help_text())
         return None
     args = parse_rl_config(argv[0], argv[1:])
-    from ..train import run_checked
+    from hf_vla.train import run_checked
 
     return run_checked(args, lambda: _run(args))
 
 
 def _run(args):
-    from ..preemption import raise_if_preempted
-    from .trainer import RLTrainer
+    from hf_vla.rl.trainer import RLTrainer
+    from hf_vla.training.preemption import raise_if_preempted
 
     model, processor = load_start(args)
     peft_config = None
     if args.lora_preset:
-        from ..lora import lora_config
+        from hf_vla.lora import lora_config
 
         peft_config = lora_config(args.lora_preset, r=args.lora_r, alpha=args.lora_alpha, model=model)
     trainer = RLTrainer(model, args, processing_class=processor, peft_config=peft_config)
@@ -178,7 +179,7 @@ def _run(args):
 
 
 def cli(argv: list[str] | None = None):
-    from ..train import launched_cli
+    from hf_vla.train import launched_cli
 
     return launched_cli("hf_vla.rl", main, argv)
 

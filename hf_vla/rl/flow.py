@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.pi0_adapter import is_pi0
+from hf_vla.models.pi0_adapter import is_pi0
 
 SCHEDULES = ("flow_sde", "constant")
 

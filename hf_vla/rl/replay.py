@@ -11,7 +11,7 @@ without training on its own samples collapsing the policy (measured on ColorReac
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from hf_vla.errors import ConfigError
 
 
 class HeadIndexCollator:
@@ -32,8 +32,8 @@ def replay_stream(args, processor, config):
     stream of this rank (batch `per_device_train_batch_size`, seed `data_seed` or `seed`, `stream_open_blocks`) and
     the processor's collator. Every replayed head must be one of the policy's (the same dataset `name` and
     `control_mode` as in its supervised training)."""
-    from ..data import VLACollator, WeightedDatasetMixture
-    from ..policy import stat_dims
+    from hf_vla.data import VLACollator, WeightedDatasetMixture
+    from hf_vla.serving.policy import stat_dims
 
     mixture = WeightedDatasetMixture(args.bc_datasets)
     heads = list(getattr(processor, "head_names", None) or [])

@@ -1,4 +1,4 @@
-"""Rollouts for RL: the episode loop of evaluation (`hf_vla.episodes.EpisodeRunner`) with a stochastic policy that
+"""Rollouts for RL: the episode loop of evaluation (`hf_vla.evaluation.episodes.EpisodeRunner`) with a stochastic policy that
 records what the update needs.
 
 `StochasticPolicy` is a `PolicyRunner` whose chunks come from the Flow-SDE sampler (`hf_vla.rl.flow`): every policy call
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..policy import PolicyRunner, PreparedRequest, RequestError, batch_requests
-from .flow import FlowSDE, sample_chain, step_log_probs
+from hf_vla.rl.flow import FlowSDE, sample_chain, step_log_probs
+from hf_vla.serving.policy import PolicyRunner, PreparedRequest, RequestError, batch_requests
 
 logger = logging.getLogger("hf_vla.rl")
 
@@ -27,7 +27,7 @@ logger = logging.getLogger("hf_vla.rl")
 class Transition:
     """One policy decision: a chunk sampled from an observation, as the update recomputes it."""
 
-    inputs: dict  # the model's inputs (`hf_vla.policy.model_input_keys`), each [1, ...]
+    inputs: dict  # the model's inputs (`hf_vla.serving.policy.model_input_keys`), each [1, ...]
     chain: torch.Tensor  # [K+1, chunk, max_action_dim], normalised; chain[-1] is the chunk
     log_probs: torch.Tensor  # [K] per denoising step, over the executed steps and the head's action dims
     means: torch.Tensor  # [K, chunk, max_action_dim]: the Gaussian steps' means under the rollout weights
@@ -133,7 +133,7 @@ class RolloutEngine:
     chunk_size: int | None = None
 
     def __post_init__(self):
-        from ..evaluate import _make_envs
+        from hf_vla.evaluation.envs import _make_envs
 
         self.envs: dict = {}
         try:
@@ -145,7 +145,7 @@ class RolloutEngine:
         self.discarded = 0
 
     def _restart(self, task, slot: int):
-        from ..evaluate import make_env
+        from hf_vla.evaluation.envs import make_env
 
         env = make_env(self.env_id, task, self.env_kwargs, worker=self.num_envs > 1)
         self.envs[task][slot] = env
@@ -154,7 +154,7 @@ class RolloutEngine:
     def run(self, policy, seeds: dict, noise_seeds: dict | None = None, progress: bool = False, desc: str = "rollouts"):
         """Episodes of `policy` per task (`seeds[task]`, `noise_seeds[task]` aligned): `{task: [Episode]}` (in seed
         order, dead-worker episodes marked `discarded`), and for a `StochasticPolicy` the transitions of every slot."""
-        from ..episodes import EpisodeRunner
+        from hf_vla.evaluation.episodes import EpisodeRunner
 
         tasks = [task for task in self.tasks if seeds.get(task)]
         if not tasks:
@@ -178,7 +178,7 @@ class RolloutEngine:
         return episodes, transitions
 
     def close(self):
-        from ..evaluate import _close
+        from hf_vla.evaluation.envs import _close
 
         for envs in self.envs.values():
             _close(envs)

@@ -1,17 +1,18 @@
 """What RL rollouts run with: env, tasks, image size, episode limit, actions per chunk, cameras and head, taken from
-the start checkpoint's deployment contract (`hf_vla.deployment`) as `hf_vla.evaluate` takes them, so the policy is
+the start checkpoint's deployment contract (`hf_vla.serving.contract`) as `hf_vla.evaluate` takes them, so the policy is
 improved under the settings it is deployed with; a field of `RLConfig` that contradicts the contract is refused by
 the same check as evaluate's flags."""
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from hf_vla.errors import ConfigError
 
 
 def rollout_settings(args, processor, config) -> dict:
-    from ..deployment import DeploymentConfig
-    from ..evaluate import BENCHMARKS, benchmark_tasks, check_env, evaluation_settings, head_spec
-    from ..policy import stat_dims
+    from hf_vla.evaluation.envs import BENCHMARKS, benchmark_tasks, check_env
+    from hf_vla.evaluation.settings import evaluation_settings, head_spec
+    from hf_vla.serving.contract import DeploymentConfig
+    from hf_vla.serving.policy import stat_dims
 
     contract = None
     if getattr(processor, "deployment", None):

@@ -39,7 +39,7 @@ class PI05Config(PreTrainedConfig):
         sample (normalised action units) added to its committed prefix. At inference the prefix is the policy's own
         earlier output, errors included, not a demonstration; a clean prefix in training teaches the model to
         continue it blindly. On the demo, with 0.2 the policy failed 10 of 3,500 episodes with RTC against 6
-        without; with 0, 18 of 1,500 against 5 (README). 0 is the paper's objective.
+        without; with 0, 18 of 1,500 against 5 (docs/measurements.md). 0 is the paper's objective.
     value_head (`bool`, defaults to `False`): a critic for PPO fine-tuning (`hf_vla.rl`, `algorithm="ppo"`): a small
         MLP on the mean of the prefix's hidden states entering the VLM's last layer, predicting the return. Sampling
         never runs it; a loaded checkpoint keeps it frozen until the RL trainer trains it.
@@ -51,6 +51,10 @@ class PI05Config(PreTrainedConfig):
     knowledge_insulation (`bool`, defaults to `True`): with target tokens, the expert reads stop-gradient keys/values
         of the backbone (Driess et al. 2025, "Knowledge Insulating VLA models"): the flow loss trains the expert only
         and the backbone learns from the token loss. Without target tokens it has no effect.
+    token_loss_chunk (`int`, defaults to 1024): target tokens per piece of the LM head and its cross-entropy: one
+        piece's logits (`[chunk, vocab]`) exist at a time and are recomputed in the backward pass, so PaliGemma's
+        257,152-entry vocabulary costs chunk x vocab x 4 bytes (1 GiB at 1024) instead of every target's logits.
+        0: all at once.
     image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
     """
 
@@ -76,6 +80,7 @@ class PI05Config(PreTrainedConfig):
     value_head: bool = False
     token_loss: bool = False
     knowledge_insulation: bool = True
+    token_loss_chunk: int = 1024
 
     def __post_init__(self, **kwargs):
         if isinstance(self.vlm_config, dict):

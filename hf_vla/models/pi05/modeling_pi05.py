@@ -120,11 +120,37 @@ class PI05VLMDecoderLayer(GemmaDecoderLayer):
 @dataclass
 class PI05Output(CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` (`logits` = the velocity) plus `value` `[B]`: the critic's estimate of the return, with
-    `output_value=True` on a model with a value head; `token_logits` `[B, L_t, vocab]` (the model's dtype): the
-    backbone's next-token logits for each target token, when `labels` were given (the token objective)."""
+    `output_value=True` on a model with a value head. With `labels` (the token objective): `token_losses` `[B, L_t]`
+    (float32), the backbone's next-token cross-entropy of each target (0 where the label is -100), computed in pieces
+    of `config.token_loss_chunk` targets; and, with `output_token_logits=True`, the logits themselves `token_logits`
+    `[B, L_t, vocab]` (the model's dtype; for tests and inspection: at a real vocabulary they are large)."""
 
     value: torch.FloatTensor | None = None
+    token_losses: torch.FloatTensor | None = None
     token_logits: torch.FloatTensor | None = None
+
+
+def _token_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-row next-token cross-entropy (float32) through the tied LM head `weight`."""
+    return F.cross_entropy(F.linear(hidden.to(weight.dtype), weight).float(), labels, reduction="none")
+
+
+def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`[B, L_t]` cross-entropy of every target (0 at -100) without the `[B, L_t, vocab]` logits: the valid rows go
+    through the LM head `chunk` at a time, each piece recomputed in the backward pass (activation checkpointing)."""
+    valid = labels != -100
+    rows, targets = hidden[valid], labels[valid]
+    if rows.shape[0] == 0:  # no target here: keep the last layer in the graph (DDP expects its gradient, 0)
+        return torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device) + 0.0 * hidden.float().sum()
+    step = chunk if chunk and chunk > 0 else rows.shape[0]
+    pieces = []
+    for start in range(0, rows.shape[0], step):
+        args = (rows[start : start + step], weight, targets[start : start + step])
+        if chunk and chunk > 0 and torch.is_grad_enabled():
+            pieces.append(torch.utils.checkpoint.checkpoint(_token_cross_entropy, *args, use_reentrant=False))
+        else:
+            pieces.append(_token_cross_entropy(*args))
+    return torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device).masked_scatter(valid, torch.cat(pieces))
 
 
 class PI05ValueHead(nn.Module):
@@ -464,6 +490,22 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
     def set_input_embeddings(self, value):
         self.model.set_input_embeddings(value)
 
+    def get_output_embeddings(self):
+        # With the token objective the LM head is the input embedding's weight, tied (PaliGemma). Saying so keeps
+        # sharding engines from giving the embedding a unit of its own that reshards before the head reads it
+        # (accelerate's FSDP2 puts tied embeddings in one unit that stays gathered through the forward). A holder of
+        # the shared weight, not the embedding itself (a unit takes each module once) and not a submodule (the
+        # checkpoint holds the weight once). Flow-only: no head.
+        if not self.config.token_loss:
+            return None
+        embedding = self.model.get_input_embeddings()
+        head = self.__dict__.get("_tied_head")
+        if head is None or head.weight is not embedding.weight:
+            head = nn.Module()
+            head.weight = embedding.weight
+            self.__dict__["_tied_head"] = head  # outside the module tree
+        return head
+
     @staticmethod
     def _default_masks(input_ids, pixel_values, attention_mask, pixel_attention_mask):
         """All prompt tokens and all camera slots present unless masks say otherwise."""
@@ -507,6 +549,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         use_cache: bool = False,
         output_value: bool = False,
         labels: torch.LongTensor | None = None,
+        output_token_logits: bool = False,
         **kwargs,
     ) -> PI05Output:
         r"""
@@ -524,9 +567,10 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         output_value: also return the critic's `value` `[B]` (needs a value head and the prefix, not a cache).
         labels (`[B, L_t]`, token objective, `config.token_loss`): target token ids after the prompt (FAST action
             tokens, then text), -100 where there is none (right-padded). The backbone reads them causally after the
-            prefix and returns its next-token `token_logits`; the expert never sees them and, under
-            `config.knowledge_insulation`, reads the backbone's keys/values through a stop-gradient. With `actions`,
-            `loss` adds the mean cross-entropy over the targets to the flow MSE.
+            prefix and returns each target's next-token cross-entropy `token_losses`; the expert never sees them and,
+            under `config.knowledge_insulation`, reads the backbone's keys/values through a stop-gradient. With
+            `actions`, `loss` adds the mean cross-entropy over the targets to the flow MSE.
+        output_token_logits: with `labels`, also return the targets' logits `token_logits` `[B, L_t, vocab]`.
 
         Returns `logits` = predicted velocity `[B, chunk, max_action_dim]` (fp32).
         """
@@ -579,21 +623,24 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             output_prefix_hidden=output_value,
             target_valid=target_valid,
         )
-        token_logits = None
+        token_logits = token_losses = None
         if labels is not None:  # the LM head is the input embedding, tied (PaliGemma)
             target_hidden = extra.pop()
             embedding = self.model.get_input_embeddings().weight
-            token_logits = F.linear(target_hidden.to(embedding.dtype), embedding)
+            token_losses = chunked_token_losses(target_hidden, embedding, labels, self.config.token_loss_chunk)
+            if output_token_logits:
+                token_logits = F.linear(target_hidden.to(embedding.dtype), embedding)
         prefix_hidden = extra
         velocity = self.action_out_proj(hidden[:, -self.config.chunk_size :].to(self.action_out_proj.weight.dtype))
         velocity = velocity.float()
         loss = None
         if actions is not None:
             loss = F.mse_loss(velocity, (noise - actions).float())
-            if token_logits is not None and target_valid.any():
-                loss = loss + F.cross_entropy(token_logits[target_valid].float(), labels[target_valid])
+            if token_losses is not None and target_valid.any():
+                loss = loss + token_losses[target_valid].mean()
         value = self.value_head(prefix_hidden[0], prefix_valid) if output_value else None
-        return PI05Output(loss=loss, logits=velocity, past_key_values=cache, value=value, token_logits=token_logits)
+        return PI05Output(loss=loss, logits=velocity, past_key_values=cache, value=value, token_losses=token_losses,
+                          token_logits=token_logits)
 
     # ---- structure, for the trainer and peft ---------------------------------------------------------------------
     freeze_modes = ("none", "vision_tower", "vlm", "expert_only")

@@ -87,10 +87,12 @@ def resize_with_pad(images: torch.Tensor, size: int) -> torch.Tensor:
 
 def _pil_to_array(images):
     """PIL images, in (nested) lists, -> a uint8 array [..., H, W, 3]; anything else unchanged."""
-    from PIL import Image
-
+    try:  # Pillow is optional: without it no PIL image can have been passed (and transformers' remote-code loader, which
+        from PIL import Image  # requires every import it finds, leaves those inside a try block out)
+    except ImportError:
+        return images
     if isinstance(images, Image.Image):
-        return np.asarray(images.convert("RGB"))
+        return np.array(images.convert("RGB"))  # a writable copy (torch warns about a read-only array, and may write)
     if isinstance(images, list | tuple) and images and (
             isinstance(images[0], Image.Image) or (isinstance(images[0], list | tuple) and images[0]
                                                    and isinstance(images[0][0], Image.Image))):
@@ -146,7 +148,7 @@ DEPLOYMENT_FILE = "deployment_config.json"
 
 
 class DeploymentContractMixin:
-    """A processor that carries its checkpoint's deployment contract (`hf_vla.deployment`: camera keys and recorded
+    """A processor that carries its checkpoint's deployment contract (`hf_vla.serving.contract`: camera keys and recorded
     sizes, actions executed per chunk, heads, benchmark settings) as the dict `deployment`: `save_pretrained` writes it
     to `deployment_config.json` beside `processor_config.json` (so every save of the processor, in checkpoints, rollout
     snapshots, conversions and Hub pushes, carries it) and `from_pretrained` reads it back (None when absent)."""

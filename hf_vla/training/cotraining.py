@@ -3,7 +3,7 @@
 pi0.5 (arXiv 2504.16054, Eq. 1) trains the VLM with next-token cross-entropy on target tokens (FAST-encoded actions,
 text) beside alpha x the expert's flow MSE; knowledge insulation (arXiv 2505.23705) puts a stop-gradient between them,
 so the flow loss trains only the expert and the backbone learns only from the tokens. The model side is
-`PI05Config.token_loss` / `knowledge_insulation` (`labels` in, `token_logits` out); this module holds the two pieces
+`PI05Config.token_loss` / `knowledge_insulation` (`labels` in, `token_losses` out); this module holds the two pieces
 around it:
 
 - `fit_fast`: the FAST action tokenizer fitted at the start of training on chunks of the training mixture (or
@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
-from .losses import PerSampleLoss
+from hf_vla.errors import ConfigError
+from hf_vla.training.losses import PerSampleLoss
 
-logger = logging.getLogger("hf_vla.cotraining")
+logger = logging.getLogger("hf_vla.training.cotraining")
 
 COMPONENTS = ("fast_ce", "text_ce")
 
@@ -71,7 +71,7 @@ def fit_fast(mixture, processor, config, path: str | None = None, vocab_size: in
     """The FAST tokenizer of a run: loaded from `path` (a `fast_tokenizer.json`, its directory, or a checkpoint
     trained with the token loss), else fitted on `training_chunks`; its statistics are logged and it is set on the
     processor (`set_fast_tokenizer`, ids placed in the model's vocabulary). Every refusal is one `ConfigError` line."""
-    from .models.pi05.fast_tokenizer import FASTActionTokenizer, FASTError
+    from hf_vla.models.pi05.fast_tokenizer import FASTActionTokenizer, FASTError
 
     try:
         if path:
@@ -98,14 +98,17 @@ def fit_fast(mixture, processor, config, path: str | None = None, vocab_size: in
     return fast
 
 
-def token_per_sample_loss(token_logits: torch.Tensor, labels: torch.Tensor,
+def token_per_sample_loss(token_losses: torch.Tensor, labels: torch.Tensor,
                           fast_range: tuple[int, int] | None) -> dict[str, PerSampleLoss]:
     """Next-token cross-entropy of every target, summed per sample: `{"ce": all targets, "fast_ce": FAST tokens,
-    "text_ce": the others}` as `PerSampleLoss(sum [B], count [B])` (float32; -100 counts nowhere). Computed in float32
-    from logits in the model's dtype."""
+    "text_ce": the others}` as `PerSampleLoss(sum [B], count [B])` (float32; -100 counts nowhere). `token_losses`:
+    the model's per-target cross-entropy `[B, L_t]` (`PI05Output.token_losses`), or logits `[B, L_t, vocab]`, whose
+    cross-entropy is taken here in float32."""
     valid = labels != -100
-    flat = F.cross_entropy(token_logits.float().flatten(0, 1), labels.masked_fill(~valid, 0).flatten(),
-                           reduction="none").view(labels.shape) * valid
+    if token_losses.ndim == 3:  # logits
+        token_losses = F.cross_entropy(token_losses.float().flatten(0, 1), labels.masked_fill(~valid, 0).flatten(),
+                                       reduction="none").view(labels.shape)
+    flat = token_losses.float() * valid
     if fast_range is not None:
         fast = valid & (labels >= fast_range[0]) & (labels < fast_range[1])
     else:

@@ -24,7 +24,7 @@ import threading
 import torch
 from transformers import TrainerCallback
 
-logger = logging.getLogger("hf_vla.preemption")
+logger = logging.getLogger("hf_vla.training.preemption")
 EXIT_PREEMPTED = 75
 SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGINT", None),
                             getattr(signal, "SIGUSR1", None)) if s is not None)
@@ -117,7 +117,7 @@ def raise_if_preempted(trainer) -> None:
         return
     from pathlib import Path
 
-    from .errors import Preempted
+    from hf_vla.errors import Preempted
 
     trainer.accelerator.wait_for_everyone()
     step = callback.stopped_at

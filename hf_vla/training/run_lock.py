@@ -20,7 +20,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .errors import ConfigError
+from hf_vla.errors import ConfigError
 
 logger = logging.getLogger("hf_vla.train")
 

@@ -8,7 +8,7 @@ crop followed by a rotation about the centre), and the jitter factors are drawn 
 applied in that order, each clamped to [0, 1].
 
 Each sample's draws are keyed by what the sample is (seed, optimizer step, source, episode, frame), like the flow
-noise of `hf_vla.losses`: any split of a step into micro-batches or ranks, and a resumed run, augment exactly as one
+noise of `hf_vla.training.losses`: any split of a step into micro-batches or ranks, and a resumed run, augment exactly as one
 uninterrupted batch would.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from hf_vla.errors import ConfigError
 
 AUGMENT_SALT = 3  # keeps these draws independent of the noise, time and RTC draws of the same sample
 

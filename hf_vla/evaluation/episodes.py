@@ -1,6 +1,6 @@
 """The one episode loop: closed-loop episodes of a chunking policy in N envs at once.
 
-`hf_vla.evaluate`, rollouts during training (`hf_vla.rollouts`, through `evaluate_checkpoint`) and the benchmarks run
+`hf_vla.evaluate`, rollouts during training (`hf_vla.training.rollouts`, through `evaluate_checkpoint`) and the benchmarks run
 their episodes here. Each env slot runs one episode at a time with receding-horizon chunks (`n_action_steps` actions
 of each predicted chunk are executed, then the next chunk is predicted from the current observation; with an
 `inference_delay` d the robot executes d more actions of the old chunk while the policy works, and switches to the new
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from .errors import ConfigError
+from hf_vla.cli import progress_bar
+from hf_vla.errors import ConfigError
 
-logger = logging.getLogger("hf_vla.episodes")
+logger = logging.getLogger("hf_vla.evaluation.episodes")
 _DIED = object()  # what `EpisodeRunner._guard` returns when an env worker died and was restarted
 
 
@@ -161,7 +161,7 @@ class EpisodeRunner:
         pending = {group: deque(enumerate(members)) for group, members in seeds.items()}
         results: dict[tuple, Episode] = {}
         successes = 0
-        bar = tqdm(total=sum(len(m) for m in seeds.values()), desc=desc, unit="ep", disable=not progress)
+        bar = progress_bar(sum(len(m) for m in seeds.values()), desc, "episodes", enabled=progress)
         try:
             for slot in self.slots:
                 self._start_guarded(slot, pending, save_videos, results)
@@ -197,7 +197,7 @@ class EpisodeRunner:
     # ---- dead env workers (with `restart`) ---------------------------------------------------------------------
     def _guard(self, slot: _Slot, function, *args):
         """`function(*args)`, or `_DIED` when the slot's env worker died and `restart` replaced it."""
-        from .envs.worker import EnvWorkerError
+        from hf_vla.envs.worker import EnvWorkerError
 
         try:
             return function(*args)
@@ -322,7 +322,7 @@ def _call_policies(requests: list[tuple]) -> list[np.ndarray]:
     """One chunk per (policy, observation, task, inference_delay, executed_steps). `PolicyRunner`s: validated and
     pre-processed each, then every group of requests that can share a forward (no RTC, equal input shapes) runs as one
     `sample_actions`; other policies are called one by one."""
-    from .policy import PolicyRunner
+    from hf_vla.serving.policy import PolicyRunner
 
     chunks: list = [None] * len(requests)
     groups: dict = {}

@@ -65,7 +65,7 @@ def _dit_config(d: Dims):
 
 
 def hf_pi05_config(d: Dims | None = None):
-    from hf_vla import PI05Config
+    from hf_vla.models.pi05 import PI05Config
 
     d = d or Dims()
     return PI05Config(vlm_config=_vlm_config(d), dit_config=_dit_config(d), chunk_size=d.chunk,

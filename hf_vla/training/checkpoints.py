@@ -18,9 +18,9 @@ import re
 import shutil
 from pathlib import Path
 
-from .errors import CheckpointError
+from hf_vla.errors import CheckpointError
 
-logger = logging.getLogger("hf_vla.checkpoints")
+logger = logging.getLogger("hf_vla.training.checkpoints")
 
 MARKER = "hf_vla_checkpoint.json"
 STREAM_STATE = "stream_state.json"

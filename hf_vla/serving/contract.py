@@ -41,7 +41,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError
+from hf_vla.errors import ConfigError
 
 FILE_NAME = "deployment_config.json"
 VERSION = 1
@@ -85,7 +85,7 @@ class DeploymentConfig:
         known = {"policy", "chunk_size", "n_action_steps", "image_size", "heads", "default_head", "source", "version"}
         unknown = sorted(set(data) - known)
         if unknown:  # fields a later hf_vla added within this version: read what this one knows
-            logging.getLogger("hf_vla.deployment").warning("%s: ignoring field(s) %s that this hf_vla does not know",
+            logging.getLogger("hf_vla.serving.contract").warning("%s: ignoring field(s) %s that this hf_vla does not know",
                                                            where, unknown)
         missing = sorted({"policy", "chunk_size", "n_action_steps", "image_size", "heads"} - set(data))
         if missing:
@@ -116,18 +116,6 @@ def read(checkpoint: str | os.PathLike, revision: str | None = None) -> Deployme
         return DeploymentConfig.from_dict(json.loads(path.read_text()), str(path))
     except (json.JSONDecodeError, TypeError) as error:
         raise ValueError(f"{path}: not a deployment contract ({error})") from error
-
-
-def for_checkpoint(checkpoint: str | os.PathLike, revision: str | None = None) -> DeploymentConfig | None:
-    """`read` for what `hf_vla.evaluate` / `hf_vla.serve` take: a directory or Hub id (a lerobot checkpoint is
-    converted first, as loading it does); a damaged contract is a `ConfigError` naming the file."""
-    from .hub import resolve_pretrained
-
-    resolved = resolve_pretrained(checkpoint, revision=revision)
-    try:
-        return read(resolved, revision=None if resolved != str(checkpoint) else revision)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
 
 
 # ---- from what a run knows -------------------------------------------------------------------------------------------
@@ -176,7 +164,7 @@ def _merge_benchmarks(first: dict | None, other: dict | None, names: tuple[str, 
         return first or other
     differ = [key for key in ("env", "image_size", "env_kwargs") if (first.get(key) or None) != (other.get(key) or None)]
     if differ:
-        logging.getLogger("hf_vla.deployment").warning(
+        logging.getLogger("hf_vla.serving.contract").warning(
             "datasets %r and %r share a normalisation head but were recorded differently (%s); the checkpoint's "
             "deployment contract keeps %r's, so evaluation and RL run every task that way; record them alike "
             "(the same env, image size and --crop) for a contract that fits all", names[0], names[1],
@@ -304,4 +292,4 @@ def square_size(cameras: list[dict]) -> int | None:
 
 
 __all__ = ["ContractError", "DeploymentConfig", "FILE_NAME", "Setting", "VERSION", "benchmark_of", "choose",
-           "for_checkpoint", "from_lerobot", "from_training", "read", "refuse_repeated_cameras", "square_size"]
+           "from_lerobot", "from_training", "read", "refuse_repeated_cameras", "square_size"]

@@ -27,7 +27,7 @@ import os
 import torch
 from transformers import TrainerCallback
 
-logger = logging.getLogger("hf_vla.ema")
+logger = logging.getLogger("hf_vla.training.ema")
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -97,13 +97,13 @@ class WeightEMA(TrainerCallback):
     def save(self, folder) -> None:
         """Every rank writes its part into the checkpoint folder (before the completion marker)."""
         self._ensure()
-        from . import checkpoints
+        from hf_vla.training import checkpoints
 
         checkpoints.save_tensor_file(self.file(folder), {"names": self.names, "shadow": self.shadow,
                                                         "decay": self.decay, "start_step": self.start_step})
 
     def load(self, folder) -> None:
-        from .errors import CheckpointError
+        from hf_vla.errors import CheckpointError
 
         path = self.file(folder)
         if not os.path.isfile(path):

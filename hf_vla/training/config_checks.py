@@ -13,13 +13,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import os
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from hf_vla.errors import ConfigError
 
 _MISSING = object()
 # Attributes that configs do not declare but modeling code reads with hasattr/getattr (SigLIP's head switch, the
@@ -141,7 +139,7 @@ def check_fields(values: dict, dataclass_types, where: str = "") -> dict:
 def check_dataset_specs(specs: list, key: str = "datasets") -> list[dict]:
     """`specs` (the `datasets` of training, RL's `bc_datasets`) checked field by field against `DatasetConfig` without
     touching data: a `ConfigError` naming `key[index]` and the field; the specs with their values converted."""
-    from .data.sources import DatasetConfig
+    from hf_vla.data.sources import DatasetConfig
 
     checked = []
     for index, spec in enumerate(specs):
@@ -200,18 +198,4 @@ def check_model_config(values: dict, config_class, path: str = "model_config", d
 
 
 # ---- paths ----------------------------------------------------------------------------------------------------------
-def check_writable_dir(key: str, path: str | os.PathLike):
-    """The directory exists and is writable, or can be created: without creating anything."""
-    target = Path(path).expanduser().absolute()
-    probe = target
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise ConfigError(f"{key}={str(path)!r}: {probe} is a file, not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={str(path)!r}: {probe} is not writable")
-
-
-__all__ = ["check_fields", "check_model_config", "check_value", "check_writable_dir", "is_bool_field"]
+__all__ = ["check_fields", "check_model_config", "check_value", "is_bool_field"]

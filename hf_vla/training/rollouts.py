@@ -5,8 +5,8 @@
 
 Every `rollout_steps` optimizer steps, all ranks write the current weights and processor to
 `<output_dir>/_rollouts/step-<N>` together (`Trainer.save_model`, which gathers FSDP2 / ZeRO-3 shards; seconds), then
-the main process evaluates that snapshot in a separate process (`python -m hf_vla.rollouts SPEC`, which runs
-`hf_vla.evaluate.evaluate_checkpoint`) while every rank trains on. When the evaluation ends, its figures are logged at
+the main process evaluates that snapshot in a separate process (`python -m hf_vla.training.rollouts SPEC`, which runs
+`hf_vla.evaluation.runner.evaluate_checkpoint`) while every rank trains on. When the evaluation ends, its figures are logged at
 the step training has reached: `rollout/<task>/success` per task, `rollout/success` (the mean) and `rollout/step`
 (the step whose weights were evaluated), and appended to `<output_dir>/rollout_results.jsonl`; the snapshot's weights
 are deleted, its `eval_result.json` and GIFs kept. A rollout still running when the next one is due makes that one
@@ -31,9 +31,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .errors import ConfigError
+from hf_vla.errors import ConfigError
 
-logger = logging.getLogger("hf_vla.rollouts")
+logger = logging.getLogger("hf_vla.training.rollouts")
 SNAPSHOTS = "_rollouts"
 RESULTS = "rollout_results.jsonl"
 
@@ -60,7 +60,7 @@ def check_rollout_args(args) -> None:
         raise ConfigError(f"rollout_env_kwargs max_episode_steps={limit} contradicts max_episode_steps="
                           f"{args.max_episode_steps} (the episode limit saved in the checkpoint's deployment contract); "
                           "set one of them")
-    from .evaluate import check_env
+    from hf_vla.evaluation.envs import check_env
 
     check_env(args.rollout_env, args.rollout_tasks, "rollout_env=", "rollout_tasks=")
 
@@ -131,7 +131,7 @@ class RolloutCallback(TrainerCallback):
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
             env["OMP_NUM_THREADS"] = os.environ.get("HF_VLA_ROLLOUT_THREADS", "1")
             with open(folder / "rollout.log", "w") as log:
-                process = subprocess.Popen([sys.executable, "-m", "hf_vla.rollouts", str(folder / "rollout_spec.json")],
+                process = subprocess.Popen([sys.executable, "-m", "hf_vla.training.rollouts", str(folder / "rollout_spec.json")],
                                            stdout=log, stderr=subprocess.STDOUT, env=env)
             self.running = (step, process, folder)
             logger.info("step %d: rollouts in %s started (%d episodes%s), log in %s", step, args.rollout_env,
@@ -172,10 +172,10 @@ class RolloutCallback(TrainerCallback):
 
 def _run(spec_path: str) -> None:
     """The rollout process: evaluate one snapshot as its spec says (written by `RolloutCallback`)."""
-    from .evaluate import evaluate_checkpoint
+    from hf_vla.evaluation.runner import evaluate_checkpoint
 
     spec = json.loads(Path(spec_path).read_text())
-    from .cli import setup_logging
+    from hf_vla.cli import setup_logging
 
     setup_logging()
     result = evaluate_checkpoint(spec["checkpoint"], env_id=spec["env"], episodes=spec["episodes"], task=spec["task"],
@@ -185,6 +185,6 @@ def _run(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    from .cli import run
+    from hf_vla.cli import run
 
-    run("hf_vla.rollouts", lambda argv: _run(argv[0]), sys.argv[1:])
+    run("hf_vla.training.rollouts", lambda argv: _run(argv[0]), sys.argv[1:])

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .models.pi05.rtc import RTCConfig
+from hf_vla.models.pi05.rtc import RTCConfig
 
 STATE_KEYS = ("observation/state", "observation.state", "state")
 
@@ -144,7 +144,7 @@ PI0_INPUTS = MODEL_INPUTS + ("state",)  # transformers' pi0 takes the state as a
 
 def model_input_keys(model) -> tuple[str, ...]:
     """What a policy's `sample_actions` / forward reads from the processor's output."""
-    from .models.pi0_adapter import is_pi0
+    from hf_vla.models.pi0_adapter import is_pi0
 
     return PI0_INPUTS if is_pi0(getattr(model, "module", model)) else MODEL_INPUTS
 
@@ -390,10 +390,9 @@ def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=N
     transformers raises them."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    import hf_vla  # noqa: F401  (registers pi05)
-
-    from .models.pi0_adapter import PI0HeadProcessor
-    from .models.pi05 import PI05Processor
+    # (pi05 is registered with the Auto classes: importing any hf_vla module runs hf_vla/__init__ first)
+    from hf_vla.models.pi0_adapter import PI0HeadProcessor
+    from hf_vla.models.pi05 import PI05Processor
 
     config = AutoConfig.from_pretrained(checkpoint, revision=revision)
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, revision=revision, dtype=dtype)
@@ -403,9 +402,9 @@ def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=N
 
 def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | None = None, **kwargs) -> PolicyRunner:
     """The policy and processor from a directory or Hub id (`load_pretrained`; a lerobot pi0 / pi0.5 checkpoint is
-    converted on load and cached, `hf_vla.hub.resolve_pretrained`), wrapped in a `PolicyRunner`."""
-    from .errors import ConfigError
-    from .hub import resolve_pretrained
+    converted on load and cached, `hf_vla.hub.resolve.resolve_pretrained`), wrapped in a `PolicyRunner`."""
+    from hf_vla.errors import ConfigError
+    from hf_vla.hub.resolve import resolve_pretrained
 
     resolved = resolve_pretrained(checkpoint, revision=revision)
     if resolved != str(checkpoint):
@@ -420,7 +419,7 @@ def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | Non
 
 def add_rtc_arguments(parser, title: str = "real-time chunking (RTC)") -> None:
     """The real-time chunking flags of `hf_vla.serve` and `hf_vla.evaluate` (fields of `RTCConfig`)."""
-    from .models.pi05.rtc import METHODS, SCHEDULES
+    from hf_vla.models.pi05.rtc import METHODS, SCHEDULES
 
     group = parser.add_argument_group(title)
     group.add_argument("--execution_horizon", type=int, default=RTCConfig.execution_horizon,

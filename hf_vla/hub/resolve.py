@@ -9,7 +9,7 @@ files fetched on demand, Hub errors as one line.
 
 `python -m hf_vla.train` (`model_name_or_path`), `hf_vla.evaluate --checkpoint` and `hf_vla.serve --checkpoint` call
 `resolve_pretrained` themselves. A lerobot pi0 / pi0.5 checkpoint (a `config.json` with lerobot's `type` and no
-`model_type`, beside `model.safetensors`), by Hub id or directory, is converted by `hf_vla.convert.convert_checkpoint`
+`model_type`, beside `model.safetensors`), by Hub id or directory, is converted by `hf_vla.hub.convert.convert_checkpoint`
 (dims read from the weights, lerobot's normaliser statistics carried over, the tokenizer its pre-processor names)
 into `$HF_VLA_CACHE/converted/<id>--<revision or content key>`, so the next run loads the copy; an hf_vla or
 transformers checkpoint passes through unchanged. Everything from the Hub goes through huggingface_hub (its cache,
@@ -24,11 +24,15 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .cli import HUB_ID
-from .errors import ConfigError
+from hf_vla.cli import HUB_ID
+from hf_vla.errors import ConfigError
 
-logger = logging.getLogger("hf_vla.hub")
+if TYPE_CHECKING:
+    from hf_vla.serving.contract import DeploymentConfig
+
+logger = logging.getLogger("hf_vla.hub.resolve")
 DEFAULT_TOKENIZER = "google/paligemma-3b-pt-224"  # what lerobot's pi0 / pi0.5 pre-processors load
 CONVERTER_VERSION = 1  # part of the cache key: a changed conversion converts again
 LEROBOT_FILES = ["config.json", "model.safetensors", "policy_preprocessor*.json", "policy_postprocessor*.json",
@@ -180,6 +184,20 @@ def resolve_pretrained(name_or_path: str | os.PathLike, revision: str | None = N
 
 
 # files of a LoRA checkpoint that are not the processor's: left out of its merged copy
+
+def resolve_contract(checkpoint: str | os.PathLike, revision: str | None = None) -> DeploymentConfig | None:
+    """The deployment contract (`hf_vla.serving.contract.read`) of what `hf_vla.evaluate` / `hf_vla.serve` take: a
+    directory or Hub id (a lerobot checkpoint is converted first, as loading it does); a damaged contract is a
+    `ConfigError` naming the file."""
+    from hf_vla.serving.contract import read
+
+    resolved = resolve_pretrained(checkpoint, revision=revision)
+    try:
+        return read(resolved, revision=None if resolved != str(checkpoint) else revision)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
 _TRAINING_FILES = ("adapter_", "optimizer", "scheduler", "rng_state", "training_args", "trainer_state", "ema_", "README",
                    "stream_state", "hf_vla_checkpoint")
 
@@ -223,8 +241,7 @@ def merged_adapter(directory: str | os.PathLike, revision: str | None = None, la
     from peft import PeftModel
     from transformers import AutoModel
 
-    import hf_vla  # noqa: F401  (registers pi05)
-
+    # (pi05 is registered with the Auto classes: importing any hf_vla module runs hf_vla/__init__ first)
     try:
         model = AutoModel.from_pretrained(resolved)
     except (OSError, ValueError) as error:
@@ -247,7 +264,7 @@ def merged_adapter(directory: str | os.PathLike, revision: str | None = None, la
 
 
 def _converted(directory: Path, key: str, tokenizer, source: str) -> str:
-    from .convert import convert_checkpoint
+    from hf_vla.hub.convert import convert_checkpoint
 
     target = cache_dir() / "converted" / f"{key}--v{CONVERTER_VERSION}"
     if (target / "config.json").is_file() and (target / "processor_config.json").is_file():
@@ -321,4 +338,5 @@ def is_remote(reference) -> bool:
     return isinstance(reference, str) and reference.startswith(("hf://", "gs://", "http://", "https://"))
 
 
-__all__ = ["cache_dir", "download_dataset_files", "fetch_file", "is_lerobot_checkpoint", "resolve_pretrained"]
+__all__ = ["cache_dir", "download_dataset_files", "fetch_file", "is_lerobot_checkpoint", "resolve_contract",
+           "resolve_pretrained"]

@@ -148,7 +148,7 @@ class StepTotals:
     num_samples: int  # samples with at least one valid element
     num_elements: float
     group_counts: dict = field(default_factory=dict)  # group id -> elements
-    tokens: StepTotals | None = None  # the token objective's totals over target tokens (`hf_vla.cotraining`)
+    tokens: StepTotals | None = None  # the token objective's totals over target tokens (`hf_vla.training.cotraining`)
 
     @classmethod
     def from_counts(cls, counts: Sequence[float], groups: Sequence[int] | None = None) -> StepTotals:

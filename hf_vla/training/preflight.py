@@ -9,7 +9,7 @@ import netrc
 import os
 from urllib.parse import urlparse
 
-from .errors import ConfigError
+from hf_vla.errors import ConfigError
 
 HUB_ANSWER_S = 10.0  # a compute node without internet may drop packets silently: no answer within this is an answer
 

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .errors import ConfigError
+from hf_vla.errors import ConfigError
 
-logger = logging.getLogger("hf_vla.engines")
+logger = logging.getLogger("hf_vla.training.engines")
 
 
 def requested_engine(args) -> str:
@@ -47,7 +47,9 @@ def configure_engine(model, args) -> str:
     """
     engine = requested_engine(args)
     bf16_model = any(p.dtype == torch.bfloat16 for p in model.parameters())
-    from .models.pi0_adapter import is_pi0, prepare_pi0
+    if engine == "deepspeed":
+        _check_zero3_token_head(model, args)
+    from hf_vla.models.pi0_adapter import is_pi0, prepare_pi0
 
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     if is_pi0(core):  # transformers' pi0: freeze what it never runs, FSDP2 unit layout (see pi0_adapter)
@@ -59,7 +61,7 @@ def configure_engine(model, args) -> str:
     if engine == "fsdp2":
         # per-layer units by class name: keep only the names this model has (transformers' pi0 lists SigLIP's pooling
         # head and text embeddings, which it does not contain, and accelerate refuses unknown names)
-        from .models.pi05.modeling_pi05 import present_module_classes
+        from hf_vla.models.pi05.modeling_pi05 import present_module_classes
 
         core = model.get_base_model() if hasattr(model, "get_base_model") else model
         core._no_split_modules = present_module_classes(core, getattr(core, "_no_split_modules", None))
@@ -146,6 +148,40 @@ def finish_engine(accelerator) -> None:
         plugin.mixed_precision_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=policy.output_dtype,
             cast_forward_inputs=policy.cast_forward_inputs)
+
+
+def _deepspeed_config(args) -> dict:
+    """The DeepSpeed config of this run: `args.deepspeed` (a dict or a JSON file), or `accelerate launch`'s file."""
+    config = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if isinstance(config, str) and config and config.lower() != "none":
+        import json
+        from pathlib import Path
+
+        try:
+            return json.loads(Path(config).read_text())
+        except (OSError, ValueError):
+            return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _check_zero3_token_head(model, args) -> None:
+    """The token objective's LM head is the input embedding's weight, read outside the embedding module (tied, as
+    PaliGemma's). ZeRO-3 gathers a partitioned parameter only while its own module runs, so the head would read an
+    empty partition: refused unless the embedding stays whole (under `stage3_param_persistence_threshold`)."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(core.config, "token_loss", False):
+        return
+    zero = _deepspeed_config(args).get("zero_optimization") or {}
+    if int(zero.get("stage", 0) or 0) != 3:
+        return
+    threshold = zero.get("stage3_param_persistence_threshold", 100_000)
+    size = core.get_input_embeddings().weight.numel()
+    if isinstance(threshold, int | float) and size > threshold:
+        raise ConfigError(
+            f"token_loss under DeepSpeed ZeRO-3: the LM head reads the input embedding ({size:,} parameters) outside "
+            f"its module, which ZeRO-3 partitions (stage3_param_persistence_threshold {threshold:,}); use FSDP2 "
+            "(configs/accelerate/fsdp2.yaml) or ZeRO-2, or keep the embedding whole with a threshold above "
+            f"{size:,} in the DeepSpeed config")
 
 
 def allow_sharding_on_cpu():

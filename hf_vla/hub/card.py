@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "templates" / "vla_model_card.md"  # model_cards/ links here
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "vla_model_card.md"  # model_cards/ links here
 POLICY_NAMES = {"pi05": "pi0.5", "pi0": "pi0"}
 
 
@@ -17,7 +17,7 @@ def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, t
     config: the policy's config. datasets: one dict per dataset (name, source, weight, head, cameras, example_task),
     as `hf_vla.data.Provenance.datasets` has them. eval_metrics: the trainer's `eval_*` metrics (per-dataset table).
     training_args: the arguments to list. lora: the peft adapter config, if any. rollouts: the last closed-loop
-    figures of `hf_vla.rollouts` (`env`, `step`, `episodes`, `success` per task), listed in the card and as model-index
+    figures of `hf_vla.training.rollouts` (`env`, `step`, `episodes`, `success` per task), listed in the card and as model-index
     results (metric `success_rate` per task). weights: which weights the files hold (e.g. the EMA's), when not the
     raw ones.
     """
@@ -86,6 +86,52 @@ def _arg(value):
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return value
+
+
+def render_model_card(trainer, model_name: str | None = None, base_model: str | None = None,
+                      extra_args: dict | None = None):
+    """The Hub model card of a trainer's model (`hf_vla.hub.card.model_card` with the trainer's state); `extra_args`:
+    arguments listed after `CARD_ARGS` (a subclass's own, e.g. RL's `max_train_minutes`)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    peft_config = getattr(model, "peft_config", None) if hasattr(model, "get_base_model") else None
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    metrics, rollouts = {}, None
+    for entry in trainer.state.log_history:
+        metrics.update({k: v for k, v in entry.items() if k.startswith("eval_")})
+        if "rollout/step" in entry:  # the last closed-loop figures (hf_vla.training.rollouts)
+            rollouts = {"env": trainer.args.rollout_env, "step": int(entry["rollout/step"]),
+                        "episodes": trainer.args.rollout_episodes,
+                        "success": {k.split("/")[1]: v for k, v in entry.items()
+                                    if k.startswith("rollout/") and k.endswith("/success") and k.count("/") == 2}}
+    provenance = trainer.provenance
+    return model_card(
+        core.config, datasets=provenance.datasets if provenance is not None else [], eval_metrics=metrics,
+        training_args={k: getattr(trainer.args, k) for k in CARD_ARGS} | (extra_args or {}),
+        model_name=model_name or Path(trainer.args.output_dir).name,
+        repo_id=_card_location(trainer), base_model=base_model,
+        lora=next(iter(peft_config.values())) if peft_config else None, rollouts=rollouts,
+        weights=None if trainer.args.ema_decay is None else (
+            f"the raw training weights (an EMA with decay {trainer.args.ema_decay} was kept beside them)"
+            if trainer.args.ema_save_raw else f"the exponential moving average of the training weights (decay "
+            f"{trainer.args.ema_decay}, as openpi's recipes ship), not the last step's raw weights"),
+    )
+
+
+def _card_location(trainer) -> str:
+    """What the card's load snippets name: the Hub repository when the model goes there (`hub_model_id`, or the one
+    `push_to_hub` created), else the output directory as the run was given it (a bare folder name is no Hub id and
+    would not resolve)."""
+    args = trainer.args
+    if args.hub_model_id:
+        return args.hub_model_id
+    if args.push_to_hub and getattr(trainer, "hub_model_id", None):
+        return trainer.hub_model_id
+    return str(args.output_dir)
+
+
+CARD_ARGS = ("ema_decay", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "learning_rate",
+             "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "loss_aggregation", "master_weights",
+             "freeze", "image_augmentation", "bf16", "seed")
 
 
 __all__ = ["MODEL_CARD_TEMPLATE", "model_card"]

@@ -1,0 +1,167 @@
+"""The envs evaluation runs: the catalogue (gymnasium ids, Meta-World, LIBERO, their tasks and cameras), building
+them in worker processes, and the checks of a policy against an env (action dims, image size, cameras)."""
+
+from __future__ import annotations
+
+import logging
+
+import gymnasium as gym
+
+from hf_vla.errors import ConfigError
+from hf_vla.serving.contract import FILE_NAME, ContractError, refuse_repeated_cameras
+
+logger = logging.getLogger("hf_vla.evaluate")
+
+
+def _check_dims(policy, env, where: str) -> None:
+    """The policy's head reads the env's state and writes its actions (in-process; a server checks per request)."""
+    from hf_vla.serving.policy import stat_dims
+
+    if not hasattr(policy, "processor"):
+        return
+    stats = policy.processor.norm_stats[policy.head_name()]
+    state_space = getattr(env.observation_space, "spaces", {}).get("observation.state")
+    for name, theirs, ours in (("action", env.action_space.shape[0], stat_dims(stats["actions"])),
+                               ("state", state_space.shape[0] if state_space is not None else None,
+                                stat_dims(stats["state"]))):
+        if theirs is not None and theirs != ours:
+            raise ConfigError(f"{where} has {theirs} {name} dims but the checkpoint's head {policy.head_name()!r} has "
+                              f"{ours}: a checkpoint trained on another robot or env")
+
+
+def _env_takes(env_id: str, argument: str) -> bool:
+    """Whether the env's constructor takes `argument` (the benchmarks' wrappers take image_size and
+    max_episode_steps; a gymnasium id is asked through its entry point)."""
+    if env_id in BENCHMARKS:
+        return True
+    import importlib
+    import inspect
+
+    import hf_vla.envs  # noqa: F401
+
+    entry = gym.spec(env_id).entry_point
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(module), name)
+    try:
+        return argument in inspect.signature(entry).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _make_envs(env_id: str, task: str | None, num_envs: int, env_kwargs: dict, max_episode_steps: int | None,
+               worker: bool | None = None):
+    """`num_envs` envs of `env_id` (a benchmark task, or a gymnasium id): one gymnasium env in this process, else
+    (or with `worker`) each in a worker process (hf_vla.envs.worker)."""
+    kwargs = dict(env_kwargs) | ({"max_episode_steps": max_episode_steps} if max_episode_steps else {})
+    return [make_env(env_id, task, kwargs, worker=num_envs > 1 if worker is None else worker) for _ in range(num_envs)]
+
+
+def make_env(env_id: str, task: str | None, kwargs: dict, worker: bool):
+    """One env of `env_id`: a benchmark task (always in a worker process), else a gymnasium env in a worker process
+    (`worker`) or in this one."""
+    import functools
+
+    from hf_vla.envs.worker import InWorker, make_gym
+
+    if env_id in BENCHMARKS:
+        return _benchmark_module(env_id).in_worker(task, **kwargs)
+    try:
+        if not worker:
+            return make_gym(env_id, **kwargs)
+        return InWorker(functools.partial(make_gym, env_id, **kwargs), name=env_id)
+    except (gym.error.Error, TypeError) as error:
+        raise ConfigError(f"env {env_id!r}: {error}") from error
+
+
+def _close(envs) -> None:
+    for env in envs:
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001  (a worker that died: nothing left to close)
+            logger.debug("closing an env failed", exc_info=True)
+
+
+def _check_image_size(env, spec: dict | None, settings: dict, where: str) -> None:
+    """The env's images are the size the checkpoint's data was recorded at (an env that takes no image size)."""
+    if spec is None or settings["image_size"].value is not None:
+        return
+    spaces = getattr(env.observation_space, "spaces", {})
+    for camera in spec["cameras"]:
+        space = spaces.get(camera.get("key"))
+        if space is None or camera.get("height") is None:
+            continue
+        height, width = space.shape[:2]
+        if (height, width) != (camera["height"], camera["width"]):
+            raise ContractError(f"{where} renders {camera['key']} at {height}x{width}, but the checkpoint's data was "
+                                f"recorded at {camera['height']}x{camera['width']} ({FILE_NAME}); pass --override "
+                                f"image_size to run it anyway")
+
+
+BENCHMARKS = {"metaworld": "Meta-World", "libero": "LIBERO"}  # envs with tasks, each in hf_vla.envs.<name>
+
+
+DEFAULT_TASKS = {"metaworld": "reach-v3", "libero": None}
+
+
+def _benchmark_module(env_id: str):
+    import importlib
+
+    return importlib.import_module(f"hf_vla.envs.{env_id}")
+
+
+def benchmark_tasks(env_id: str, task: str | None) -> list[str]:
+    """The task names of a benchmark env (`metaworld`: names or difficulty groups; `libero`: suites or suite/index)."""
+    module = _benchmark_module(env_id)
+    spec = task or DEFAULT_TASKS[env_id]
+    return module.task_names(spec) if env_id == "metaworld" else module.task_suites(spec)
+
+
+def check_env(env: str, task: str | None, env_label: str = "env=", task_label: str = "task=") -> None:
+    """An env (and tasks) a run can make, checked before any model loads: a benchmark's task names (and LIBERO being
+    installed), or a registered gymnasium id without tasks. The labels name the flag or field in the message."""
+    if env in BENCHMARKS:
+        benchmark_tasks(env, task)
+        if env == "libero":
+            from hf_vla.envs.libero import require_libero
+
+            require_libero()
+        return
+    import hf_vla.envs  # noqa: F401  (registers the demo env)
+
+    if task is not None:
+        raise ConfigError(f"{task_label}{task!r}: only a benchmark env ({', '.join(BENCHMARKS)}) has tasks")
+    try:
+        gym.spec(env)
+    except gym.error.Error as error:
+        raise ConfigError(f"{env_label}{env!r}: {error}") from error
+
+
+def env_camera_keys(env: str) -> list[str]:
+    """The image keys an env's observations carry (a benchmark's from its wrapper; a gymnasium env's from its
+    observation space: every HxWxC array)."""
+    if env == "metaworld":
+        from hf_vla.envs.metaworld import CAMERA
+
+        return [CAMERA]
+    if env == "libero":
+        from hf_vla.envs.libero import CAMERAS
+
+        return list(CAMERAS.values())
+    made = gym.make(env)
+    try:
+        spaces = getattr(made.observation_space, "spaces", {})
+        return sorted(key for key, space in spaces.items() if len(getattr(space, "shape", None) or ()) == 3)
+    finally:
+        made.close()
+
+
+def check_cameras(flag: str, cameras: list[str] | None, available: list[str]) -> None:
+    """`cameras` (camera-slot order) name distinct image keys the env has; one line naming the culprit otherwise."""
+    if not cameras:
+        return
+    refuse_repeated_cameras(flag, cameras)
+    unknown = [key for key in cameras if key not in available]
+    if unknown:
+        raise ConfigError(f"{flag}: {unknown} {'is not an image' if len(unknown) == 1 else 'are not images'} of the "
+                          f"env's observations; it has {available}")

@@ -1,0 +1,335 @@
+"""Running an evaluation: the episode engine over every task of a benchmark in waves, a local policy or a policy
+server (`RemotePolicy`, openpi's client), and the results (`EvalResult` per task, `BenchmarkResult`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hf_vla.cli import positive, websocket_uri
+from hf_vla.errors import ConfigError, ConnectionFailedError
+from hf_vla.evaluation.envs import (
+    BENCHMARKS,
+    _check_dims,
+    _check_image_size,
+    _close,
+    _make_envs,
+    benchmark_tasks,
+    check_cameras,
+    check_env,
+    env_camera_keys,
+)
+from hf_vla.evaluation.settings import evaluation_settings, head_spec
+from hf_vla.hub.resolve import resolve_contract
+from hf_vla.models.pi05.rtc import RTCConfig
+from hf_vla.serving.policy import ObservationMap, RequestError, load_policy
+
+logger = logging.getLogger("hf_vla.evaluate")
+
+
+@dataclass
+class EvalResult:
+    success_rate: float
+    episodes: int
+    successes: int
+    mean_steps: float
+    videos: list[str] = field(default_factory=list)
+    inference_delay: int = 0
+    rtc: bool = False
+    # At the steps where the robot switches to a new chunk: mean |a_k - a_(k-1)| (jump) and |a_(k+1) - 2 a_k + a_(k-1)|
+    # (second difference: jerk for velocity actions such as ColorReach's), L2 over action dims.
+    boundary_jump: float = float("nan")
+    boundary_jerk: float = float("nan")
+    interior_jerk: float = float("nan")  # the same second difference at every other step, for scale
+    rtc_method: str | None = None  # with rtc: "guidance" (inference-time) or "prefix" (training-time), as used
+    episode_records: list[dict] = field(default_factory=list)  # every episode: {"seed", "success", "steps", "reward"}
+    num_envs: int = 1
+    settings: dict = field(default_factory=dict)  # what it ran with and where each came from (evaluate_checkpoint)
+
+    @classmethod
+    def from_episodes(cls, episodes: list, inference_delay: int = 0, rtc: bool = False, rtc_methods=(),
+                      num_envs: int = 1) -> EvalResult:
+        def mean(values):
+            values = np.asarray(values, dtype=np.float64)
+            return float(np.nanmean(values)) if len(values) and not np.isnan(values).all() else float("nan")
+
+        successes = sum(e.success for e in episodes)
+        used = "+".join(sorted(m for m in rtc_methods if m)) or None  # as the policy reported it, per chunk
+        return cls(successes / len(episodes), len(episodes), successes, float(np.mean([e.steps for e in episodes])),
+                   [e.video for e in episodes if e.video], inference_delay, rtc,
+                   mean([e.boundary_jump for e in episodes]), mean([e.boundary_jerk for e in episodes]),
+                   mean([e.interior_jerk for e in episodes]), used, [e.record() for e in episodes], num_envs)
+
+
+class RemotePolicy:
+    """A policy served by `hf_vla.serve` (or any openpi policy server), through openpi-client's websocket client.
+
+    `api_key` (default: the `HF_VLA_API_KEY` environment variable) is sent at the handshake, as the server expects.
+    Sends the env's observation dict with the task under `prompt` and, for real-time chunking, `rtc/inference_delay`
+    and `rtc/executed_steps`; returns the `actions` of the reply, and keeps its `rtc/method` (how the server continued
+    the previous chunk; absent when it did not) like `PolicyRunner.last_rtc_method`.
+    """
+
+    def __init__(self, uri: str, api_key: str | None = None):
+
+        from openpi_client.websocket_client_policy import WebsocketClientPolicy
+        from websockets.exceptions import InvalidStatus, InvalidURI
+
+        try:
+            self.client = WebsocketClientPolicy(uri, api_key=api_key or os.environ.get("HF_VLA_API_KEY"))
+        except InvalidStatus as error:
+            status = error.response.status_code
+            hint = ": set HF_VLA_API_KEY to the server's key" if status == 401 else ""
+            raise ConnectionFailedError(f"policy server {uri} refused the connection (HTTP {status}){hint}") from error
+        except (OSError, InvalidURI, TimeoutError) as error:
+            raise ConnectionFailedError(f"cannot connect to the policy server {uri}: {error}") from error
+        self.metadata = self.client.get_server_metadata()
+        self.last_rtc_method: str | None = None
+        self.uri, self.api_key = uri, api_key
+        self._episode_seed: int | None = None
+
+    def fork(self) -> RemotePolicy:
+        """Another connection to the same server (one per env slot: each keeps its own noise and last chunk)."""
+        return RemotePolicy(self.uri, self.api_key)
+
+    def reset(self, seed: int | None = None) -> None:
+        """A new episode: the next request carries `episode_seed`, which re-seeds this connection's noise."""
+        self._episode_seed = seed
+
+    def __call__(self, observation: dict, task: str, inference_delay: int = 0, executed_steps: int | None = None):
+        request = {**observation, "prompt": task, "rtc/inference_delay": int(inference_delay)}
+        if executed_steps is not None:
+            request["rtc/executed_steps"] = int(executed_steps)
+        if self._episode_seed is not None:
+            request["episode_seed"], self._episode_seed = int(self._episode_seed), None
+        reply = self.client.infer(request)
+        self.last_rtc_method = reply.get("rtc/method")
+        return np.asarray(reply["actions"])
+
+
+def run_episodes(env, policy, episodes: int, n_action_steps: int, seed: int = 0, save_videos: int = 0,
+                 output_dir: str | Path | None = None, progress: bool = True, inference_delay: int = 0,
+                 rtc: bool = False, chunk_size: int | None = None, seeds: list[int] | None = None) -> EvalResult:
+    """Closed-loop episodes with receding-horizon chunks in `env` (one env, or a list of envs run at once), through
+    the one episode loop (`hf_vla.evaluation.episodes.EpisodeRunner`); episode i has seed `seed + i` (or `seeds[i]`).
+
+    `policy(observation, task, inference_delay=, executed_steps=)` returns a chunk. With `inference_delay` d > 0,
+    inference is simulated as asynchronous: after `n_action_steps` (H) actions of a chunk the next one is requested
+    with the current observation, the robot executes d more actions of the current chunk meanwhile, then switches to
+    the new chunk at its index d (so every chunk drives H actions, from an observation d steps old). With `rtc` the
+    request asks the policy to continue the current chunk (real-time chunking); without, chunks are independent.
+    """
+    from hf_vla.evaluation.episodes import EpisodeRunner
+
+    if episodes < 1:
+        raise ConfigError(f"episodes={episodes}: must be positive")
+    envs = list(env) if isinstance(env, list | tuple) else [env]
+    runner = EpisodeRunner(envs, policy, n_action_steps, inference_delay=inference_delay, rtc=rtc,
+                           chunk_size=chunk_size)
+    done = runner.run(list(seeds) if seeds is not None else [seed + i for i in range(episodes)],
+                      save_videos=save_videos, output_dir=output_dir, progress=progress)
+    return EvalResult.from_episodes(done, inference_delay, rtc, runner.rtc_methods, num_envs=len(envs))
+
+
+# env workers a benchmark evaluation keeps at once across its tasks (MT50 with 2 envs per task: 8 tasks side by side);
+# a Meta-World worker holds about 0.4 GB (proportional set size, 160 px)
+MAX_ENVS_AT_ONCE = 16
+
+
+def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None = None, episodes: int = 50,
+                        n_action_steps: int | None = None, seed: int | None = None, head=None, cameras=None,
+                        save_videos: int = 3, output_dir: str | Path | None = None, device: str = "cpu",
+                        env_kwargs: dict | None = None, progress: bool = True, server: str | None = None,
+                        inference_delay: int = 0, rtc: bool = False, rtc_config: RTCConfig | None = None,
+                        task: str | None = None, revision: str | None = None, num_envs: int | None = None,
+                        overrides=(), tasks_at_once: int | None = None):
+    """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client.
+
+    Every setting the checkpoint's deployment contract knows (env and tasks of the recorded benchmark, image size,
+    actions per chunk, episode limit, cameras) is taken from it; an argument that contradicts it is refused unless
+    named in `overrides` (see `evaluation_settings`). `env_id="metaworld"` with `task` (names or a difficulty group) or
+    `env_id="libero"` with `task` (suites such as `libero_spatial`, or `suite/index`) runs lerobot's env wrappers;
+    `env_kwargs` may set `image_size` and `max_episode_steps` (as flags) and other env arguments. `num_envs` envs run
+    per task at once (default: `hf_vla.evaluation.episodes.default_num_envs`), and `tasks_at_once` benchmark tasks side by side
+    (default: `default_tasks_at_once`); each episode's outcome depends on its seed alone. Returns a
+    `BenchmarkResult` (per-task results, their mean) for a benchmark env, else an `EvalResult`; both carry the
+    settings and every episode, also written to `output_dir/eval_result.json`.
+    """
+    import hf_vla.envs  # noqa: F401  (registers the demo env)
+    from hf_vla.evaluation.episodes import default_num_envs
+    from hf_vla.serving.contract import DeploymentConfig
+
+    if (checkpoint is None) == (server is None):
+        raise ConfigError("pass exactly one of checkpoint (in-process) and server (ws://HOST:PORT)")
+    if episodes < 1:
+        raise ConfigError(f"episodes={episodes}: must be positive")
+    positive("num_envs", num_envs)
+    positive("tasks_at_once", tasks_at_once)
+    env_kwargs = dict(env_kwargs or {})
+    flags = {"image_size": env_kwargs.pop("image_size", None), "max_episode_steps": env_kwargs.pop("max_episode_steps",
+                                                                                                     None)}
+    remote = None
+    if server is not None:
+        remote = RemotePolicy(websocket_uri("server", server))
+        contract = remote.metadata.get("deployment")
+        contract = DeploymentConfig.from_dict(contract, f"{server} metadata") if contract else None
+        chunk_size = int(remote.metadata.get("chunk_size", 0)) or None
+    else:
+        contract = resolve_contract(checkpoint, revision)
+        chunk_size = contract.chunk_size if contract else None
+    settings = evaluation_settings(contract, head, env_id, task, episodes, n_action_steps, seed, cameras,
+                                   flags["image_size"], flags["max_episode_steps"], overrides, chunk_size)
+    env_id, task = settings["env"].value, settings["task"].value
+    check_env(env_id, task)
+    env_cameras = env_camera_keys(env_id)
+    chosen = settings["cameras"].value
+    if chosen and settings["cameras"].source == "checkpoint" and not set(chosen) <= set(env_cameras):
+        raise ConfigError(f"the checkpoint's cameras {chosen} are not all images of env {env_id!r}'s observations "
+                          f"{env_cameras}; pass --cameras with the env's keys in the checkpoint's slot order")
+    check_cameras("--cameras", chosen if settings["cameras"].source != "checkpoint" else None, env_cameras)
+    if settings["image_size"].value is not None:
+        env_kwargs["image_size"] = settings["image_size"].value
+    spec = head_spec(contract, settings["head"].value)
+    bench = (spec or {}).get("benchmark") or {}
+    given = {k: v for k, v in env_kwargs.items() if k != "image_size"}
+    if bench.get("env") == env_id:  # the arguments the data was recorded with (ColorReach's layout, a crop, ...)
+        env_kwargs = dict(bench.get("env_kwargs") or {}) | env_kwargs
+    shown = {k: v for k, v in env_kwargs.items() if k != "image_size"}  # the env arguments besides the flags
+    if output_dir is None:
+        output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
+    output_dir = Path(output_dir)
+    if remote is not None:
+        policy = remote
+    else:
+        policy = load_policy(checkpoint, device=device, revision=revision, head=head, seed=int(settings["seed"].value),
+                             rtc=rtc_config or RTCConfig(), obs_map=ObservationMap(cameras=chosen or None),
+                             num_camera_slots=len(spec["cameras"]) if spec else None)
+        try:
+            settings["head"].value = policy.head_name()
+        except RequestError as error:
+            raise ConfigError(f"head: {error}") from error
+        chunk_size = policy.model.config.chunk_size
+    steps = int(settings["n_action_steps"].value)
+    count = int(num_envs or default_num_envs(episodes))
+    seeds = [int(settings["seed"].value) + i for i in range(episodes)]
+    common = dict(save_videos=save_videos, progress=progress, inference_delay=inference_delay, rtc=rtc,
+                  chunk_size=chunk_size, n_action_steps=steps)
+    recorded = {name: {"value": setting.value, "source": setting.source} for name, setting in settings.items()}
+    recorded["num_envs"] = {"value": count, "source": "flag" if num_envs else "default"}
+    if shown:
+        recorded["env_kwargs"] = {"value": shown, "source": "checkpoint" if shown != given else "flag"}
+    names = benchmark_tasks(env_id, task) if env_id in BENCHMARKS else [None]
+    at_once = int(tasks_at_once or default_tasks_at_once(len(names), count)) if names != [None] else 1
+    if names != [None]:
+        recorded["tasks_at_once"] = {"value": at_once, "source": "flag" if tasks_at_once else "default"}
+    results = {}
+    for start in range(0, len(names), at_once):
+        wave = names[start:start + at_once]
+        desc = (f"{BENCHMARKS[env_id]} tasks {start + 1}-{start + len(wave)} of {len(names)}" if len(names) > 1
+                else "closed-loop episodes")
+        results |= _run_tasks(env_id, wave, policy, spec, settings, overrides, count, env_kwargs, seeds, output_dir,
+                              desc, **common)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if env_id in BENCHMARKS:
+        result = BenchmarkResult.from_tasks(env_id, results)
+        result.settings = recorded
+    else:
+        result = results[None]
+        result.settings = recorded
+    (output_dir / "eval_result.json").write_text(json.dumps(asdict(result), indent=2))
+    return result
+
+
+def default_tasks_at_once(tasks: int, num_envs: int) -> int:
+    """Benchmark tasks evaluated at once (their envs side by side, one policy call per control step for all of them):
+    as many as keep `MAX_ENVS_AT_ONCE` env workers or fewer, at least one."""
+    return max(1, min(tasks, MAX_ENVS_AT_ONCE // max(1, num_envs)))
+
+
+def _run_tasks(env_id: str, names: list, policy, spec, settings: dict, overrides, num_envs: int, env_kwargs: dict,
+               seeds: list[int], output_dir: Path, desc: str, save_videos: int, progress: bool, inference_delay: int,
+               rtc: bool, chunk_size, n_action_steps: int) -> dict:
+    """The episodes of `names` (benchmark tasks, or `[None]` for one gymnasium env) at once: `num_envs` envs per
+    task, every task's seeds in its own envs, one batched policy call per control step across all live envs (an
+    episode's outcome depends on its seed alone, not on the tasks beside it). -> `{name: EvalResult}`."""
+    from hf_vla.evaluation.episodes import EpisodeRunner
+
+    envs: dict = {}
+    try:
+        for name in names:
+            # several tasks' envs step side by side, so each in a worker process even at one env per task
+            envs[name] = _make_envs(env_id, name, num_envs, env_kwargs, settings["max_episode_steps"].value,
+                                    worker=num_envs * len(names) > 1)
+            label = f"{BENCHMARKS[env_id]} {name}" if name else f"env {env_id!r}"
+            _check_dims(policy, envs[name][0], label)
+            if "image_size" not in set(overrides or ()):
+                _check_image_size(envs[name][0], spec, settings, label)
+        runner = EpisodeRunner(envs, policy, n_action_steps, inference_delay=inference_delay, rtc=rtc,
+                               chunk_size=chunk_size)
+        done = runner.run({name: seeds for name in names}, save_videos=save_videos, progress=progress, desc=desc,
+                          output_dir={name: output_dir / (name or "") for name in names})
+    finally:
+        for members in envs.values():
+            _close(members)
+    results = {}
+    for name in names:
+        results[name] = EvalResult.from_episodes(done[name], inference_delay, rtc, runner.rtc_methods,
+                                                 num_envs=num_envs)
+        if name:
+            logger.info("%s: success %.1f%% (%d/%d), mean steps %.1f", name, 100 * results[name].success_rate,
+                        results[name].successes, len(seeds), results[name].mean_steps)
+    return results
+
+
+@dataclass
+class BenchmarkResult:
+    env: str
+    success_rate: float  # mean over tasks
+    tasks: dict[str, EvalResult]
+    settings: dict = field(default_factory=dict)  # what it ran with and where each came from
+    # Meta-World: success per difficulty group (mean over the group's tasks evaluated) and `average`, the mean of the
+    # group means: the published MT50 figure (SmolVLA's 87.1 / 51.8 / 70.0 / 64.0 -> 68.2)
+    groups: dict[str, float] | None = None
+    group_tasks: dict[str, int] | None = None
+    average: float | None = None
+
+    @classmethod
+    def from_tasks(cls, env: str, results: dict[str, EvalResult]) -> BenchmarkResult:
+        result = cls(env, float(np.mean([r.success_rate for r in results.values()])), results)
+        if env == "metaworld":
+            from hf_vla.envs.metaworld import GROUPS, task_group
+
+            members: dict[str, list[float]] = {}
+            for name, task in results.items():
+                members.setdefault(task_group(name), []).append(task.success_rate)
+            result.groups = {g: float(np.mean(members[g])) for g in GROUPS if g in members}
+            result.group_tasks = {g: len(members[g]) for g in GROUPS if g in members}
+            result.average = float(np.mean(list(result.groups.values())))
+        return result
+
+    def table(self) -> str:
+        rows = [f"{'task':<32} {'success':>8} {'episodes':>9} {'mean steps':>11}"]
+        for name, r in self.tasks.items():
+            rows.append(f"{name:<32} {100 * r.success_rate:>7.1f}% {r.episodes:>9d} {r.mean_steps:>11.1f}")
+        rows.append(f"{'mean over tasks':<32} {100 * self.success_rate:>7.1f}%")
+        if self.groups:
+            for group, value in self.groups.items():
+                rows.append(f"{group + f' ({self.group_tasks[group]} tasks)':<32} {100 * value:>7.1f}%")
+            label = "MT50 average" if sum(self.group_tasks.values()) == 50 else "average of the groups"
+            figures = " / ".join(f"{100 * v:.1f}" for v in self.groups.values())
+            rows.append(f"{label:<32} {100 * self.average:>7.1f}%   ({' / '.join(self.groups)}: {figures} -> "
+                        f"{100 * self.average:.1f})")
+        return "\n".join(rows)
+
+
+def _summary(result) -> dict:
+    """The printed result: everything but the per-episode records (they are in eval_result.json)."""
+    data = asdict(result)
+    for part in [data] + list((data.get("tasks") or {}).values()):
+        part.pop("episode_records", None)
+    return data

@@ -1,0 +1,87 @@
+"""The evaluation settings, resolved once against a checkpoint's deployment contract: each setting (env, tasks, image
+size, episode limit, actions per chunk, cameras, seeds) with its value and where it came from (`checkpoint`, `flag`,
+`flag (override)`, `default`); a flag that contradicts the contract is refused unless overridden. Evaluation, rollouts
+during training and RL take their settings from here."""
+
+from __future__ import annotations
+
+import logging
+
+from hf_vla.errors import ConfigError
+from hf_vla.evaluation.envs import _env_takes
+from hf_vla.serving.contract import ContractError, refuse_repeated_cameras
+
+logger = logging.getLogger("hf_vla.evaluate")
+
+
+DEFAULT_ENV = "hf_vla/ColorReach-v0"
+
+
+DEFAULT_SEED = 10_000
+
+
+OVERRIDABLE = ("image_size", "n_action_steps", "max_episode_steps", "cameras", "seed")
+
+
+def evaluation_settings(contract, head: str | None, env_id: str | None, task: str | None, episodes: int,
+                        n_action_steps: int | None = None, seed: int | None = None, cameras: list[str] | None = None,
+                        image_size: int | None = None, max_episode_steps: int | None = None,
+                        overrides=(), chunk_size: int | None = None) -> dict:
+    """What an evaluation runs with: `{name: Setting(value, source)}` for env, task, image_size, n_action_steps,
+    max_episode_steps, cameras, seed, head and control_mode. Each comes from its flag, else the checkpoint's deployment
+    contract (`hf_vla.serving.contract`), else the default; a flag that contradicts the contract is a `ContractError`
+    naming both values and `--override NAME`, unless NAME is in `overrides`."""
+    from hf_vla.serving.contract import Setting, choose, square_size
+
+    overrides = set(overrides or ())
+    unknown = sorted(overrides - set(OVERRIDABLE))
+    if unknown:
+        raise ConfigError(f"--override {' '.join(unknown)}: choose from {' '.join(OVERRIDABLE)}")
+    spec = head_spec(contract, head)
+    bench = (spec or {}).get("benchmark") or {}
+    settings = {"env": choose("env", env_id, bench.get("env"), DEFAULT_ENV, overrides, equal=lambda a, b: True)}
+    env_id = settings["env"].value
+    same_env = bench.get("env") == env_id  # the benchmark settings apply to the env the data was recorded in
+    recorded_tasks = ",".join(bench["tasks"]) if same_env and bench.get("tasks") else None
+    settings["task"] = choose("task", task, recorded_tasks, None, overrides, equal=lambda a, b: True)
+    recorded_size = (bench.get("image_size") if same_env else None) or square_size((spec or {}).get("cameras", []))
+    takes_size = _env_takes(env_id, "image_size")
+    if image_size is not None and not takes_size:
+        raise ConfigError(f"--image_size {image_size}: env {env_id!r} takes no image size (its images are what it "
+                          f"renders)")
+    settings["image_size"] = choose("image_size", image_size, recorded_size if takes_size else None, None, overrides)
+    settings["max_episode_steps"] = choose("max_episode_steps", max_episode_steps,
+                                           bench.get("max_episode_steps") if same_env else None, None, overrides)
+    default_steps = max(1, (chunk_size or (contract.chunk_size if contract else 2)) // 2)
+    settings["n_action_steps"] = choose("n_action_steps", n_action_steps, contract.n_action_steps if contract else None,
+                                        default_steps, overrides)
+    trained = [c["key"] for c in (spec or {}).get("cameras", []) if c.get("key") is not None] or None
+    refuse_repeated_cameras("--cameras", cameras)
+    # other keys than the trained ones (another camera, another order, another count) contradict the checkpoint
+    settings["cameras"] = choose("cameras", list(cameras) if cameras else None, trained, None, overrides)
+    settings["seed"] = choose("seed", seed, None, DEFAULT_SEED, overrides)
+    data_seeds = bench.get("data_seeds") if same_env else None
+    first = int(settings["seed"].value)
+    if data_seeds and first <= data_seeds[1] and first + episodes - 1 >= data_seeds[0] and "seed" not in overrides:
+        raise ContractError(f"--seed {first}: episodes {first}..{first + episodes - 1} overlap the env seeds "
+                            f"{data_seeds[0]}..{data_seeds[1]} the training data was recorded with; evaluate on held-out "
+                            f"seeds (default {DEFAULT_SEED}), or pass --override seed")
+    if data_seeds and "seed" in overrides and settings["seed"].source == "flag":
+        settings["seed"] = Setting(first, "flag (override)")
+    head_name = head if head is not None else (contract.default_head if contract else None)
+    settings["head"] = Setting(head_name, "flag" if head is not None else "checkpoint" if head_name else "default")
+    settings["control_mode"] = Setting((spec or {}).get("control_mode"), "checkpoint" if spec else "default")
+    return settings
+
+
+def head_spec(contract, head: str | None) -> dict | None:
+    """The contract's settings of `head` (default: its default or only head); None without a contract, or when the
+    checkpoint has several heads and none is named (the robot must say which; the processor refuses that later)."""
+    if contract is None:
+        return None
+    try:
+        return contract.head(head)
+    except KeyError:
+        if head is None:
+            return None
+        raise ConfigError(f"--head {head!r}: the checkpoint has the heads {sorted(contract.heads)}") from None

@@ -1,0 +1,349 @@
+"""lerobot (and openpi-converted) pi0 / pi0.5 checkpoints to hf_vla pi0.5 / transformers pi0: the key mapping
+(`convert_lerobot_state_dict`), the dims read from the weights, lerobot's normaliser statistics, and the whole
+checkpoint written atomically (`convert_checkpoint`). `python -m hf_vla.convert` is the command; training, evaluation
+and serving call this on load (`hf_vla.hub.resolve`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_vla.cli import check_writable_dir
+from hf_vla.errors import ConfigError, DataError, MissingFileError
+
+logger = logging.getLogger(__name__)
+
+# (pattern, replacement) applied in order to each key once the leading "model." is stripped.
+_VLM_RULES = [
+    (r"^paligemma_with_expert\.paligemma\.model\.", "model.vlm."),
+    # openpi-converted / transformers-4 PaliGemma naming
+    (r"^paligemma_with_expert\.paligemma\.language_model\.model\.", "model.vlm.language_model."),
+    (r"^paligemma_with_expert\.paligemma\.language_model\.(?!model\.)", "model.vlm.language_model."),
+    (r"^paligemma_with_expert\.paligemma\.vision_tower\.", "model.vlm.vision_tower."),
+    (r"^paligemma_with_expert\.paligemma\.multi_modal_projector\.", "model.vlm.multi_modal_projector."),
+]
+_PI05_RULES = _VLM_RULES + [
+    (r"^paligemma_with_expert\.gemma_expert\.model\.", "model.expert."),
+    (r"^action_time_mlp_(in|out)\.", r"time_mlp_\1."),
+    (r"^(action_in_proj|action_out_proj|time_mlp_in|time_mlp_out)\.", r"\1."),
+]
+_PI0_RULES = _VLM_RULES + [
+    (r"^paligemma_with_expert\.gemma_expert\.model\.", "model.dit."),
+    (r"^(action_in_proj|state_proj|action_time_mlp_in|action_time_mlp_out)\.", r"embed_action_time.\1."),
+    (r"^action_out_proj\.", "action_out_proj."),
+]
+_LM_HEAD = re.compile(r"^paligemma_with_expert\.paligemma\.lm_head\.weight$")
+_DROPPED = [
+    re.compile(r"^paligemma_with_expert\.gemma_expert\.lm_head\."),  # the expert never decodes tokens
+    re.compile(r"\.rotary_emb\."),
+    re.compile(r"^paligemma_with_expert\.gemma_expert\.model\.embed_tokens\."),
+]
+
+
+def _rules_for(config):
+    model_type = getattr(config, "model_type", None)
+    if model_type == "pi05":
+        return _PI05_RULES, "model.vlm.language_model.embed_tokens.weight"
+    if model_type == "pi0":
+        return _PI0_RULES, "model.vlm.language_model.embed_tokens.weight"
+    raise DataError(f"convert_lerobot_state_dict: config.model_type must be 'pi0' or 'pi05', got {model_type!r}")
+
+
+def convert_lerobot_state_dict(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Rename a lerobot `PI05Policy` / `PI0Policy` state dict to hf_vla pi0.5 / transformers pi0 keys.
+
+    The lm_head is tied to embed_tokens in the reference and stored once: it becomes the VLM's embed_tokens when
+    those are absent. pi0.5's expert has adaRMS norms, so plain `...expert...layernorm.weight` keys (a pi0 expert
+    loaded as pi0.5) are refused. Unknown keys raise instead of being silently dropped.
+    """
+    rules, embed_key = _rules_for(config)
+    converted: dict[str, torch.Tensor] = {}
+    lm_head = None
+    unknown = []
+    for key, value in state_dict.items():
+        name = key[len("model.") :] if key.startswith("model.") else key
+        if _LM_HEAD.match(name):
+            lm_head = value
+            continue
+        if any(p.search(name) for p in _DROPPED):
+            continue
+        for pattern, replacement in rules:
+            new_name, count = re.subn(pattern, replacement, name)
+            if count:
+                break
+        else:
+            unknown.append(key)
+            continue
+        if config.model_type == "pi05" and re.match(r"^model\.expert\.(layers\.\d+\.(input|post_attention)_layernorm|norm)\.weight$", new_name):
+            raise DataError(
+                f"{key}: a plain RMSNorm weight in the action expert; pi0.5's expert norms are adaRMS (`.dense`). "
+                "Is this a pi0 checkpoint? Convert it with a PI0Config."
+            )
+        converted[new_name] = value
+    if unknown:
+        raise DataError(f"convert_lerobot_state_dict: {len(unknown)} keys have no mapping, e.g. {unknown[:5]}")
+    if embed_key not in converted:
+        if lm_head is None:
+            raise DataError("checkpoint has neither the VLM's embed_tokens nor the tied lm_head")
+        converted[embed_key] = lm_head
+    if config.model_type == "pi0" and "model.dit.embed_tokens.weight" not in converted:
+        # transformers' pi0 keeps an (unused) token embedding in the expert; lerobot drops it.
+        converted["model.dit.embed_tokens.weight"] = torch.zeros(
+            config.dit_config.vocab_size, config.dit_config.hidden_size, dtype=converted[embed_key].dtype
+        )
+    return converted
+
+
+_GEMMA_VARIANTS = {
+    "gemma_300m": dict(hidden_size=1024, num_hidden_layers=18, intermediate_size=4096, num_attention_heads=8,
+                       num_key_value_heads=1, head_dim=256),
+    "gemma_2b": dict(hidden_size=2048, num_hidden_layers=18, intermediate_size=16384, num_attention_heads=8,
+                     num_key_value_heads=1, head_dim=256),
+}
+
+
+# SigLIP So400m/14 as used by pi0 / pi0.5 (image_size comes from the checkpoint's image_resolution).
+_VISION_DIMS = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, patch_size=14)
+
+
+def dims_from_weights(shapes: dict[str, tuple]) -> dict:
+    """Tower dims read from a lerobot pi0 / pi0.5 state dict's tensor shapes (names as lerobot or openpi store them).
+
+    Returns `text`, `expert` (hidden, layers, intermediate, heads, head_dim), `vision` (hidden, layers, intermediate,
+    patch size, image size), `vocab_size` and `max_action_dim`, for what the shapes determine. Attention head counts
+    do not show in a shape (only heads x head_dim does): the KV heads of the Gemma towers and SigLIP's heads come from
+    the published architecture, and the query heads follow from them.
+    """
+    def layers(pattern: str) -> int:
+        found = {int(m.group(1)) for key in shapes if (m := re.search(pattern, key))}
+        return max(found) + 1 if found else 0
+
+    def first(pattern: str):
+        return next((shape for key, shape in shapes.items() if re.search(pattern, key)), None)
+
+    dims: dict = {}
+    for tower, where, variant in (("text", r"paligemma\.(?:model\.)?language_model\.(?:model\.)?", "gemma_2b"),
+                                  ("expert", r"gemma_expert\.model\.", "gemma_300m")):
+        q = first(where + r"layers\.0\.self_attn\.q_proj\.weight$")
+        k = first(where + r"layers\.0\.self_attn\.k_proj\.weight$")
+        gate = first(where + r"layers\.0\.mlp\.gate_proj\.weight$")
+        if q is None or k is None or gate is None:
+            continue
+        kv_heads = _GEMMA_VARIANTS[variant]["num_key_value_heads"]
+        head_dim = k[0] // kv_heads
+        dims[tower] = dict(hidden_size=q[1], num_hidden_layers=layers(where + r"layers\.(\d+)\."),
+                           intermediate_size=gate[0], num_attention_heads=q[0] // head_dim,
+                           num_key_value_heads=kv_heads, head_dim=head_dim)
+    patch = first(r"vision_model\.embeddings\.patch_embedding\.weight$")
+    positions = first(r"vision_model\.embeddings\.position_embedding\.weight$")
+    fc1 = first(r"vision_model\.encoder\.layers\.0\.mlp\.fc1\.weight$")
+    if patch is not None and positions is not None and fc1 is not None:
+        side = round(positions[0] ** 0.5)
+        dims["vision"] = dict(hidden_size=patch[0], patch_size=patch[-1], image_size=side * patch[-1],
+                              intermediate_size=fc1[0],
+                              num_hidden_layers=layers(r"vision_model\.encoder\.layers\.(\d+)\."))
+    embed = first(r"paligemma\.(?:lm_head|(?:model\.)?language_model\.(?:model\.)?embed_tokens)\.weight$")
+    if embed is not None:
+        dims["vocab_size"] = embed[0]
+    action_in = first(r"(?:^|\.)action_in_proj\.weight$")
+    if action_in is not None:
+        dims["max_action_dim"] = action_in[1]
+    return dims
+
+
+def _unreadable(path, error) -> DataError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return DataError(f"{path}: not a complete safetensors file ({first}); a download or copy cut off? fetch it again")
+
+
+def weight_shapes(path: str | Path) -> dict[str, tuple]:
+    """Tensor shapes of a safetensors file, read from its header (no tensor is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except (SafetensorError, OSError) as error:
+        raise _unreadable(path, error) from error
+
+
+def read_weights(path: str | Path) -> dict:
+    """`safetensors.torch.load_file`, with a truncated or damaged file as one `DataError` naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise _unreadable(path, error) from error
+
+
+def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = None):
+    """Build the hf_vla/transformers config from a lerobot policy `config.json`, with the tower dims read from the
+    weights' shapes when given (`dims_from_weights`); without them, the published dims of the named variants."""
+    from transformers import PI0Config
+
+    from hf_vla.models.pi05 import PI05Config
+
+    policy_type = lerobot_config.get("type")
+    if policy_type not in ("pi0", "pi05"):
+        raise DataError(f"config.json: lerobot policy type {policy_type!r} is not 'pi0' or 'pi05'")
+    image_size = (lerobot_config.get("image_resolution") or [224, 224])[0]
+    text = dict(_GEMMA_VARIANTS[lerobot_config.get("paligemma_variant", "gemma_2b")])
+    expert = dict(_GEMMA_VARIANTS[lerobot_config.get("action_expert_variant", "gemma_300m")])
+    vision = dict(_VISION_DIMS, image_size=image_size)
+    vocab = 257152
+    measured = dims_from_weights(shapes) if shapes else {}
+    text.update(measured.get("text", {}))
+    expert.update(measured.get("expert", {}))
+    if "vision" in measured:
+        if measured["vision"]["hidden_size"] != vision["hidden_size"]:  # not So400m: heads of 64 dims (SigLIP's)
+            vision["num_attention_heads"] = max(1, measured["vision"]["hidden_size"] // 64)
+        vision.update(measured["vision"])
+    vocab = measured.get("vocab_size", vocab)
+    vlm_config = {
+        "model_type": "paligemma",
+        "text_config": {"model_type": "gemma", "vocab_size": vocab, "hidden_act": "gelu_pytorch_tanh", **text},
+        "vision_config": {
+            "model_type": "siglip_vision_model", **vision, "vision_use_head": False,
+            "projection_dim": text["hidden_size"],
+        },
+        "projection_dim": text["hidden_size"],
+        "image_token_id": vocab,
+    }
+    dit_config = {"model_type": "gemma", "vocab_size": vocab, "hidden_act": "gelu_pytorch_tanh", **expert}
+    common = {
+        key: lerobot_config[key]
+        for key in ("chunk_size", "max_state_dim", "max_action_dim", "num_inference_steps", "time_sampling_beta_alpha",
+                    "time_sampling_beta_beta", "time_sampling_scale", "time_sampling_offset", "min_period", "max_period")
+        if key in lerobot_config
+    }
+    if "max_action_dim" in measured:
+        if "max_action_dim" in common and common["max_action_dim"] != measured["max_action_dim"]:
+            raise DataError(f"config.json says max_action_dim={common['max_action_dim']} but the weights' "
+                            f"action_in_proj takes {measured['max_action_dim']}")
+        common["max_action_dim"] = measured["max_action_dim"]
+    if policy_type == "pi05":
+        if "tokenizer_max_length" in lerobot_config:
+            common["tokenizer_max_length"] = lerobot_config["tokenizer_max_length"]
+        return PI05Config(vlm_config=vlm_config, dit_config=dit_config, **common)
+    return PI0Config(vlm_config=vlm_config, dit_config=dit_config, **common)
+
+
+def read_lerobot_norm_stats(checkpoint_dir: Path) -> dict | None:
+    """lerobot saves its normalizer as `*normalizer_processor*.safetensors` with keys `<feature>.<stat>`."""
+    files = sorted(p for p in checkpoint_dir.glob("*normalizer*.safetensors") if "unnormalizer" not in p.name)
+    if not files:
+        return None
+    tensors = read_weights(files[0])
+    stats: dict = {}
+    for key, value in tensors.items():
+        feature, _, stat = key.rpartition(".")
+        target = {"observation.state": "state", "action": "actions"}.get(feature)
+        if target:
+            stats.setdefault(target, {})[stat] = value.tolist()
+    return stats or None
+
+
+def _check_paths(input_dir: Path, output_dir: Path, overwrite: bool):
+    """The output never overlaps the input (a conversion must not be able to destroy its source), and an existing
+    output is replaced only when asked."""
+    source, target = input_dir.resolve(), output_dir.resolve()
+    if target == source or source in target.parents:
+        raise ConfigError(f"--output {str(output_dir)!r} is {'the input' if target == source else 'inside the input'} "
+                          f"{str(input_dir)!r}: write the converted checkpoint to a new directory")
+    if target in source.parents:
+        raise ConfigError(f"--output {str(output_dir)!r} contains the input {str(input_dir)!r}: replacing it would "
+                          "delete the source; write to a new directory")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"--output {str(output_dir)!r} is a file")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise ConfigError(f"--output {str(output_dir)!r} exists and is not empty: choose a new directory, or pass "
+                          "--overwrite to replace it")
+    check_writable_dir("--output", output_dir.parent if not output_dir.exists() else output_dir)
+
+
+def convert_checkpoint(
+    input_dir: str | Path, output_dir: str | Path, tokenizer="google/paligemma-3b-pt-224", head: str = "default",
+    overwrite: bool = False,
+) -> Path:
+    """Convert a lerobot checkpoint directory and write model + processor to `output_dir`.
+
+    Everything (config, weights, tokenizer, normalisation stats) is read and converted before anything is written;
+    the result is written into a temporary directory beside `output_dir` and renamed into place at the end, so a
+    failure leaves no output and never touches the input. `output_dir` must not be, contain or lie inside the input,
+    and an existing non-empty one is replaced only with `overwrite`.
+    """
+    from transformers import AutoTokenizer
+
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    config_file, weights_file = input_dir / "config.json", input_dir / "model.safetensors"
+    for path in (config_file, weights_file):
+        if not path.is_file():
+            raise MissingFileError(f"{path}: missing; a lerobot checkpoint directory holds config.json and "
+                                   "model.safetensors")
+    _check_paths(input_dir, output_dir, overwrite)
+    try:
+        lerobot_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{config_file}: not valid JSON ({error})") from error
+    config = config_from_lerobot(lerobot_config, weight_shapes(weights_file))
+    if isinstance(tokenizer, str | os.PathLike):
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        except (OSError, ValueError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(f"--tokenizer {tokenizer!r} could not be loaded: {first}") from error
+    else:  # a tokenizer object (hf_vla.train passes the one it trains with)
+        tok = tokenizer
+    stats = read_lerobot_norm_stats(input_dir)
+    state_dict = convert_lerobot_state_dict(read_weights(weights_file), config)
+    if config.model_type == "pi05":
+        from hf_vla.models.pi05 import PI05ForConditionalGeneration as model_class
+        from hf_vla.models.pi05 import PI05Processor
+
+        processor = PI05Processor.from_config(config, tok, norm_stats={head: stats} if stats else {})
+    else:
+        from transformers import PI0ForConditionalGeneration as model_class
+
+        from hf_vla.models.pi0_adapter import PI0HeadProcessor
+
+        # hf_vla's pi0 processor (transformers' prompt layout and mean/std normalisation, per head), as training saves
+        # it: evaluation, serving and RL load every pi0 checkpoint the same way
+        processor = PI0HeadProcessor.from_config(config, tok, norm_stats={head: stats} if stats else {})
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.converting-", dir=output_dir.parent))
+    try:
+        # Let transformers build the model from config + tensors (buffers, tying, dtype), then save it properly.
+        raw = staging / "raw"
+        config.save_pretrained(raw)
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(raw / "model.safetensors"),
+                  metadata={"format": "pt"})
+        del state_dict
+        model, info = model_class.from_pretrained(raw, output_loading_info=True)
+        missing = [k for k in info["missing_keys"] if "sinusoid_freq" not in k]
+        if missing or info["unexpected_keys"]:
+            raise DataError(f"{weights_file}: converted weights do not fit {model_class.__name__}: "
+                            f"missing {missing[:5]}, unexpected {sorted(info['unexpected_keys'])[:5]}")
+        result = staging / "result"
+        model.save_pretrained(result)
+        processor.save_pretrained(result)
+        from hf_vla.serving import contract  # how to run it: lerobot's n_action_steps, cameras and normalisation mode
+
+        contract.from_lerobot(lerobot_config, head, image_size=getattr(processor, "image_size", None) or 224,
+                                chunk_size=config.chunk_size, source=str(input_dir)).save(result)
+        if output_dir.exists():  # --overwrite: the old output goes only once the new one is complete
+            old = staging / "previous"
+            os.replace(output_dir, old)
+        os.replace(result, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("wrote %s (%s)", output_dir, config.model_type)
+    return output_dir

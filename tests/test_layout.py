@@ -1,0 +1,116 @@
+"""The package's layout: no import circle among hf_vla's modules, deferred (function-level) imports included, and
+the rooms a user would name (training, data, models, evaluation, serving, hub, envs, rl) holding the code."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "hf_vla"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _type_checking(node) -> bool:
+    test = node.test
+    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or \
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the hf_vla modules it imports anywhere in its body (a function's deferred imports too; imports under
+    `if TYPE_CHECKING:` never run and are left out)."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        skipped = set()
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and _type_checking(node):
+                skipped.update(id(child) for statement in node.body for child in ast.walk(statement))
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                # `from pkg import mod` imports the module mod; `from pkg import name` the package
+                targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module
+                           for alias in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of more than one module (Tarjan)."""
+    index, low, stack, on_stack, groups, counter = {}, {}, [], set(), [], [0]
+
+    def visit(node):
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert len(graph) > 40 and sum(map(len, graph.values())) > 100  # the graph was built from the real package
+    found = cycles(graph)
+    assert not found, "import cycles among hf_vla's modules (each group imports itself through the others):\n" + \
+        "\n".join(" <-> ".join(group) for group in found)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_top_level_holds_the_commands_and_public_entry_modules_only():
+    """Library code lives in the rooms; the top level is the package, its commands (`python -m hf_vla.<command>`)
+    and the modules the README and notebooks import."""
+    top = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert top == ["__init__", "__main__", "cli", "convert", "demo", "errors", "evaluate", "lora", "record", "serve",
+                   "tiny", "train"], top
+    rooms = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert rooms == ["data", "envs", "evaluation", "hub", "models", "rl", "serving", "training"], rooms
