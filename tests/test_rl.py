@@ -793,7 +793,7 @@ def test_the_command_improves_a_checkpoint_and_writes_a_loadable_model_and_card(
     # into a log: one line per finished phase, no live bars' cursor codes (nested bars left "\x1b[A" and a line each
     # refresh); the updates' rollouts (0 and 1) and the held-out evaluations (before, after update 2)
     assert "\x1b[A" not in done.stderr
-    phases = [m.group(1) for m in re.finditer(r"INFO hf_vla: (.+?): [\d,]+/[\d,]+ episodes in ", done.stderr)]
+    phases = [m.group(1) for m in re.finditer(r"INFO[: ]hf_vla: ?(.+?): [\d,]+/[\d,]+ episodes in ", done.stderr)]
     assert phases == ["held-out evaluation", "rollouts (update 0)", "rollouts (update 1)", "held-out evaluation"], \
         done.stderr[-3000:]
     summary = json.loads((out / "rl_result.json").read_text())
