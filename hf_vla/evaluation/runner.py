@@ -24,7 +24,7 @@ from hf_vla.evaluation.envs import (
     check_env,
     env_camera_keys,
 )
-from hf_vla.evaluation.settings import evaluation_settings, head_spec
+from hf_vla.evaluation.settings import env_arguments, evaluation_settings, head_spec
 from hf_vla.hub.resolve import resolve_contract
 from hf_vla.models.pi05.rtc import RTCConfig
 from hf_vla.serving.policy import ObservationMap, RequestError, load_policy
@@ -192,13 +192,9 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
         raise ConfigError(f"the checkpoint's cameras {chosen} are not all images of env {env_id!r}'s observations "
                           f"{env_cameras}; pass --cameras with the env's keys in the checkpoint's slot order")
     check_cameras("--cameras", chosen if settings["cameras"].source != "checkpoint" else None, env_cameras)
-    if settings["image_size"].value is not None:
-        env_kwargs["image_size"] = settings["image_size"].value
     spec = head_spec(contract, settings["head"].value)
-    bench = (spec or {}).get("benchmark") or {}
-    given = {k: v for k, v in env_kwargs.items() if k != "image_size"}
-    if bench.get("env") == env_id:  # the arguments the data was recorded with (ColorReach's layout, a crop, ...)
-        env_kwargs = dict(bench.get("env_kwargs") or {}) | env_kwargs
+    given = dict(env_kwargs)
+    env_kwargs = env_arguments(spec, settings, env_kwargs)
     shown = {k: v for k, v in env_kwargs.items() if k != "image_size"}  # the env arguments besides the flags
     if output_dir is None:
         output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"

@@ -85,3 +85,17 @@ def head_spec(contract, head: str | None) -> dict | None:
         if head is None:
             return None
         raise ConfigError(f"--head {head!r}: the checkpoint has the heads {sorted(contract.heads)}") from None
+
+
+def env_arguments(spec: dict | None, settings: dict, env_kwargs: dict) -> dict:
+    """The env's constructor arguments, resolved once for evaluation, RL rollouts and rollouts during training: those
+    the data was recorded with (the contract's `benchmark.env_kwargs`, when the env is the recorded one: ColorReach's
+    layout, a Meta-World crop), overridden by the caller's, then the resolved `image_size`."""
+    bench = (spec or {}).get("benchmark") or {}
+    merged = dict(env_kwargs)
+    if bench.get("env") == settings["env"].value:
+        merged = dict(bench.get("env_kwargs") or {}) | merged
+    if settings["image_size"].value is not None:
+        merged["image_size"] = settings["image_size"].value
+    return merged
+

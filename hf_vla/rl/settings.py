@@ -10,7 +10,7 @@ from hf_vla.errors import ConfigError
 
 def rollout_settings(args, processor, config) -> dict:
     from hf_vla.evaluation.envs import BENCHMARKS, benchmark_tasks, check_env
-    from hf_vla.evaluation.settings import evaluation_settings, head_spec
+    from hf_vla.evaluation.settings import env_arguments, evaluation_settings, head_spec
     from hf_vla.serving.contract import DeploymentConfig
     from hf_vla.serving.policy import stat_dims
 
@@ -28,11 +28,7 @@ def rollout_settings(args, processor, config) -> dict:
     env, task = settings["env"].value, settings["task"].value
     check_env(env, task, "env=", "task=")
     spec = head_spec(contract, settings["head"].value)
-    bench = (spec or {}).get("benchmark") or {}
-    if bench.get("env") == env:  # the arguments the data was recorded with
-        env_kwargs = dict(bench.get("env_kwargs") or {}) | env_kwargs
-    if settings["image_size"].value is not None:
-        env_kwargs["image_size"] = settings["image_size"].value
+    env_kwargs = env_arguments(spec, settings, env_kwargs)  # as evaluation resolves them
     if settings["max_episode_steps"].value is not None:
         env_kwargs["max_episode_steps"] = settings["max_episode_steps"].value
     try:
