@@ -12,6 +12,14 @@
     python benchmarks/metaworld_benchmark.py --stage evaluate --tag locations --which hf_vla --checkpoint_episodes 0 \
         --episodes 50 --work data_cache/metaworld_loc
     python benchmarks/metaworld_cotraining.py          # -> benchmarks/results/metaworld_cotraining_cpu.json
+    # the four object-centred tasks, the same three arms at equal minutes (MT50 recipe, 128 px):
+    python -m hf_vla.record --env metaworld --task basketball,peg-insert-side,push,pick-place --episodes 50 \
+        --output data_cache/mt50_4loc --image_size 160
+    python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_4loc --work data_cache/object_centred \
+        --output benchmarks/results/metaworld_object_centred_cpu.json --budget_min 15 \
+        --settings flow_only,fast_ki,fast_ki_locations --probe_only        # the step rates, measured alone
+    python benchmarks/metaworld_mt50_ablation.py ... (the same without --probe_only)
+    python benchmarks/metaworld_cotraining.py --object_centred benchmarks/results/metaworld_object_centred_cpu.json
 
 The arms share the recorded data (5 tasks x 50 expert episodes at 96 px), the 20-minute budget (steps from each
 arm's own probe of 200 steps, so the token objective's cost per step shows as fewer steps) and the evaluation (50

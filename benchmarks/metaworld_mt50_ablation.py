@@ -11,6 +11,10 @@ The step-count settings on a recording of the four tasks alone (7 minutes here),
     OMP_NUM_THREADS=1 python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_4 --settings long_128 &
     OMP_NUM_THREADS=1 python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_4 --settings aug_long_128
 
+pi0.5's token objective at equal minutes (issue #64; `--budget_min`: each setting's steps from its own 200-step probe,
+`--probe_only` measures every probe first, alone): settings `flow_only`, `fast_ki`, `fast_ki_locations` (the last
+needs a recording with the `locations` column); docs/measurements.md, "The four object-centred tasks".
+
 Every setting trains `configs/pi05_metaworld_mt50.json` with its overrides for the same number of optimizer steps on
 the same episodes (the recording's episodes of `--tasks`, selected with the dataset's `keep_ranges`), then
 `python -m hf_vla.evaluate` runs `--episodes` held-out episodes per task (seeds from 10,000) with the step limit and
