@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -182,8 +183,6 @@ class _PhaseLine:
     cursor-movement codes)."""
 
     def __init__(self, total: int | None, desc: str, unit: str, initial: int = 0):
-        import time
-
         self.total, self.desc, self.unit, self.n, self.postfix = total, desc, unit, initial, ""
         self._started, self._closed = time.perf_counter(), False
 
@@ -201,8 +200,6 @@ class _PhaseLine:
         self.desc = desc or ""
 
     def close(self) -> None:
-        import time
-
         if self._closed:
             return
         self._closed = True

@@ -37,11 +37,12 @@ from pathlib import Path
 import numpy as np
 
 from hf_vla.cli import ArgumentParser, positive, progress_bar, run
+from hf_vla.envs.metaworld import LOCATIONS
 from hf_vla.errors import ConfigError
+from hf_vla.serving.contract import RECORD_MARKER
 
 logger = logging.getLogger("hf_vla.record")
 ENVS = ("metaworld", "color_reach")
-RECORD_MARKER = "hf_vla_record.json"
 PART_MARKER = "hf_vla_record_part.json"  # a recorded task in the staging directory: done
 # (image key, state key, action key) of the recorded datasets: lerobot's Meta-World names, also the demo's
 CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
@@ -57,7 +58,6 @@ class RecordResult:
     shortfall: dict[str, int] = field(default_factory=dict)  # task name -> episodes missing after --max_tries
 
 
-LOCATIONS = "locations"  # Meta-World recordings: per-frame object/goal/gripper points, a token-objective target
 
 
 def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, only_successful: bool = True,

@@ -38,6 +38,7 @@ if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):
 
 CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
 ROBOT_TYPE = "metaworld"
+LOCATIONS = "locations"  # the per-frame column of target_text() a recording carries: a token-objective target
 FPS = 80  # lerobot's Meta-World env and datasets
 DEFAULT_STEPS = 500  # Meta-World's max_path_length
 RENDER = 480  # lerobot's render size
@@ -294,5 +295,5 @@ def in_worker(task: str, **kwargs) -> InWorker:
     return InWorker(functools.partial(MetaWorldEnv, task=task, **kwargs), name=f"Meta-World {task}")
 
 
-__all__ = ["ACTION", "CAMERA", "FPS", "GROUPS", "InWorker", "MetaWorldEnv", "MT50", "RENDER", "ROBOT_TYPE", "STATE",
+__all__ = ["ACTION", "CAMERA", "FPS", "GROUPS", "InWorker", "MetaWorldEnv", "MT50", "LOCATIONS", "RENDER", "ROBOT_TYPE", "STATE",
            "WORKSPACE", "check_crop", "in_worker", "location_text", "task_description", "task_group", "task_names"]

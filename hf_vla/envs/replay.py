@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from hf_vla.cli import progress_bar
+from hf_vla.envs.metaworld import LOCATIONS
 from hf_vla.errors import ConfigError, DataError
+from hf_vla.serving.contract import RECORD_MARKER
 
 logger = logging.getLogger("hf_vla.record")
-LOCATIONS = "locations"
-RECORD_MARKER = "hf_vla_record.json"
 
 
 def _episodes(root: Path, info: dict) -> dict[int, dict]:
@@ -43,12 +43,14 @@ def _episodes(root: Path, info: dict) -> dict[int, dict]:
                 "task": table["tasks"][row][0], "length": int(table["length"][row]), "video": video}
     for path in sorted((root / "data").glob("*/*.parquet")):
         table = pq.read_table(path, columns=["episode_index", "frame_index", "observation.state", "action"])
-        columns = table.to_pydict()
-        for episode in set(columns["episode_index"]):
-            rows = [i for i, e in enumerate(columns["episode_index"]) if e == episode]
-            rows.sort(key=lambda i: columns["frame_index"][i])
-            episodes[int(episode)]["state"] = np.asarray([columns["observation.state"][i] for i in rows], np.float32)
-            episodes[int(episode)]["action"] = np.asarray([columns["action"][i] for i in rows], np.float32)
+        index = table["episode_index"].to_numpy()
+        order = np.lexsort((table["frame_index"].to_numpy(), index))  # by episode, then frame: one pass per file
+        state = np.asarray(table["observation.state"].to_pylist(), np.float32)[order]
+        action = np.asarray(table["action"].to_pylist(), np.float32)[order]
+        starts = np.flatnonzero(np.r_[True, np.diff(index[order]) != 0])
+        for start, end in zip(starts, np.r_[starts[1:], len(order)]):
+            episode = episodes[int(index[order][start])]
+            episode["state"], episode["action"] = state[start:end], action[start:end]
     return episodes
 
 
