@@ -13,7 +13,6 @@ smoothness at chunk switches with a progress bar, and saves the first few rollou
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 import torch
@@ -24,8 +23,6 @@ from hf_vla.evaluation.runner import MAX_ENVS_AT_ONCE, BenchmarkResult, _summary
 from hf_vla.evaluation.settings import DEFAULT_ENV, DEFAULT_SEED, OVERRIDABLE, head_spec
 from hf_vla.hub.resolve import resolve_contract
 from hf_vla.serving.policy import add_rtc_arguments, rtc_config_from_args
-
-logger = logging.getLogger("hf_vla.evaluate")
 
 
 def main(argv=None):

@@ -5,21 +5,12 @@ during training and RL take their settings from here."""
 
 from __future__ import annotations
 
-import logging
-
 from hf_vla.errors import ConfigError
 from hf_vla.evaluation.envs import _env_takes
 from hf_vla.serving.contract import ContractError, refuse_repeated_cameras
 
-logger = logging.getLogger("hf_vla.evaluate")
-
-
 DEFAULT_ENV = "hf_vla/ColorReach-v0"
-
-
 DEFAULT_SEED = 10_000
-
-
 OVERRIDABLE = ("image_size", "n_action_steps", "max_episode_steps", "cameras", "seed")
 
 

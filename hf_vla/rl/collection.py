@@ -4,15 +4,12 @@ and the update's micro-batches. A mixin of `RLTrainer`."""
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
 import torch
 
 from hf_vla.rl.flow import absorbing_bonus, chain_means, gae, group_advantages, step_kl
-
-logger = logging.getLogger("hf_vla.rl")
 
 
 class RolloutCollection:

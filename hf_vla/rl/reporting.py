@@ -4,13 +4,10 @@ card's RL summary. A mixin of `RLTrainer`."""
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
 from hf_vla.rl.config import EVAL_SEED
-
-logger = logging.getLogger("hf_vla.rl")
 
 
 class RLReporting:

@@ -18,7 +18,6 @@ import logging
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hf_vla.errors import ConfigError
 from hf_vla.training.losses import PerSampleLoss
@@ -101,13 +100,9 @@ def fit_fast(mixture, processor, config, path: str | None = None, vocab_size: in
 def token_per_sample_loss(token_losses: torch.Tensor, labels: torch.Tensor,
                           fast_range: tuple[int, int] | None) -> dict[str, PerSampleLoss]:
     """Next-token cross-entropy of every target, summed per sample: `{"ce": all targets, "fast_ce": FAST tokens,
-    "text_ce": the others}` as `PerSampleLoss(sum [B], count [B])` (float32; -100 counts nowhere). `token_losses`:
-    the model's per-target cross-entropy `[B, L_t]` (`PI05Output.token_losses`), or logits `[B, L_t, vocab]`, whose
-    cross-entropy is taken here in float32."""
+    "text_ce": the others}` as `PerSampleLoss(sum [B], count [B])` (float32; -100 counts nowhere), from the model's
+    per-target cross-entropy `[B, L_t]` (`PI05Output.token_losses`)."""
     valid = labels != -100
-    if token_losses.ndim == 3:  # logits
-        token_losses = F.cross_entropy(token_losses.float().flatten(0, 1), labels.masked_fill(~valid, 0).flatten(),
-                                       reduction="none").view(labels.shape)
     flat = token_losses.float() * valid
     if fast_range is not None:
         fast = valid & (labels >= fast_range[0]) & (labels < fast_range[1])
