@@ -533,24 +533,28 @@ def test_token_objective_with_lora_bf16_and_ema(tmp_path):
     assert all(torch.isfinite(p.float()).all() for p in model.parameters())
 
 
-def test_zero3_partitioning_the_tied_head_is_refused_in_one_line():
-    """Under ZeRO-3 the LM head (the input embedding's weight, read outside its module) would read an empty partition;
-    refused before the engine starts unless the embedding stays whole; ZeRO-2 and a high persistence threshold pass."""
+def test_zero3_gathers_the_tied_head_with_the_model():
+    """Under ZeRO-3 the LM head (the input embedding's weight, read in the model's forward outside the embedding
+    module) is registered as the model's external parameter, so DeepSpeed gathers it for the model's forward and
+    backward (tests/test_engines.py runs it with every parameter partitioned); not under ZeRO-2 nor flow-only."""
     from types import SimpleNamespace
 
-    from hf_vla.errors import ConfigError
-    from hf_vla.training.engines import _check_zero3_token_head
+    pytest.importorskip("deepspeed")
+    from hf_vla.training.engines import _register_zero3_token_head
+
+    def args(stage):
+        return SimpleNamespace(deepspeed={"zero_optimization": {"stage": stage,
+                                                               "stage3_param_persistence_threshold": 0}})
+
+    def external(model):
+        return [p for _, p in model.ds_external_parameters()] if hasattr(model, "_external_params") else []
 
     model = token_model()
-    size = model.get_input_embeddings().weight.numel()
-
-    def args(stage, threshold):
-        return SimpleNamespace(deepspeed={"zero_optimization": {"stage": stage,
-                                                               "stage3_param_persistence_threshold": threshold}})
-
-    with pytest.raises(ConfigError, match=r"token_loss under DeepSpeed ZeRO-3: .* use FSDP2"):
-        _check_zero3_token_head(model, args(3, size - 1))
-    _check_zero3_token_head(model, args(3, size))  # persistent: whole on every rank
-    _check_zero3_token_head(model, args(2, 0))
-    model.config.token_loss = False
-    _check_zero3_token_head(model, args(3, 0))  # flow-only: no head
+    _register_zero3_token_head(model, args(2))
+    assert external(model) == []
+    _register_zero3_token_head(model, args(3))
+    assert len(external(model)) == 1 and external(model)[0] is model.get_input_embeddings().weight
+    flow = token_model()
+    flow.config.token_loss = False
+    _register_zero3_token_head(flow, args(3))
+    assert external(flow) == []

@@ -4,7 +4,8 @@ plugins through on CPU, as it does on GPUs):
 
 - the gradient of one optimizer step (per-device batch 2 x GA 2 x 2 processes) equals the one-batch gradient of the
   same 8 samples in one process, for DDP, FSDP2 (per layer), ZeRO-2 and ZeRO-3 (and with training-time RTC's
-  committed prefixes under FSDP2 and ZeRO-3); sharding engines hold half the model;
+  committed prefixes under FSDP2 and ZeRO-3); sharding engines hold half the model; the token objective's gradient
+  under DDP, FSDP2, ZeRO-2 and ZeRO-3 (also with every parameter partitioned: the tied LM head);
 - kill-and-resume equals the uninterrupted run bitwise (weights, logged losses, epochs, train_loss) for DDP, FSDP2 and
   ZeRO-2 in fp32, and DDP / FSDP2 with a bfloat16 model and fp32 master weights;
 - a bf16 run from scratch keeps every rank's parameters and masters identical at every step, with and without LoRA,
@@ -29,14 +30,19 @@ REPO = TESTS.parent
 pytest.importorskip("deepspeed")
 
 LAUNCHES = {  # name: (accelerate config, engine, mixed precision override or None, scenarios)
-    "ddp": ("ddp.yaml", "ddp", "no", ["grad", "resume", "grad_lora"]),
+    "ddp": ("ddp.yaml", "ddp", "no", ["grad", "resume", "grad_lora", "grad_tokens"]),
     "ddp_bf16": ("ddp.yaml", "ddp", None, ["resume_bf16", "same"]),
     "fsdp2": ("fsdp2.yaml", "fsdp2", "no", ["grad", "resume", "grad_pi0", "grad_rtc", "grad_lora", "grad_tokens"]),
     # a bfloat16 model with master_weights and mixed precision "no": the trainer switches FSDP2 to bf16 mixed precision
     "fsdp2_bf16": ("fsdp2.yaml", "fsdp2", "no", ["resume_bf16"]),
     "zero2": ("zero2.yaml", "zero2", "no", ["grad", "resume", "grad_lora", "grad_tokens"]),
     "zero3": ("zero3.yaml", "zero3", "no", ["grad", "grad_rtc", "grad_lora", "grad_tokens"]),
+    # ZeRO-3 with every parameter partitioned (the tiny embedding is otherwise under the persistence threshold and
+    # stays whole, as PaliGemma's 257,152 x 2,048 one never does): the tied LM head of the token objective
+    "zero3_partitioned": ("zero3.yaml", "zero3", "no", ["grad_tokens"]),
 }
+DEEPSPEED_OVERRIDES = {"zero3_partitioned": {"stage3_param_persistence_threshold": 0}}
+
 _results: dict = {}
 
 
@@ -45,8 +51,11 @@ def launched(name, two_datasets, tmp_path_factory):  # noqa: F811
         config, engine, precision, scenarios = LAUNCHES[name]
         out = tmp_path_factory.mktemp(f"engine_{name}")
         port = str(29650 + list(LAUNCHES).index(name))
+        config_file = REPO / "configs" / "accelerate" / config
+        if name in DEEPSPEED_OVERRIDES:  # the shipped config with the ZeRO settings changed
+            config_file = with_zero_settings(config_file, DEEPSPEED_OVERRIDES[name], out)
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(REPO / "configs" / "accelerate" / config), "--num_processes", "2", "--main_process_port", port]
+                   str(config_file), "--num_processes", "2", "--main_process_port", port]
         if precision is not None:
             command += ["--mixed_precision", precision]
         command += [str(TESTS / "engines.py"), engine, str(two_datasets / "a"), str(two_datasets / "b"), str(out),
@@ -56,6 +65,21 @@ def launched(name, two_datasets, tmp_path_factory):  # noqa: F811
         assert result.returncode == 0, result.stderr[-5000:]
         _results[name] = {s: torch.load(out / f"{s}.pt", weights_only=False) for s in scenarios}
     return _results[name]
+
+
+def with_zero_settings(config_file: Path, zero: dict, out: Path) -> Path:
+    """A copy of an accelerate DeepSpeed config whose DeepSpeed JSON has `zero` merged into `zero_optimization`."""
+    import json
+
+    import yaml
+
+    launch = yaml.safe_load(config_file.read_text())
+    deepspeed = json.loads((REPO / launch["deepspeed_config"]["deepspeed_config_file"]).read_text())
+    deepspeed["zero_optimization"].update(zero)
+    (out / "deepspeed.json").write_text(json.dumps(deepspeed))
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(out / "deepspeed.json")
+    (out / "accelerate.yaml").write_text(yaml.safe_dump(launch))
+    return out / "accelerate.yaml"
 
 
 def engine_cases(*cases):
@@ -96,10 +120,12 @@ def test_one_step_gradient_equals_one_batch(name, variant, two_datasets, tmp_pat
     assert (0.45 < share < 0.55) if name in ("fsdp2", "zero3") else share == 1.0, share
 
 
-@pytest.mark.parametrize("name", ["fsdp2", pytest.param("zero2", marks=pytest.mark.slow),
-                                  pytest.param("zero3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["fsdp2", pytest.param("ddp", marks=pytest.mark.slow),
+                                  pytest.param("zero2", marks=pytest.mark.slow),
+                                  pytest.param("zero3", marks=pytest.mark.slow),
+                                  pytest.param("zero3_partitioned", marks=pytest.mark.slow)])
 def test_token_objective_gradient_under_sharding(name, two_datasets, tmp_path_factory):  # noqa: F811
-    """pi0.5's token objective (CE over the FAST targets + the flow MSE, knowledge insulation) under FSDP2 and ZeRO:
+    """pi0.5's token objective (CE over the FAST targets + the flow MSE, knowledge insulation) under DDP, FSDP2 and ZeRO:
     the one-step gradient equals one batch's, computed in one process."""
     from distributed_step import make_model
 
@@ -119,6 +145,8 @@ def test_token_objective_gradient_under_sharding(name, two_datasets, tmp_path_fa
     reference = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     grads = {n.removeprefix("module."): g for n, g in run["grads"].items() if g is not None}
     assert any("language_model.norm" in n for n in reference)  # the backbone's last layer trains (CE only: KI)
+    if name == "zero3_partitioned":  # every parameter partitioned, the tied head's embedding included
+        assert 0.45 < run["share"] < 0.55, run["share"]
     assert {n for n in grads if grads[n].abs().sum() > 0} <= reference.keys()
     for key, grad in reference.items():
         torch.testing.assert_close(grads[key].float(), grad, atol=1e-6, rtol=1e-5, msg=key)

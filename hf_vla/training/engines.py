@@ -48,7 +48,7 @@ def configure_engine(model, args) -> str:
     engine = requested_engine(args)
     bf16_model = any(p.dtype == torch.bfloat16 for p in model.parameters())
     if engine == "deepspeed":
-        _check_zero3_token_head(model, args)
+        _register_zero3_token_head(model, args)
     from hf_vla.models.pi0_adapter import is_pi0, prepare_pi0
 
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -164,24 +164,20 @@ def _deepspeed_config(args) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-def _check_zero3_token_head(model, args) -> None:
+def _register_zero3_token_head(model, args) -> None:
     """The token objective's LM head is the input embedding's weight, read outside the embedding module (tied, as
-    PaliGemma's). ZeRO-3 gathers a partitioned parameter only while its own module runs, so the head would read an
-    empty partition: refused unless the embedding stays whole (under `stage3_param_persistence_threshold`)."""
+    PaliGemma's). ZeRO-3 gathers a partitioned parameter while its own module runs, so the weight is registered as an
+    external parameter of the model whose forward reads it (DeepSpeed's `register_external_parameter`): gathered for
+    the model's forward and for its backward, where the head's pieces are recomputed."""
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not getattr(core.config, "token_loss", False):
         return
     zero = _deepspeed_config(args).get("zero_optimization") or {}
     if int(zero.get("stage", 0) or 0) != 3:
         return
-    threshold = zero.get("stage3_param_persistence_threshold", 100_000)
-    size = core.get_input_embeddings().weight.numel()
-    if isinstance(threshold, int | float) and size > threshold:
-        raise ConfigError(
-            f"token_loss under DeepSpeed ZeRO-3: the LM head reads the input embedding ({size:,} parameters) outside "
-            f"its module, which ZeRO-3 partitions (stage3_param_persistence_threshold {threshold:,}); use FSDP2 "
-            "(configs/accelerate/fsdp2.yaml) or ZeRO-2, or keep the embedding whole with a threshold above "
-            f"{size:,} in the DeepSpeed config")
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    register_external_parameter(core, core.get_input_embeddings().weight)
 
 
 def allow_sharding_on_cpu():
