@@ -20,6 +20,15 @@ settings are refused while an interrupted recording waits; `--overwrite` starts 
 refused (or replaced with `--overwrite`).
 
     python -m hf_vla.record --env metaworld --task mt50 --episodes 50 --output data/mt50 --image_size 224  # ~2.5 h
+
+DAgger (`--strategy dagger --policy CHECKPOINT`, `hf_vla.envs.dagger`): the checkpoint's policy acts, run as its
+deployment contract says (tasks, image size, crop, episode limit, actions per chunk; a flag that contradicts it is
+refused), the expert labels every visited state; every episode is kept, with per-frame `intervention` and
+`policy_action` and the episodes' success in `meta/hf_vla_record.json`, which also names the checkpoint and `--round`.
+Seeds default to 1000 x round (new initial states each round, below evaluation's 10,000).
+
+    python -m hf_vla.record --env metaworld --strategy dagger --policy outputs/mw --round 1 --episodes 10 \
+        --output data/mw_dagger_1
 """
 
 from __future__ import annotations
@@ -37,12 +46,15 @@ from pathlib import Path
 import numpy as np
 
 from hf_vla.cli import ArgumentParser, positive, progress_bar, run
+from hf_vla.envs.dagger import DaggerSettings, dagger_episodes, dagger_features
 from hf_vla.envs.metaworld import LOCATIONS
 from hf_vla.errors import ConfigError
 from hf_vla.serving.contract import RECORD_MARKER
 
 logger = logging.getLogger("hf_vla.record")
 ENVS = ("metaworld", "color_reach")
+STRATEGIES = ("expert", "dagger")
+EVAL_ENV = {"metaworld": "metaworld", "color_reach": "hf_vla/ColorReach-v0"}  # the env id a checkpoint's contract names
 PART_MARKER = "hf_vla_record_part.json"  # a recorded task in the staging directory: done
 # (image key, state key, action key) of the recorded datasets: lerobot's Meta-World names, also the demo's
 CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
@@ -131,10 +143,13 @@ def _part_stats(part: Path) -> dict | None:
 
 
 def record(env: str, output: str | Path, episodes: int, tasks: str | None = None, image_size: int | None = None,
-           seed: int = 0, max_episode_steps: int | None = None, overwrite: bool = False, progress: bool = True,
-           seeds: Callable[[int], Iterator[int]] | None = None, env_kwargs: dict | None = None,
-           max_tries: int | None = None) -> RecordResult:
-    """Record `episodes` successful expert episodes per task into a new LeRobot dataset at `output`.
+           seed: int | None = None, max_episode_steps: int | None = None, overwrite: bool = False,
+           progress: bool = True, seeds: Callable[[int], Iterator[int]] | None = None, env_kwargs: dict | None = None,
+           max_tries: int | None = None, strategy: str = "expert", policy: str | None = None,
+           dagger: DaggerSettings | None = None, round_index: int = 1, device: str = "cpu") -> RecordResult:
+    """Record `episodes` successful expert episodes per task into a new LeRobot dataset at `output` (with
+    `strategy="dagger"`: `episodes` DAgger episodes per task of `policy`, labelled by the expert; see
+    `hf_vla.envs.dagger`).
 
     Each task is recorded into its own part under `.<output name>.recording/` beside `output` and marked done when
     complete; the parts are joined with lerobot's `aggregate_datasets` and the result renamed into place. Killed and
@@ -144,7 +159,13 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
 
     if env not in ENVS:
         raise ConfigError(f"env {env!r}: choose one of {list(ENVS)}")
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy {strategy!r}: choose one of {list(STRATEGIES)}")
+    if (strategy == "dagger") != (policy is not None):
+        raise ConfigError("--strategy dagger needs --policy CHECKPOINT (the policy that acts)" if policy is None else
+                          f"--policy {policy}: only --strategy dagger runs a policy (the expert records alone)")
     positive("episodes", episodes)
+    positive("round", round_index)
     positive("image_size", image_size)
     positive("max_episode_steps", max_episode_steps)
     positive("max_tries", max_tries)
@@ -157,6 +178,15 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     from hf_vla.cli import check_writable_dir
 
     check_writable_dir("output", output.parent)
+    runner = None
+    if strategy == "dagger":
+        dagger = dagger or DaggerSettings()
+        runner, resolved = _dagger_policy(env, policy, tasks, image_size, max_episode_steps, env_kwargs, episodes,
+                                          device)
+        tasks, image_size, max_episode_steps, env_kwargs = (resolved["task"], resolved["image_size"],
+                                                            resolved["max_episode_steps"], resolved["env_kwargs"])
+        seed = 1000 * round_index if seed is None else seed
+    seed = 0 if seed is None else seed
     if env == "metaworld":
         from hf_vla.envs import metaworld
 
@@ -194,6 +224,9 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     plan = {"env": env, "tasks": names, "episodes_per_task": episodes, "image_size": size, "seed": seed,
             "max_episode_steps": max_episode_steps or default_steps, "max_tries": max_tries,
             "env_kwargs": {k: v for k, v in kwargs.items() if k not in ("image_size", "max_steps")}}
+    if runner is not None:
+        plan |= {"strategy": strategy, "policy": str(policy), "round": round_index, "dagger": dagger.to_dict(),
+                 "n_action_steps": resolved["n_action_steps"]}
 
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.recording"
@@ -236,9 +269,18 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
             frames_count = [0]
             task_started = time.perf_counter()
 
-            def task_episodes(live=live, stats=stats, used_seeds=used_seeds, frames_count=frames_count):
-                for frames in expert_episodes(live, episodes, tried(seed), max_attempts=max_tries, stats=stats,
-                                              bar=bar, locations=env == "metaworld"):
+            def task_episodes(live=live, stats=stats, used_seeds=used_seeds, frames_count=frames_count, name=name):
+                if runner is not None:
+                    _check_dims(runner, live, f"{env} {name}")
+                    stats["rejected"] = 0
+                    source = dagger_episodes(live, runner, resolved["n_action_steps"], episodes, tried(seed), dagger,
+                                             CAMERA, STATE, stats=stats, bar=bar,
+                                             episodes=stats.setdefault("episodes", []),
+                                             text=_location_text if env == "metaworld" else None)
+                else:
+                    source = expert_episodes(live, episodes, tried(seed), max_attempts=max_tries, stats=stats,
+                                             bar=bar, locations=env == "metaworld")
+                for frames in source:
                     frames_count[0] += len(frames)
                     yield frames
 
@@ -253,6 +295,7 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
                         cameras={CAMERA: (size, size)}, state_dim=state_dim, action_dim=action_dim,
                         robot_type=robot_type, state_key=STATE, action_key=ACTION, repo_id=f"local/{name}",
                         text_features=(LOCATIONS,) if env == "metaworld" else (),
+                        extra_features=dagger_features(action_dim) if runner is not None else None,
                         # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env
                         # renders.
                         pix_fmt="yuv444p", crf=0)
@@ -261,7 +304,10 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
             finally:
                 if hasattr(live, "close"):
                     live.close()
-            if stats["kept"] < episodes:
+            if runner is not None:
+                logger.info("%s: the policy succeeded in %d of %d DAgger episodes; the expert acted at %d of %d steps",
+                            name, stats["successes"], stats["kept"], stats["expert_steps"], frames_count[0])
+            elif stats["kept"] < episodes:
                 logger.warning("%s: only %d of %d episodes succeeded in %d tries (--max_tries %d)", name,
                                stats["kept"], episodes, stats["kept"] + stats["rejected"], max_tries)
             stats |= {"frames": frames_count[0], "seeds": [min(used_seeds, default=seed), max(used_seeds, default=seed)],
@@ -298,6 +344,8 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         asdict(result) | {"seed": seed, "image_size": size, "episodes_per_task": episodes,
                           "max_episode_steps": plan["max_episode_steps"], "max_tries": max_tries,
                           "fast_render": env == "metaworld", "env_kwargs": plan["env_kwargs"],
+                          **{key: plan[key] for key in ("strategy", "policy", "round", "dagger", "n_action_steps")
+                             if key in plan},
                           "shortfall": shortfall,
                           "data_seeds": [min(s[0] for s in all_seeds), max(s[1] for s in all_seeds)]},
         indent=2))
@@ -315,6 +363,67 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     return result
 
 
+def _location_text(env) -> dict:
+    return {LOCATIONS: env.call("target_text") if hasattr(env, "call") else env.target_text()}
+
+
+def _check_dims(policy, env, where: str) -> None:
+    from hf_vla.evaluation.envs import _check_dims as check
+
+    check(policy, env, where)
+
+
+def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | None, max_episode_steps: int | None,
+                   env_kwargs: dict | None, episodes: int, device: str):
+    """The policy of a DAgger recording, loaded, and the settings its deployment contract fixes (tasks, image size,
+    episode limit, env arguments such as a crop): a flag that contradicts the contract, or a checkpoint trained in
+    another env, is refused in one line."""
+    from hf_vla.evaluation.settings import env_arguments, evaluation_settings, head_spec
+    from hf_vla.hub.resolve import resolve_contract
+    from hf_vla.serving.contract import ContractError
+    from hf_vla.serving.policy import ObservationMap, load_policy
+
+    try:
+        contract = resolve_contract(policy, None)
+    except ConfigError as error:
+        raise ConfigError(f"--policy {error}") from None
+    spec = head_spec(contract, None)
+    trained_env = ((spec or {}).get("benchmark") or {}).get("env")
+    if trained_env is not None and trained_env != EVAL_ENV[env]:
+        raise ConfigError(f"--policy {policy}: its data was recorded in {trained_env!r}, not {EVAL_ENV[env]!r} "
+                          f"(--env {env}); DAgger runs a policy in the env it was trained for")
+    try:
+        settings = evaluation_settings(contract, None, EVAL_ENV[env], tasks, episodes, image_size=image_size,
+                                       max_episode_steps=max_episode_steps, overrides=("seed",),
+                                       chunk_size=contract.chunk_size if contract else None)
+    except ContractError as error:
+        raise ConfigError(f"--policy {policy}: {str(error).split('; drop the flag')[0]}; drop the flag: DAgger runs "
+                          "the policy as it was trained") from None
+    given = dict(env_kwargs or {})
+    merged = env_arguments(spec, settings, {})
+    for key, value in given.items():
+        if value is not None and merged.get(key) is not None and _as_list(merged[key]) != _as_list(value):
+            raise ConfigError(f"--policy {policy}: --{key} {value} contradicts the checkpoint, which was trained with "
+                              f"{key}={merged[key]}; drop the flag: DAgger runs the policy as it was trained")
+    merged = {k: v for k, v in (merged | {k: v for k, v in given.items() if v is not None}).items()
+              if k != "image_size"}
+    runner = load_policy(policy, device=device, obs_map=ObservationMap(cameras=settings["cameras"].value or None),
+                         num_camera_slots=len(spec["cameras"]) if spec else None)
+    if env == "color_reach":  # ColorReach draws its instruction per episode: no task to choose
+        task = None
+    else:
+        task = settings["task"].value
+    return runner, {"task": task, "image_size": settings["image_size"].value,
+                    "n_action_steps": int(settings["n_action_steps"].value),
+                    "max_episode_steps": settings["max_episode_steps"].value, "env_kwargs": merged}
+
+
+def _as_list(value):
+    if isinstance(value, str):
+        return [int(v) if v.strip().lstrip("-").isdigit() else v.strip() for v in value.split(",")]
+    return list(value) if isinstance(value, list | tuple) else value
+
+
 def _plan_difference(previous: dict | None, plan: dict) -> str:
     if previous is None:
         return "no plan.json"
@@ -330,7 +439,8 @@ def main(argv=None):
     parser.add_argument("--episodes", type=int, default=None, help="successful episodes per task (required to record)")
     parser.add_argument("--output", required=True, help="the dataset directory to create")
     parser.add_argument("--image_size", type=int, default=None, help="square image side (Meta-World default 128)")
-    parser.add_argument("--seed", type=int, default=0, help="first episode seed of each task")
+    parser.add_argument("--seed", type=int, default=None, help="first episode seed of each task (default 0; DAgger: "
+                        "1000 x --round)")
     parser.add_argument("--max_episode_steps", type=int, default=None)
     parser.add_argument("--max_tries", type=int, default=None, help="expert episodes tried per task before its "
                         "shortfall is reported (default 3 x --episodes + 10)")
@@ -343,6 +453,20 @@ def main(argv=None):
                         help="Meta-World: instead of recording, write --output as RECORDING (a recording of this "
                         "command without the per-frame locations column) with it, by replaying each episode from its "
                         "seed; refused where the replay departs from the recording")
+    group = parser.add_argument_group("DAgger (a policy acts, the expert labels; hf_vla.envs.dagger)")
+    group.add_argument("--strategy", choices=STRATEGIES, default="expert", help="expert: the scripted expert acts "
+                       "(successful episodes only); dagger: --policy acts and the expert labels every state")
+    group.add_argument("--policy", default=None, help="dagger: the checkpoint (directory or Hub id) that acts")
+    group.add_argument("--round", type=int, default=1, help="dagger: the round's number, kept in the metadata "
+                       "(default seeds 1000 x round)")
+    group.add_argument("--beta", type=float, default=0.0, help="dagger: the expert's share of the steps (each "
+                       "step drawn; the paper's mixture)")
+    group.add_argument("--takeover_threshold", type=float, default=None, help="dagger: the expert takes over where "
+                       "the policy's action is farther than this from its own (HG-DAgger's gate)")
+    group.add_argument("--takeover_steps", type=int, default=10, help="dagger: steps the expert keeps control")
+    group.add_argument("--stall_steps", type=int, default=None, help="dagger: the expert takes over after this many "
+                       "steps without a new best reward")
+    group.add_argument("--device", default="cpu", help="dagger: where the policy runs")
     args = parser.parse_args(argv)
     from hf_vla.cli import setup_logging
 
@@ -360,7 +484,10 @@ def main(argv=None):
     setup_logging()
     result = record(args.env, args.output, args.episodes, tasks=args.task, image_size=args.image_size,
                     seed=args.seed, max_episode_steps=args.max_episode_steps, overwrite=args.overwrite,
-                    max_tries=args.max_tries, env_kwargs={"crop": args.crop} if args.crop else None)
+                    max_tries=args.max_tries, env_kwargs={"crop": args.crop} if args.crop else None,
+                    strategy=args.strategy, policy=args.policy, round_index=args.round, device=args.device,
+                    dagger=DaggerSettings(args.beta, args.takeover_threshold, args.takeover_steps, args.stall_steps)
+                    if args.strategy == "dagger" else None)
     print(json.dumps(asdict(result), indent=2))
     return result
 

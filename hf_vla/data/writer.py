@@ -24,11 +24,13 @@ def write_lerobot_dataset(
     pix_fmt: str = "yuv420p",
     crf: int | None = None,
     text_features: tuple[str, ...] = (),
+    extra_features: dict[str, dict] | None = None,
 ):
     """Write episodes (each an iterable of frames) as a LeRobot v3.0 dataset at `root`.
 
     A frame is `{"images": {camera: uint8 HxWx3}, "state": [state_dim], "action": [action_dim], "task": str}`, plus
-    `"text": {name: str}` for each of `text_features` (per-frame string columns, e.g. Meta-World's `locations`).
+    `"text": {name: str}` for each of `text_features` (per-frame string columns, e.g. Meta-World's `locations`), and
+    `"extra": {name: array}` for each of `extra_features` (lerobot feature specs: a DAgger recording's `intervention`).
     `vcodec`, `pix_fmt` and `crf` go to lerobot's video encoder (`crf=None`: lerobot's default). Returns lerobot's
     `LeRobotDatasetMetadata` of the finished dataset.
     """
@@ -41,6 +43,7 @@ def write_lerobot_dataset(
     }
     for name in text_features:
         features[name] = {"dtype": "string", "shape": (1,), "names": None}
+    features.update(extra_features or {})
     for camera, (height, width) in cameras.items():
         features[camera] = {"dtype": "video", "shape": (height, width, 3), "names": ["height", "width", "channels"]}
     logging.getLogger("lerobot").setLevel(logging.WARNING)
@@ -54,6 +57,7 @@ def write_lerobot_dataset(
                    "task": frame["task"]}
             row.update(frame["images"])
             row.update({name: frame["text"][name] for name in text_features})
+            row.update({name: frame["extra"][name] for name in extra_features or {}})
             dataset.add_frame(row)
         dataset.save_episode(parallel_encoding=False)
     dataset.finalize()
