@@ -165,12 +165,40 @@ def policy_config_class(policy: str):
     return PI0Config
 
 
+def saved_norm_stats(source: str, current: dict) -> dict:
+    """The normalisation statistics saved with a checkpoint (`source`: its directory or `norm_stats.json`), for the
+    heads of `current` (the mixture's): a head it lacks, or other dims, is refused naming the file."""
+    path = Path(source)
+    path = path / "norm_stats.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError(f"norm_stats_from={source!r}: no norm_stats.json there (an hf_vla output directory has one)")
+    try:
+        saved = json.loads(path.read_text())["norm_stats"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ConfigError(f"norm_stats_from: {path} is not an hf_vla norm_stats.json ({error})") from None
+    stats = {}
+    for head, values in current.items():
+        if head not in saved:
+            raise ConfigError(f"norm_stats_from: {path} has no head {head!r} (it has {sorted(saved)}); the mixture's "
+                              "heads must be the checkpoint's")
+        for key in ("state", "actions"):
+            ours, theirs = len(values[key]["q01"]), len(saved[head][key]["q01"])
+            if ours != theirs:
+                raise ConfigError(f"norm_stats_from: head {head!r} {key} has {theirs} dims in {path} but {ours} in "
+                                  "the mixture")
+        stats[head] = saved[head]
+    return stats
+
+
 @dataclass
 class DataArguments:
     """The LeRobot mixture: `datasets` is a list of `hf_vla.data.DatasetConfig` dicts (feature mapping per dataset).
 
     validation_ratio: share of each dataset's episodes held out for evaluation (deterministic with `split_seed`).
     generate_demo_data: write the built-in demo dataset to the first dataset's `root` when it is missing.
+    norm_stats_from: a checkpoint directory (or its `norm_stats.json`) whose normalisation statistics replace the
+        mixture's for every head: a policy trained further on grown data (DAgger rounds added to its expert data)
+        keeps the normalisation it learned with, instead of one re-computed over the new mixture.
     """
 
     datasets: list[dict] = field(default_factory=list, metadata={"help": "list of DatasetConfig dicts"})
@@ -178,6 +206,8 @@ class DataArguments:
     split_seed: int = field(default=0, metadata={"help": "seed of the episode split"})
     generate_demo_data: bool = field(default=False, metadata={"help": "write the demo dataset when missing"})
     demo_episodes: int = field(default=200, metadata={"help": "episodes of the generated demo dataset"})
+    norm_stats_from: str | None = field(default=None, metadata={
+        "help": "checkpoint dir or norm_stats.json whose normalisation replaces the mixture's"})
 
     def __post_init__(self):
         if not self.datasets:
@@ -545,6 +575,8 @@ def _train(model_args, data_args, training_args):
     with training_args.main_process_first(local=True, desc="dataset checks and statistics"):
         mixture = WeightedDatasetMixture(data_args.datasets, validation_ratio=data_args.validation_ratio,
                                          split_seed=data_args.split_seed)
+    if data_args.norm_stats_from:
+        mixture.norm_stats = saved_norm_stats(data_args.norm_stats_from, mixture.norm_stats)
     _check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None)
     model = build_model(model_args, config, seed=training_args.seed, full_determinism=training_args.full_determinism)
     if source and model_args.model_name_or_path != source:

@@ -91,8 +91,8 @@ def test_the_recorded_labels_are_the_experts_at_the_states_the_policy_visited(da
 
 
 def test_training_on_the_aggregate_reports_each_round(start, dagger_run, tmp_path):
-    """The expert recording and a DAgger round as one mixture: trained by `hf_vla.train`, the evaluation reports
-    each dataset (round) on its own."""
+    """The expert recording and a DAgger round as one mixture: trained by `hf_vla.train` from the checkpoint with its
+    normalisation (`norm_stats_from`), the evaluation reports each dataset (round) on its own."""
     from hf_vla.train import main as train_main
 
     datasets = [dict(start["datasets"][0], name="expert"),
@@ -102,7 +102,9 @@ def test_training_on_the_aggregate_reports_each_round(start, dagger_run, tmp_pat
                 "--model_name_or_path", str(start["policy"]), "--generate_demo_data", "false",
                 "--validation_ratio", "0.34", "--per_device_train_batch_size", "4", "--stream_open_blocks", "2",
                 "--max_steps", "2", "--warmup_steps", "0", "--disable_tqdm", "true", "--eval_strategy", "steps",
-                "--eval_steps", "2", "--report_to", "none"])
+                "--eval_steps", "2", "--report_to", "none", "--norm_stats_from", str(start["policy"])])
+    saved = json.loads((start["policy"] / "norm_stats.json").read_text())["norm_stats"]
+    assert json.loads((out / "norm_stats.json").read_text())["norm_stats"] == saved
     evaluation = json.loads((out / "eval_results.json").read_text())
     assert {"eval_by_dataset/expert/mse", "eval_by_dataset/dagger_1/mse"} <= set(evaluation), evaluation
 
@@ -206,3 +208,18 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(start, tmp_path, ca
         line = refused(cli, [*argv, "--output", str(out)], capsys)
         assert message in line, (argv, line)
         assert not out.exists() and not (tmp_path / ".out.recording").exists()
+
+
+def test_norm_stats_from_refuses_another_robots_statistics(start, tmp_path):
+    from hf_vla.train import saved_norm_stats
+
+    saved = json.loads((start["policy"] / "norm_stats.json").read_text())["norm_stats"]
+    (head,) = saved
+    assert saved_norm_stats(str(start["policy"]), saved) == saved
+    with pytest.raises(ConfigError, match="has no head 'other'"):
+        saved_norm_stats(str(start["policy"]), {"other": saved[head]})
+    wider = {head: {k: {s: list(v) + [0.0] for s, v in stats.items()} for k, stats in saved[head].items()}}
+    with pytest.raises(ConfigError, match=f"head '{head}' state has 2 dims in .* but 3 in the mixture"):
+        saved_norm_stats(str(start["policy"] / "norm_stats.json"), wider)
+    with pytest.raises(ConfigError, match="no norm_stats.json there"):
+        saved_norm_stats(str(tmp_path), saved)
