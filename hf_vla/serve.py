@@ -253,8 +253,10 @@ class PolicyServer:
     """
 
     def __init__(self, runner: PolicyRunner, metadata: dict | None = None, max_message_mb: float | None = None,
-                 api_key: str | None = None, max_batch: int = 8, max_connections: int | None = None):
+                 api_key: str | None = None, max_batch: int = 8, max_connections: int | None = None,
+                 recorder=None):
         self.runner = runner
+        self.recorder = recorder  # a `hf_vla.serving.recorder.ServeRecorder`: what clients sent and got, as episodes
         self.batcher = Batcher(runner.model, runner.device, max_batch)
         cameras = len(runner.obs_map.cameras) if runner.obs_map.cameras else runner.num_camera_slots
         self.max_message_mb = max_message_mb or default_max_message_mb(cameras)
@@ -281,12 +283,14 @@ class PolicyServer:
             "limits": {"max_message_mb": self.max_message_mb, "max_connections": self.max_connections,
                        **dataclasses.asdict(runner.limits)},
             "max_batch": self.batcher.max_batch,
+            "record": self.recorder is not None,
         }
 
     def connection_runner(self) -> PolicyRunner:
         return dataclasses.replace(self.runner)  # the same settings; a fresh generator and no last chunk
 
-    def infer(self, runner: PolicyRunner, message) -> dict:
+    def infer(self, runner: PolicyRunner, message, session: _Session | None = None) -> dict:
+        session = session if session is not None else _Session()
         if isinstance(message, str):
             raise RequestError("expected a binary msgpack message, got text")
         try:
@@ -305,8 +309,20 @@ class PolicyServer:
         if head is not None and not isinstance(head, str):
             raise RequestError(f"head: expected a string robot_type::control_mode, got {type(head).__name__}")
         episode_seed = _optional_int(request.get("episode_seed"), "episode_seed")
+        episode_end = _optional_bool(request.get("episode_end"), "episode_end")
+        success = _optional_bool(request.get("success"), "success")
+        if success is not None and not episode_end:
+            raise RequestError("success: sent with episode_end true (the outcome of the episode that ends)")
         if episode_seed is not None:  # a new episode: its noise from this seed, no chunk to continue
             runner.reset(seed=episode_seed)
+            if episode_seed != session.seed:
+                self._end_episode(session, None, "a new episode_seed")
+            session.seed = episode_seed
+        if set(request) <= CONTROL_KEYS:  # no observation: an episode's end (or start) alone, no inference
+            episode = session.episode
+            if episode_end:
+                self._end_episode(session, success, "episode_end")
+            return {"episode_end": bool(episode_end), "recorded_episode": episode}
         delay = _optional_int(request.get("rtc/inference_delay", 0), "rtc/inference_delay")
         start = time.monotonic()
         prepared = runner.prepare(request, head=head, inference_delay=delay,
@@ -314,6 +330,7 @@ class PolicyServer:
                                   prev_chunk_left_over=request.get("rtc/prev_chunk_left_over"),
                                   execution_horizon=_optional_int(request.get("rtc/execution_horizon"),
                                                                   "rtc/execution_horizon"))
+        intervention = _intervention(request.get("intervention"), runner, prepared.head)
         actions = runner.finish(prepared, self.batcher.submit(prepared))
         elapsed_ms = 1000 * (time.monotonic() - start)
         if not np.isfinite(actions).all():  # never send a robot a NaN action, whatever went wrong upstream
@@ -321,7 +338,30 @@ class PolicyServer:
         reply = {"actions": actions.astype(np.float32), "policy_timing": {"infer_ms": elapsed_ms}}
         if runner.last_rtc_method is not None:  # the chunk continued the previous one: "guidance" or "prefix"
             reply["rtc/method"] = runner.last_rtc_method
+        if self.recorder is not None:
+            self._record(runner, session, request, actions[min(delay or 0, len(actions) - 1)], intervention)
+            reply["recorded_episode"] = session.episode
+        if episode_end:
+            self._end_episode(session, success, "episode_end")
         return reply
+
+    # ---- recording (--record) -------------------------------------------------------------------------------------
+    def _record(self, runner: PolicyRunner, session: _Session, request: dict, policy_action: np.ndarray,
+                intervention: np.ndarray | None) -> None:
+        from hf_vla.serving.recorder import Frame
+
+        if session.episode is None:
+            session.episode = self.recorder.start_episode()
+        images = {key: _as_uint8_hwc(request[key]) for key in runner.obs_map.camera_keys(request)}
+        self.recorder.add(session.episode, Frame(
+            images, runner.obs_map.state_vector(request), runner.obs_map.task(request, runner.limits),
+            policy_action.astype(np.float32), intervention if intervention is not None else policy_action,
+            intervention is not None))
+
+    def _end_episode(self, session: _Session, success: bool | None, reason: str) -> None:
+        if self.recorder is not None and session.episode is not None:
+            self.recorder.end(session.episode, success, reason)
+        session.episode = None
 
     def handler(self, connection) -> None:
         peer = _peer(connection)
@@ -347,6 +387,7 @@ class PolicyServer:
         from websockets.exceptions import ConnectionClosed
 
         runner = self.connection_runner()
+        session = _Session()
         try:
             connection.send(packb(self.metadata))
             prev_total_ms = None
@@ -355,7 +396,7 @@ class PolicyServer:
                 start = time.monotonic()
                 request_id = uuid.uuid4().hex[:12]
                 try:
-                    reply = self.infer(runner, message)
+                    reply = self.infer(runner, message, session)
                 except RequestError as error:
                     logger.warning("request %s from %s refused: %s", request_id, peer, error)
                     connection.send(f"bad request (request {request_id}): {error}")
@@ -366,9 +407,10 @@ class PolicyServer:
                     connection.send(f"inference failed (request {request_id}): internal server error; the server "
                                     f"log has the details under this request id")
                     continue
-                reply["server_timing"] = {"infer_ms": reply["policy_timing"]["infer_ms"]}
-                if prev_total_ms is not None:
-                    reply["server_timing"]["prev_total_ms"] = prev_total_ms
+                if "policy_timing" in reply:  # an inference (not an episode's end alone)
+                    reply["server_timing"] = {"infer_ms": reply["policy_timing"]["infer_ms"]}
+                    if prev_total_ms is not None:
+                        reply["server_timing"]["prev_total_ms"] = prev_total_ms
                 connection.send(packb(reply))
                 prev_total_ms = 1000 * (time.monotonic() - start)
         except ConnectionClosed as closed:
@@ -377,6 +419,8 @@ class PolicyServer:
                                self.max_message_mb)
             else:
                 logger.info("connection from %s closed", peer)
+        finally:
+            self._end_episode(session, None, "client disconnected")
 
     def process_request(self, connection, request):
         if request.path == "/healthz":
@@ -457,6 +501,58 @@ def quiet_keepalive_failures() -> None:
         server_logger.addFilter(_KeepaliveFailure())
 
 
+@dataclasses.dataclass
+class _Session:
+    """A connection's episode: the `episode_seed` it runs and the recorder's episode it writes (None: none open)."""
+
+    seed: int | None = None
+    episode: int | None = None
+
+
+CONTROL_KEYS = {"episode_seed", "episode_end", "success"}  # a message of these alone runs no inference
+
+
+def _optional_bool(value, key: str):
+    if value is None:
+        return None
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind == "b":
+        return bool(value.item())
+    raise RequestError(f"{key}: expected true or false, got {type(value).__name__}")
+
+
+def _intervention(value, runner: PolicyRunner, head: str) -> np.ndarray | None:
+    """The action a person executed instead of the policy's: `[action_dim]` finite numbers of the head."""
+    if value is None:
+        return None
+    from hf_vla.serving.policy import stat_dims
+
+    dims = stat_dims(runner.processor.norm_stats[head]["actions"])
+    if not isinstance(value, np.ndarray | list | tuple) or (isinstance(value, np.ndarray) and value.dtype.kind not in
+                                                           "biuf"):
+        raise RequestError(f"intervention: expected an array of {dims} action values, got {type(value).__name__}")
+    try:
+        array = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as error:
+        raise RequestError(f"intervention: not numeric ({error})") from error
+    if array.shape != (dims,):
+        raise RequestError(f"intervention: shape {array.shape}; head {head!r} acts with {dims} values, shape ({dims},)")
+    if not np.isfinite(array).all():
+        raise RequestError("intervention: NaN or inf values")
+    return array
+
+
+def _as_uint8_hwc(image: np.ndarray) -> np.ndarray:
+    """A camera image as sent (HxWx3 or 3xHxW; uint8, or floats in [0, 1]) as HxWx3 uint8 for the video."""
+    image = np.asarray(image)
+    if image.ndim == 3 and image.shape[0] == 3 and image.shape[-1] != 3:
+        image = image.transpose(1, 2, 0)
+    if image.dtype != np.uint8:
+        image = (np.clip(image.astype(np.float32), 0.0, 1.0) * 255.0).round().astype(np.uint8)
+    return np.ascontiguousarray(image)
+
+
 def _optional_int(value, key: str):
     if value is None:
         return None
@@ -507,6 +603,12 @@ def main(argv=None):
                         f"connection, at most {MAX_CONNECTIONS_CAP})")
     limits.add_argument("--api_key", default=None, help=f"require this key at the handshake (prefer the {API_KEY_ENV} "
                         "environment variable: a flag is visible in the process list)")
+    recording = parser.add_argument_group("recording (hf_vla.serving.recorder)")
+    recording.add_argument("--record", default=None, metavar="DIR", help="write what each client sent and got as "
+                           "LeRobot episodes under DIR (a new or empty directory, or this checkpoint's earlier "
+                           "recording to continue); joined into DIR/dataset when the server stops")
+    recording.add_argument("--record_fps", type=float, default=None, help="frames per second of the recording (one "
+                           "frame a request; default: the data's fps / the contract's actions per chunk)")
     add_rtc_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0, help="noise seed of every connection")
@@ -531,6 +633,10 @@ def main(argv=None):
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name}: must be positive, got {value}")
     contract, slots = _contract_cameras(parser, checkpoint, args, obs_map)
+    if args.record:  # before the model loads: a directory of another run is refused at once
+        from hf_vla.serving.recorder import check_record_dir
+
+        check_record_dir(args.record, {"checkpoint": str(args.checkpoint), "revision": args.revision})
     runner = load_policy(checkpoint, device=args.device, revision=args.revision, obs_map=obs_map, seed=args.seed,
                          rtc=rtc_config_from_args(args), num_camera_slots=slots,
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
@@ -543,16 +649,46 @@ def main(argv=None):
     else:
         logger.warning("several heads %s and no --head: every request must name its `head`", heads)
     metadata = {"checkpoint": str(args.checkpoint), "deployment": contract.to_dict() if contract else None}
+    recorder = _recorder(args, contract, runner) if args.record else None
     server = PolicyServer(runner, metadata=metadata, max_message_mb=args.max_message_mb,
                           api_key=args.api_key or os.environ.get(API_KEY_ENV), max_batch=args.max_batch,
-                          max_connections=args.max_connections)
+                          max_connections=args.max_connections, recorder=recorder)
     logger.info("metadata %s", json.dumps(server.metadata))
+    import signal
+
+    def stop(signum, frame):  # `docker stop`, systemd: stop as on Ctrl-C (the recording is joined)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
     try:
         server.serve(args.host, args.port)
     except KeyboardInterrupt:
         logger.info("stopped")
     except OSError as error:  # the port is taken, the host is not an address of this machine
         raise ConnectionFailedError(f"cannot listen on {args.host}:{args.port}: {error}") from error
+    finally:
+        if recorder is not None:
+            joined = recorder.close()
+            if joined is not None:
+                print(f"hf_vla.serve: recorded episodes joined into {joined}", flush=True)
+
+
+def _recorder(args, contract, runner: PolicyRunner):
+    """The `--record` writer: the run is the checkpoint and head; one frame per request, at the data's fps divided by
+    the actions executed per chunk unless --record_fps says."""
+    from hf_vla.serving.recorder import ServeRecorder
+
+    fps = args.record_fps
+    if fps is not None and not (math.isfinite(fps) and fps > 0):
+        raise ConfigError(f"--record_fps {fps}: must be positive")
+    if fps is None:
+        spec = (contract.heads.get(runner.head) if contract and runner.head else None) or {}
+        fps = (spec.get("fps") or 10.0) / (contract.n_action_steps if contract and spec.get("fps") else 1)
+    spec = (contract.heads.get(runner.head) if contract and runner.head else None) or {}
+    run = {"checkpoint": str(args.checkpoint), "revision": args.revision, "head": runner.head,
+           "robot_type": spec.get("robot_type")}
+    return ServeRecorder(args.record, run, fps)
 
 
 def _contract_cameras(parser, checkpoint, args, obs_map: ObservationMap):
