@@ -256,8 +256,8 @@ def test_help_lists_every_field_with_its_default_and_the_commands(capsys):
     with pytest.raises(SystemExit) as exited:  # in this process: `python -m` itself is tested in test_failures.py
         record(["--help"])
     shown = capsys.readouterr().out
-    # --seed's default, and --verbose: every command takes it
-    assert exited.value.code == 0 and "(default: 0)" in shown and "--verbose" in shown
+    # a default (--takeover_steps'), and --verbose: every command takes it
+    assert exited.value.code == 0 and "(default: 10)" in shown and "--verbose" in shown
     hf_vla.__main__.main()
     listed = capsys.readouterr().out
     for command in ("demo", "train", "evaluate", "serve", "record", "convert"):
