@@ -12,6 +12,8 @@ then, with the real `openpi-client`:
   every 10th cycle), and the growth;
 - `memory` (with `--memory N ...`): the server's peak RSS while N clients each send a message near the bound at once
   (a float32 image of `--memory_side`), as a factor of N x the message size (`hf_vla.serve.CONNECTION_MEMORY_FACTOR`);
+- `record_overhead` (with `--compare_record`): the same load against a server with `--record`, between two plain
+  ones: the latency recording adds (p50/p95, % against the plain runs' mean) and the frames the recording kept;
 - `batching`: in this process, `sample_actions` on the same model at batch 1 and at batch N: the time one forward of N
   requests takes against N forwards of one (speedup > 1 is what batching concurrent requests gains; the server does
   it, see `hf_vla.serve.Batcher`).
@@ -247,6 +249,38 @@ def batching(model, processor, sizes: list[int], kind: str, repeats: int) -> dic
     return out
 
 
+def record_overhead(checkpoint: Path, args, tmp: Path) -> dict:
+    """The load against plain, recording (`--record`), plain servers in turn; the recording's p50/p95 latency against
+    the plain runs' mean, and the frames its dataset kept (one per answered request)."""
+    runs: dict = {"load_plain": [], "load_record": []}
+    for index, recording in enumerate((False, True, False)):
+        record_dir = tmp / f"record_{index}"
+        server = ServerProcess(checkpoint, *(["--record", str(record_dir)] if recording else []))
+        try:
+            runs["load_record" if recording else "load_plain"].append(
+                [load(server.uri, n, args.requests, args.observation) for n in args.clients])
+        finally:
+            log = server.stop()
+        if recording:
+            summary = json.loads((record_dir / "meta" / "hf_vla_serve_record.json").read_text())
+            runs["recorded"] = {"episodes": len(summary["episodes"]),
+                                "frames": sum(e["frames"] for e in summary["episodes"]),
+                                "joined": (record_dir / "dataset" / "meta" / "info.json").exists(),
+                                "errors": [line for line in log.splitlines() if " ERROR " in line][:3]}
+    overhead = []
+    for position, clients in enumerate(args.clients):
+        plain = [run[position]["latency_ms"] for run in runs["load_plain"]]
+        recorded = runs["load_record"][0][position]["latency_ms"]
+        entry = {"clients": clients}
+        for q in ("p50", "p95"):
+            base = statistics.mean(p[q] for p in plain)
+            entry[f"{q}_plain_ms"], entry[f"{q}_record_ms"] = round(base, 2), recorded[q]
+            entry[f"{q}_change_pct"] = round(100 * (recorded[q] / base - 1), 1)
+        overhead.append(entry)
+    runs["record_overhead"] = overhead
+    return runs
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default=None, help="served checkpoint (default: the demo model, random)")
@@ -260,6 +294,8 @@ def main(argv=None):
     parser.add_argument("--memory", type=int, nargs="*", default=[], help="client counts for the peak-memory stage "
                         "(each sends a --memory_side float32 image at once)")
     parser.add_argument("--memory_side", type=int, default=2048, help="image side of the memory stage (2048: 48 MiB)")
+    parser.add_argument("--compare_record", action="store_true", help="also run the load against a server with "
+                        "--record (before and after a plain one): the latency recording costs, and the frames kept")
     parser.add_argument("--output", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
 
@@ -280,6 +316,8 @@ def main(argv=None):
                                                for n in args.clients]
             finally:
                 server.stop()
+        if args.compare_record:
+            results |= record_overhead(checkpoint, args, Path(tmp))
         server = ServerProcess(checkpoint)
         try:
             rss_start = server.rss_mb()
