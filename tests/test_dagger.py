@@ -223,3 +223,25 @@ def test_norm_stats_from_refuses_another_robots_statistics(start, tmp_path):
         saved_norm_stats(str(start["policy"] / "norm_stats.json"), wider)
     with pytest.raises(ConfigError, match="no norm_stats.json there"):
         saved_norm_stats(str(tmp_path), saved)
+
+
+def test_an_interrupted_round_continues_only_with_its_own_settings(start, tmp_path):
+    """A DAgger round killed mid-way leaves no dataset; rerun with another policy or beta it is refused (naming what
+    differs), with its own settings it completes."""
+    from hf_vla.record import record
+
+    out = tmp_path / "round"
+
+    def interrupted(first):
+        yield first
+        raise KeyboardInterrupt  # killed while drawing the second episode's seed
+
+    with pytest.raises(KeyboardInterrupt):
+        record("color_reach", out, episodes=2, strategy="dagger", policy=str(start["policy"]), progress=False,
+               seeds=interrupted)
+    assert not out.exists() and (tmp_path / ".round.recording" / "plan.json").is_file()
+    with pytest.raises(ConfigError, match=r"interrupted recording with other settings \(dagger: "):
+        record("color_reach", out, episodes=2, strategy="dagger", policy=str(start["policy"]), progress=False,
+               dagger=DaggerSettings(beta=0.5))
+    result = record("color_reach", out, episodes=2, strategy="dagger", policy=str(start["policy"]), progress=False)
+    assert result.tasks["color_reach"]["kept"] == 2 and not (tmp_path / ".round.recording").exists()
