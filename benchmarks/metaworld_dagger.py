@@ -31,14 +31,27 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from metaworld_benchmark import CONFIG, TASKS, _dataset_spec, _evaluate  # noqa: E402
+from metaworld_benchmark import CONFIG, TASKS, _dataset_spec, _evaluate  # noqa: E402  (episode limits: the contract's)
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+OBJECT_CENTRED = ["basketball-v3", "peg-insert-side-v3", "push-v3", "pick-place-v3"]
+MT50_CONFIG = REPO / "configs" / "pi05_metaworld_mt50.json"
+
+
+def _setting(args) -> dict:
+    """The tasks, expert datasets, training config and evaluation episode limit of `--setting`."""
+    if args.setting == "five_task":
+        return {"tasks": TASKS, "datasets": _dataset_spec(args.work), "config": CONFIG, "max_steps": 200}
+    # the four object-centred MT50 tasks: their recording (with locations) as one dataset, the MT50 recipe
+    return {"tasks": OBJECT_CENTRED, "config": MT50_CONFIG, "max_steps": 500,
+            "datasets": [{"root": str(args.data), "name": "expert", "cameras": ["observation.image"],
+                          "robot_type": "metaworld", "control_mode": "delta_xyz_gripper"}]}
 
 
 def _train(start: Path, datasets: list[dict], out: Path, steps: int, args) -> float:
     began = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hf_vla.train", str(CONFIG), "--datasets", json.dumps(datasets),
+    subprocess.run([sys.executable, "-m", "hf_vla.train", str(_setting(args)["config"]), "--datasets",
+                    json.dumps(datasets),
                     "--model_name_or_path", str(start), "--norm_stats_from", str(args.start),
                     "--output_dir", str(out), "--max_steps", str(steps), "--save_strategy", "steps",
                     "--save_steps", str(steps), "--eval_strategy", "no", "--validation_ratio", "0.05",
@@ -50,7 +63,7 @@ def _train(start: Path, datasets: list[dict], out: Path, steps: int, args) -> fl
 
 def _probe(args, work: Path) -> float:
     probe_steps = 200
-    seconds = _train(args.start, _dataset_spec(work), work / "probe", probe_steps, args)
+    seconds = _train(args.start, _setting(args)["datasets"], work / "probe", probe_steps, args)
     return probe_steps / seconds  # start-up included: a safe under-estimate
 
 
@@ -61,12 +74,12 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _record_round(policy: Path, round_index: int, out: Path, episodes: int) -> dict:
+def _record_round(policy: Path, round_index: int, out: Path, episodes: int, tasks: list[str]) -> dict:
     """One DAgger round recorded; its cost in CPU seconds (the recorder and its env worker; about one core at a time,
     so about its wall time when run alone, and unlike the wall time not stretched by other work on the machine)."""
     began, cpu = time.perf_counter(), _children_cpu()
     if not (out / "meta" / "hf_vla_record.json").exists():
-        subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "metaworld", "--task", ",".join(TASKS),
+        subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "metaworld", "--task", ",".join(tasks),
                         "--strategy", "dagger", "--policy", str(policy), "--round", str(round_index),
                         "--episodes", str(episodes), "--output", str(out)],
                        check=True, cwd=REPO, env=dict(ENV, OMP_NUM_THREADS="1"))
@@ -96,12 +109,17 @@ def main(argv=None):
     parser.add_argument("--learning_rate", type=float, default=3e-4)
     parser.add_argument("--steps_per_s", type=float, default=None)
     parser.add_argument("--stage", choices=["all", "start", "bc", "dagger"], default="all")
+    parser.add_argument("--setting", choices=["five_task", "object_centred"], default="five_task", help="object_centred: "
+                        "basketball, peg-insert-side, push, pick-place with the MT50 recipe, from --start trained on "
+                        "--data (their recording)")
+    parser.add_argument("--data", type=Path, default=REPO / "data_cache" / "mt50_4loc")
     args = parser.parse_args(argv)
-    work = args.work / "dagger"
+    setting = _setting(args)
+    work = args.work / ("dagger" if args.setting == "five_task" else "dagger_object_centred")
     work.mkdir(parents=True, exist_ok=True)
     state_file = work / "results.json"
     results = json.loads(state_file.read_text()) if state_file.exists() else {}
-    results |= {"budget_min": args.budget_min, "rounds": args.rounds, "dagger_episodes_per_task": args.dagger_episodes,
+    results |= {"setting": args.setting, "tasks": setting["tasks"], "budget_min": args.budget_min, "rounds": args.rounds, "dagger_episodes_per_task": args.dagger_episodes,
                 "eval_episodes_per_task": args.episodes, "learning_rate": args.learning_rate,
                 "start_checkpoint": str(args.start)}
 
@@ -117,22 +135,23 @@ def main(argv=None):
     rate = results["steps_per_s"]
     budget_s = args.budget_min * 60
     if args.stage in ("all", "start") and "start" not in results:
-        results["start"] = _summary(_evaluate(args.start, args.episodes, 200, work / "eval_start"))
+        results["start"] = _summary(_evaluate(args.start, args.episodes, 0, work / "eval_start", setting["tasks"]))
         save()
     if args.stage in ("all", "bc") and "continued_bc" not in results:
         steps = int(rate * budget_s / 100) * 100
-        seconds = _train(args.start, _dataset_spec(args.work), work / "continued_bc", steps, args)
+        seconds = _train(args.start, setting["datasets"], work / "continued_bc", steps, args)
         results["continued_bc"] = {"steps": steps, "train_seconds": round(seconds, 1)}
-        results["continued_bc"] |= _summary(_evaluate(work / "continued_bc", args.episodes, 200, work / "eval_bc"))
+        results["continued_bc"] |= _summary(_evaluate(work / "continued_bc", args.episodes, 0, work / "eval_bc",
+                                                      setting["tasks"]))
         save()
     if args.stage in ("all", "dagger") and "mean_success" not in results.get("dagger", {}):
         dagger = results.setdefault("dagger", {"rounds": []})
-        policy, datasets = args.start, _dataset_spec(args.work)
+        policy, datasets = args.start, setting["datasets"]
         for round_index in range(1, args.rounds + 1):
             data = work / f"dagger_data_{round_index}"
             done = next((r for r in dagger["rounds"] if r["round"] == round_index and "steps" in r), None)
             if done is None:
-                entry = _record_round(policy, round_index, data, args.dagger_episodes)
+                entry = _record_round(policy, round_index, data, args.dagger_episodes, setting["tasks"])
                 entry["steps"] = max(100, int(rate * (budget_s / args.rounds - entry["seconds"]) / 100) * 100)
             else:
                 entry = done
@@ -145,7 +164,7 @@ def main(argv=None):
                 dagger["rounds"] = [r for r in dagger["rounds"] if r["round"] != round_index] + [entry]
                 save()
             policy = out
-        dagger |= _summary(_evaluate(policy, args.episodes, 200, work / "eval_dagger"))
+        dagger |= _summary(_evaluate(policy, args.episodes, 0, work / "eval_dagger", setting["tasks"]))
         dagger["steps"] = sum(r["steps"] for r in dagger["rounds"])
         save()
     if "continued_bc" in results and "mean_success" in results.get("dagger", {}):
