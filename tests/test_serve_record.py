@@ -149,3 +149,24 @@ def test_a_full_disk_stops_recording_and_serving_goes_on(demo_policy, tmp_path, 
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "recording stopped (OSError: [Errno 28] No space left on device)" in errors[0]
     assert recorder.stopped and not any((tmp_path / "served" / "episodes").iterdir())
+
+
+def test_a_writer_too_far_behind_stops_recording_instead_of_growing(tmp_path, monkeypatch, caplog):
+    import threading
+
+    import hf_vla.serving.recorder as recorder_module
+    from hf_vla.serving.recorder import Frame, ServeRecorder
+
+    monkeypatch.setattr(recorder_module, "MAX_QUEUED", 1)
+    recorder = ServeRecorder(tmp_path / "served", {"checkpoint": "x"}, fps=10)
+    release = threading.Event()
+    recorder._write_frame = lambda state, frame: release.wait(30)  # a disk that stalls
+    frame = Frame({"cam": np.zeros((4, 4, 3), np.uint8)}, np.zeros(2, np.float32), "t", np.zeros(2, np.float32),
+                  np.zeros(2, np.float32), False)
+    with caplog.at_level(logging.ERROR, logger="hf_vla.serve"):
+        for _ in range(5):  # the writer holds one, the queue one: the third stops the recording
+            recorder.add(0, frame)
+    assert recorder.stopped == "the writer fell 1 frames behind the requests"
+    assert [r.getMessage() for r in caplog.records][0].startswith("recording stopped (the writer fell 1 frames")
+    release.set()
+    recorder.close(join=False)

@@ -15,7 +15,8 @@ renamed into place, so a server killed mid-episode loses that episode only and n
                                         `join_recording(DIR)` joins them after a crash
 
 Writing happens on one background thread (frames are queued; lerobot encodes the episode's video at its end), so
-serving waits for no disk. Any write error (a full disk) stops the recording with one logged line; serving goes on.
+serving waits for no disk. Any write error (a full disk), or a writer `MAX_QUEUED` frames behind, stops the recording
+with one logged line; serving goes on.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from hf_vla.errors import ConfigError
 
 logger = logging.getLogger("hf_vla.serve")
 RUN_FILE = "hf_vla_serve_record.json"
+MAX_QUEUED = 4096  # frames waiting for the writer at most; beyond, recording stops (serving never waits for the disk)
 STATE, ACTION, POLICY_ACTION, INTERVENTION = "observation.state", "action", "policy_action", "intervention"
 
 
@@ -83,7 +85,7 @@ class ServeRecorder:
         self.summary = self._load_summary()
         self._next = max((e["episode"] for e in self.summary["episodes"]), default=-1) + 1
         self._lock = threading.Lock()
-        self.queue: queue.Queue = queue.Queue()
+        self.queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
         self.stopped: str | None = None  # why recording stopped (a write error); serving goes on
         self._thread = threading.Thread(target=self._loop, name="hf_vla-recorder", daemon=True)
         self._thread.start()
@@ -116,17 +118,25 @@ class ServeRecorder:
         return index
 
     def add(self, episode: int, frame: Frame) -> None:
-        if self.stopped is None:
-            self.queue.put(("frame", episode, frame))
+        self._put(("frame", episode, frame))
 
     def end(self, episode: int, success: bool | None = None, reason: str = "") -> None:
-        if self.stopped is None:
-            self.queue.put(("end", episode, (success, reason)))
+        self._put(("end", episode, (success, reason)))
+
+    def _put(self, item: tuple) -> None:
+        if self.stopped is not None:
+            return
+        try:
+            self.queue.put_nowait(item)
+        except queue.Full:
+            self.stopped = f"the writer fell {MAX_QUEUED} frames behind the requests"
+            logger.error("recording stopped (%s); serving goes on; the finished episodes in %s are kept",
+                         self.stopped, self.root)
 
     def close(self, join: bool = True) -> Path | None:
         """Write what is queued (open episodes end as they are), stop the thread, and join the episodes into
         `root/dataset` (None when there is none)."""
-        self.queue.put(("close", None, None))
+        self.queue.put(("close", None, None))  # waits for room: the writer drains the queue
         self._thread.join()
         if join and self.stopped is None:
             return join_recording(self.root)
