@@ -37,6 +37,7 @@ from hf_vla.errors import ConfigError
 
 logger = logging.getLogger("hf_vla.serve")
 RUN_FILE = "hf_vla_serve_record.json"
+WRITER_NICE = 10  # the writer thread's niceness: the CPU goes to inference first, the writer still keeps up
 MAX_QUEUED = 4096  # frames waiting for the writer at most; beyond, recording stops (serving never waits for the disk)
 STATE, ACTION, POLICY_ACTION, INTERVENTION = "observation.state", "action", "policy_action", "intervention"
 
@@ -83,6 +84,11 @@ class ServeRecorder:
             logger.warning("recording: removing the unfinished episode %s of a previous server", leftover.name)
             shutil.rmtree(leftover, ignore_errors=True)
         self.summary = self._load_summary()
+        # lerobot's writer imported now, at start-up: imported by the writer thread at the first frame, it would hold
+        # the interpreter (the import lock, seconds of module code) while a request waits
+        from lerobot.configs.video import RGBEncoderConfig  # noqa: F401
+        from lerobot.datasets.lerobot_dataset import LeRobotDataset  # noqa: F401
+
         self._next = max((e["episode"] for e in self.summary["episodes"]), default=-1) + 1
         self._lock = threading.Lock()
         self.queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
@@ -144,6 +150,10 @@ class ServeRecorder:
 
     # ---- the writer thread --------------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:  # below the serving threads (Linux: a thread's own nice value; the encoder's threads inherit it)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):
+            pass
         open_episodes: dict[int, _Open] = {}
         while True:
             kind, episode, payload = self.queue.get()
