@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from metaworld_benchmark import CONFIG, TASKS, _dataset_spec, _evaluate  # noqa: E402  (episode limits: the contract's)
+# run as a script, its folder is on the path: the five-task benchmark's spec and evaluation (episode limits: the
+# checkpoint's contract)
+from metaworld_benchmark import CONFIG, TASKS, _dataset_spec, _evaluate  # noqa: E402
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
 OBJECT_CENTRED = ["basketball-v3", "peg-insert-side-v3", "push-v3", "pick-place-v3"]
