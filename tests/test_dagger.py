@@ -21,19 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def start(tmp_path_factory):
     """A ColorReach expert recording (24 px, 20-step episodes) and a checkpoint trained on it for 2 steps."""
-    from hf_vla.record import record
-    from hf_vla.train import main as train_main
+    from conftest import colorreach_run
 
     base = tmp_path_factory.mktemp("dagger_start")
-    record("color_reach", base / "expert", episodes=4, image_size=24, max_episode_steps=20, progress=False)
-    datasets = json.loads((REPO / "configs/demo.json").read_text())["datasets"]
-    datasets[0]["root"] = str(base / "expert")
-    out = base / "policy"
-    train_main([str(REPO / "configs/demo.json"), "--datasets", json.dumps(datasets), "--output_dir", str(out),
-                "--generate_demo_data", "false", "--validation_ratio", "0", "--per_device_train_batch_size", "4",
-                "--stream_open_blocks", "2", "--max_steps", "2", "--warmup_steps", "0", "--disable_tqdm", "true",
-                "--n_action_steps", "4", "--model_config.num_inference_steps", "2", "--report_to", "none"])
-    return {"expert": base / "expert", "policy": out, "datasets": datasets, "base": base}
+    out, datasets = colorreach_run(base, 20, "--n_action_steps", "4", "--model_config.num_inference_steps", "2",
+                                   "--report_to", "none")
+    return {"expert": base / "data", "policy": out, "datasets": datasets, "base": base}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +55,7 @@ def test_the_recorded_labels_are_the_experts_at_the_states_the_policy_visited(da
     info = json.loads((root / "meta" / "info.json").read_text())
     assert {INTERVENTION, POLICY_ACTION, SUCCESS} <= set(info["features"])
     marker = json.loads((root / "meta" / "hf_vla_record.json").read_text())
-    assert marker["strategy"] == "dagger" and marker["round"] == 1 and marker["policy"].endswith("policy")
+    assert marker["strategy"] == "dagger" and marker["round"] == 1 and marker["policy"].endswith("run")
     assert marker["image_size"] == 24 and marker["max_episode_steps"] == 20 and marker["n_action_steps"] == 4
     episodes = marker["tasks"]["color_reach"]["episodes"]
     assert [e["seed"] for e in episodes] == [1000, 1001, 1002]  # round 1: seeds from 1000

@@ -17,8 +17,6 @@ import pytest
 from conftest import REPO
 from PIL import Image
 
-from hf_vla.train import main as train_main
-
 ENV = "hf_vla/ColorReach-v0"
 HEAD = "color_reach::delta_xy"
 
@@ -26,18 +24,10 @@ HEAD = "color_reach::delta_xy"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A recording at 24 px (30-step episodes, seeds 0..) and a 2-step run with n_action_steps 3."""
-    from hf_vla.record import record
+    from conftest import colorreach_run
 
-    base = tmp_path_factory.mktemp("contract")
-    record("color_reach", base / "data", episodes=4, image_size=24, max_episode_steps=30, progress=False)
-    datasets = json.loads((REPO / "configs/demo.json").read_text())["datasets"]
-    datasets[0]["root"] = str(base / "data")
-    out = base / "run"
-    train_main([str(REPO / "configs/demo.json"), "--datasets", json.dumps(datasets), "--output_dir", str(out),
-                "--generate_demo_data", "false", "--validation_ratio", "0", "--per_device_train_batch_size", "4",
-                "--stream_open_blocks", "2", "--max_steps", "2", "--warmup_steps", "0", "--disable_tqdm", "true",
-                "--save_strategy", "steps", "--save_steps", "2", "--n_action_steps", "3"])
-    return out
+    return colorreach_run(tmp_path_factory.mktemp("contract"), 30, "--save_strategy", "steps", "--save_steps", "2",
+                          "--n_action_steps", "3")[0]
 
 
 def test_the_contract_is_filled_from_the_data_and_the_config(trained):

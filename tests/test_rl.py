@@ -743,19 +743,10 @@ def test_a_dead_env_worker_is_restarted_and_its_episode_discarded_and_counted():
 @pytest.fixture(scope="module")
 def sft_checkpoint(tmp_path_factory):
     """An hf_vla output directory with a deployment contract: ColorReach recorded at 24 px (20-step limit), 2 steps."""
-    from hf_vla.record import record
-    from hf_vla.train import main as train_main
+    from conftest import colorreach_run
 
-    base = tmp_path_factory.mktemp("rl_start")
-    record("color_reach", base / "data", episodes=4, image_size=24, max_episode_steps=20, progress=False)
-    datasets = json.loads((REPO / "configs/demo.json").read_text())["datasets"]
-    datasets[0]["root"] = str(base / "data")
-    out = base / "sft"
-    train_main([str(REPO / "configs/demo.json"), "--datasets", json.dumps(datasets), "--output_dir", str(out),
-                "--generate_demo_data", "false", "--validation_ratio", "0", "--per_device_train_batch_size", "4",
-                "--stream_open_blocks", "2", "--max_steps", "2", "--warmup_steps", "0", "--disable_tqdm", "true",
-                "--n_action_steps", "4", "--model_config.num_inference_steps", "4"])
-    return out
+    return colorreach_run(tmp_path_factory.mktemp("rl_start"), 20, "--n_action_steps", "4",
+                          "--model_config.num_inference_steps", "4")[0]
 
 
 def _rl_command(config, out, *extra):
