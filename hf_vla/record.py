@@ -271,6 +271,8 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
 
             def task_episodes(live=live, stats=stats, used_seeds=used_seeds, frames_count=frames_count, name=name):
                 if runner is not None:
+                    from hf_vla.evaluation.envs import _check_dims
+
                     _check_dims(runner, live, f"{env} {name}")
                     stats["rejected"] = 0
                     source = dagger_episodes(live, runner, resolved["n_action_steps"], episodes, tried(seed), dagger,
@@ -365,12 +367,6 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
 
 def _location_text(env) -> dict:
     return {LOCATIONS: env.call("target_text") if hasattr(env, "call") else env.target_text()}
-
-
-def _check_dims(policy, env, where: str) -> None:
-    from hf_vla.evaluation.envs import _check_dims as check
-
-    check(policy, env, where)
 
 
 def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | None, max_episode_steps: int | None,

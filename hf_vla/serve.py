@@ -682,10 +682,9 @@ def _recorder(args, contract, runner: PolicyRunner):
     fps = args.record_fps
     if fps is not None and not (math.isfinite(fps) and fps > 0):
         raise ConfigError(f"--record_fps {fps}: must be positive")
-    if fps is None:
-        spec = (contract.heads.get(runner.head) if contract and runner.head else None) or {}
-        fps = (spec.get("fps") or 10.0) / (contract.n_action_steps if contract and spec.get("fps") else 1)
     spec = (contract.heads.get(runner.head) if contract and runner.head else None) or {}
+    if fps is None:
+        fps = (spec.get("fps") or 10.0) / (contract.n_action_steps if contract and spec.get("fps") else 1)
     run = {"checkpoint": str(args.checkpoint), "revision": args.revision, "head": runner.head,
            "robot_type": spec.get("robot_type")}
     return ServeRecorder(args.record, run, fps)
