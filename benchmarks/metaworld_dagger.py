@@ -9,7 +9,8 @@ minutes each:
 - continued BC: `python -m hf_vla.train` from the start on the expert data, `rate x budget` steps;
 - DAgger: `--rounds` rounds of `python -m hf_vla.record --strategy dagger --policy CURRENT` (`--dagger_episodes` per
   task, the policy acting, the expert labelling; seeds 1000 x round) then training from the current policy on the
-  expert data plus every round so far (each round its own dataset of the mixture) for the round's share of the
+  expert data plus every round so far (each round its own dataset of the mixture, weighted by its frames: the
+  aggregate sampled uniformly, as in the paper) for the round's share of the
   budget less its recording's cost (CPU seconds of the recorder and its env worker: about one core, so its wall
   time when alone).
 Both train with the same arguments (learning rate `--learning_rate`, WSD decay over the last quarter, the start's
@@ -93,6 +94,18 @@ def _record_round(policy: Path, round_index: int, out: Path, episodes: int, task
                                                                                           tasks.values()))}
 
 
+def _frames(root) -> int:
+    return int(json.loads((Path(root) / "meta" / "info.json").read_text())["total_frames"])
+
+
+def _aggregate_weight(round_data: Path, expert: list[dict]) -> float:
+    """A DAgger round's mixture weight: its share of the aggregate's frames (Ross et al. train on the union, each
+    frame alike). The mixture weighs datasets, not frames, so a round of F frames beside expert data of E frames under
+    total weight W gets W x F / E (the expert datasets keep the recipe's weights among themselves)."""
+    total_weight = sum(float(d.get("weight", 1.0)) for d in expert)
+    return round(total_weight * _frames(round_data) / sum(_frames(d["root"]) for d in expert), 4)
+
+
 def _summary(result: dict) -> dict:
     return {"mean_success": result["success_rate"],
             "tasks": {task: value["success_rate"] for task, value in result["tasks"].items()}}
@@ -158,7 +171,8 @@ def main(argv=None):
                 entry = done
             datasets = datasets + [{"root": str(data), "name": f"dagger_{round_index}",
                                     "cameras": ["observation.image"], "robot_type": "metaworld",
-                                    "control_mode": "delta_xyz_gripper"}]
+                                    "control_mode": "delta_xyz_gripper",
+                                    "weight": _aggregate_weight(data, setting["datasets"])}]
             out = work / f"dagger_{round_index}"
             if done is None:
                 entry["train_seconds"] = round(_train(policy, datasets, out, entry["steps"], args), 1)
