@@ -227,6 +227,36 @@ def test_the_expert_ceiling_and_upright_images():
         env.close()
 
 
+def test_the_expert_plan_is_what_the_expert_then_does_and_leaves_the_env_as_it_was():
+    """`expert_plan(H)` from a state equals the next H actions the expert executes from there (the oracle: the same
+    simulator stepped for real), and calling it changes nothing: the episode with plans renders frame for frame what
+    the episode without them renders. Through the env worker, as DAgger uses it; a task whose object moves."""
+    from hf_vla.envs.metaworld import in_worker
+
+    runs = []
+    for with_plans in (True, False):
+        env = in_worker("push-v3", image_size=IMAGE, max_episode_steps=200)
+        try:
+            observation, _ = env.reset(seed=7)
+            actions, plans, images = [], [], []
+            for _ in range(40):
+                if with_plans:
+                    plans.append(np.asarray(env.expert_plan(8)))
+                actions.append(np.asarray(env.expert_action()))
+                observation = env.step(actions[-1])[0]
+                images.append(observation["observation.image"])
+            runs.append((np.stack(actions), plans, images))
+        finally:
+            env.close()
+    (actions, plans, images), (plain_actions, _, plain_images) = runs
+    assert all(plan.shape == (8, 4) for plan in plans)
+    for t, plan in enumerate(plans[:-8]):
+        np.testing.assert_array_equal(plan, actions[t : t + 8])
+    assert np.abs(np.diff(actions, axis=0)).max() > 0.1  # the plan is not a constant that matches by chance
+    np.testing.assert_array_equal(actions, plain_actions)
+    assert all(np.array_equal(a, b) for a, b in zip(images, plain_images))
+
+
 def test_recorded_locations_are_where_the_renderer_draws_them():
     """The gripper point `project` puts in the observation image (the tool centre, between the fingers) lies inside the
     gripper's pixels in a segmentation render of the same camera (oriented, cropped and resized like the image; their

@@ -277,6 +277,41 @@ class MetaWorldEnv(gym.Env):
     def expert_action(self) -> np.ndarray:
         return np.clip(self.inner.expert_policy.get_action(self.inner.raw_obs), -1.0, 1.0).astype(np.float32)
 
+    # the simulator's attributes a step changes besides MuJoCo's state (Meta-World's SawyerXYZEnv.step / _get_obs)
+    _STEP_ATTRIBUTES = ("curr_path_length", "_last_stable_obs", "_prev_obs", "_did_see_sim_exception")
+
+    def expert_plan(self, steps: int) -> np.ndarray:
+        """`[steps, 4]`: the actions the expert would execute from the current state over the next `steps` steps
+        (each as `expert_action` gives it), simulated without rendering on the env's own simulator, whose state
+        (MuJoCo's integration state, the step counter, the observation history) is restored after: the env then
+        steps exactly as if this had not been called. Past the simulator's step limit the last action repeats. The
+        label of a chunked policy's training chunk at a visited state (DAgger with chunks), and the check of how far
+        a recording's labels along the visited states are from it (`benchmarks/dagger_labels.py`)."""
+        import copy
+
+        import mujoco
+
+        env, inner = self.inner._env, self.inner
+        spec = mujoco.mjtState.mjSTATE_INTEGRATION
+        saved = np.empty(mujoco.mj_stateSize(env.model, spec))
+        mujoco.mj_getState(env.model, env.data, saved, spec)
+        attributes = {name: copy.deepcopy(getattr(env, name)) for name in self._STEP_ATTRIBUTES if hasattr(env, name)}
+        observation, plan = np.asarray(inner.raw_obs), []
+        try:
+            for _ in range(steps):
+                if env.curr_path_length >= env.max_path_length:
+                    plan.append(plan[-1] if plan else self.expert_action())
+                    continue
+                action = np.clip(inner.expert_policy.get_action(observation), -1.0, 1.0).astype(np.float32)
+                plan.append(action)
+                observation = env.step(action)[0]
+        finally:
+            mujoco.mj_setState(env.model, env.data, saved, spec)
+            mujoco.mj_forward(env.model, env.data)
+            for name, value in attributes.items():
+                setattr(env, name, value)
+        return np.stack(plan) if plan else np.zeros((0, 4), np.float32)
+
     def close(self):
         self.inner.close()
 

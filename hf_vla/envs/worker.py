@@ -193,6 +193,9 @@ class InWorker(gym.Env):
     def expert_action(self):
         return self.call("expert_action")
 
+    def expert_plan(self, steps: int):
+        return self.call("expert_plan", steps)
+
     def close(self):
         self.worker.close()
 
