@@ -226,7 +226,7 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
             "env_kwargs": {k: v for k, v in kwargs.items() if k not in ("image_size", "max_steps")}}
     if runner is not None:
         plan |= {"strategy": strategy, "policy": str(policy), "round": round_index, "dagger": dagger.to_dict(),
-                 "n_action_steps": resolved["n_action_steps"]}
+                 "n_action_steps": resolved["n_action_steps"], "plan_steps": resolved["plan_steps"]}
 
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.recording"
@@ -278,7 +278,8 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
                     source = dagger_episodes(live, runner, resolved["n_action_steps"], episodes, tried(seed), dagger,
                                              CAMERA, STATE, stats=stats, bar=bar,
                                              episodes=stats.setdefault("episodes", []),
-                                             text=_location_text if env == "metaworld" else None)
+                                             text=_location_text if env == "metaworld" else None,
+                                             plan_steps=resolved["plan_steps"])
                 else:
                     source = expert_episodes(live, episodes, tried(seed), max_attempts=max_tries, stats=stats,
                                              bar=bar, locations=env == "metaworld")
@@ -297,7 +298,8 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
                         cameras={CAMERA: (size, size)}, state_dim=state_dim, action_dim=action_dim,
                         robot_type=robot_type, state_key=STATE, action_key=ACTION, repo_id=f"local/{name}",
                         text_features=(LOCATIONS,) if env == "metaworld" else (),
-                        extra_features=dagger_features(action_dim) if runner is not None else None,
+                        extra_features=dagger_features(action_dim, resolved["plan_steps"]) if runner is not None
+                        else None,
                         # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env
                         # renders.
                         pix_fmt="yuv444p", crf=0)
@@ -346,7 +348,7 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         asdict(result) | {"seed": seed, "image_size": size, "episodes_per_task": episodes,
                           "max_episode_steps": plan["max_episode_steps"], "max_tries": max_tries,
                           "fast_render": env == "metaworld", "env_kwargs": plan["env_kwargs"],
-                          **{key: plan[key] for key in ("strategy", "policy", "round", "dagger", "n_action_steps")
+                          **{key: plan[key] for key in ("strategy", "policy", "round", "dagger", "n_action_steps", "plan_steps")
                              if key in plan},
                           "shortfall": shortfall,
                           "data_seeds": [min(s[0] for s in all_seeds), max(s[1] for s in all_seeds)]},
@@ -411,6 +413,8 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
         task = settings["task"].value
     return runner, {"task": task, "image_size": settings["image_size"].value,
                     "n_action_steps": int(settings["n_action_steps"].value),
+                    # the expert's own chunk per frame where the env can simulate its expert ahead (hf_vla.envs.dagger)
+                    "plan_steps": int(runner.model.config.chunk_size) if env == "metaworld" else None,
                     "max_episode_steps": settings["max_episode_steps"].value, "env_kwargs": merged}
 
 

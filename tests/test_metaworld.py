@@ -257,6 +257,64 @@ def test_the_expert_plan_is_what_the_expert_then_does_and_leaves_the_env_as_it_w
     assert all(np.array_equal(a, b) for a, b in zip(images, plain_images))
 
 
+def test_dagger_records_the_experts_own_chunk_and_training_reads_it(recorded, tmp_path):
+    """A Meta-World DAgger round records `action_plan`, the expert's own next-chunk from each visited state. Oracle:
+    with the expert acting at every step (beta 1) the plan of frame t is the labels of frames t..t+H-1, the whole of
+    it inside the episode. Trained with `action_chunk_key`, a frame's chunk is its plan, unpadded at the episode's
+    end; a plan shorter than the model's chunk is refused in one line."""
+    from hf_vla.data import WeightedDatasetMixture
+    from hf_vla.data.stream import FrameReader
+    from hf_vla.envs.dagger import ACTION_PLAN, DaggerSettings
+    from hf_vla.errors import ConfigError
+    from hf_vla.record import record
+
+    policy = tmp_path / "policy"
+    dataset = {"root": str(recorded), "name": "metaworld", "cameras": ["observation.image"],
+               "control_mode": "delta_xyz_gripper"}
+    train_main([str(REPO / "configs" / "pi05_metaworld.json"), "--datasets", json.dumps([dataset]), "--output_dir",
+                str(policy), "--max_steps", "1", "--save_strategy", "no", "--validation_ratio", "0",
+                "--stream_open_blocks", "2", "--per_device_train_batch_size", "2", "--warmup_steps", "0",
+                "--report_to", "none", "--max_episode_steps", "30", "--disable_tqdm", "true"])
+    out = tmp_path / "dagger_1"
+    record("metaworld", out, episodes=1, strategy="dagger", policy=str(policy), dagger=DaggerSettings(beta=1.0),
+           progress=False)
+    marker = json.loads((out / "meta" / "hf_vla_record.json").read_text())
+    chunk = json.loads((policy / "config.json").read_text())["chunk_size"]
+    assert marker["plan_steps"] == chunk == 16
+    info = json.loads((out / "meta" / "info.json").read_text())
+    assert info["features"][ACTION_PLAN]["shape"] == [chunk * 4]
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(sorted((out / "data").glob("*/*.parquet"))[0])
+    labels = np.asarray(table["action"].to_pylist(), dtype=np.float32)
+    plans = np.asarray(table[ACTION_PLAN].to_pylist(), dtype=np.float32).reshape(len(labels), chunk, 4)
+    assert len(labels) == 30 or marker["tasks"]["reach-v3"]["successes"] == 1
+    for t in range(len(labels)):
+        inside = min(chunk, len(labels) - t)
+        np.testing.assert_array_equal(plans[t, :inside], labels[t : t + inside])
+    assert np.ptp(labels, axis=0).max() > 0.2  # labels that change along the episode: not equal by chance
+
+    spec = {"root": str(out), "name": "dagger_1", "cameras": ["observation.image"],
+            "control_mode": "delta_xyz_gripper", "action_chunk_key": ACTION_PLAN}
+    mixture = WeightedDatasetMixture([spec])
+    assert mixture.sources[0].chunk_steps == chunk
+    reader = FrameReader(mixture.sources, mixture.head_of_source, 1, IMAGE, chunk)
+    block = mixture.train_blocks[0][0]
+    last = block.end - 1
+    sample = reader.sample(0, block, last)
+    np.testing.assert_array_equal(sample["actions"].numpy(), plans[last])  # past the episode end: the plan, not padding
+    assert not sample["action_is_pad"].any()
+    mixture.check_chunks(chunk)
+    with pytest.raises(ConfigError, match=f"action_chunk_key 'action_plan' holds {chunk} steps per frame, fewer than "
+                                          f"chunk_size {2 * chunk}"):
+        mixture.check_chunks(2 * chunk)
+    from hf_vla.errors import DataError
+
+    with pytest.raises(DataError, match=r"action_chunk_key 'intervention' is int64 of shape \(1,\): it must be a "
+                                        "numeric vector of whole chunks of 4-dim actions"):
+        WeightedDatasetMixture([dict(spec, action_chunk_key="intervention")])
+
+
 def test_recorded_locations_are_where_the_renderer_draws_them():
     """The gripper point `project` puts in the observation image (the tool centre, between the fingers) lies inside the
     gripper's pixels in a segmentation render of the same camera (oriented, cropped and resized like the image; their

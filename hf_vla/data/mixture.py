@@ -134,7 +134,7 @@ class WeightedDatasetMixture:
         sharded for this rank (`per_device_train_batch_size`, `data_seed` or `seed`, `stream_open_blocks`,
         `decoder_threads`) and the validation stream (None without a validation split). Both yield lists of samples
         per batch, for the trainer's `data_collator`, and carry `provenance`."""
-        self.warn_long_chunks(chunk_size)
+        self.check_chunks(chunk_size)
         seed = args.data_seed if args.data_seed is not None else args.seed
         threads = getattr(args, "decoder_threads", None)
         train = self.train_stream(image_size, chunk_size, batch_size=args.per_device_train_batch_size, seed=seed,
@@ -147,10 +147,16 @@ class WeightedDatasetMixture:
                                                 decoder_threads=threads)
         return train, validation
 
-    def warn_long_chunks(self, chunk_size: int) -> None:
-        """A chunk longer than every episode of a dataset trains, its steps past the episode end masked out of the
-        loss, but that is more often a wrong chunk_size (or fps) than an intent: say so with the numbers."""
+    def check_chunks(self, chunk_size: int) -> None:
+        """A dataset whose per-frame chunks (`action_chunk_key`) are shorter than `chunk_size` is refused. A chunk longer
+        than every episode of a dataset trains, its steps past the episode end masked out of the loss, but that is more
+        often a wrong chunk_size (or fps) than an intent: say so with the numbers."""
         for source in self.sources:
+            if source.chunk_steps is not None and source.chunk_steps < chunk_size:
+                raise ConfigError(f"dataset {source.name!r}: action_chunk_key {source.config.action_chunk_key!r} holds "
+                                  f"{source.chunk_steps} steps per frame, fewer than chunk_size {chunk_size}")
+            if source.chunk_steps is not None:
+                continue  # its chunks are whole per frame: nothing is padded
             lengths = source.episodes["length"][source.used_rows()]
             if len(lengths) and chunk_size > int(lengths.max()):
                 longest = int(lengths.max())

@@ -69,6 +69,10 @@ class DatasetConfig:
     target_text_key: a per-frame string column (e.g. a subtask annotation) the backbone learns to predict after the
         chunk's FAST tokens under `token_loss` (docs/cotraining.md); a training target only (never a model input).
         Checked at start-up in every used row: present, a string.
+    action_chunk_key: a per-frame column holding the frame's whole target chunk, `[H x action_dim]` flattened (H at
+        least the model's chunk size; its first chunk-size steps are used, none padded), instead of the chunk being
+        read from the next frames' actions: a DAgger recording's `action_plan`, the expert's own chunk from each
+        visited state (hf_vla.envs.dagger). Same units as the actions (normalised with their statistics).
     outlier_widths: the start-up scan refuses a state/action value farther than this many q01..q99 widths outside
         that range (per dim; the width is at least 1e-3 of the dim's magnitude, so a constant dim tolerates its own
         scale): bit rot in a parquet page body decodes to values like 1e38 that pass every format check. `null`
@@ -93,6 +97,7 @@ class DatasetConfig:
     quantile_stats: str = "exact"
     outlier_widths: float | None = 1e4
     target_text_key: str | None = None
+    action_chunk_key: str | None = None
 
     def __post_init__(self):
         if self.quantile_stats not in ("exact", "metadata"):
@@ -208,6 +213,18 @@ class LeRobotSource:
             if features[config.target_text_key]["dtype"] != "string":
                 raise DataError(f"dataset {self.name!r}: target_text_key {config.target_text_key!r} is "
                                 f"{features[config.target_text_key]['dtype']}; target text must be a string column")
+        self.chunk_steps = None  # steps per frame of the action_chunk_key column
+        if config.action_chunk_key is not None:
+            feature = features.get(config.action_chunk_key)
+            where = f"dataset {self.name!r} ({self.root / 'meta/info.json'}): action_chunk_key {config.action_chunk_key!r}"
+            if feature is None:
+                raise FeatureKeyError(f"{where} is not a feature; available: {sorted(features)}")
+            action_dim = int(features[config.action_key]["shape"][0])
+            size = int(np.prod(feature["shape"]))
+            if feature["dtype"] not in NUMERIC_DTYPES or len(feature["shape"]) != 1 or size % action_dim:
+                raise DataError(f"{where} is {feature['dtype']} of shape {feature['shape']}: it must be a numeric "
+                                f"vector of whole chunks of {action_dim}-dim actions ({config.action_key!r})")
+            self.chunk_steps = size // action_dim
         for key in config.cameras:
             if key is not None and features[key]["dtype"] not in ("video", "image"):
                 raise DataError(f"dataset {self.name!r}: camera {key!r} has dtype {features[key]['dtype']!r}")
@@ -592,10 +609,15 @@ class LeRobotSource:
                 table["target_text"] = self._episode_rows(episode, row, length, [self.config.target_text_key,
                                                                                   "episode_index"])[
                     self.config.target_text_key].to_pylist()
+            if self.config.action_chunk_key is not None:  # nor are the per-frame chunks
+                rows = self._episode_rows(episode, row, length, [self.config.action_chunk_key, "episode_index"])
+                table["action_chunks"] = self._action_chunks(rows, episode, row)
             return table
         columns = [self.config.state_key, self.config.action_key, "task_index", "episode_index"]
         if self.config.target_text_key is not None:
             columns.append(self.config.target_text_key)
+        if self.config.action_chunk_key is not None:
+            columns.append(self.config.action_chunk_key)
         table = self._episode_rows(episode, row, length, columns)
         where = f"dataset {self.name!r}: {self._data_path_of_row(row)} episode {episode}"
         out = {
@@ -607,7 +629,20 @@ class LeRobotSource:
         }
         if self.config.target_text_key is not None:
             out["target_text"] = table[self.config.target_text_key].to_pylist()
+        if self.config.action_chunk_key is not None:
+            out["action_chunks"] = self._action_chunks(table, episode, row)
         return out
+
+    def _action_chunks(self, table: pa.Table, episode: int, row: int) -> np.ndarray:
+        """`[n, chunk_steps, action_dim]` float32 from the `action_chunk_key` column; NaN/inf refused naming the
+        frame (the start-up scan checks the state and action columns, not this one)."""
+        key = self.config.action_chunk_key
+        where = f"dataset {self.name!r}: {self._data_path_of_row(row)} episode {episode} column {key!r}"
+        values = vector_column(table[key], self.chunk_steps * self.action_dim, where).astype(np.float32)
+        bad = np.flatnonzero(~np.isfinite(values).all(axis=1))
+        if len(bad):
+            raise DataError(f"{where}: frame {int(bad[0])} holds NaN or inf ({len(bad)} frames)")
+        return values.reshape(len(values), self.chunk_steps, self.action_dim)
 
     def _episode_rows(self, episode: int, row: int, length: int, columns: list[str]) -> pa.Table:
         """`columns` of one episode's rows, reading only the row groups that hold them."""

@@ -217,12 +217,15 @@ class FrameReader:
                                                                     threads=self.decoder_threads)
             reader.frame(frame, out=images[slot])
             camera_mask[slot] = True
-        # action chunk [frame, frame + chunk) never crosses the block (episode or kept range) end
-        end = min(frame + self.chunk_size, block.end)
-        actions = np.zeros((self.chunk_size, source.action_dim), dtype=np.float32)
-        actions[: end - frame] = table["actions"][frame:end]
-        is_pad = np.ones(self.chunk_size, dtype=bool)
-        is_pad[: end - frame] = False
+        if "action_chunks" in table:  # the frame's own chunk (action_chunk_key: e.g. the expert's plan from here)
+            actions = table["action_chunks"][frame, : self.chunk_size].copy()
+            is_pad = np.zeros(self.chunk_size, dtype=bool)
+        else:  # action chunk [frame, frame + chunk) never crosses the block (episode or kept range) end
+            end = min(frame + self.chunk_size, block.end)
+            actions = np.zeros((self.chunk_size, source.action_dim), dtype=np.float32)
+            actions[: end - frame] = table["actions"][frame:end]
+            is_pad = np.ones(self.chunk_size, dtype=bool)
+            is_pad[: end - frame] = False
         return {
             "images": images,
             "camera_mask": camera_mask,

@@ -17,6 +17,12 @@ Each frame records who acted (`intervention`: 1 where the expert's action was ex
 (`policy_action`; the expert's action where the policy had no chunk of its own at a takeover step), and
 `next.success` (lerobot's per-frame success flag: the env reported success at or before this step). Every episode is
 kept, failures included: the labels are the expert's either way.
+
+A chunked policy trains on chunks. The frames' labels strung together (`action` of frames t..t+H-1) are the expert's
+reactions to the states the policy's own later actions led to, not what the expert would do from state t; where the
+env can simulate its expert ahead (`expert_plan(H)`: Meta-World), each frame also records `action_plan`, the expert's
+next H actions from that state (H: the policy's chunk size, flattened `[H x action_dim]`), and training reads it as the
+frame's chunk with the dataset field `action_chunk_key: "action_plan"` (docs/deployment_data.md).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import numpy as np
 
 from hf_vla.errors import ConfigError
 
-INTERVENTION, POLICY_ACTION, SUCCESS = "intervention", "policy_action", "next.success"
+INTERVENTION, POLICY_ACTION, SUCCESS, ACTION_PLAN = "intervention", "policy_action", "next.success", "action_plan"
 
 
 @dataclass
@@ -57,12 +63,13 @@ class DaggerSettings:
 
 def dagger_episodes(env, policy, n_action_steps: int, count: int, seeds: Iterator[int], settings: DaggerSettings,
                     camera: str, state: str, stats: dict | None = None, bar=None,
-                    episodes: list | None = None, text=None) -> Iterator[list[dict]]:
+                    episodes: list | None = None, text=None, plan_steps: int | None = None) -> Iterator[list[dict]]:
     """`count` episodes in `env` (which has `expert_action()`), the policy (`reset(seed=)`, `policy(observation, task)
     -> chunk`) acting as `settings` say, each a list of frames in the recorder's format with the expert's label as
     `action`. Per-episode summaries (seed, success, steps, expert steps) are appended to `episodes`; `stats` counts
     `kept`, `successes`, `frames` and `expert_steps`. `text(env)`, when given, is each frame's per-frame text columns
-    (Meta-World's locations, as the expert recording has them)."""
+    (Meta-World's locations, as the expert recording has them). `plan_steps`: also record each frame's
+    `action_plan`, the env's `expert_plan(plan_steps)` flattened."""
     stats = stats if stats is not None else {}
     for key in ("kept", "successes", "frames", "expert_steps"):
         stats.setdefault(key, 0)
@@ -71,7 +78,7 @@ def dagger_episodes(env, policy, n_action_steps: int, count: int, seeds: Iterato
         if seed is None:
             break
         frames, success, expert_steps = _episode(env, policy, n_action_steps, int(seed), settings, camera, state,
-                                                 text)
+                                                 text, plan_steps)
         stats["kept"] += 1
         stats["successes"] += success
         stats["frames"] += len(frames)
@@ -84,7 +91,8 @@ def dagger_episodes(env, policy, n_action_steps: int, count: int, seeds: Iterato
         yield frames
 
 
-def _episode(env, policy, n_action_steps: int, seed: int, settings: DaggerSettings, camera: str, state: str, text):
+def _episode(env, policy, n_action_steps: int, seed: int, settings: DaggerSettings, camera: str, state: str, text,
+             plan_steps: int | None = None):
     observation, info = env.reset(seed=seed)
     if hasattr(policy, "reset"):
         policy.reset(seed=seed)
@@ -117,6 +125,8 @@ def _episode(env, policy, n_action_steps: int, seed: int, settings: DaggerSettin
                                                POLICY_ACTION: proposed.astype(np.float32)}})
         if text is not None:
             frames[-1]["text"] = text(env)
+        if plan_steps:  # the expert's own chunk from this state: the chunked policy's target here
+            frames[-1]["extra"][ACTION_PLAN] = np.asarray(env.expert_plan(plan_steps), np.float32).reshape(-1)
         observation, reward, terminated, truncated, info = env.step(expert if by_expert else proposed)
         success = success or bool(info.get("is_success", False))
         frames[-1]["extra"][SUCCESS] = np.array([success], dtype=bool)
@@ -128,11 +138,16 @@ def _episode(env, policy, n_action_steps: int, seed: int, settings: DaggerSettin
     return frames, success, expert_steps
 
 
-def dagger_features(action_dim: int) -> dict[str, dict]:
+def dagger_features(action_dim: int, plan_steps: int | None = None) -> dict[str, dict]:
     """The columns a DAgger recording adds to the recorder's (lerobot feature specs)."""
-    return {INTERVENTION: {"dtype": "int64", "shape": (1,), "names": None},
-            POLICY_ACTION: {"dtype": "float32", "shape": (action_dim,), "names": [f"a{i}" for i in range(action_dim)]},
-            SUCCESS: {"dtype": "bool", "shape": (1,), "names": None}}
+    features = {INTERVENTION: {"dtype": "int64", "shape": (1,), "names": None},
+                POLICY_ACTION: {"dtype": "float32", "shape": (action_dim,),
+                                "names": [f"a{i}" for i in range(action_dim)]},
+                SUCCESS: {"dtype": "bool", "shape": (1,), "names": None}}
+    if plan_steps:
+        features[ACTION_PLAN] = {"dtype": "float32", "shape": (plan_steps * action_dim,),
+                                 "names": [f"t{t}_a{i}" for t in range(plan_steps) for i in range(action_dim)]}
+    return features
 
 
-__all__ = ["DaggerSettings", "dagger_episodes", "dagger_features"]
+__all__ = ["ACTION_PLAN", "DaggerSettings", "dagger_episodes", "dagger_features"]

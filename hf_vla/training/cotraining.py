@@ -45,8 +45,12 @@ def training_chunks(mixture, processor, chunk_size: int, max_chunks: int = 20_00
             position += length
             if first >= length:  # no window starts in this block: its rows are not read
                 continue
-            actions = source.episode_table(block.episode)["actions"]
+            table = source.episode_table(block.episode)
+            actions = table["actions"]
             for start in range(block.start + first, block.end, stride):
+                if "action_chunks" in table:  # the frame's own chunk (action_chunk_key), as training reads it
+                    chunks.append((head, table["action_chunks"][start, :chunk_size]))
+                    continue
                 end = min(start + chunk_size, block.end)
                 chunk = np.empty((chunk_size, actions.shape[1]), dtype=np.float32)
                 chunk[: end - start] = actions[start:end]
