@@ -13,7 +13,8 @@ minutes each:
   aggregate sampled uniformly, as in the paper) for the round's share of the
   budget less its recording's cost (CPU seconds of the recorder and its env worker: about one core, so its wall
   time when alone).
-Both train with the same arguments (learning rate `--learning_rate`, WSD decay over the last quarter, the start's
+With `--chunks plan` the rounds train on each frame's `action_plan` (the expert's own chunk from the state the policy
+reached) instead of the frames' labels strung together (docs/deployment_data.md). Both train with the same arguments (learning rate `--learning_rate`, WSD decay over the last quarter, the start's
 normalisation via `--norm_stats_from`); the step rate comes from a probe run alone first (`--steps_per_s` to give
 it). The start and both arms are evaluated with `hf_vla.evaluate` on the same held-out episodes (seeds from 10,000).
 JSON (`--output`, default benchmarks/results/metaworld_dagger_cpu.json):
@@ -127,14 +128,18 @@ def main(argv=None):
                         "basketball, peg-insert-side, push, pick-place with the MT50 recipe, from --start trained on "
                         "--data (their recording)")
     parser.add_argument("--data", type=Path, default=REPO / "data_cache" / "mt50_4loc")
+    parser.add_argument("--chunks", choices=["labels", "plan"], default="labels", help="the DAgger rounds' training "
+                        "chunks: the frames' labels strung together, or each frame's action_plan (the expert's own "
+                        "chunk from the visited state; its own work folder, dagger_plan)")
     args = parser.parse_args(argv)
     setting = _setting(args)
-    work = args.work / ("dagger" if args.setting == "five_task" else "dagger_object_centred")
+    work = args.work / (("dagger" if args.setting == "five_task" else "dagger_object_centred")
+                        + ("_plan" if args.chunks == "plan" else ""))
     work.mkdir(parents=True, exist_ok=True)
     state_file = work / "results.json"
     results = json.loads(state_file.read_text()) if state_file.exists() else {}
     results |= {"setting": args.setting, "tasks": setting["tasks"], "budget_min": args.budget_min, "rounds": args.rounds, "dagger_episodes_per_task": args.dagger_episodes,
-                "eval_episodes_per_task": args.episodes, "learning_rate": args.learning_rate,
+                "eval_episodes_per_task": args.episodes, "learning_rate": args.learning_rate, "chunks": args.chunks,
                 "start_checkpoint": str(args.start)}
 
     def save():
@@ -172,7 +177,8 @@ def main(argv=None):
             datasets = datasets + [{"root": str(data), "name": f"dagger_{round_index}",
                                     "cameras": ["observation.image"], "robot_type": "metaworld",
                                     "control_mode": "delta_xyz_gripper",
-                                    "weight": _aggregate_weight(data, setting["datasets"])}]
+                                    "weight": _aggregate_weight(data, setting["datasets"]),
+                                    **({"action_chunk_key": "action_plan"} if args.chunks == "plan" else {})}]
             out = work / f"dagger_{round_index}"
             if done is None:
                 entry["train_seconds"] = round(_train(policy, datasets, out, entry["steps"], args), 1)
