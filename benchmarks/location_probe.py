@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# run as a script, its folder is on the path: the five-task benchmark's dataset spec
 from metaworld_benchmark import _dataset_spec  # noqa: E402
 
 LOC = re.compile(r"<loc(\d{4})><loc(\d{4})> ([^;<]+?)\s*(?:;|$)")
