@@ -45,7 +45,6 @@ def probe(checkpoint: Path, work: Path, validation_ratio: float = 0.05, split_se
     bin_of_id = {int(i): b for b, i in enumerate(loc_ids)}
     mixture = WeightedDatasetMixture(_dataset_spec(work, target_text_key="locations"),
                                      validation_ratio=validation_ratio, split_seed=split_seed)
-    mixture.norm_stats = json.loads((checkpoint / "norm_stats.json").read_text())["norm_stats"]
     names = [source.name for source in mixture.sources]
     stream = mixture.validation_stream(processor.image_size, model.config.chunk_size, batch_size)
     collator = PI05Collator(processor)
