@@ -152,11 +152,11 @@ class WeightedDatasetMixture:
         than every episode of a dataset trains, its steps past the episode end masked out of the loss, but that is more
         often a wrong chunk_size (or fps) than an intent: say so with the numbers."""
         for source in self.sources:
-            if source.chunk_steps is not None and source.chunk_steps < chunk_size:
-                raise ConfigError(f"dataset {source.name!r}: action_chunk_key {source.config.action_chunk_key!r} holds "
-                                  f"{source.chunk_steps} steps per frame, fewer than chunk_size {chunk_size}")
-            if source.chunk_steps is not None:
-                continue  # its chunks are whole per frame: nothing is padded
+            if source.chunk_steps is not None:  # its chunks are whole per frame: nothing is padded
+                if source.chunk_steps < chunk_size:
+                    raise ConfigError(f"dataset {source.name!r}: action_chunk_key {source.config.action_chunk_key!r} "
+                                      f"holds {source.chunk_steps} steps per frame, fewer than chunk_size {chunk_size}")
+                continue
             lengths = source.episodes["length"][source.used_rows()]
             if len(lengths) and chunk_size > int(lengths.max()):
                 longest = int(lengths.max())

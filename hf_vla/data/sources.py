@@ -605,13 +605,14 @@ class LeRobotSource:
             except (OSError, ValueError) as error:
                 raise DataError(f"dataset {self.name!r}: cannot read episode {episode} from the scan cache "
                                 f"{self.episode_rows.directory}: {error}") from error
-            if self.config.target_text_key is not None:  # strings are not in the cache: from the parquet rows
-                table["target_text"] = self._episode_rows(episode, row, length, [self.config.target_text_key,
-                                                                                  "episode_index"])[
-                    self.config.target_text_key].to_pylist()
-            if self.config.action_chunk_key is not None:  # nor are the per-frame chunks
-                rows = self._episode_rows(episode, row, length, [self.config.action_chunk_key, "episode_index"])
-                table["action_chunks"] = self._action_chunks(rows, episode, row)
+            # strings and per-frame chunks are not in the cache: from the parquet rows, in one read
+            extra = [key for key in (self.config.target_text_key, self.config.action_chunk_key) if key is not None]
+            if extra:
+                rows = self._episode_rows(episode, row, length, [*extra, "episode_index"])
+                if self.config.target_text_key is not None:
+                    table["target_text"] = rows[self.config.target_text_key].to_pylist()
+                if self.config.action_chunk_key is not None:
+                    table["action_chunks"] = self._action_chunks(rows, episode, row)
             return table
         columns = [self.config.state_key, self.config.action_key, "task_index", "episode_index"]
         if self.config.target_text_key is not None:

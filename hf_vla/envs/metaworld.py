@@ -274,8 +274,10 @@ class MetaWorldEnv(gym.Env):
         against the image's own size): the `locations` column `hf_vla.record` writes."""
         return location_text(self.locations(), self.image_size)
 
-    def expert_action(self) -> np.ndarray:
-        return np.clip(self.inner.expert_policy.get_action(self.inner.raw_obs), -1.0, 1.0).astype(np.float32)
+    def expert_action(self, raw_obs=None) -> np.ndarray:
+        """The scripted expert's action for the current raw observation (or `raw_obs`), clipped to the action space."""
+        raw_obs = self.inner.raw_obs if raw_obs is None else raw_obs
+        return np.clip(self.inner.expert_policy.get_action(raw_obs), -1.0, 1.0).astype(np.float32)
 
     # the simulator's attributes a step changes besides MuJoCo's state (Meta-World's SawyerXYZEnv.step / _get_obs)
     _STEP_ATTRIBUTES = ("curr_path_length", "_last_stable_obs", "_prev_obs", "_did_see_sim_exception")
@@ -291,18 +293,18 @@ class MetaWorldEnv(gym.Env):
 
         import mujoco
 
-        env, inner = self.inner._env, self.inner
+        env = self.inner._env
         spec = mujoco.mjtState.mjSTATE_INTEGRATION
         saved = np.empty(mujoco.mj_stateSize(env.model, spec))
         mujoco.mj_getState(env.model, env.data, saved, spec)
         attributes = {name: copy.deepcopy(getattr(env, name)) for name in self._STEP_ATTRIBUTES if hasattr(env, name)}
-        observation, plan = np.asarray(inner.raw_obs), []
+        observation, plan = np.asarray(self.inner.raw_obs), []
         try:
             for _ in range(steps):
                 if env.curr_path_length >= env.max_path_length:
                     plan.append(plan[-1] if plan else self.expert_action())
                     continue
-                action = np.clip(inner.expert_policy.get_action(observation), -1.0, 1.0).astype(np.float32)
+                action = self.expert_action(observation)
                 plan.append(action)
                 observation = env.step(action)[0]
         finally:
