@@ -10,6 +10,16 @@ group means, hf_vla next to lerobot's trainer at the same budget, both evaluated
     OMP_NUM_THREADS=1 python benchmarks/metaworld_mt50.py --stage augment   # hf_vla's run with image augmentation
     python benchmarks/metaworld_mt50.py --stage evaluate --which hf_vla_aug --episodes 5 --num_envs 2
 
+pi0.5's token objective on MT50 (issue #64): `--arm` trains one of the object-centred ablation's arms
+(benchmarks/metaworld_mt50_ablation.py's SETTINGS: `fast_ki`, `fast_ki_locations`; the latter needs the recording's
+`locations` column) into `<work>/hf_vla_<arm>`, at the steps of `--budget_min x --steps_per_s` (that arm's one-core
+rate), and `--which hf_vla_<arm>` evaluates it:
+
+    python benchmarks/metaworld_mt50.py --stage hf_vla --arm fast_ki_locations --data data_cache/mt50_loc \
+        --budget_min 45 --steps_per_s 2.3
+    python benchmarks/metaworld_mt50.py --stage evaluate --which hf_vla_fast_ki_locations --episodes 5 --num_envs 2 \
+        --data data_cache/mt50_loc
+
 The committed figures ran the two training stages side by side with OMP_NUM_THREADS=1 (one core each; 3.0 steps/s is
 hf_vla's rate measured that way; ACT's came from its probe), then the evaluation with `--which hf_vla` and
 `--which lerobot` side by side.
@@ -48,8 +58,23 @@ def _save(output: Path, results: dict) -> None:
                       for k, v in results.items()}, indent=2))
 
 
-def _dataset(data: Path) -> list[dict]:
-    return [{"root": str(data), "name": "mt50", "cameras": ["observation.image"], "control_mode": "delta_xyz_gripper"}]
+def _dataset(data: Path, target_text_key: str | None = None) -> list[dict]:
+    return [{"root": str(data), "name": "mt50", "cameras": ["observation.image"], "control_mode": "delta_xyz_gripper",
+             **({"target_text_key": target_text_key} if target_text_key else {})}]
+
+
+def _arm_overrides(arm: str | None) -> tuple[list[str], str | None]:
+    """(train flags, target text column) of the object-centred ablation's arm `arm` (None: the recipe as it is)."""
+    if arm is None:
+        return [], None
+    from metaworld_mt50_ablation import SETTINGS, TARGET_TEXT
+
+    if arm not in SETTINGS:
+        raise SystemExit(f"--arm: unknown {arm!r}; known: {sorted(SETTINGS)}")
+    flags = []
+    for key, value in SETTINGS[arm][1].items():
+        flags += [f"--{key}", json.dumps(value)]
+    return flags, TARGET_TEXT.get(arm)
 
 
 def stage_record(data: Path, episodes: int, image_size: int, results: dict) -> None:
@@ -63,28 +88,40 @@ def stage_record(data: Path, episodes: int, image_size: int, results: dict) -> N
                                             for n, t in marker["tasks"].items()}}
 
 
-def _train(data: Path, out: Path, overrides: list[str]) -> float:
+def _train(data: Path, out: Path, overrides: list[str], target_text_key: str | None = None) -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hf_vla.train", str(CONFIG), "--datasets", json.dumps(_dataset(data)),
+    subprocess.run([sys.executable, "-m", "hf_vla.train", str(CONFIG), "--datasets",
+                    json.dumps(_dataset(data, target_text_key)),
                     "--output_dir", str(out), *overrides], check=True, cwd=REPO,
                    env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"))
     return time.perf_counter() - started
 
 
-def stage_hf_vla(data: Path, work: Path, budget_min: float, results: dict, rate: float | None = None) -> None:
+def stage_hf_vla(data: Path, work: Path, budget_min: float, results: dict, rate: float | None = None,
+                 arm: str | None = None) -> None:
+    name = "hf_vla" if arm is None else f"hf_vla_{arm}"
+    arm_flags, target_text_key = _arm_overrides(arm)
     if rate is None:  # steps per second including start-up: a safe under-estimate of the run's rate
         probe_steps = 100
-        rate = probe_steps / _train(data, work / "hf_vla_probe", ["--max_steps", str(probe_steps),
-                                                                  "--save_strategy", "no"])
+        rate = probe_steps / _train(data, work / f"{name}_probe", ["--max_steps", str(probe_steps),
+                                                                   "--save_strategy", "no", *arm_flags],
+                                    target_text_key)
     steps = int(rate * budget_min * 60 / 100) * 100
-    out = work / "hf_vla"
+    out = work / name
     decay = max(1, steps // 4)
     resume = ["--resume_from_checkpoint", "true"] if list(out.glob("checkpoint-*")) else []
     seconds = _train(data, out, ["--max_steps", str(steps), "--save_steps", str(max(100, steps // 10 // 100 * 100)),
                                  "--lr_scheduler_kwargs", json.dumps({"num_decay_steps": decay, "min_lr_ratio": 0.1}),
-                                 *resume])
-    results["hf_vla_train"] = {"budget_min": budget_min, "probe_steps_per_s": round(rate, 3), "max_steps": steps,
-                               "train_seconds": round(seconds, 1)}
+                                 *arm_flags, *resume], target_text_key)
+    results[f"{name}_train"] = {"budget_min": budget_min, "probe_steps_per_s": round(rate, 3), "max_steps": steps,
+                                "train_seconds": round(seconds, 1), "peak_rss_gb": _peak_rss_gb(),
+                                **({"arm": arm, "overrides": arm_flags} if arm else {})}
+
+
+def _peak_rss_gb() -> float:
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)  # the training's process
 
 
 def stage_longer(data: Path, work: Path, steps: int, results: dict) -> None:
@@ -185,6 +222,10 @@ def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results
         result, seconds = _evaluate_hf_vla(work, "hf_vla_aug", episodes, num_envs, save_videos=1)
         results["hf_vla_aug"] = _summary(result, dict(results.get("hf_vla_aug_train", {}), eval_seconds=seconds),
                                          episodes, seed)
+    if which.startswith("hf_vla_") and which not in ("hf_vla_long", "hf_vla_aug"):  # an --arm's run
+        result, seconds = _evaluate_hf_vla(work, which, episodes, num_envs, save_videos=1)
+        results[which] = _summary(result, dict(results.get(f"{which}_train", {}), eval_seconds=seconds), episodes,
+                                  seed)
     if which in ("both", "lerobot"):
         import importlib.util
 
@@ -237,19 +278,22 @@ def main(argv=None):
     parser.add_argument("--lerobot_policy", default="act", choices=["act", "diffusion"])
     parser.add_argument("--episodes", type=int, default=10, help="evaluation episodes per task")
     parser.add_argument("--num_envs", type=int, default=1)
-    parser.add_argument("--which", choices=["both", "hf_vla", "lerobot", "hf_vla_long", "hf_vla_aug"], default="both")
+    parser.add_argument("--which", default="both", help="both, hf_vla, lerobot, hf_vla_long, hf_vla_aug or "
+                        "hf_vla_<arm> (a run of --stage hf_vla --arm)")
+    parser.add_argument("--arm", default=None, help="--stage hf_vla: train the recipe with this object-centred "
+                        "ablation arm's overrides (fast_ki, fast_ki_locations) into <work>/hf_vla_<arm>")
     parser.add_argument("--steps", type=int, default=20_000, help="--stage longer: steps in all")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    data = Path(args.data) if args.data else work / "data"
+    data = (Path(args.data) if args.data else work / "data").resolve()  # the stages run from the repository root
     output = Path(args.output)
     results = _load(output)
     before = json.loads(json.dumps(results))
     if args.stage == "record":
         stage_record(data, args.record_episodes, args.image_size, results)
     elif args.stage == "hf_vla":
-        stage_hf_vla(data, work, args.budget_min, results, args.steps_per_s)
+        stage_hf_vla(data, work, args.budget_min, results, args.steps_per_s, args.arm)
     elif args.stage == "longer":
         stage_longer(data, work, args.steps, results)
     elif args.stage == "augment":
@@ -257,6 +301,8 @@ def main(argv=None):
     elif args.stage == "lerobot":
         stage_lerobot(data, work, args.budget_min, results, args.lerobot_policy, rate=args.steps_per_s)
     else:
+        if args.which not in ("both", "hf_vla", "lerobot") and not (work / args.which).is_dir():
+            raise SystemExit(f"--which {args.which}: no run {work / args.which} to evaluate")
         stage_evaluate(data, work, args.episodes, args.num_envs, results, args.which)
     # stages may run side by side (hf_vla and lerobot train on one core each): write only what this stage changed
     # into the file as it is now, so the later stage does not drop the earlier one's keys
