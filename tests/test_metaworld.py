@@ -313,6 +313,22 @@ def test_dagger_records_the_experts_own_chunk_and_training_reads_it(recorded, tm
     with pytest.raises(DataError, match=r"action_chunk_key 'intervention' is int64 of shape \(1,\): it must be a "
                                         "numeric vector of whole chunks of 4-dim actions"):
         WeightedDatasetMixture([dict(spec, action_chunk_key="intervention")])
+    # a NaN in a frame's plan is refused at start-up, by the scan, naming the column, episode and frame
+    import shutil
+
+    import pyarrow as pa
+
+    broken = tmp_path / "dagger_nan"
+    shutil.copytree(out, broken)
+    path = sorted((broken / "data").glob("*/*.parquet"))[0]
+    nan_plans = plans.reshape(len(labels), -1).copy()
+    nan_plans[3, 5] = np.nan
+    table = table.set_column(table.schema.get_field_index(ACTION_PLAN), ACTION_PLAN,
+                             pa.array(list(nan_plans), type=table.schema.field(ACTION_PLAN).type))
+    pq.write_table(table, path)
+    with pytest.raises(DataError, match=r"1 non-finite value\(s\) in column 'action_plan' of .*; first at episode 0, "
+                                        "frame 3, dim 5"):
+        WeightedDatasetMixture([dict(spec, root=str(broken))])
 
 
 def test_recorded_locations_are_where_the_renderer_draws_them():

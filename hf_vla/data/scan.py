@@ -5,8 +5,8 @@ container of every video file, and checks:
 
 - each data file holds exactly its episodes' rows, in order, with frame indices 0..length-1 (what meta/episodes says;
   per-episode reads rely on it);
-- every used state/action value is finite (a NaN/inf is reported with dataset, file, episode, frame, column, dim) and
-  lies within `outlier_widths` q01..q99 widths of that range (bit rot in a page body decodes to values like 1e38);
+- every used state/action value (and `action_chunk_key`'s, where set) is finite (a NaN/inf is reported with dataset,
+  file, episode, frame, column, dim) and lies within `outlier_widths` q01..q99 widths of that range (bit rot in a page body decodes to values like 1e38);
 - the pages' CRC checksums, where the writer stored them (pyarrow's `write_page_checksum`), verify;
 - every used task index is in meta/tasks.parquet;
 - every video reaches the end of the last episode that uses it (container duration, and the tail is demuxed, which
@@ -165,6 +165,8 @@ def fingerprint(source: LeRobotSource, max_frames: int, seed: int) -> str:
         "check_tasks": config.task is None and config.shuffle_tasks_seed is None,
         "outlier_widths": getattr(config, "outlier_widths", None),
         "target_text_key": getattr(config, "target_text_key", None),
+        # only where set: the key's absence keeps the fingerprints (and caches) of every other dataset as they were
+        **({"action_chunk_key": config.action_chunk_key} if getattr(config, "action_chunk_key", None) else {}),
     }, sort_keys=True).encode())
     digest.update(np.ascontiguousarray(source.ranges).tobytes())
     root = source.root
@@ -207,8 +209,9 @@ def kept_mask(episodes: np.ndarray, frames: np.ndarray, merged: np.ndarray) -> n
 def _read_file(source: LeRobotSource, path: Path) -> pa.Table:
     config = source.config
     columns = [config.state_key, config.action_key, "episode_index", "frame_index", "task_index"]
-    if getattr(config, "target_text_key", None):
-        columns.append(config.target_text_key)
+    for key in (getattr(config, "target_text_key", None), getattr(config, "action_chunk_key", None)):
+        if key:
+            columns.append(key)
     try:
         present = pq.read_schema(path).names
         missing = [c for c in columns if c not in present]
@@ -412,6 +415,10 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
                         kept_frames)
         _check_finite(source, path, config.state_key, state, kept_episodes, kept_frames)
         _check_finite(source, path, config.action_key, action, kept_episodes, kept_frames)
+        if getattr(config, "action_chunk_key", None):  # the frames' own target chunks (e.g. a DAgger round's plan)
+            chunks = vector_column(table[config.action_chunk_key], source.chunk_steps * source.action_dim,
+                                   f"{where} {config.action_chunk_key!r}")
+            _check_finite(source, path, config.action_chunk_key, chunks[keep], kept_episodes, kept_frames)
         extremes.add(config.state_key, path, state, kept_episodes, kept_frames)
         extremes.add(config.action_key, path, action, kept_episodes, kept_frames)
         if check_tasks:

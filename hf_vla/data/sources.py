@@ -636,7 +636,7 @@ class LeRobotSource:
 
     def _action_chunks(self, table: pa.Table, episode: int, row: int) -> np.ndarray:
         """`[n, chunk_steps, action_dim]` float32 from the `action_chunk_key` column; NaN/inf refused naming the
-        frame (the start-up scan checks the state and action columns, not this one)."""
+        frame (the start-up scan checks it too; this catches a file changed since)."""
         key = self.config.action_chunk_key
         where = f"dataset {self.name!r}: {self._data_path_of_row(row)} episode {episode} column {key!r}"
         values = vector_column(table[key], self.chunk_steps * self.action_dim, where).astype(np.float32)
