@@ -1,6 +1,10 @@
 """Does the backbone find the objects? A checkpoint trained with location targets, read back on held-out frames.
 
     python benchmarks/location_probe.py data_cache/metaworld_loc/locations --work data_cache/metaworld_loc
+    python benchmarks/location_probe.py data_cache/mt50_bench/hf_vla_fast_ki_locations --data data_cache/mt50_loc
+
+(`--data`: one recording of many tasks, e.g. MT50's, the split and the task per frame taken from it; frames are
+grouped by their task's description, so tasks that share one, push and push-back, are one row.)
 
 A checkpoint trained with `target_text_key: locations` (configs/pi05_metaworld_cotrain_locations.json) predicts, after
 each chunk's FAST tokens, the gripper, the task's object and its goal as `<locY><locX> name` points. On the run's own
@@ -32,7 +36,7 @@ LOC = re.compile(r"<loc(\d{4})><loc(\d{4})> ([^;<]+?)\s*(?:;|$)")
 
 
 def probe(checkpoint: Path, work: Path, validation_ratio: float = 0.05, split_seed: int = 0, batch_size: int = 64,
-          max_batches: int | None = None) -> dict:
+          max_batches: int | None = None, data: Path | None = None) -> dict:
     from hf_vla import PI05ForConditionalGeneration, PI05Processor
     from hf_vla.data import PI05Collator, WeightedDatasetMixture
 
@@ -43,8 +47,10 @@ def probe(checkpoint: Path, work: Path, validation_ratio: float = 0.05, split_se
     if int(loc_ids.min()) < 0 or (loc_ids == tokenizer.unk_token_id).any():
         raise SystemExit(f"{checkpoint}: its tokenizer has no <loc0000>..<loc1023> tokens")
     bin_of_id = {int(i): b for b, i in enumerate(loc_ids)}
-    mixture = WeightedDatasetMixture(_dataset_spec(work, target_text_key="locations"),
-                                     validation_ratio=validation_ratio, split_seed=split_seed)
+    spec = _dataset_spec(work, target_text_key="locations") if data is None else [
+        {"root": str(data), "name": data.name, "cameras": ["observation.image"], "control_mode": "delta_xyz_gripper",
+         "target_text_key": "locations"}]
+    mixture = WeightedDatasetMixture(spec, validation_ratio=validation_ratio, split_seed=split_seed)
     names = [source.name for source in mixture.sources]
     stream = mixture.validation_stream(processor.image_size, model.config.chunk_size, batch_size)
     collator = PI05Collator(processor)
@@ -70,7 +76,7 @@ def probe(checkpoint: Path, work: Path, validation_ratio: float = 0.05, split_se
                 found = LOC.findall(text)
                 if len(positions) != 2 * len(found):
                     raise SystemExit(f"{text!r}: {len(found)} points but {len(positions)} <loc> labels")
-                task = names[int(sample["source_index"])]
+                task = names[int(sample["source_index"])] if data is None else sample["task"]
                 for k, (y, x, name) in enumerate(found):
                     py, px = (bin_of_id[int(predicted[row, positions[2 * k + a]])] for a in (0, 1))
                     points[(task, name.strip())].append((int(y), int(x), py, px))
@@ -102,13 +108,16 @@ def main(argv=None):
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--work", type=Path, default=REPO / "data_cache" / "metaworld_loc",
                         help="the five-task recording with locations (its data/<task> datasets)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="instead of --work: one recording with locations holding many tasks (MT50's)")
     parser.add_argument("--validation_ratio", type=float, default=0.05)
     parser.add_argument("--split_seed", type=int, default=0)
     parser.add_argument("--max_batches", type=int, default=None)
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    report = probe(args.checkpoint, args.work, args.validation_ratio, args.split_seed, max_batches=args.max_batches)
+    report = probe(args.checkpoint, args.work, args.validation_ratio, args.split_seed, max_batches=args.max_batches,
+                   data=args.data)
     text = json.dumps(report, indent=2)
     if args.output:
         args.output.write_text(text + "\n")
