@@ -67,14 +67,11 @@ def _arm_overrides(arm: str | None) -> tuple[list[str], str | None]:
     """(train flags, target text column) of the object-centred ablation's arm `arm` (None: the recipe as it is)."""
     if arm is None:
         return [], None
-    from metaworld_mt50_ablation import SETTINGS, TARGET_TEXT
+    from metaworld_mt50_ablation import SETTINGS, TARGET_TEXT, override_flags
 
     if arm not in SETTINGS:
         raise SystemExit(f"--arm: unknown {arm!r}; known: {sorted(SETTINGS)}")
-    flags = []
-    for key, value in SETTINGS[arm][1].items():
-        flags += [f"--{key}", json.dumps(value)]
-    return flags, TARGET_TEXT.get(arm)
+    return override_flags(SETTINGS[arm][1]), TARGET_TEXT.get(arm)
 
 
 def stage_record(data: Path, episodes: int, image_size: int, results: dict) -> None:
@@ -99,6 +96,8 @@ def _train(data: Path, out: Path, overrides: list[str], target_text_key: str | N
 
 def stage_hf_vla(data: Path, work: Path, budget_min: float, results: dict, rate: float | None = None,
                  arm: str | None = None) -> None:
+    from metaworld_mt50_ablation import peak_rss_gb
+
     name = "hf_vla" if arm is None else f"hf_vla_{arm}"
     arm_flags, target_text_key = _arm_overrides(arm)
     if rate is None:  # steps per second including start-up: a safe under-estimate of the run's rate
@@ -114,14 +113,8 @@ def stage_hf_vla(data: Path, work: Path, budget_min: float, results: dict, rate:
                                  "--lr_scheduler_kwargs", json.dumps({"num_decay_steps": decay, "min_lr_ratio": 0.1}),
                                  *arm_flags, *resume], target_text_key)
     results[f"{name}_train"] = {"budget_min": budget_min, "probe_steps_per_s": round(rate, 3), "max_steps": steps,
-                                "train_seconds": round(seconds, 1), "peak_rss_gb": _peak_rss_gb(),
+                                "train_seconds": round(seconds, 1), "peak_rss_gb": peak_rss_gb(),
                                 **({"arm": arm, "overrides": arm_flags} if arm else {})}
-
-
-def _peak_rss_gb() -> float:
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)  # the training's process
 
 
 def stage_longer(data: Path, work: Path, steps: int, results: dict) -> None:

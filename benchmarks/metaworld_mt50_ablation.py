@@ -142,23 +142,29 @@ def run(name: str, data: Path, work: Path, tasks: list[str], steps: int, episode
             "eval_seconds": round(time.perf_counter() - started, 1), "mean_success": result["success_rate"],
             "tasks": {t: r["success_rate"] for t, r in result["tasks"].items()}, "episodes_per_task": episodes,
             **({"trained_as": EVAL_ONLY[name]} if name in EVAL_ONLY else {}),
-            **({"budget_min": budget_min, "probe_steps_per_s": round(rate, 3), "peak_rss_gb": _peak_rss_gb()}
+            **({"budget_min": budget_min, "probe_steps_per_s": round(rate, 3), "peak_rss_gb": peak_rss_gb()}
                if budget_min is not None and name not in EVAL_ONLY else {})}
 
 
-def _peak_rss_gb() -> float:
+def peak_rss_gb() -> float:
     import resource
 
     return round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)  # the largest child so far
+
+
+def override_flags(overrides: dict) -> list[str]:
+    """A setting's overrides as `hf_vla.train` flags (`--key json-value`)."""
+    flags = []
+    for key, value in overrides.items():
+        flags += [f"--{key}", json.dumps(value)]
+    return flags
 
 
 def _train(data: Path, out: Path, steps: int, overrides: dict, ranges: dict, env: dict,
            target_text_key: str | None = None, save: bool = True) -> float:
     dataset = [{"root": str(data), "name": "mt50", "cameras": ["observation.image"], "control_mode": "delta_xyz_gripper",
                 "keep_ranges": ranges, **({"target_text_key": target_text_key} if target_text_key else {})}]
-    flags = []
-    for key, value in overrides.items():
-        flags += [f"--{key}", json.dumps(value)]
+    flags = override_flags(overrides)
     resume = ["--resume_from_checkpoint", "true"] if list(out.glob("checkpoint-*")) else []
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "hf_vla.train", str(CONFIG), "--datasets", json.dumps(dataset),

@@ -6,7 +6,8 @@ container of every video file, and checks:
 - each data file holds exactly its episodes' rows, in order, with frame indices 0..length-1 (what meta/episodes says;
   per-episode reads rely on it);
 - every used state/action value (and `action_chunk_key`'s, where set) is finite (a NaN/inf is reported with dataset,
-  file, episode, frame, column, dim) and lies within `outlier_widths` q01..q99 widths of that range (bit rot in a page body decodes to values like 1e38);
+  file, episode, frame, column, dim) and lies within `outlier_widths` q01..q99 widths of that range (bit rot in a page
+  body decodes to values like 1e38);
 - the pages' CRC checksums, where the writer stored them (pyarrow's `write_page_checksum`), verify;
 - every used task index is in meta/tasks.parquet;
 - every video reaches the end of the last episode that uses it (container duration, and the tail is demuxed, which
