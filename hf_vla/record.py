@@ -50,12 +50,14 @@ from hf_vla.envs.dagger import DaggerSettings, dagger_episodes, dagger_features
 from hf_vla.envs.metaworld import LOCATIONS
 from hf_vla.errors import ConfigError
 from hf_vla.serving.contract import RECORD_MARKER
+from hf_vla.storage import DirectoryLock
 
 logger = logging.getLogger("hf_vla.record")
 ENVS = ("metaworld", "color_reach")
 STRATEGIES = ("expert", "dagger")
 EVAL_ENV = {"metaworld": "metaworld", "color_reach": "hf_vla/ColorReach-v0"}  # the env id a checkpoint's contract names
 PART_MARKER = "hf_vla_record_part.json"  # a recorded task in the staging directory: done
+LOCK_NAME = "_hf_vla_record.lock"  # one recording at a time into a staging directory
 # (image key, state key, action key) of the recorded datasets: lerobot's Meta-World names, also the demo's
 CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
 
@@ -155,8 +157,6 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     complete; the parts are joined with lerobot's `aggregate_datasets` and the result renamed into place. Killed and
     rerun with the same arguments, the recording continues from the first task not done. A task gets at most
     `max_tries` episodes (default 3 x episodes + 10); a shortfall is reported in the result, not hidden."""
-    from hf_vla.data.writer import write_lerobot_dataset
-
     if env not in ENVS:
         raise ConfigError(f"env {env!r}: choose one of {list(ENVS)}")
     if strategy not in STRATEGIES:
@@ -172,12 +172,11 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     max_tries = max_tries or 3 * episodes + 10
     if max_tries < episodes:
         raise ConfigError(f"--max_tries {max_tries} is below --episodes {episodes}: a task could never be complete")
-    output = Path(output)
-    if output.exists() and not (output.is_dir() and not any(output.iterdir())) and not overwrite:
-        raise ConfigError(f"output {str(output)!r} exists: choose a new directory, or pass --overwrite to replace it")
-    from hf_vla.cli import check_writable_dir
+    from hf_vla.storage import check_output, make_dir
 
-    check_writable_dir("output", output.parent)
+    output = check_output("--output", output, overwrite, inputs={"--policy": policy if strategy == "dagger" else None},
+                          marker=f"meta/{RECORD_MARKER}", what="recording")
+    make_dir("--output", output.parent)
     runner = None
     if strategy == "dagger":
         dagger = dagger or DaggerSettings()
@@ -225,20 +224,48 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
             "max_episode_steps": max_episode_steps or default_steps, "max_tries": max_tries,
             "env_kwargs": {k: v for k, v in kwargs.items() if k not in ("image_size", "max_steps")}}
     if runner is not None:
-        plan |= {"strategy": strategy, "policy": str(policy), "round": round_index, "dagger": dagger.to_dict(),
+        from hf_vla.serving.recorder import checkpoint_identity
+        from hf_vla.storage import weights_fingerprint
+
+        # the policy by its resolved path and its weights: another spelling of it continues the round, other weights
+        # under its path do not (a round acted by two policies)
+        plan |= {"strategy": strategy, "policy": checkpoint_identity(str(policy)),
+                 "weights": weights_fingerprint(policy), "round": round_index, "dagger": dagger.to_dict(),
                  "n_action_steps": resolved["n_action_steps"], "plan_steps": resolved["plan_steps"]}
 
-    output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.recording"
+    lock = DirectoryLock(staging, label="--output", lock_name=LOCK_NAME,
+                         what=f"another recording into {output}").acquire()
+    try:
+        return _record_tasks(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env,
+                             runner, resolved if runner is not None else None, dagger, max_tries, fps, size,
+                             state_dim, action_dim, robot_type)
+    finally:
+        lock.release()
+        if staging.is_dir() and not any(staging.iterdir()):  # done: the staging directory held only the lock
+            staging.rmdir()
+
+
+def _record_tasks(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env, runner,
+                  resolved, dagger, max_tries, fps, size, state_dim, action_dim, robot_type) -> RecordResult:
+    """`record`'s work, with the staging directory's writer lock held."""
+    from hf_vla.data.writer import write_lerobot_dataset
+
     plan_file = staging / "plan.json"
-    if staging.exists():
-        previous = json.loads(plan_file.read_text()) if plan_file.exists() else None
-        if previous != plan and not overwrite:
+    previous = json.loads(plan_file.read_text()) if plan_file.exists() else None
+    if previous is not None and previous.get("policy") and plan.get("policy"):  # an older round's plan: its spelling
+        from hf_vla.serving.recorder import checkpoint_identity
+
+        previous["policy"] = checkpoint_identity(previous["policy"])
+        previous.setdefault("weights", plan.get("weights"))  # plans of an hf_vla without the fingerprint
+    if any(p.name != LOCK_NAME for p in staging.iterdir()) and previous != plan:
+        if not overwrite:
             raise ConfigError(
                 f"{staging} holds an interrupted recording with other settings ({_plan_difference(previous, plan)}): "
                 "rerun with its settings to continue it, or pass --overwrite to start over")
-        if previous != plan:
-            shutil.rmtree(staging)
+        for leftover in staging.iterdir():
+            if leftover.name != LOCK_NAME:
+                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     parts = staging / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     plan_file.write_text(json.dumps(plan, indent=2))
@@ -348,15 +375,17 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         asdict(result) | {"seed": seed, "image_size": size, "episodes_per_task": episodes,
                           "max_episode_steps": plan["max_episode_steps"], "max_tries": max_tries,
                           "fast_render": env == "metaworld", "env_kwargs": plan["env_kwargs"],
-                          **{key: plan[key] for key in ("strategy", "policy", "round", "dagger", "n_action_steps", "plan_steps")
-                             if key in plan},
+                          **{key: plan[key] for key in ("strategy", "policy", "weights", "round", "dagger",
+                                                        "n_action_steps", "plan_steps") if key in plan},
                           "shortfall": shortfall,
                           "data_seeds": [min(s[0] for s in all_seeds), max(s[1] for s in all_seeds)]},
         indent=2))
-    if output.exists():
-        os.replace(output, staging / "previous")
-    os.replace(dataset, output)
-    shutil.rmtree(staging, ignore_errors=True)
+    from hf_vla.storage import replace_dir
+
+    replace_dir(dataset, output)  # an existing output (checked: a recording) is replaced once the new one is whole
+    for leftover in staging.iterdir():  # the lock stays until it is released
+        if leftover.name != LOCK_NAME:
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
     result.shortfall = shortfall
     total = sum(t["kept"] for t in result.tasks.values())
     logger.info("recorded %d episodes (%d frames; %d rejected) into %s in %.0f s", total, result.frames,
@@ -457,13 +486,14 @@ def main(argv=None):
     group.add_argument("--strategy", choices=STRATEGIES, default="expert", help="expert: the scripted expert acts "
                        "(successful episodes only); dagger: --policy acts and the expert labels every state")
     group.add_argument("--policy", default=None, help="dagger: the checkpoint (directory or Hub id) that acts")
-    group.add_argument("--round", type=int, default=1, help="dagger: the round's number, kept in the metadata "
-                       "(default seeds 1000 x round)")
-    group.add_argument("--beta", type=float, default=0.0, help="dagger: the expert's share of the steps (each "
-                       "step drawn; the paper's mixture)")
+    group.add_argument("--round", type=int, default=None, help="dagger: the round's number, kept in the metadata "
+                       "(default: 1; seeds 1000 x round)")
+    group.add_argument("--beta", type=float, default=None, help="dagger: the expert's share of the steps (each "
+                       "step drawn; the paper's mixture) (default: 0)")
     group.add_argument("--takeover_threshold", type=float, default=None, help="dagger: the expert takes over where "
                        "the policy's action is farther than this from its own (HG-DAgger's gate)")
-    group.add_argument("--takeover_steps", type=int, default=10, help="dagger: steps the expert keeps control")
+    group.add_argument("--takeover_steps", type=int, default=None, help="dagger: steps the expert keeps control "
+                       "(default: 10)")
     group.add_argument("--stall_steps", type=int, default=None, help="dagger: the expert takes over after this many "
                        "steps without a new best reward")
     group.add_argument("--device", default="cpu", help="dagger: where the policy runs")
@@ -481,12 +511,18 @@ def main(argv=None):
         return output
     if args.episodes is None:
         parser.error("--episodes is required to record")
+    dagger_flags = [f"--{name}" for name in ("round", "beta", "takeover_threshold", "takeover_steps", "stall_steps")
+                    if getattr(args, name) is not None]
+    if args.strategy != "dagger" and dagger_flags:
+        parser.error(f"{', '.join(dagger_flags)}: DAgger settings, taken with --strategy dagger only (the expert "
+                     "records alone)")
     setup_logging()
     result = record(args.env, args.output, args.episodes, tasks=args.task, image_size=args.image_size,
                     seed=args.seed, max_episode_steps=args.max_episode_steps, overwrite=args.overwrite,
                     max_tries=args.max_tries, env_kwargs={"crop": args.crop} if args.crop else None,
-                    strategy=args.strategy, policy=args.policy, round_index=args.round, device=args.device,
-                    dagger=DaggerSettings(args.beta, args.takeover_threshold, args.takeover_steps, args.stall_steps)
+                    strategy=args.strategy, policy=args.policy, round_index=1 if args.round is None else args.round, device=args.device,
+                    dagger=DaggerSettings(args.beta or 0.0, args.takeover_threshold,
+                                          10 if args.takeover_steps is None else args.takeover_steps, args.stall_steps)
                     if args.strategy == "dagger" else None)
     print(json.dumps(asdict(result), indent=2))
     return result

@@ -183,7 +183,8 @@ def _decode_array(obj):
     if b"__npgeneric__" in obj:
         dtype = _wire_dtype(obj.get(b"dtype"))
         value = obj.get(b"data")
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        # a numpy bool (openpi's client sends `np.bool_(True)` as one) carries a Python bool; numbers carry numbers
+        if (isinstance(value, bool) and dtype.kind != "b") or not isinstance(value, int | float):
             raise RequestError(f"numpy scalar data must be a number, got {type(value).__name__}")
         try:
             return dtype.type(value)
@@ -313,10 +314,9 @@ class PolicyServer:
         success = _optional_bool(request.get("success"), "success")
         if success is not None and not episode_end:
             raise RequestError("success: sent with episode_end true (the outcome of the episode that ends)")
-        if episode_seed is not None:  # a new episode: its noise from this seed, no chunk to continue
-            runner.reset(seed=episode_seed)
-            if episode_seed != session.seed:
-                self._end_episode(session, None, "a new episode_seed")
+        if episode_seed is not None:  # a new episode (clients send it at an episode's start, the same seed or
+            runner.reset(seed=episode_seed)  # another): its noise from this seed, no chunk to continue
+            self._end_episode(session, None, "a new episode_seed")
             session.seed = episode_seed
         if set(request) <= CONTROL_KEYS:  # no observation: an episode's end (or start) alone, no inference
             episode = session.episode
@@ -633,10 +633,23 @@ def main(argv=None):
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name}: must be positive, got {value}")
     contract, slots = _contract_cameras(parser, checkpoint, args, obs_map)
-    if args.record:  # before the model loads: a directory of another run is refused at once
+    record_lock = None
+    if args.record:  # before the model loads: a directory of another run, or of a live server, is refused at once
         from hf_vla.serving.recorder import check_record_dir
+        from hf_vla.serving.recorder import record_lock as writer_lock
 
-        check_record_dir(args.record, {"checkpoint": str(args.checkpoint), "revision": args.revision})
+        _record_fps(args.record_fps)
+        check_record_dir(args.record, _record_run(args))
+        record_lock = writer_lock(args.record).acquire()
+    try:
+        _serve(parser, args, checkpoint, obs_map, contract, slots, record_lock)
+    finally:
+        if record_lock is not None:
+            record_lock.release()
+
+
+def _serve(parser, args, checkpoint, obs_map, contract, slots, record_lock):
+    """Load the policy and serve it until stopped (the recording, if any, joined at the end)."""
     runner = load_policy(checkpoint, device=args.device, revision=args.revision, obs_map=obs_map, seed=args.seed,
                          rtc=rtc_config_from_args(args), num_camera_slots=slots,
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
@@ -649,7 +662,7 @@ def main(argv=None):
     else:
         logger.warning("several heads %s and no --head: every request must name its `head`", heads)
     metadata = {"checkpoint": str(args.checkpoint), "deployment": contract.to_dict() if contract else None}
-    recorder = _recorder(args, contract, runner) if args.record else None
+    recorder = _recorder(args, contract, runner, record_lock) if args.record else None
     server = PolicyServer(runner, metadata=metadata, max_message_mb=args.max_message_mb,
                           api_key=args.api_key or os.environ.get(API_KEY_ENV), max_batch=args.max_batch,
                           max_connections=args.max_connections, recorder=recorder)
@@ -674,20 +687,45 @@ def main(argv=None):
                 print(f"hf_vla.serve: recorded episodes joined into {joined}", flush=True)
 
 
-def _recorder(args, contract, runner: PolicyRunner):
+def _record_fps(fps: float | None) -> int | None:
+    """--record_fps: a whole number of frames per second (a LeRobot dataset's fps is one), or one line."""
+    if fps is None:
+        return None
+    if not (math.isfinite(fps) and fps > 0):
+        raise ConfigError(f"--record_fps {fps}: must be positive")
+    if not float(fps).is_integer():
+        raise ConfigError(f"--record_fps {fps}: a LeRobot dataset has a whole number of frames per second; give an "
+                          f"integer (e.g. {max(1, round(fps))})")
+    return int(fps)
+
+
+def _record_run(args) -> dict:
+    """What identifies a recording's run: the checkpoint (a local one by its resolved path and its weights'
+    fingerprint, so another spelling of it is the same run and other weights under its path are not) and revision."""
+    from hf_vla.serving.recorder import checkpoint_identity
+    from hf_vla.storage import weights_fingerprint
+
+    return {"checkpoint": checkpoint_identity(str(args.checkpoint)), "revision": args.revision,
+            "weights": weights_fingerprint(args.checkpoint)}
+
+
+def _recorder(args, contract, runner: PolicyRunner, lock=None):
     """The `--record` writer: the run is the checkpoint and head; one frame per request, at the data's fps divided by
-    the actions executed per chunk unless --record_fps says."""
+    the actions executed per chunk unless --record_fps says (rounded to a whole fps, with a warning, where that is not
+    whole)."""
     from hf_vla.serving.recorder import ServeRecorder
 
-    fps = args.record_fps
-    if fps is not None and not (math.isfinite(fps) and fps > 0):
-        raise ConfigError(f"--record_fps {fps}: must be positive")
+    fps = _record_fps(args.record_fps)
     spec = (contract.heads.get(runner.head) if contract and runner.head else None) or {}
     if fps is None:
-        fps = (spec.get("fps") or 10.0) / (contract.n_action_steps if contract and spec.get("fps") else 1)
-    run = {"checkpoint": str(args.checkpoint), "revision": args.revision, "head": runner.head,
-           "robot_type": spec.get("robot_type")}
-    return ServeRecorder(args.record, run, fps)
+        rate = (spec.get("fps") or 10.0) / (contract.n_action_steps if contract and spec.get("fps") else 1)
+        fps = max(1, round(rate))
+        if fps != rate:
+            logger.warning("recording at %d fps: one request per %g s is %g per second at the data's fps and the "
+                           "contract's actions per chunk, and a LeRobot dataset's fps is whole (--record_fps sets it)",
+                           fps, 1 / rate, rate)
+    run = _record_run(args) | {"head": runner.head, "robot_type": spec.get("robot_type")}
+    return ServeRecorder(args.record, run, fps, lock=lock)
 
 
 def _contract_cameras(parser, checkpoint, args, obs_map: ObservationMap):

@@ -182,12 +182,34 @@ def saved_norm_stats(source: str, current: dict) -> dict:
             raise ConfigError(f"norm_stats_from: {path} has no head {head!r} (it has {sorted(saved)}); the mixture's "
                               "heads must be the checkpoint's")
         for key in ("state", "actions"):
-            ours, theirs = len(values[key]["q01"]), len(saved[head][key]["q01"])
+            try:
+                ours, theirs = len(values[key]["q01"]), len(saved[head][key]["q01"])
+            except (KeyError, TypeError):
+                raise ConfigError(f"norm_stats_from: {path} head {head!r} has no {key} q01 (an hf_vla "
+                                  "norm_stats.json has q01/q99/mean/std per head for state and actions)") from None
             if ours != theirs:
                 raise ConfigError(f"norm_stats_from: head {head!r} {key} has {theirs} dims in {path} but {ours} in "
                                   "the mixture")
+            for name, numbers in saved[head][key].items():  # a NaN here would surface as a diverged model at step 1
+                bad = _not_finite(numbers)
+                if bad:
+                    raise ConfigError(f"norm_stats_from: {path} head {head!r} {key} {name}: {bad}")
         stats[head] = saved[head]
     return stats
+
+
+def _not_finite(numbers) -> str | None:
+    """Why a saved statistic is unusable (not a list of numbers, or NaN/inf at some dims), or None."""
+    import numpy as np
+
+    try:
+        array = np.asarray(numbers, dtype=np.float64)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.ndim != 1:
+        return "not a list of numbers"
+    bad = np.flatnonzero(~np.isfinite(array))
+    return f"NaN or inf at dims {bad[:8].tolist()}" if len(bad) else None
 
 
 @dataclass
@@ -578,6 +600,7 @@ def _train(model_args, data_args, training_args):
     if data_args.norm_stats_from:
         mixture.norm_stats = saved_norm_stats(data_args.norm_stats_from, mixture.norm_stats)
     _check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None)
+    mixture.check_chunks(config.chunk_size)  # before anything reads chunks (the FAST fit, the streams)
     model = build_model(model_args, config, seed=training_args.seed, full_determinism=training_args.full_determinism)
     if source and model_args.model_name_or_path != source:
         model.config._name_or_path = source  # the model card names the Hub id it was fine-tuned from

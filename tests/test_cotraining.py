@@ -459,15 +459,15 @@ def test_bad_text_targets_are_one_line_at_start_up(tmp_path, capsys):
     from test_data import make_dataset
     from test_failures import base_config, run_fails, write_config
 
-    def fails(root, extra, culprit, **overrides):
+    def fails(root, extra, culprit, code=2, **overrides):  # exit 2: configuration; 1: a fault of the data
         config = base_config(root, tmp_path / "out", fast_vocab_size=256, **overrides)
         config["datasets"][0] |= extra
-        _, message = run_fails(capsys, write_config(tmp_path, config))
+        _, message = run_fails(capsys, write_config(tmp_path, config), code=code)
         assert culprit in message, message
 
     missing = _with_subtasks(make_dataset(tmp_path / "missing", 4), missing_episode=2)
     fails(missing, {"target_text_key": "subtask"}, "episode 2 frame 13 has no target text in 'subtask' (1 used row(s)",
-          token_loss=True)
+          code=1, token_loss=True)
     fails(missing, {"target_text_key": "subtitle"}, "target_text_key 'subtitle' is not a feature", token_loss=True)
     numbers = _with_subtasks(make_dataset(tmp_path / "numbers", 4), as_int=True)
     fails(numbers, {"target_text_key": "subtask"}, "target_text_key 'subtask' is int64; target text must be a string",

@@ -170,7 +170,8 @@ def test_who_acts():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(beta=1.5), r"--beta 1.5: the expert's share"),
-    (dict(takeover_threshold=0.0), r"--takeover_threshold 0.0: must be positive"),
+    (dict(takeover_threshold=0.0), r"--takeover_threshold 0.0: must be a positive finite number"),
+    (dict(takeover_threshold=float("nan")), r"--takeover_threshold nan: must be a positive finite number"),
     (dict(takeover_steps=0), r"--takeover_steps 0"),
     (dict(stall_steps=0), r"--stall_steps 0"),
 ])
@@ -218,23 +219,37 @@ def test_norm_stats_from_refuses_another_robots_statistics(start, tmp_path):
         saved_norm_stats(str(tmp_path), saved)
 
 
-def test_an_interrupted_round_continues_only_with_its_own_settings(start, tmp_path):
-    """A DAgger round killed mid-way leaves no dataset; rerun with another policy or beta it is refused (naming what
-    differs), with its own settings it completes."""
+def test_an_interrupted_round_continues_only_with_its_own_settings(start, tmp_path, monkeypatch):
+    """A DAgger round killed mid-way leaves no dataset; rerun with another beta, or with other weights under the
+    policy's path, it is refused (naming what differs); with its own settings and weights it completes, whatever the
+    policy's spelling (relative, trailing slash)."""
+    import shutil
+
     from hf_vla.record import record
 
     out = tmp_path / "round"
+    policy = tmp_path / "policy"
+    shutil.copytree(start["policy"], policy)
 
     def interrupted(first):
         yield first
         raise KeyboardInterrupt  # killed while drawing the second episode's seed
 
     with pytest.raises(KeyboardInterrupt):
-        record("color_reach", out, episodes=2, strategy="dagger", policy=str(start["policy"]), progress=False,
+        record("color_reach", out, episodes=2, strategy="dagger", policy=str(policy), progress=False,
                seeds=interrupted)
     assert not out.exists() and (tmp_path / ".round.recording" / "plan.json").is_file()
     with pytest.raises(ConfigError, match=r"interrupted recording with other settings \(dagger: "):
-        record("color_reach", out, episodes=2, strategy="dagger", policy=str(start["policy"]), progress=False,
+        record("color_reach", out, episodes=2, strategy="dagger", policy=str(policy), progress=False,
                dagger=DaggerSettings(beta=0.5))
-    result = record("color_reach", out, episodes=2, strategy="dagger", policy=str(start["policy"]), progress=False)
+    weights = policy / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-8] + b"\x00" * 8)  # the checkpoint directory now holds other weights
+    with pytest.raises(ConfigError, match=r"interrupted recording with other settings \(weights: "):
+        record("color_reach", out, episodes=2, strategy="dagger", policy=str(policy), progress=False)
+    weights.write_bytes(original)
+    monkeypatch.chdir(tmp_path)
+    result = record("color_reach", out, episodes=2, strategy="dagger", policy="policy/", progress=False)
     assert result.tasks["color_reach"]["kept"] == 2 and not (tmp_path / ".round.recording").exists()
+    marker = json.loads((out / "meta" / "hf_vla_record.json").read_text())
+    assert marker["policy"] == str(policy.resolve())

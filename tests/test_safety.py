@@ -356,7 +356,8 @@ def test_record_argument_errors(tmp_path, capsys):
     (taken / "x").write_text("mine")
     cases = [
         (["--env", "color_reach", "--episodes", "0", "--output", str(tmp_path / "a")], "episodes=0: must be positive"),
-        (["--env", "color_reach", "--episodes", "2", "--output", str(taken)], "exists: choose a new directory"),
+        (["--env", "color_reach", "--episodes", "2", "--output", str(taken)],
+         "exists and is not empty: choose a new directory"),
         (["--env", "color_reach", "--episodes", "2", "--task", "reach", "--output", str(tmp_path / "b")],
          "ColorReach draws its instruction per episode"),
         (["--env", "atari", "--episodes", "2", "--output", str(tmp_path / "c")], "argument --env: invalid choice"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
+import shutil
 import signal
 
 import numpy as np
@@ -51,7 +51,9 @@ def test_served_episodes_are_recorded_and_joined(checkpoint, tmp_path):  # noqa:
         assert first.infer({"episode_end": True, "success": True}) == {"episode_end": True, "recorded_episode": 0}
         second = _client(server.uri)
         for i, (observation, task) in enumerate(observations(3, seed=50)):
-            request = {**observation, "prompt": task, "episode_seed": 7 if i < 2 else 8}  # seed 8: a new episode
+            # an episode_seed starts an episode: 7, then none (the episode goes on), then 7 again (a new episode with
+            # the same seed: the policy is reset, and so is the recording's episode)
+            request = {**observation, "prompt": task} | ({"episode_seed": 7} if i != 1 else {})
             reply = second.infer(request)
             sent.append((1 if i < 2 else 2, request, reply, None))
         second._ws.close()  # the open episode (seed 8) ends with the connection
@@ -62,7 +64,7 @@ def test_served_episodes_are_recorded_and_joined(checkpoint, tmp_path):  # noqa:
     assert [(e["episode"], e["frames"], e["success"], e["interventions"]) for e in summary["episodes"]] == \
         [(0, 3, True, 1), (1, 2, None, 0), (2, 1, None, 0)]
     assert [e["ended"] for e in summary["episodes"]] == ["episode_end", "a new episode_seed", "client disconnected"]
-    assert summary["run"]["checkpoint"] == str(checkpoint) and summary["run"]["head"] == HEAD
+    assert summary["run"]["checkpoint"] == str(checkpoint.resolve()) and summary["run"]["head"] == HEAD
     data, table = _dataset(root / "dataset")
     assert data.meta.total_episodes == 3 and len(table["action"]) == 6
     assert {"observation.image", "observation.state", "action", "policy_action", "intervention"} <= set(data.features)
@@ -116,9 +118,9 @@ def test_a_killed_server_keeps_finished_episodes_and_the_same_run_continues(chec
     assert _dataset(root / "dataset")[0].meta.total_episodes == 2
     # another checkpoint, or a directory that is not a recording: refused in one line before serving
     other = tmp_path / "other_checkpoint"
-    os.symlink(checkpoint, other)
+    shutil.copytree(checkpoint, other)
     line = refused(cli, ["--checkpoint", str(other), "--record", str(root), "--port", "0"], capsys)
-    assert f"--record {root}: recorded by another run (checkpoint: {str(checkpoint)!r} there" in line
+    assert f"--record {root}: recorded by another run (checkpoint: {str(checkpoint.resolve())!r} there" in line
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")

@@ -207,18 +207,20 @@ class LeRobotSource:
                 raise DataError(f"dataset {self.name!r}: {role} {key!r} is {feature['dtype']} of shape "
                                 f"{feature['shape']}; state and actions must be numeric vectors")
         if config.target_text_key is not None:
+            # configuration faults (exit 2, as the token objective's other start-up refusals): the key names the
+            # wrong column
             if config.target_text_key not in features:
-                raise FeatureKeyError(f"dataset {self.name!r} ({self.root / 'meta/info.json'}): target_text_key "
-                                      f"{config.target_text_key!r} is not a feature; available: {sorted(features)}")
+                raise ConfigError(f"dataset {self.name!r} ({self.root / 'meta/info.json'}): target_text_key "
+                                  f"{config.target_text_key!r} is not a feature; available: {sorted(features)}")
             if features[config.target_text_key]["dtype"] != "string":
-                raise DataError(f"dataset {self.name!r}: target_text_key {config.target_text_key!r} is "
-                                f"{features[config.target_text_key]['dtype']}; target text must be a string column")
+                raise ConfigError(f"dataset {self.name!r}: target_text_key {config.target_text_key!r} is "
+                                  f"{features[config.target_text_key]['dtype']}; target text must be a string column")
         self.chunk_steps = None  # steps per frame of the action_chunk_key column
         if config.action_chunk_key is not None:
             feature = features.get(config.action_chunk_key)
             where = f"dataset {self.name!r} ({self.root / 'meta/info.json'}): action_chunk_key {config.action_chunk_key!r}"
             if feature is None:
-                raise FeatureKeyError(f"{where} is not a feature; available: {sorted(features)}")
+                raise ConfigError(f"{where} is not a feature; available: {sorted(features)}")
             action_dim = int(features[config.action_key]["shape"][0])
             size = int(np.prod(feature["shape"]))
             if feature["dtype"] not in NUMERIC_DTYPES or len(feature["shape"]) != 1 or size % action_dim:

@@ -27,6 +27,7 @@ frame's chunk with the dataset field `action_chunk_key: "action_plan"` (docs/dep
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -48,10 +49,12 @@ class DaggerSettings:
     stall_steps: int | None = None  # the expert takes over after this many steps without a new best reward
 
     def __post_init__(self):
-        if not 0.0 <= self.beta <= 1.0:
+        if not 0.0 <= self.beta <= 1.0:  # NaN fails this too
             raise ConfigError(f"--beta {self.beta}: the expert's share of the steps must be in [0, 1]")
-        if self.takeover_threshold is not None and self.takeover_threshold <= 0:
-            raise ConfigError(f"--takeover_threshold {self.takeover_threshold}: must be positive (an action distance)")
+        if self.takeover_threshold is not None and not (math.isfinite(self.takeover_threshold)
+                                                        and self.takeover_threshold > 0):
+            raise ConfigError(f"--takeover_threshold {self.takeover_threshold}: must be a positive finite number (an "
+                              "action distance)")
         if self.takeover_steps < 1:
             raise ConfigError(f"--takeover_steps {self.takeover_steps}: must be at least 1")
         if self.stall_steps is not None and self.stall_steps < 1:

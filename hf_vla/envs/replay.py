@@ -91,11 +91,12 @@ def add_locations(source: str | os.PathLike, output: str | os.PathLike, check_ev
                           "Meta-World's")
     if LOCATIONS in info["features"]:
         raise ConfigError(f"--add_locations {str(source)!r}: it already has a {LOCATIONS!r} column")
-    if output.resolve() == source.resolve() or source.resolve() in output.resolve().parents:
-        raise ConfigError(f"--output {str(output)!r}: write the new dataset beside {str(source)!r}, not over it")
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise ConfigError(f"--output {str(output)!r} exists and is not empty: choose a new directory, or pass "
-                          "--overwrite to replace it")
+    from hf_vla.storage import check_output, make_dir
+
+    # never over, above or inside the source; --overwrite replaces only a recording (never a folder of other files)
+    check_output("--output", output, overwrite, inputs={"--add_locations": source}, marker=f"meta/{RECORD_MARKER}",
+                 what="recording")
+    make_dir("--output", output.parent)
     size, fps = int(marker["image_size"]), float(info["fps"])
     by_description = {}
     for name, stats in marker["tasks"].items():
@@ -169,9 +170,9 @@ def _write(source: Path, output: Path, info: dict, marker: dict, texts: dict[int
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    staging = output.parent / f".{output.name}.adding"
-    shutil.rmtree(staging, ignore_errors=True)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    from hf_vla.storage import replace_dir, staging_dir
+
+    staging = staging_dir(output, "adding")
 
     def link_or_copy(src, dst):
         try:
@@ -203,9 +204,7 @@ def _write(source: Path, output: Path, info: dict, marker: dict, texts: dict[int
         (staging / "meta" / RECORD_MARKER).unlink()
         (staging / "meta" / RECORD_MARKER).write_text(json.dumps(
             dict(marker, locations_added={"from": str(source), "how": "replayed from each episode's seed"}), indent=2))
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
+        replace_dir(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

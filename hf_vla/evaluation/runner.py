@@ -198,7 +198,9 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
     shown = {k: v for k, v in env_kwargs.items() if k != "image_size"}  # the env arguments besides the flags
     if output_dir is None:
         output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
-    output_dir = Path(output_dir)
+    from hf_vla.storage import check_creatable, make_dir
+
+    output_dir = check_creatable("--output_dir", output_dir)  # before the policy loads: /proc/x in one line
     if remote is not None:
         policy = remote
     else:
@@ -230,7 +232,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
                 else "closed-loop episodes")
         results |= _run_tasks(env_id, wave, policy, spec, settings, overrides, count, env_kwargs, seeds, output_dir,
                               desc, **common)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    make_dir("--output_dir", output_dir)
     if env_id in BENCHMARKS:
         result = BenchmarkResult.from_tasks(env_id, results)
         result.settings = recorded

@@ -160,12 +160,32 @@ class FASTActionTokenizer:
     def from_dict(cls, data: dict, source: str = "FAST tokenizer") -> FASTActionTokenizer:
         from tokenizers import Tokenizer
 
+        if not isinstance(data, dict):
+            raise FASTError(f"{source}: not a FAST tokenizer (a JSON {type(data).__name__}, not an object)")
+        for name in ("chunk_size", "action_dim", "vocab_size"):  # before they size anything
+            value = data.get(name)
+            if name not in data:
+                raise FASTError(f"{source}: not a FAST tokenizer (no {name!r})")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FASTError(f"{source}: {name}={value!r} must be an integer of at least 1")
         try:
             bpe = Tokenizer.from_str(json.dumps(data["bpe"]))
-            return cls(bpe, data["chunk_size"], data["action_dim"], data["scale"], data["min_token"],
+            fast = cls(bpe, data["chunk_size"], data["action_dim"], data["scale"], data["min_token"],
                        data["vocab_size"], data.get("stats"))
         except (KeyError, TypeError, ValueError, Exception) as error:  # tokenizers raises its own Exception
             raise FASTError(f"{source}: not a FAST tokenizer ({type(error).__name__}: {error})") from error
+        fast._check(source)
+        return fast
+
+    def _check(self, source: str) -> None:
+        """The fields of a loaded tokenizer agree with each other (a hand-edited file is refused naming the field)."""
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise FASTError(f"{source}: scale={self.scale!r} must be a finite number > 0 (coefficients are multiplied "
+                            "by it before rounding)")
+        bpe_ids = self.bpe.get_vocab_size()
+        if bpe_ids > self.vocab_size:
+            raise FASTError(f"{source}: vocab_size={self.vocab_size} but its BPE vocabulary has {bpe_ids} ids: FAST "
+                            "ids past vocab_size would land on other tokens of the language model")
 
     def save_pretrained(self, directory) -> Path:
         path = Path(directory) / FILE_NAME
@@ -182,8 +202,9 @@ class FASTActionTokenizer:
             path = path / FILE_NAME if (path / FILE_NAME).is_file() else path / "processor_config.json"
         try:
             data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise FASTError(f"FAST tokenizer {path}: cannot be read ({error})") from error
+        except (OSError, ValueError) as error:  # ValueError: not UTF-8 (UnicodeDecodeError) or not JSON
+            raise FASTError(f"FAST tokenizer {path}: cannot be read ({type(error).__name__}: "
+                            f"{str(error)[:200]})") from None
         if path.name == "processor_config.json":
             if not data.get("fast_config"):
                 raise FASTError(f"FAST tokenizer {path}: this processor has none (trained without the token loss)")

@@ -401,6 +401,10 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         of `vocab_size`: just below `<loc0000>` when the tokenizer has PaliGemma's location tokens (so FAST ids collide
         neither with `<loc>` nor `<seg>`, nor with text), else right after the tokenizer's own tokens. ValueError when
         they do not fit."""
+        if len(self.tokenizer) > vocab_size:
+            raise ValueError(f"the language model's vocabulary of {vocab_size} is smaller than its tokenizer's "
+                             f"{len(self.tokenizer)} tokens, so no FAST vocabulary fits: the model's vocabulary is "
+                             "too small for the tokenizer (a tokenizer of another model?)")
         loc = self.tokenizer.convert_tokens_to_ids("<loc0000>")
         has_loc = isinstance(loc, int) and loc != self.tokenizer.unk_token_id and loc is not None
         offset = loc - fast.vocab_size if has_loc else len(self.tokenizer)
