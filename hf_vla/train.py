@@ -190,7 +190,15 @@ def saved_norm_stats(source: str, current: dict) -> dict:
             if ours != theirs:
                 raise ConfigError(f"norm_stats_from: head {head!r} {key} has {theirs} dims in {path} but {ours} in "
                                   "the mixture")
+            for setting in ("mode", "relative_mask"):  # how the numbers are used must be how this run uses them
+                if saved[head][key].get(setting) != values[key].get(setting):
+                    raise ConfigError(f"norm_stats_from: head {head!r} {key} {setting} is "
+                                      f"{saved[head][key].get(setting)!r} in {path} but {values[key].get(setting)!r} "
+                                      "in the mixture (its datasets' normalization / relative_actions): statistics "
+                                      "are only reused with the same transforms")
             for name, numbers in saved[head][key].items():  # a NaN here would surface as a diverged model at step 1
+                if name in ("mode", "relative_mask", "count"):
+                    continue
                 bad = _not_finite(numbers)
                 if bad:
                     raise ConfigError(f"norm_stats_from: {path} head {head!r} {key} {name}: {bad}")
@@ -596,7 +604,7 @@ def _train(model_args, data_args, training_args):
     # read its cache. An error there reaches every rank.
     with training_args.main_process_first(local=True, desc="dataset checks and statistics"):
         mixture = WeightedDatasetMixture(data_args.datasets, validation_ratio=data_args.validation_ratio,
-                                         split_seed=data_args.split_seed)
+                                         split_seed=data_args.split_seed, chunk_size=config.chunk_size)
     if data_args.norm_stats_from:
         mixture.norm_stats = saved_norm_stats(data_args.norm_stats_from, mixture.norm_stats)
     _check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 
@@ -12,8 +13,10 @@ from hf_vla.data.scan import MAX_STATS_FRAMES, scan_source
 from hf_vla.data.sources import BlockList, DatasetConfig, LeRobotSource
 from hf_vla.data.stream import EpisodeShuffleStream, Provenance, ValidationStream
 from hf_vla.errors import ConfigError, DataError
+from hf_vla.models.pi05.normalization import DEFAULT_MODE, STAT_NAMES, missing_stats
 
 logger = logging.getLogger("hf_vla.data")
+EXACT_QUANTILES = [0.01, 0.10, 0.90, 0.99]  # q01/q99 (QUANTILES), q10/q90 (QUANTILE10)
 
 
 class WeightedDatasetMixture:
@@ -26,7 +29,9 @@ class WeightedDatasetMixture:
     - The validation split is by episode: a seeded `validation_ratio` of each dataset's episodes.
     """
 
-    def __init__(self, datasets: Sequence[DatasetConfig | dict], validation_ratio: float = 0.0, split_seed: int = 0):
+    def __init__(self, datasets: Sequence[DatasetConfig | dict], validation_ratio: float = 0.0, split_seed: int = 0,
+                 chunk_size: int | None = None):
+        self.chunk_size = chunk_size  # the statistics of relative-action heads are over chunks of this many steps
         configs = [d if isinstance(d, DatasetConfig) else DatasetConfig(**d) for d in datasets]
         if not configs:
             raise ConfigError("the mixture needs at least one dataset")
@@ -68,11 +73,17 @@ class WeightedDatasetMixture:
                     f"normalization head {head!r}: its datasets have different {key} dims {dims}; give them distinct "
                     "robot_type/control_mode so each gets its own head"
                 )
+        modes = {s.name: s.config.normalization or {} for s in members}
+        masks = {s.name: s.relative_mask for s in members}
+        for what, values in (("normalization", modes), ("relative_actions", masks)):
+            if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+                raise ConfigError(f"normalization head {head!r}: its datasets differ in {what} {values}; one head "
+                                  "normalises one way: give them the same setting, or distinct robot_type/control_mode")
         pooled = {}
         for key in ("state", "actions"):
             stats = aggregate_feature_stats([s.stats[key] for s in members])
             pooled[key] = {name: np.asarray(value).tolist() for name, value in stats.items()
-                           if name in ("q01", "q99", "mean", "std", "min", "max")}
+                           if name in STAT_NAMES}
         # The scan checks every member's data (NaN/inf, layout, tasks, videos) whichever quantiles are used; cached.
         scans = [scan_source(s) for s in members]
         if all(s.config.quantile_stats == "exact" for s in members):
@@ -89,14 +100,46 @@ class WeightedDatasetMixture:
                     share = max(1, int(round(MAX_STATS_FRAMES * v.frames / total)))
                     parts.append(values[rng.choice(len(values), size=share, replace=share > len(values))])
                 data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-                low, high = [], []
+                columns = []
                 for column in range(data.shape[1]):  # one float64 column at a time, not a float64 copy of it all
-                    q01, q99 = np.quantile(data[:, column].astype(np.float64), [0.01, 0.99])
-                    low.append(float(q01))
-                    high.append(float(q99))
-                pooled[key]["q01"], pooled[key]["q99"] = low, high
+                    columns.append(np.quantile(data[:, column].astype(np.float64), EXACT_QUANTILES))
+                for index, name in enumerate(("q01", "q10", "q90", "q99")):
+                    pooled[key][name] = [float(c[index]) for c in columns]
                 del data
+        mask = members[0].relative_mask
+        if mask is not None:  # the actions the head trains on are offsets: their statistics are the offsets'
+            pooled["actions"] = self._relative_stats(head, members, mask)
+        mapping = members[0].config.normalization or {}
+        for key in ("state", "actions"):
+            mode = mapping.get(key, DEFAULT_MODE)
+            missing = missing_stats(pooled[key], mode)
+            if missing:
+                source = next(s for s in members if not set(missing) <= set(s.stats[key]))
+                raise ConfigError(f"dataset {source.name!r}: {mode} normalisation of {key} "
+                                  f"({source.config.state_key if key == 'state' else source.config.action_key!r}) "
+                                  f"needs {' and '.join(missing)}, which its meta/stats.json lacks (quantile_stats "
+                                  f"{source.config.quantile_stats!r}); use quantile_stats: exact, or another mode")
+            if mode != DEFAULT_MODE:
+                pooled[key]["mode"] = mode
+        if mask is not None:
+            pooled["actions"]["relative_mask"] = list(mask)
         return pooled
+
+    def _relative_stats(self, head: str, members: list[LeRobotSource], mask: list[bool]) -> dict:
+        """Every statistic of the head's relative chunks (`hf_vla.data.relative`), pooled over its datasets in
+        proportion to their chunks; `meta/stats.json` is not read for them."""
+        from hf_vla.data.relative import relative_chunks
+        from hf_vla.models.pi05.normalization import relative_chunk_stats
+
+        if self.chunk_size is None:
+            raise ConfigError(f"normalization head {head!r}: relative_actions needs the model's chunk_size for its "
+                              "statistics (WeightedDatasetMixture(..., chunk_size=...))")
+        share = max(1, MAX_STATS_FRAMES // len(members))
+        chunks = np.concatenate([relative_chunks(s, mask, self.chunk_size, share) for s in members])
+        stats = relative_chunk_stats(chunks)
+        logger.info("head %r: relative-action statistics over %d chunks of %d steps (%d of %d dims relative)", head,
+                    len(chunks), self.chunk_size, sum(mask), len(stats["mean"]))
+        return stats
 
     @staticmethod
     def _split(source: LeRobotSource, ratio: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

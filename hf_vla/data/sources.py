@@ -73,6 +73,19 @@ class DatasetConfig:
         least the model's chunk size; its first chunk-size steps are used, none padded), instead of the chunk being
         read from the next frames' actions: a DAgger recording's `action_plan`, the expert's own chunk from each
         visited state (hf_vla.envs.dagger). Same units as the actions (normalised with their statistics).
+    normalization: how the head's state and actions are normalised, `{"state": MODE, "actions": MODE}` with lerobot's
+        modes (`QUANTILES`, pi0.5's default; `MEAN_STD`, lerobot's pi0.5 LIBERO recipe; `MIN_MAX`, `QUANTILE10`,
+        `IDENTITY`); lerobot's `normalization_mapping` keys (`STATE`, `ACTION`, `VISUAL`: IDENTITY only) work too.
+        Saved with the processor and in the deployment contract; datasets of one head must agree.
+    relative_actions: actions as offsets from the frame's state (openpi's `DeltaActions`, lerobot's
+        `use_relative_actions`): `true` (every action dim but those `relative_exclude_joints` names, lerobot's rule),
+        or an explicit mask as openpi's `make_bool_mask` (`[true] * 7 + [false]`: 7 joints delta, gripper absolute;
+        dims past the mask are absolute). Every step of a chunk is relative to the frame's own state; the action
+        statistics are computed at start-up over the relative chunks trained on (`chunk_size` steps), never taken
+        from `meta/stats.json`. Inference adds the observation's state back (recorded with the checkpoint).
+    relative_exclude_joints: with `relative_actions: true`, action names kept absolute (default `["gripper"]`; a dim
+        is excluded when a name equals its action name or is a substring of it, case-insensitively). A name given
+        here that matches no action name is refused.
     outlier_widths: the start-up scan refuses a state/action value farther than this many q01..q99 widths outside
         that range (per dim; the width is at least 1e-3 of the dim's magnitude, so a constant dim tolerates its own
         scale): bit rot in a parquet page body decodes to values like 1e38 that pass every format check. `null`
@@ -98,6 +111,9 @@ class DatasetConfig:
     outlier_widths: float | None = 1e4
     target_text_key: str | None = None
     action_chunk_key: str | None = None
+    normalization: dict | None = None
+    relative_actions: bool | list[bool] | None = None
+    relative_exclude_joints: list[str] | None = None
 
     def __post_init__(self):
         if self.quantile_stats not in ("exact", "metadata"):
@@ -115,6 +131,29 @@ class DatasetConfig:
             raise ConfigError(f"dataset {self.name!r}: weight must be > 0, got {self.weight}")
         if not isinstance(self.cameras, list) or not self.cameras or not any(self.cameras):
             raise ConfigError(f"dataset {self.name!r}: `cameras` must map at least one model camera slot to a camera key")
+        from hf_vla.models.pi05.normalization import parse_mapping
+
+        try:
+            self.normalization = parse_mapping(self.normalization, f"dataset {self.name!r}: normalization") or None
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        relative = self.relative_actions
+        if isinstance(relative, list):
+            if not relative or not all(isinstance(m, bool) or m in (0, 1) for m in relative):
+                raise ConfigError(f"dataset {self.name!r}: relative_actions as a mask is a non-empty list of true/false "
+                                  f"(openpi's make_bool_mask), got {relative!r}")
+            self.relative_actions = [bool(m) for m in relative]
+        elif relative is not None and not isinstance(relative, bool):
+            raise ConfigError(f"dataset {self.name!r}: relative_actions must be true/false or a list of true/false "
+                              f"(a mask), got {relative!r}")
+        if self.relative_exclude_joints is not None:
+            if self.relative_actions is not True:
+                raise ConfigError(f"dataset {self.name!r}: relative_exclude_joints names action dims kept absolute "
+                                  "with relative_actions: true (an explicit mask says it itself)")
+            if not isinstance(self.relative_exclude_joints, list) or not all(
+                    isinstance(n, str) for n in self.relative_exclude_joints):
+                raise ConfigError(f"dataset {self.name!r}: relative_exclude_joints must be a list of action names, got "
+                                  f"{self.relative_exclude_joints!r}")
 
 
 @dataclass(frozen=True)
@@ -157,6 +196,22 @@ class BlockList(Sequence):
     @property
     def frames(self) -> int:
         return int((self.ranges[:, 2] - self.ranges[:, 1]).sum())
+
+
+def _names(feature: dict) -> list[str] | None:
+    """A feature's per-dim names (lerobot writes a list, or a dict of one list), or None."""
+    names = feature.get("names")
+    if isinstance(names, dict):
+        names = next(iter(names.values()), None)
+    return [str(n) for n in names] if isinstance(names, list) and names else None
+
+
+def _joint(name: str) -> str:
+    """A state or action name without lerobot's unit suffixes (`shoulder.pos` and `shoulder` are one joint)."""
+    name = name.lower()
+    for suffix in (".pos", "_pos", ".position", "_position"):
+        name = name.removesuffix(suffix)
+    return name
 
 
 def _lerobot_metadata_class():
@@ -247,6 +302,7 @@ class LeRobotSource:
             self.tasks = {int(i): str(t) for t, i in zip(self.meta.tasks.index, self.meta.tasks["task_index"])}
         self._read_episodes()
         self.stats = {"state": self._stat(config.state_key), "actions": self._stat(config.action_key)}
+        self.relative_mask = self._relative_mask(features)
         self.keep_ranges = None  # True when a keep_ranges filter selects the blocks
         self.ranges = self._block_ranges()
         self._check_files()
@@ -357,6 +413,43 @@ class LeRobotSource:
             self._shuffled_tasks = np.asarray(firsts, dtype=object)[
                 np.random.default_rng(self.config.shuffle_tasks_seed).permutation(len(firsts))]
 
+    def _relative_mask(self, features: dict) -> list[bool] | None:
+        """The dataset's relative-action mask (`relative_actions`), checked against its state and action features."""
+        config = self.config
+        if not config.relative_actions:
+            return None
+        where = f"dataset {self.name!r} ({self.root / 'meta/info.json'}): relative_actions"
+        action_names, state_names = (_names(features[key]) for key in (config.action_key, config.state_key))
+        if isinstance(config.relative_actions, list):
+            mask = list(config.relative_actions)
+            if len(mask) > self.action_dim:
+                raise ConfigError(f"{where}: the mask has {len(mask)} entries, the actions {self.action_dim} dims")
+        else:
+            from hf_vla.models.pi05.normalization import mask_from_names
+
+            given = config.relative_exclude_joints
+            exclude = ["gripper"] if given is None else given
+            if given and action_names is None:
+                raise ConfigError(f"{where}: relative_exclude_joints {given} cannot be matched: the action feature "
+                                  f"{config.action_key!r} has no names; give relative_actions as a mask instead")
+            for name in given or []:
+                if action_names is not None and not any(name.lower() in str(a).lower() for a in action_names):
+                    raise ConfigError(f"{where}: relative_exclude_joints {name!r} matches no action name; the action "
+                                      f"names are {list(action_names)}")
+            mask = mask_from_names(action_names, exclude, self.action_dim)
+            if state_names is not None and action_names is not None:  # an offset is from the same joint's state
+                for dim, relative in enumerate(mask):
+                    if relative and dim < len(state_names) and _joint(state_names[dim]) != _joint(action_names[dim]):
+                        raise ConfigError(
+                            f"{where}: action dim {dim} is {action_names[dim]!r} but state dim {dim} is "
+                            f"{state_names[dim]!r}: a relative action is an offset from the same joint's state; "
+                            "exclude it (relative_exclude_joints), or give an explicit mask if they do correspond")
+        last = max((i for i, m in enumerate(mask) if m), default=-1)
+        if last >= self.state_dim:
+            raise ConfigError(f"{where}: action dim {last} is relative but the state {config.state_key!r} has "
+                              f"{self.state_dim} dims: an offset needs a state value at the same index")
+        return mask if any(mask) else None
+
     def row(self, episode: int) -> int:
         """Row of `episode` in the episode arrays."""
         index = self.episodes["episode_index"]
@@ -366,11 +459,16 @@ class LeRobotSource:
         return row
 
     def _stat(self, key: str) -> dict:
+        """meta/stats.json's statistics of `key` (what the head's normalisation needs of them is checked by the
+        mixture, which computes exact quantiles itself unless `quantile_stats: metadata`)."""
         stats = self.meta.stats.get(key) if self.meta.stats else None
-        if not stats or "q01" not in stats or "q99" not in stats:
+        if not stats or not {"mean", "std", "min", "max"} <= set(stats):
+            raise DataError(f"dataset {self.name!r}: meta/stats.json has no mean/std/min/max for {key!r}; recompute "
+                            "the dataset's statistics with lerobot (LeRobotDataset writes them)")
+        if self.config.quantile_stats == "metadata" and ("q01" not in stats or "q99" not in stats):
             raise DataError(
                 f"dataset {self.name!r}: meta/stats.json has no q01/q99 for {key!r} (pi0.5 normalizes with quantiles); "
-                "compute them with lerobot's `augment_dataset_quantile_stats`"
+                "compute them with lerobot's `augment_dataset_quantile_stats`, or use quantile_stats: exact"
             )
         out = {k: np.asarray(v, dtype=np.float64) for k, v in stats.items()}
         out["count"] = np.asarray(stats.get("count", [self.meta.total_frames])).reshape(-1)[:1]

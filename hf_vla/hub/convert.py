@@ -233,6 +233,8 @@ def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = 
     if policy_type == "pi05":
         if "tokenizer_max_length" in lerobot_config:
             common["tokenizer_max_length"] = lerobot_config["tokenizer_max_length"]
+        if lerobot_config.get("rtc_training_max_delay"):  # trained with training-time RTC: its committed prefixes
+            common["rtc_max_delay"] = int(lerobot_config["rtc_training_max_delay"])
         return PI05Config(vlm_config=vlm_config, dit_config=dit_config, **common)
     return PI0Config(vlm_config=vlm_config, dit_config=dit_config, **common)
 
@@ -250,6 +252,77 @@ def read_lerobot_norm_stats(checkpoint_dir: Path) -> dict | None:
         if target:
             stats.setdefault(target, {})[stat] = value.tolist()
     return stats or None
+
+
+# Every field of lerobot's pi0 / pi0.5 config.json and what the conversion does with it (docs/lerobot_fields.md).
+# honoured: read into the model config, the processor's statistics or the deployment contract.
+HONOURED = {"type", "paligemma_variant", "action_expert_variant", "chunk_size", "n_action_steps", "max_state_dim",
+            "max_action_dim", "num_inference_steps", "time_sampling_beta_alpha", "time_sampling_beta_beta",
+            "time_sampling_scale", "time_sampling_offset", "min_period", "max_period", "image_resolution",
+            "empty_cameras", "tokenizer_max_length", "normalization_mapping", "use_relative_actions",
+            "relative_exclude_joints", "action_feature_names", "rtc_training_max_delay", "input_features",
+            "output_features"}
+# no effect on the actions a checkpoint computes: training settings, compute placement and logging
+IGNORED = {"dtype", "device", "use_amp", "gradient_checkpointing", "compile_model", "compile_mode",
+           "freeze_vision_encoder", "train_expert_only", "optimizer_lr", "optimizer_betas", "optimizer_eps",
+           "optimizer_weight_decay", "optimizer_grad_clip_norm", "scheduler_warmup_steps", "scheduler_decay_steps",
+           "scheduler_decay_lr", "push_to_hub", "repo_id", "private", "tags", "license", "pretrained_path",
+           "pretrained_revision",
+           "use_peft", "n_obs_steps", "rtc_config"}
+# change what the policy does and hf_vla cannot do it: refused rather than converted into a policy that acts otherwise
+REFUSED = {"use_visual_memory": "MEM's visual memory (frames of earlier steps in the prefix)"}
+
+
+def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> dict | None:
+    """The normaliser statistics of a lerobot checkpoint with how its pipeline applies them: each quantity's mode
+    (`normalization_mapping`; pi0.5's default QUANTILES, pi0's MEAN_STD) and, with `use_relative_actions`, the
+    relative mask lerobot builds from `action_feature_names` and `relative_exclude_joints`. A behaviour-changing field
+    hf_vla cannot honour, or an unknown one, is refused in one line naming it."""
+    from hf_vla.models.pi05.normalization import mask_from_names, missing_stats, parse_mapping
+
+    for key, what in REFUSED.items():
+        if lerobot_config.get(key):
+            raise ConfigError(f"{where}: {key}={lerobot_config[key]!r} ({what}) changes what the policy does and "
+                              "hf_vla cannot run it; this checkpoint is not converted")
+    if int(lerobot_config.get("n_obs_steps") or 1) != 1:
+        raise ConfigError(f"{where}: n_obs_steps={lerobot_config['n_obs_steps']}: pi0/pi0.5 read one observation "
+                          "step; hf_vla cannot run a policy trained on more")
+    unknown = sorted(set(lerobot_config) - HONOURED - IGNORED - set(REFUSED))
+    if unknown:
+        raise ConfigError(f"{where}: field(s) {unknown} are unknown to this hf_vla, so what they change cannot be "
+                          "honoured; upgrade hf_vla (docs/lerobot_fields.md lists the fields it reads)")
+    policy = lerobot_config.get("type")
+    default = {"state": "MEAN_STD", "actions": "MEAN_STD"} if policy == "pi0" else {"state": "QUANTILES",
+                                                                                     "actions": "QUANTILES"}
+    try:
+        modes = default | parse_mapping(lerobot_config.get("normalization_mapping"), f"{where}: normalization_mapping")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    relative = bool(lerobot_config.get("use_relative_actions"))
+    if policy == "pi0" and (modes != default or relative):
+        raise ConfigError(f"{where}: a pi0 checkpoint with normalization_mapping {modes} or relative actions; hf_vla's "
+                          "pi0 normalises state and actions with mean/std, absolute: not converted")
+    if stats is None:
+        return None
+    for key, mode in modes.items():
+        if key not in stats:
+            continue
+        absent = missing_stats(stats[key], mode)
+        if absent:
+            raise ConfigError(f"{where}: {mode} normalisation of {key} needs {' and '.join(absent)}, which the "
+                              f"checkpoint's normaliser file lacks (it has {sorted(stats[key])})")
+        if mode != "QUANTILES" and policy == "pi05":
+            stats[key]["mode"] = mode
+    if relative and "actions" in stats:
+        dim = len(stats["actions"].get("mean") or stats["actions"].get("q01") or stats["actions"]["min"])
+        names = lerobot_config.get("action_feature_names")
+        exclude = lerobot_config.get("relative_exclude_joints", ["gripper"])
+        for name in exclude or []:
+            if names and not any(str(name).lower() in str(a).lower() for a in names):
+                raise ConfigError(f"{where}: relative_exclude_joints {name!r} matches no action_feature_names "
+                                  f"{names}")
+        stats["actions"]["relative_mask"] = mask_from_names(names, exclude, dim)
+    return stats
 
 
 def _check_paths(input_dir: Path, output_dir: Path, overwrite: bool):
@@ -303,7 +376,7 @@ def convert_checkpoint(
             raise ConfigError(f"--tokenizer {tokenizer!r} could not be loaded: {first}") from error
     else:  # a tokenizer object (hf_vla.train passes the one it trains with)
         tok = tokenizer
-    stats = read_lerobot_norm_stats(input_dir)
+    stats = lerobot_pipeline(lerobot_config, read_lerobot_norm_stats(input_dir), str(config_file))
     state_dict = convert_lerobot_state_dict(read_weights(weights_file), config)
     if config.model_type == "pi05":
         from hf_vla.models.pi05 import PI05ForConditionalGeneration as model_class
@@ -338,7 +411,7 @@ def convert_checkpoint(
         from hf_vla.serving import contract  # how to run it: lerobot's n_action_steps, cameras and normalisation mode
 
         contract.from_lerobot(lerobot_config, head, image_size=getattr(processor, "image_size", None) or 224,
-                                chunk_size=config.chunk_size, source=str(input_dir)).save(result)
+                                chunk_size=config.chunk_size, source=str(input_dir), norm_stats=stats).save(result)
         if output_dir.exists():  # --overwrite: the old output goes only once the new one is complete
             old = staging / "previous"
             os.replace(output_dir, old)

@@ -35,7 +35,7 @@ def replay_stream(args, processor, config):
     from hf_vla.data import VLACollator, WeightedDatasetMixture
     from hf_vla.serving.policy import stat_dims
 
-    mixture = WeightedDatasetMixture(args.bc_datasets)
+    mixture = WeightedDatasetMixture(args.bc_datasets, chunk_size=config.chunk_size)
     heads = list(getattr(processor, "head_names", None) or [])
     unknown = [head for head in mixture.head_names if head not in heads]
     if unknown:

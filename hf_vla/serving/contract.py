@@ -203,6 +203,7 @@ def from_training(mixture, processor, config, policy: str, n_action_steps: int |
             "instruction": data.config.task if data.config.task is not None else "task",
             "datasets": [data.name],
             "benchmark": benchmark_of(data.root, max_episode_steps),
+            **pipeline_fields(getattr(processor, "norm_stats", {}).get(head_name)),
         }
     chunk = int(config.chunk_size)
     return DeploymentConfig(
@@ -212,12 +213,28 @@ def from_training(mixture, processor, config, policy: str, n_action_steps: int |
         source=dict(source or {"made_by": "hf_vla.train"}))
 
 
-def from_lerobot(lerobot_config: dict, head: str, image_size: int, chunk_size: int, source: str) -> DeploymentConfig:
+def pipeline_fields(stats: dict | None) -> dict:
+    """A head's `normalization` (mode of state and actions) and `relative_actions` (its mask, or None), as its
+    statistics say (`hf_vla.models.pi05.normalization`): what a robot runner outside hf_vla must apply."""
+    from hf_vla.models.pi05.normalization import mode_of, relative_mask
+
+    stats = stats or {}
+    return {"normalization": {key: mode_of(stats[key]) for key in ("state", "actions") if key in stats},
+            "relative_actions": relative_mask(stats.get("actions") or {})}
+
+
+def from_lerobot(lerobot_config: dict, head: str, image_size: int, chunk_size: int, source: str,
+                 norm_stats: dict | None = None) -> DeploymentConfig:
     """The contract of a lerobot pi0/pi0.5 checkpoint, from its `config.json`: `n_action_steps`, the image features
     (slot order, recorded size), the state/action features and the normalisation mode."""
     features = lerobot_config.get("input_features") or {}
-    cameras = [{"key": key, "height": (spec.get("shape") or [None] * 3)[-2], "width": (spec.get("shape") or [None] * 3)[-1]}
+    # lerobot's `empty_cameras` adds `observation.images.empty_camera_<i>` features that no robot sends: empty slots
+    cameras = [{"key": None if ".empty_camera_" in key else key, "height": (spec.get("shape") or [None] * 3)[-2],
+                "width": (spec.get("shape") or [None] * 3)[-1]}
                for key, spec in features.items() if (spec or {}).get("type") == "VISUAL"]
+    named = sum(1 for camera in cameras if camera["key"] is None)
+    cameras += [{"key": None, "height": None, "width": None}] * max(0, int(lerobot_config.get("empty_cameras") or 0)
+                                                                    - named)
     state_key = next((key for key, spec in features.items() if (spec or {}).get("type") == "STATE"), "observation.state")
     outputs = lerobot_config.get("output_features") or {}
     action_key = next((key for key, spec in outputs.items() if (spec or {}).get("type") == "ACTION"), "action")
@@ -232,7 +249,8 @@ def from_lerobot(lerobot_config: dict, head: str, image_size: int, chunk_size: i
                       "cameras": cameras, "state": {"key": state_key, "dim": state_dim},
                       "action": {"key": action_key, "dim": action_dim}, "instruction": "task",
                       "datasets": [], "benchmark": None,
-                      "normalization_mapping": lerobot_config.get("normalization_mapping")}},
+                      "normalization_mapping": lerobot_config.get("normalization_mapping"),
+                      **pipeline_fields(norm_stats)}},
         default_head=head, source={"made_by": "hf_vla.convert", "from": source, "lerobot_type": lerobot_config.get("type")})
 
 

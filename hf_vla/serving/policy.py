@@ -172,6 +172,7 @@ class PreparedRequest:
     noise: torch.Tensor
     head: str
     rtc: dict | None = None
+    state: np.ndarray | None = None  # the raw state `[rows, state_dim]`: a relative head's actions are offsets from it
 
     def batch_key(self):
         """Requests with equal keys can share one forward; one that continues a chunk (RTC) runs alone."""
@@ -223,6 +224,7 @@ class PolicyRunner:
         self.model = self.model.eval().to(self.device)
         self.generator = torch.Generator().manual_seed(self.seed)
         self.last_chunk: torch.Tensor | None = None  # [chunk, max_action_dim], normalised
+        self.last_state: np.ndarray | None = None  # the raw state last_chunk's relative actions are offsets from
         self.last_rtc_method: str | None = None  # how the last chunk continued the previous one (None: it did not)
 
     def reset(self, seed: int | None = None) -> None:
@@ -271,7 +273,7 @@ class PolicyRunner:
             images = torch.cat([images, torch.zeros(slots - len(images), *images.shape[1:], dtype=images.dtype)])
         state = self.obs_map.state_vector(observation)
         self._check_state(state, head)
-        leftover = self._leftover(head, inference_delay, executed_steps, prev_chunk_left_over)
+        leftover = self._leftover(head, inference_delay, executed_steps, prev_chunk_left_over, state)
         chunk_size = self.model.config.chunk_size
         if execution_horizon is not None and (isinstance(execution_horizon, bool) or not isinstance(
                 execution_horizon, int | np.integer) or not 1 <= execution_horizon <= chunk_size):
@@ -293,18 +295,39 @@ class PolicyRunner:
             rtc = {"prev_chunk_left_over": leftover[None], "inference_delay": int(inference_delay),
                    "execution_horizon": execution_horizon,
                    "rtc_config": replace(self.rtc, method=method)}  # as resolved here
-        return PreparedRequest(inputs, noise, head, rtc)
+        return PreparedRequest(inputs, noise, head, rtc, state=state[None])
 
     def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
-        """The sampled chunk `[chunk, max_action_dim]` (normalised) of a prepared request -> un-normalised actions;
-        keeps it for the next call's real-time chunking."""
+        """The sampled chunk `[chunk, max_action_dim]` (normalised) of a prepared request -> un-normalised actions
+        (a relative head's with the request's state added back); keeps it for the next call's real-time chunking."""
         self.last_rtc_method = request.rtc["rtc_config"].method if request.rtc else None
         if request.rtc is not None:
             leftover = request.rtc["prev_chunk_left_over"][0]
             spliced = min(request.rtc["inference_delay"], len(leftover))
             chunk[:spliced, : leftover.shape[-1]] = leftover[:spliced]
-        self.last_chunk = chunk
-        return self.processor.unnormalize_actions(chunk, request.head).numpy()
+        self.last_chunk, self.last_state = chunk, request.state
+        return self._actions(chunk, request.head, request.state).numpy()
+
+    def _actions(self, chunk: torch.Tensor, head: str, state) -> torch.Tensor:
+        """Normalised chunk(s) -> robot units; `state` (raw, `[rows, d]`) is added back where the head is relative."""
+        if self._relative_mask(head) is None:
+            return self.processor.unnormalize_actions(chunk, head)
+        state = torch.as_tensor(np.asarray(state, np.float32))
+        return self.processor.unnormalize_actions(chunk, head, state=state if chunk.ndim == 3 else state[0])
+
+    def _relative_mask(self, head: str) -> list[bool] | None:
+        """The head's relative-action mask (transformers' pi0 processor has none: absolute actions)."""
+        return self.processor.relative_mask(head) if hasattr(self.processor, "relative_mask") else None
+
+    def _model_space(self, actions: torch.Tensor, head: str, state: np.ndarray) -> torch.Tensor:
+        """Robot-unit actions `[steps, action_dim]` -> the model's space for an observation of `state`: relative to
+        it where the head is, then normalised (how a leftover chunk is compared with the chunk being sampled)."""
+        from hf_vla.models.pi05.normalization import to_relative
+
+        mask = self._relative_mask(head)
+        if mask is not None:
+            actions = to_relative(torch.as_tensor(actions, dtype=torch.float32), torch.as_tensor(state), mask)
+        return self.processor.normalize(actions, "actions", head)
 
     def _check_state(self, state: np.ndarray, head: str) -> None:
         """The state fits the head and lies within `limits.max_state_range` widths of its training range."""
@@ -330,8 +353,9 @@ class PolicyRunner:
                                f"{head!r}'s training range [{q01[i]:g}, {q99[i]:g}] (limit "
                                f"{self.limits.max_state_range:g}): a sensor fault or a wrong unit?")
 
-    def _leftover(self, head: str, inference_delay: int, executed_steps, prev_chunk_left_over):
-        """The previous chunk's remainder, normalised, or None (no guidance)."""
+    def _leftover(self, head: str, inference_delay: int, executed_steps, prev_chunk_left_over, state=None):
+        """The previous chunk's remainder in the model's space for this observation (`state`: a relative head's
+        leftover is re-expressed as offsets from it), or None (no guidance)."""
         chunk_size = self.model.config.chunk_size
         if not isinstance(inference_delay, int | np.integer) or not 0 <= inference_delay < chunk_size:
             raise RequestError(f"inference_delay={inference_delay!r}: an integer in [0, {chunk_size})")
@@ -349,9 +373,16 @@ class PolicyRunner:
             if leftover.shape[1] != dims:
                 raise RequestError(f"prev_chunk_left_over: actions has {leftover.shape[1]} dims but head {head!r} has "
                                    f"stats for {dims}")
-            self._check_range(leftover, head, "actions", "prev_chunk_left_over: action")
+            mask = self._relative_mask(head)
+            if mask is not None:  # its range is checked as what the model sees: offsets from this state
+                from hf_vla.models.pi05.normalization import to_relative
+
+                relative = to_relative(torch.as_tensor(leftover), torch.as_tensor(state), mask).numpy()
+                self._check_range(relative, head, "actions", "prev_chunk_left_over: action (relative to the state)")
+            else:
+                self._check_range(leftover, head, "actions", "prev_chunk_left_over: action")
             try:
-                return self.processor.normalize(leftover, "actions", head)
+                return self._model_space(torch.as_tensor(leftover), head, state)
             except ValueError as error:
                 raise RequestError(f"prev_chunk_left_over: {error}") from error
         if executed_steps is None:
@@ -361,7 +392,12 @@ class PolicyRunner:
             raise RequestError(f"executed_steps={executed_steps!r}: an integer in [0, {chunk_size})")
         if self.last_chunk is None:  # the episode's first request: nothing to continue
             return None
-        return self.last_chunk[executed_steps:]
+        left = self.last_chunk[executed_steps:]
+        if self._relative_mask(head) is not None:
+            # offsets from the previous observation's state: in robot units, then offsets from this one's
+            absolute = self._actions(left[None], head, self.last_state)[0]
+            return self._model_space(absolute, head, state)
+        return left
 
     def _inputs(self, images, states, tasks, camera_mask, head) -> tuple[dict, torch.Tensor]:
         try:
@@ -380,7 +416,7 @@ class PolicyRunner:
             raise RequestError("states: NaN or inf in the batch; no action is computed from it")
         inputs, noise = self._inputs(images, states, tasks, camera_mask, self.head_name())
         chunk = sample_batch(self.model, [PreparedRequest(inputs, noise, self.head_name())], self.device)
-        return self.processor.unnormalize_actions(chunk, self.head_name()).numpy()
+        return self._actions(chunk, self.head_name(), states).numpy()
 
 
 def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=None):

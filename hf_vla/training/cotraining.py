@@ -48,22 +48,28 @@ def training_chunks(mixture, processor, chunk_size: int, max_chunks: int = 20_00
             table = source.episode_table(block.episode)
             actions = table["actions"]
             for start in range(block.start + first, block.end, stride):
+                state = table["state"][start]  # a relative head's chunk is offsets from it
                 if "action_chunks" in table:  # the frame's own chunk (action_chunk_key), as training reads it
-                    chunks.append((head, table["action_chunks"][start, :chunk_size]))
+                    chunks.append((head, table["action_chunks"][start, :chunk_size], state))
                     continue
                 end = min(start + chunk_size, block.end)
                 chunk = np.empty((chunk_size, actions.shape[1]), dtype=np.float32)
                 chunk[: end - start] = actions[start:end]
                 chunk[end - start:] = actions[end - 1]
-                chunks.append((head, chunk))
+                chunks.append((head, chunk, state))
     if not chunks:
         raise ConfigError("token_loss: the training mixture has no action chunk to fit FAST on")
+    from hf_vla.models.pi05.normalization import to_relative
+
     out = np.zeros((len(chunks), chunk_size, processor.max_action_dim), dtype=np.float32)
     by_head: dict[int, list[int]] = {}
-    for index, (head, _) in enumerate(chunks):
+    for index, (head, _, _) in enumerate(chunks):
         by_head.setdefault(head, []).append(index)
     for head, rows in by_head.items():
         stacked = torch.from_numpy(np.stack([chunks[r][1] for r in rows]))
+        mask = processor.relative_mask(head)
+        if mask is not None:  # in the model's space, as the training targets the tokens encode
+            stacked = to_relative(stacked, torch.from_numpy(np.stack([chunks[r][2] for r in rows])), mask)
         normalised = processor.normalize(stacked, "actions", head).numpy()
         out[rows, :, : normalised.shape[-1]] = normalised
     return out

@@ -119,6 +119,7 @@ class ProvenanceEvaluation:
                 continue
             head, source = int(inputs["dataset_index"][i]), int(inputs["source_index"][i])
             valid = ~inputs["action_is_pad"][i]
-            ours = self.processing_class.unnormalize_actions(predicted[i][valid].float().cpu(), head)
-            truth = self.processing_class.unnormalize_actions(inputs["actions"][i][valid].float().cpu(), head)
+            # robot units; for a relative head both are offsets from one state, which the difference cancels
+            ours = self.processing_class.unnormalize(predicted[i][valid].float().cpu(), "actions", head)
+            truth = self.processing_class.unnormalize(inputs["actions"][i][valid].float().cpu(), "actions", head)
             errors.setdefault(source, []).append(float((ours - truth).pow(2).mean()))

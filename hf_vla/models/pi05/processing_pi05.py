@@ -1,4 +1,5 @@
-"""pi0.5 processor: prompt (task + discretized state), images, quantile normalization per head, un-normalization."""
+"""pi0.5 processor: prompt (task + discretized state), images, normalization per head (quantiles by default; the modes
+and relative actions of `hf_vla.normalization`), un-normalization."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import get_worker_info
 from transformers import BatchFeature, ProcessorMixin
 
-DEGENERATE_EPS = 1e-6
+from . import normalization
 
 
 class _SharedBuffers:
@@ -138,6 +139,14 @@ def as_image_batch(images, batch_size: int | None = None) -> torch.Tensor:
     return images
 
 
+def stat_width(stats: dict) -> int:
+    """How many dims one normalised quantity has (whichever statistic it carries)."""
+    for name in ("q01", "mean", "min", "q10"):
+        if name in stats:
+            return len(stats[name])
+    raise ValueError(f"statistics without q01, mean, min or q10: {sorted(stats)}")
+
+
 def _as_tensor(value, dtype=torch.float32) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
@@ -184,8 +193,11 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
 
     tokenizer: any HF tokenizer (real runs: `google/paligemma-3b-pt-224`'s).
     norm_stats (`dict`): `{head: {"state": {"q01": [...], "q99": [...]}, "actions": {...}}}`, one head per
-        `robot_type::control_mode`; quantile normalization maps q01..q99 to [-1, 1]. Dimensions with q01 == q99 are
-        degenerate and map to 0 (and back to their constant), instead of exploding.
+        `robot_type::control_mode`; quantile normalization maps q01..q99 to [-1, 1] unless a quantity's `mode` says
+        otherwise (`MEAN_STD`, `MIN_MAX`, `QUANTILE10`, `IDENTITY`: `hf_vla.normalization`). Dimensions with
+        q01 == q99 (std 0, min == max) are degenerate and map to 0 (and back to their constant), instead of exploding.
+        An `actions` entry with a `relative_mask` makes those dims offsets from the state: targets are converted
+        before normalising, predictions back after (`unnormalize_actions`).
     head_names (`list[str]`): heads in `dataset_index` order.
     image_size, max_state_dim, max_action_dim, chunk_size, state_bins: as in `PI05Config`; prompt_max_length is its
         `tokenizer_max_length`.
@@ -223,6 +235,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         self.state_bins = state_bins
         self.fast_config = fast_config
         self.fast_token_offset = fast_token_offset
+        self._last_state = None  # the raw states of the last call (relative actions are offsets from them)
         super().__init__(tokenizer, **kwargs)
 
     @classmethod
@@ -251,33 +264,43 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
             raise KeyError(f"unknown normalization head {head!r}; known: {sorted(self.norm_stats)}")
         return head
 
-    def _quantiles(self, head, key: str):
-        stats = self.norm_stats[self._head(head)][key]
-        return _as_tensor(stats["q01"]), _as_tensor(stats["q99"])
+    def _stats(self, head, key: str) -> dict:
+        return self.norm_stats[self._head(head)][key]
 
     def normalize(self, values, key: str, head=None) -> torch.Tensor:
-        """q01..q99 -> [-1, 1] on the last dim; degenerate dims -> 0."""
-        values = _as_tensor(values)
-        q01, q99 = (q.to(values.device) for q in self._quantiles(head, key))
-        dim = values.shape[-1]
-        if q01.shape[-1] != dim:
-            raise ValueError(f"{key} has {dim} dims but head {self._head(head)!r} has stats for {q01.shape[-1]}")
-        span = q99 - q01
-        degenerate = span.abs() < DEGENERATE_EPS
-        out = 2.0 * (values - q01) / torch.where(degenerate, torch.ones_like(span), span) - 1.0
-        return torch.where(degenerate, torch.zeros_like(out), out)
+        """Robot units -> the model's on the last dim, by the head's mode for `key` (`hf_vla.normalization`:
+        quantiles unless the statistics say otherwise); degenerate dims -> 0."""
+        head = self._head(head)
+        return normalization.normalize(_as_tensor(values), self._stats(head, key), f"{key} of head {head!r}")
 
     def unnormalize(self, values, key: str, head=None) -> torch.Tensor:
         """Inverse of `normalize` on the head's real dims (extra padded dims are dropped)."""
-        values = _as_tensor(values)
-        q01, q99 = (q.to(values.device) for q in self._quantiles(head, key))
-        values = values[..., : q01.shape[-1]]
-        span = q99 - q01
-        degenerate = span.abs() < DEGENERATE_EPS
-        return torch.where(degenerate, q01.expand_as(values), (values + 1.0) * span / 2.0 + q01)
+        head = self._head(head)
+        stats = self._stats(head, key)
+        values = _as_tensor(values)[..., : stat_width(stats)]
+        return normalization.unnormalize(values, stats, f"{key} of head {head!r}")
 
-    def unnormalize_actions(self, actions, head=None) -> torch.Tensor:
-        return self.unnormalize(actions, "actions", head)
+    def relative_mask(self, head=None) -> list[bool] | None:
+        """The head's relative-action mask (dims that are offsets from the state), or None (absolute actions)."""
+        return normalization.relative_mask(self._stats(head, "actions"))
+
+    def unnormalize_actions(self, actions, head=None, state=None) -> torch.Tensor:
+        """A predicted chunk in robot units. For a head trained on relative actions the observation's state is added
+        back: `state` (raw, `[B, state_dim]` or one vector), or by default the state of this processor's last call
+        (lerobot's `AbsoluteActionsProcessorStep` reads its pre-processor's cached state the same way)."""
+        absolute = self.unnormalize(actions, "actions", head)
+        mask = self.relative_mask(head)
+        if mask is None:
+            return absolute
+        if state is None:
+            state = self._last_state
+            if state is None:
+                raise ValueError(f"head {self._head(head)!r} predicts relative actions: pass the observation's "
+                                 "state (unnormalize_actions(chunk, state=...)), or call the processor on it first")
+        state = _as_tensor(state)
+        if absolute.ndim == 3 and state.ndim == 1:
+            state = state[None]
+        return normalization.to_absolute(absolute, state, mask)
 
     # ---- prompt --------------------------------------------------------------------------------------------------
     def discretize_state(self, normalized_state: torch.Tensor) -> np.ndarray:
@@ -361,6 +384,8 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         if len(states) != len(texts):
             raise ValueError(f"got {len(states)} states for {len(texts)} prompts")
         rows_by_head = self._rows_by_head(head, len(states))
+        if not normalized and len({s.shape[-1] for s in states}) == 1:  # raw states: the reference of relative actions
+            self._last_state = torch.stack(states)
         padded_state, _ = self._normalize_rows(states, "state", rows_by_head, self.max_state_dim, normalized)
         prompts = [self.build_prompt(t, padded_state[i, : states[i].shape[-1]]) for i, t in enumerate(texts)]
         # plain lists, then one tensor: about twice as fast as the tokenizer's own tensor conversion
@@ -379,6 +404,11 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
                 if actions.ndim == 2:
                     actions = actions[None]
             chunks = [_as_tensor(row) for row in actions]
+            if not normalized:  # relative heads: every step an offset from the row's own state, before normalising
+                for head_name, rows in rows_by_head.items():
+                    mask = self.relative_mask(head_name)
+                    for row in rows if mask else ():
+                        chunks[row] = normalization.to_relative(chunks[row], states[row], mask)
             data["actions"], data["action_dim_mask"] = self._normalize_rows(chunks, "actions", rows_by_head,
                                                                             self.max_action_dim, normalized)
         return BatchFeature(data=data)
