@@ -37,9 +37,9 @@ def _stats(rng):
 def _lerobot_checkpoint(path, tokenizer, mode: str | None, relative: bool, seed: int = 3):
     """A tiny lerobot pi0.5 policy and its processors, written by lerobot's own save_pretrained."""
     import lerobot.policies.pi05.modeling_pi05 as module
+    import lerobot.policies.pi05.processor_pi05 as processor_module
     from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
-    import lerobot.policies.pi05.processor_pi05 as processor_module
     from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
     from lerobot.processor import TokenizerProcessorStep
 

@@ -438,12 +438,15 @@ class LeRobotSource:
                                       f"names are {list(action_names)}")
             mask = mask_from_names(action_names, exclude, self.action_dim)
             if state_names is not None and action_names is not None:  # an offset is from the same joint's state
+                at = {_joint(name): index for index, name in enumerate(state_names)}
                 for dim, relative in enumerate(mask):
-                    if relative and dim < len(state_names) and _joint(state_names[dim]) != _joint(action_names[dim]):
+                    found = at.get(_joint(action_names[dim])) if relative and dim < len(action_names) else None
+                    if found is not None and found != dim:
                         raise ConfigError(
-                            f"{where}: action dim {dim} is {action_names[dim]!r} but state dim {dim} is "
-                            f"{state_names[dim]!r}: a relative action is an offset from the same joint's state; "
-                            "exclude it (relative_exclude_joints), or give an explicit mask if they do correspond")
+                            f"{where}: action dim {dim} is {action_names[dim]!r}, which is state dim {found} "
+                            f"({state_names[found]!r}), not {dim} ({state_names[dim] if dim < len(state_names) else None!r}): "
+                            "a relative action is an offset from the same joint's state at the same index; reorder the "
+                            "state, exclude the dim (relative_exclude_joints), or give an explicit mask")
         last = max((i for i, m in enumerate(mask) if m), default=-1)
         if last >= self.state_dim:
             raise ConfigError(f"{where}: action dim {last} is relative but the state {config.state_key!r} has "
