@@ -58,7 +58,9 @@ class ModelArguments:
         the policy is built from `model_config` with fresh weights (seeded with `seed`).
     model_revision: the Hub revision (branch, tag or commit) of `model_name_or_path`.
     model_config: config fields for a policy built from scratch (the demo's tiny dims, for example); its keys are
-        checked against the policy's config class.
+        checked against the policy's config class. With `model_name_or_path`, fields that change no weight's shape
+        override the checkpoint's (`FINE_TUNE_OVERRIDES`: openpi fine-tunes pi0.5's base with its own
+        `action_horizon`, i.e. `chunk_size`, and `discrete_state_input`); any other is refused.
     tokenizer: tokenizer id or path (real runs: `google/paligemma-3b-pt-224`); `"tiny"` builds the small offline one
         (`"tiny_loc"`: with PaliGemma's `<loc>` tokens, for location targets; model vocabulary 2560).
     attn_implementation: eager | sdpa | flex_attention | flash_attention_2 | flash_attention_3.
@@ -142,7 +144,12 @@ class ModelArguments:
             raise ConfigError(f"rtc_prefix_noise={self.rtc_prefix_noise}: must be a finite number >= 0")
         if self.model_name_or_path is None and self.model_config is None and self.policy != "pi05":
             raise ConfigError("set model_name_or_path (a checkpoint) or model_config (dims to build from scratch)")
-        if self.model_config is not None:
+        if self.model_config is not None and self.model_name_or_path is not None:
+            fixed = sorted(set(self.model_config) - FINE_TUNE_OVERRIDES)
+            if fixed:
+                raise ConfigError(f"model_config {fixed}: with model_name_or_path only fields that change no weight "
+                                  f"shape can be set ({sorted(FINE_TUNE_OVERRIDES)}); the rest is the checkpoint's")
+        elif self.model_config is not None:
             config_class = policy_config_class(self.policy)
             check_model_config(self.model_config, config_class,
                                default_sub_types={"vlm_config": "paligemma", "dit_config": "gemma"})
@@ -153,6 +160,12 @@ class ModelArguments:
             except (ValueError, TypeError, StrictDataclassError) as error:
                 cause = error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ else error
                 raise ConfigError(f"model_config: {cause}") from error
+
+
+# config fields a fine-tune may set over its checkpoint's: none changes a weight's shape
+FINE_TUNE_OVERRIDES = {"chunk_size", "num_inference_steps", "tokenizer_max_length", "discrete_state_input",
+                       "time_sampling_beta_alpha", "time_sampling_beta_beta", "time_sampling_scale",
+                       "time_sampling_offset"}
 
 
 def policy_config_class(policy: str):
@@ -473,6 +486,10 @@ def _base_model_config(model_args: ModelArguments):
         if config.model_type != config_class.model_type:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r} is a {config.model_type!r} "
                               f"checkpoint but policy={model_args.policy!r}")
+        for name, value in (model_args.model_config or {}).items():  # FINE_TUNE_OVERRIDES (checked at parse time)
+            if not hasattr(config, name):
+                raise ConfigError(f"model_config.{name}: the checkpoint's {type(config).__name__} has no such field")
+            setattr(config, name, value)
         return config
     return config_class(**(model_args.model_config or {}))
 

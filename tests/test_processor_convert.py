@@ -117,7 +117,9 @@ def _write_lerobot_checkpoint(path, model, policy_type, tokenizer_dir):
                                  "observation.images.left_wrist_0_rgb": {"type": "VISUAL", "shape": [3, 224, 224]},
                                  "observation.state": {"type": "STATE", "shape": [3]}},
               "output_features": {"action": {"type": "ACTION", "shape": [2]}},
-              "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}}
+              # lerobot's defaults: quantiles for pi0.5, mean/std for pi0
+              "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"} if
+              policy_type == "pi05" else {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"}}
     (path / "config.json").write_text(json.dumps(config))
     stats = {"observation.state.q01": torch.zeros(3), "observation.state.q99": torch.ones(3),
              "action.q01": torch.zeros(2), "action.q99": torch.ones(2),

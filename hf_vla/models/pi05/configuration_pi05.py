@@ -29,6 +29,9 @@ class PI05Config(PreTrainedConfig):
         t ~ Beta(alpha, beta) * scale + offset during training.
     min_period / max_period (`float`): periods of the sin/cos time embedding.
     state_bins (`int`, defaults to 256): bins of the state discretization in the prompt.
+    discrete_state_input (`bool`, defaults to `True`): the discretized state in the prompt (pi0.5's
+        `Task: ..., State: ...;\nAction: `). False: the prompt is the task alone, then a newline token, and the
+        policy does not read the state (openpi's `discrete_state_input=False`, its `pi05_libero` recipe).
     tokenizer_max_length (`int`, defaults to 200): prompt length the processor pads/truncates to.
     rtc_max_delay (`int`, defaults to 0): training-time real-time chunking ("Training-Time Action Conditioning for
         Efficient Real-Time Chunking", Black, Ren, Equi, Levine 2025). When > 0, the trainer gives every training
@@ -74,6 +77,7 @@ class PI05Config(PreTrainedConfig):
     min_period: float = 4e-3
     max_period: float = 4.0
     state_bins: int = 256
+    discrete_state_input: bool = True
     tokenizer_max_length: int = 200
     rtc_max_delay: int = 0
     rtc_prefix_noise: float = 0.0

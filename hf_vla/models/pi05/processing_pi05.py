@@ -1,5 +1,5 @@
 """pi0.5 processor: prompt (task + discretized state), images, normalization per head (quantiles by default; the modes
-and relative actions of `hf_vla.normalization`), un-normalization."""
+and relative actions of `normalization.py` beside it), un-normalization."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import torch.nn.functional as F
 from torch.utils.data import get_worker_info
 from transformers import BatchFeature, ProcessorMixin
 
-from . import normalization
+from .normalization import normalize as _normalize
+from .normalization import relative_mask as _relative_mask
+from .normalization import to_absolute, to_relative
+from .normalization import unnormalize as _unnormalize
 
 
 class _SharedBuffers:
@@ -221,6 +224,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         chunk_size: int = 50,
         prompt_max_length: int = 200,
         state_bins: int = 256,
+        discrete_state_input: bool = True,
         fast_config: dict | None = None,
         fast_token_offset: int | None = None,
         **kwargs,
@@ -233,6 +237,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         self.chunk_size = chunk_size
         self.prompt_max_length = prompt_max_length
         self.state_bins = state_bins
+        self.discrete_state_input = discrete_state_input
         self.fast_config = fast_config
         self.fast_token_offset = fast_token_offset
         self._last_state = None  # the raw states of the last call (relative actions are offsets from them)
@@ -250,6 +255,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
             chunk_size=config.chunk_size,
             prompt_max_length=config.tokenizer_max_length,
             state_bins=config.state_bins,
+            discrete_state_input=getattr(config, "discrete_state_input", True),
         )
 
     # ---- normalization -------------------------------------------------------------------------------------------
@@ -271,18 +277,21 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         """Robot units -> the model's on the last dim, by the head's mode for `key` (`hf_vla.normalization`:
         quantiles unless the statistics say otherwise); degenerate dims -> 0."""
         head = self._head(head)
-        return normalization.normalize(_as_tensor(values), self._stats(head, key), f"{key} of head {head!r}")
+        values, stats = _as_tensor(values), self._stats(head, key)
+        if values.shape[-1] != stat_width(stats):
+            raise ValueError(f"{key} has {values.shape[-1]} dims but head {head!r} has stats for {stat_width(stats)}")
+        return _normalize(values, stats, f"{key} of head {head!r}")
 
     def unnormalize(self, values, key: str, head=None) -> torch.Tensor:
         """Inverse of `normalize` on the head's real dims (extra padded dims are dropped)."""
         head = self._head(head)
         stats = self._stats(head, key)
         values = _as_tensor(values)[..., : stat_width(stats)]
-        return normalization.unnormalize(values, stats, f"{key} of head {head!r}")
+        return _unnormalize(values, stats, f"{key} of head {head!r}")
 
     def relative_mask(self, head=None) -> list[bool] | None:
         """The head's relative-action mask (dims that are offsets from the state), or None (absolute actions)."""
-        return normalization.relative_mask(self._stats(head, "actions"))
+        return _relative_mask(self._stats(head, "actions"))
 
     def unnormalize_actions(self, actions, head=None, state=None) -> torch.Tensor:
         """A predicted chunk in robot units. For a head trained on relative actions the observation's state is added
@@ -300,7 +309,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         state = _as_tensor(state)
         if absolute.ndim == 3 and state.ndim == 1:
             state = state[None]
-        return normalization.to_absolute(absolute, state, mask)
+        return to_absolute(absolute, state, mask)
 
     # ---- prompt --------------------------------------------------------------------------------------------------
     def discretize_state(self, normalized_state: torch.Tensor) -> np.ndarray:
@@ -313,6 +322,18 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         cleaned = task.strip().replace("_", " ").replace("\n", " ")
         state = " ".join(map(str, self.discretize_state(normalized_state).tolist()))
         return f"Task: {cleaned}, State: {state};\nAction: "
+
+    def _task_only_tokens(self, texts: list[str]) -> dict:
+        """Prompts without the state (`discrete_state_input=False`), as openpi's tokenizer builds them: the cleaned
+        task with BOS, then "\n" tokenized on its own (its start-of-answer token), right-padded to the prompt
+        length."""
+        newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
+        cleaned = [t.strip().replace("_", " ").replace("\n", " ") for t in texts]
+        ids = [row + newline for row in self.tokenizer(cleaned)["input_ids"]]
+        length, pad = self.prompt_max_length, self.tokenizer.pad_token_id or 0
+        ids = [row[:length] for row in ids]
+        return {"input_ids": [row + [pad] * (length - len(row)) for row in ids],
+                "attention_mask": [[1] * len(row) + [0] * (length - len(row)) for row in ids]}
 
     def pad(self, values: torch.Tensor, size: int) -> torch.Tensor:
         if values.shape[-1] > size:
@@ -387,10 +408,13 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         if not normalized and len({s.shape[-1] for s in states}) == 1:  # raw states: the reference of relative actions
             self._last_state = torch.stack(states)
         padded_state, _ = self._normalize_rows(states, "state", rows_by_head, self.max_state_dim, normalized)
-        prompts = [self.build_prompt(t, padded_state[i, : states[i].shape[-1]]) for i, t in enumerate(texts)]
-        # plain lists, then one tensor: about twice as fast as the tokenizer's own tensor conversion
-        tokens = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.prompt_max_length,
-                                padding_side="right")
+        if self.discrete_state_input:
+            prompts = [self.build_prompt(t, padded_state[i, : states[i].shape[-1]]) for i, t in enumerate(texts)]
+            # plain lists, then one tensor: about twice as fast as the tokenizer's own tensor conversion
+            tokens = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.prompt_max_length,
+                                    padding_side="right")
+        else:
+            tokens = self._task_only_tokens(texts)
         data = {"input_ids": torch.tensor(tokens["input_ids"], dtype=torch.long),
                 "attention_mask": torch.tensor(tokens["attention_mask"], dtype=torch.bool), "state": padded_state}
         if images is not None:
@@ -408,7 +432,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
                 for head_name, rows in rows_by_head.items():
                     mask = self.relative_mask(head_name)
                     for row in rows if mask else ():
-                        chunks[row] = normalization.to_relative(chunks[row], states[row], mask)
+                        chunks[row] = to_relative(chunks[row], states[row], mask)
             data["actions"], data["action_dim_mask"] = self._normalize_rows(chunks, "actions", rows_by_head,
                                                                             self.max_action_dim, normalized)
         return BatchFeature(data=data)
