@@ -144,12 +144,7 @@ class ModelArguments:
             raise ConfigError(f"rtc_prefix_noise={self.rtc_prefix_noise}: must be a finite number >= 0")
         if self.model_name_or_path is None and self.model_config is None and self.policy != "pi05":
             raise ConfigError("set model_name_or_path (a checkpoint) or model_config (dims to build from scratch)")
-        if self.model_config is not None and self.model_name_or_path is not None:
-            fixed = sorted(set(self.model_config) - FINE_TUNE_OVERRIDES)
-            if fixed:
-                raise ConfigError(f"model_config {fixed}: with model_name_or_path only fields that change no weight "
-                                  f"shape can be set ({sorted(FINE_TUNE_OVERRIDES)}); the rest is the checkpoint's")
-        elif self.model_config is not None:
+        if self.model_config is not None and self.model_name_or_path is None:
             config_class = policy_config_class(self.policy)
             check_model_config(self.model_config, config_class,
                                default_sub_types={"vlm_config": "paligemma", "dit_config": "gemma"})
@@ -168,6 +163,22 @@ FINE_TUNE_OVERRIDES = {"chunk_size", "num_inference_steps", "tokenizer_max_lengt
                        "time_sampling_offset"}
 
 
+def _first_difference(given, loaded, where: str) -> str | None:
+    """Where a `model_config` value differs from the loaded checkpoint's (dicts compared key by key against the
+    sub-config's attributes), or None."""
+    if isinstance(given, dict):
+        for key, value in given.items():
+            theirs = loaded.get(key) if isinstance(loaded, dict) else getattr(loaded, key, None)
+            found = _first_difference(value, theirs, f"{where}.{key}")
+            if found:
+                return found
+        return None
+    if hasattr(given, "to_dict"):
+        given = given.to_dict()
+        return _first_difference(given, loaded, where)
+    return None if given == loaded else f"{where}={given!r} but the checkpoint has {loaded!r}"
+
+
 def policy_config_class(policy: str):
     if policy == "pi05":
         from hf_vla.models.pi05 import PI05Config
@@ -182,9 +193,11 @@ def saved_norm_stats(source: str, current: dict) -> dict:
     """The normalisation statistics saved with a checkpoint (`source`: its directory or `norm_stats.json`), for the
     heads of `current` (the mixture's): a head it lacks, or other dims, is refused naming the file."""
     path = Path(source)
-    path = path / "norm_stats.json" if path.is_dir() else path
+    if path.is_dir():  # a training output's norm_stats.json, else a (converted) checkpoint's processor_config.json
+        path = path / "norm_stats.json" if (path / "norm_stats.json").is_file() else path / "processor_config.json"
     if not path.is_file():
-        raise ConfigError(f"norm_stats_from={source!r}: no norm_stats.json there (an hf_vla output directory has one)")
+        raise ConfigError(f"norm_stats_from={source!r}: no norm_stats.json or processor_config.json there (an hf_vla "
+                          "output directory or a converted checkpoint has one)")
     try:
         saved = json.loads(path.read_text())["norm_stats"]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
@@ -486,10 +499,16 @@ def _base_model_config(model_args: ModelArguments):
         if config.model_type != config_class.model_type:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r} is a {config.model_type!r} "
                               f"checkpoint but policy={model_args.policy!r}")
-        for name, value in (model_args.model_config or {}).items():  # FINE_TUNE_OVERRIDES (checked at parse time)
+        for name, value in (model_args.model_config or {}).items():
             if not hasattr(config, name):
                 raise ConfigError(f"model_config.{name}: the checkpoint's {type(config).__name__} has no such field")
-            setattr(config, name, value)
+            if name in FINE_TUNE_OVERRIDES:  # changes no weight's shape: the fine-tune's value
+                setattr(config, name, value)
+                continue
+            differs = _first_difference(value, getattr(config, name), f"model_config.{name}")
+            if differs:  # a config written for the checkpoint (the same dims) passes; another is not silently dropped
+                raise ConfigError(f"{differs}: with model_name_or_path the architecture is the checkpoint's; only "
+                                  f"{sorted(FINE_TUNE_OVERRIDES)} can be set for a fine-tune")
         return config
     return config_class(**(model_args.model_config or {}))
 

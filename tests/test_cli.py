@@ -35,7 +35,7 @@ def test_droid_recipe_is_the_published_one():
     assert len(droid["cameras"]) == 3 and droid["fps"] == 15 and droid["keep_ranges"]
     assert droid["keep_ranges_key"] == "{recording_folderpath}--{file_path}"
     assert model_args.dtype == "bfloat16" and args.master_weights and args.push_to_hub
-    assert (args.learning_rate, args.adam_beta2, args.warmup_steps) == (2.5e-5, 0.95, 1000)
+    assert (args.learning_rate, args.adam_beta2, args.warmup_steps) == (5e-5, 0.95, 1000)  # tests/test_configs.py
 
 
 def test_overrides_on_top_of_the_json(tmp_path):

@@ -215,7 +215,7 @@ def test_norm_stats_from_refuses_another_robots_statistics(start, tmp_path):
     wider = {head: {k: {s: list(v) + [0.0] for s, v in stats.items()} for k, stats in saved[head].items()}}
     with pytest.raises(ConfigError, match=f"head '{head}' state has 2 dims in .* but 3 in the mixture"):
         saved_norm_stats(str(start["policy"] / "norm_stats.json"), wider)
-    with pytest.raises(ConfigError, match="no norm_stats.json there"):
+    with pytest.raises(ConfigError, match="no norm_stats.json or processor_config.json there"):
         saved_norm_stats(str(tmp_path), saved)
 
 

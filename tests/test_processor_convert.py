@@ -293,3 +293,26 @@ def test_pil_images_go_in_without_a_warning(tiny_tokenizer):
         warnings.simplefilter("error")
         pixels = processor(images=image, text="pick", state=np.zeros(dims, np.float32), head=head)["pixel_values"]
     assert pixels.shape[:2] == (1, 1)
+
+
+def test_a_prompt_without_the_state_is_openpis(tiny_tokenizer, tmp_path):
+    """`discrete_state_input=False` (openpi's pi05_libero): the prompt is the cleaned task with BOS, then "\n"
+    tokenized on its own, as openpi's `PaligemmaTokenizer.tokenize(prompt, state=None)`; the state leaves it unchanged,
+    and the setting is saved with the processor."""
+    from hf_vla.tiny import tiny_pi05_config
+
+    config = tiny_pi05_config()
+    config.discrete_state_input = False
+    processor = PI05Processor.from_config(config, tiny_tokenizer, norm_stats={"h": {
+        "state": {"q01": [0.0, 0.0], "q99": [1.0, 1.0]}, "actions": {"q01": [0.0], "q99": [1.0]}}})
+    a = processor(text="pick_up the\nbowl ", state=[0.1, 0.9])
+    b = processor(text="pick_up the\nbowl ", state=[0.7, 0.2])
+    expected = tiny_tokenizer("pick up the bowl")["input_ids"] + tiny_tokenizer("\n", add_special_tokens=False)[
+        "input_ids"]
+    assert a["input_ids"][0, : len(expected)].tolist() == expected and torch.equal(a["input_ids"], b["input_ids"])
+    assert a["attention_mask"][0].sum() == len(expected)
+    with_state = PI05Processor.from_config(tiny_pi05_config(), tiny_tokenizer, norm_stats=processor.norm_stats)
+    assert not torch.equal(with_state(text="pick up the bowl", state=[0.1, 0.9])["input_ids"],
+                           with_state(text="pick up the bowl", state=[0.7, 0.2])["input_ids"])
+    processor.save_pretrained(tmp_path)
+    assert PI05Processor.from_pretrained(tmp_path).discrete_state_input is False
