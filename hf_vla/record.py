@@ -191,10 +191,14 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
 
         names = metaworld.task_names(tasks or "reach-v3")
         kwargs = dict(env_kwargs or {})
-        unknown = sorted(set(kwargs) - {"crop"})
+        unknown = sorted(set(kwargs) - {"crop", "action_mode"})
         if unknown:
-            raise ConfigError(f"env_kwargs {unknown}: Meta-World recording takes crop (image_size and "
+            raise ConfigError(f"env_kwargs {unknown}: Meta-World recording takes crop and action_mode (image_size and "
                               "max_episode_steps are arguments of their own)")
+        if kwargs.get("action_mode", "delta") not in metaworld.ACTION_MODES:
+            raise ConfigError(f"--action_mode {kwargs['action_mode']!r}: choose one of {list(metaworld.ACTION_MODES)}")
+        if kwargs.get("action_mode") == "delta":
+            kwargs.pop("action_mode")  # the default: recorded as before
         if kwargs.get("crop") is not None:
             kwargs["crop"] = list(metaworld.check_crop(kwargs["crop"]))  # JSON-able: it goes into the plan and marker
         make = {name: (lambda name=name: metaworld.in_worker(
@@ -207,6 +211,8 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
 
         if (env_kwargs or {}).get("crop") is not None:
             raise ConfigError("--crop: Meta-World only (ColorReach renders its 32 px scene whole)")
+        if (env_kwargs or {}).get("action_mode") is not None:
+            raise ConfigError("--action_mode: Meta-World only (ColorReach's actions are its own)")
         if tasks:
             raise ConfigError("--task: ColorReach draws its instruction per episode; it has no task to choose")
         kwargs = dict(env_kwargs or {})
@@ -478,6 +484,10 @@ def main(argv=None):
     parser.add_argument("--crop", default=None, help="Meta-World: left,top,right,bottom pixels of the 480 px render to "
                         "keep before resizing to --image_size (e.g. 144,96,400,352, the five-task workspace); kept in "
                         "the dataset's deployment contract, so evaluation and RL crop the same way")
+    parser.add_argument("--action_mode", default=None, choices=("delta", "absolute_ee"),
+                        help="Meta-World: delta (its own actions) or absolute_ee (the hand's target position, what a "
+                        "position-controlled arm receives; gripper unchanged); kept in the deployment contract "
+                        "(default: delta)")
     parser.add_argument("--add_locations", default=None, metavar="RECORDING",
                         help="Meta-World: instead of recording, write --output as RECORDING (a recording of this "
                         "command without the per-frame locations column) with it, by replaying each episode from its "
@@ -519,7 +529,8 @@ def main(argv=None):
     setup_logging()
     result = record(args.env, args.output, args.episodes, tasks=args.task, image_size=args.image_size,
                     seed=args.seed, max_episode_steps=args.max_episode_steps, overwrite=args.overwrite,
-                    max_tries=args.max_tries, env_kwargs={"crop": args.crop} if args.crop else None,
+                    max_tries=args.max_tries,
+                    env_kwargs={k: v for k, v in (("crop", args.crop), ("action_mode", args.action_mode)) if v} or None,
                     strategy=args.strategy, policy=args.policy, round_index=1 if args.round is None else args.round, device=args.device,
                     dagger=DaggerSettings(args.beta or 0.0, args.takeover_threshold,
                                           10 if args.takeover_steps is None else args.takeover_steps, args.stall_steps)

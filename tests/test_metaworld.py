@@ -227,6 +227,34 @@ def test_the_expert_ceiling_and_upright_images():
         env.close()
 
 
+def test_the_absolute_end_effector_space_commands_what_the_delta_does():
+    """`action_mode="absolute_ee"`: the expert's actions are hand targets (`hand + 0.01 x delta`, gripper unchanged) and
+    stepping them moves the arm as the deltas do: an episode in each space from one seed visits the same states (to
+    float32 rounding of the target) and succeeds alike."""
+    from hf_vla.envs.metaworld import in_worker
+
+    runs = {}
+    for mode in ("delta", "absolute_ee"):
+        env = in_worker("push-v3", image_size=IMAGE, max_episode_steps=200, action_mode=mode)
+        try:
+            observation, _ = env.reset(seed=5)
+            states, actions, success = [observation["observation.state"]], [], False
+            for _ in range(60):
+                actions.append(np.asarray(env.expert_action()))
+                observation, _, terminated, truncated, info = env.step(actions[-1])
+                states.append(observation["observation.state"])
+                success = success or info["is_success"]
+            runs[mode] = np.stack(states), np.stack(actions)
+        finally:
+            env.close()
+    (delta_states, deltas), (absolute_states, targets) = runs["delta"], runs["absolute_ee"]
+    np.testing.assert_allclose(absolute_states, delta_states, atol=1e-4)
+    np.testing.assert_allclose(targets[:, :3], delta_states[:-1, :3] + 0.01 * deltas[:, :3], atol=1e-5)
+    np.testing.assert_array_equal(targets[:, 3], deltas[:, 3])
+    assert np.abs(targets[:, :3] - absolute_states[:-1, :3]).max() <= 0.01 + 1e-6  # targets: within a step of the hand
+    assert np.ptp(absolute_states[:, :3], axis=0).max() > 0.05  # the arm moved: states that could differ
+
+
 def test_the_expert_plan_is_what_the_expert_then_does_and_leaves_the_env_as_it_was():
     """`expert_plan(H)` from a state equals the next H actions the expert executes from there (the oracle: the same
     simulator stepped for real), and calling it changes nothing: the episode with plans renders frame for frame what

@@ -9,6 +9,9 @@ the 480 px render, `WORKSPACE` is the table's working area) cuts the render befo
 `image_size` pixels land on small objects (reach's goal sphere is 12 px across in the render, 2-3 px at 96 px
 uncropped, 4-5 px cropped to `WORKSPACE`). `expert_action()` is the benchmark's own
 scripted policy (`metaworld.policies`) on the current raw observation, clipped like an action.
+`action_mode="absolute_ee"` makes the action the hand's absolute target position, what a position-controlled arm
+receives (`hand + 0.01 x delta`, Meta-World's action scale; the gripper value unchanged): the env turns it back into
+the delta it commands, and the expert's actions are given as targets, so a recording in that space replays exactly.
 
 Rendering is headless (`MUJOCO_GL=egl` unless set: Mesa software rendering, Debian `libegl1` + `libgl1-mesa-dri`;
 `osmesa` with `libosmesa6` works too). `fast_render` (default) turns shadows, reflections and multisampling off before
@@ -122,6 +125,10 @@ def check_crop(crop) -> tuple[int, int, int, int] | None:
     return box
 
 
+ACTION_MODES = ("delta", "absolute_ee")  # Meta-World's own deltas, or the absolute hand target (position control)
+ACTION_SCALE = 0.01  # Meta-World's `action_scale`: a delta of 1 moves the hand's target by 1 cm
+
+
 def _fast_render(env) -> None:
     model = env.model
     model.light_castshadow[:] = 0
@@ -135,8 +142,11 @@ class MetaWorldEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array"], "render_fps": FPS}
 
     def __init__(self, task: str = "reach-v3", image_size: int = 128, max_episode_steps: int = DEFAULT_STEPS,
-                 fast_render: bool = True, render_mode: str = "rgb_array", crop=None):
+                 fast_render: bool = True, render_mode: str = "rgb_array", crop=None, action_mode: str = "delta"):
         self.crop = check_crop(crop)
+        if action_mode not in ACTION_MODES:
+            raise ConfigError(f"action_mode={action_mode!r}: choose one of {list(ACTION_MODES)}")
+        self.action_mode = action_mode
         module = _lerobot_metaworld()
         (task,) = task_names(task)
         fast = fast_render
@@ -159,7 +169,8 @@ class MetaWorldEnv(gym.Env):
             CAMERA: spaces.Box(0, 255, (image_size, image_size, 3), np.uint8),
             STATE: spaces.Box(-np.inf, np.inf, (4,), np.float32),
         })
-        self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
+        self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32) if action_mode == "delta" else spaces.Box(
+            np.array([-np.inf, -np.inf, -np.inf, -1.0], np.float32), np.array([np.inf, np.inf, np.inf, 1.0], np.float32))
         self._image = None
         self._steps = 0
 
@@ -188,9 +199,12 @@ class MetaWorldEnv(gym.Env):
         return self._observation(raw), {"task": self.task, "is_success": False}
 
     def step(self, action):
-        action = np.clip(np.asarray(action, dtype=np.float32).reshape(-1), -1.0, 1.0)
+        action = np.asarray(action, dtype=np.float32).reshape(-1)
         if action.shape != (4,):
             raise ValueError(f"Meta-World takes 4-dim actions (dx, dy, dz, gripper), got {action.shape[0]}")
+        if self.action_mode == "absolute_ee":  # the hand's target position: the delta that moves the hand there
+            action = np.concatenate([self.to_delta(action[:3]), action[3:]])
+        action = np.clip(action, -1.0, 1.0)
         raw, reward, terminated, truncated, info = self.inner.step(action)
         self._steps += 1
         success = bool(info.get("is_success", False))
@@ -274,10 +288,27 @@ class MetaWorldEnv(gym.Env):
         against the image's own size): the `locations` column `hf_vla.record` writes."""
         return location_text(self.locations(), self.image_size)
 
+    # ---- the absolute end-effector action space (action_mode="absolute_ee") -----------------------------------------
+    def hand(self, raw_obs=None) -> np.ndarray:
+        """The hand's xyz in the raw observation (the first three values; lerobot's state holds them too)."""
+        return np.asarray(self.inner.raw_obs if raw_obs is None else raw_obs, dtype=np.float64)[:3]
+
+    def to_delta(self, target, raw_obs=None) -> np.ndarray:
+        """An absolute hand target -> Meta-World's delta action (`target = hand + ACTION_SCALE x delta`)."""
+        return ((np.asarray(target, np.float64) - self.hand(raw_obs)) / ACTION_SCALE).astype(np.float32)
+
+    def to_target(self, delta, raw_obs=None) -> np.ndarray:
+        """A delta action -> the absolute hand target it commands (what a position-controlled arm receives)."""
+        return (self.hand(raw_obs) + ACTION_SCALE * np.asarray(delta, np.float64)).astype(np.float32)
+
     def expert_action(self, raw_obs=None) -> np.ndarray:
-        """The scripted expert's action for the current raw observation (or `raw_obs`), clipped to the action space."""
+        """The scripted expert's action for the current raw observation (or `raw_obs`), clipped to the action space;
+        with `action_mode="absolute_ee"`, as the hand target it commands (gripper unchanged)."""
         raw_obs = self.inner.raw_obs if raw_obs is None else raw_obs
-        return np.clip(self.inner.expert_policy.get_action(raw_obs), -1.0, 1.0).astype(np.float32)
+        action = np.clip(self.inner.expert_policy.get_action(raw_obs), -1.0, 1.0).astype(np.float32)
+        if self.action_mode == "absolute_ee":
+            action = np.concatenate([self.to_target(action[:3], raw_obs), action[3:]]).astype(np.float32)
+        return action
 
     # the simulator's attributes a step changes besides MuJoCo's state (Meta-World's SawyerXYZEnv.step / _get_obs)
     _STEP_ATTRIBUTES = ("curr_path_length", "_last_stable_obs", "_prev_obs", "_did_see_sim_exception")
@@ -306,7 +337,9 @@ class MetaWorldEnv(gym.Env):
                     continue
                 action = self.expert_action(observation)
                 plan.append(action)
-                observation = env.step(action)[0]
+                delta = action if self.action_mode == "delta" else np.concatenate(
+                    [self.to_delta(action[:3], observation), action[3:]])
+                observation = env.step(np.clip(delta, -1.0, 1.0))[0]
         finally:
             mujoco.mj_setState(env.model, env.data, saved, spec)
             mujoco.mj_forward(env.model, env.data)
@@ -332,5 +365,5 @@ def in_worker(task: str, **kwargs) -> InWorker:
     return InWorker(functools.partial(MetaWorldEnv, task=task, **kwargs), name=f"Meta-World {task}")
 
 
-__all__ = ["ACTION", "CAMERA", "FPS", "GROUPS", "InWorker", "MetaWorldEnv", "MT50", "LOCATIONS", "RENDER", "ROBOT_TYPE", "STATE",
+__all__ = ["ACTION", "ACTION_MODES", "ACTION_SCALE", "CAMERA", "FPS", "GROUPS", "InWorker", "MetaWorldEnv", "MT50", "LOCATIONS", "RENDER", "ROBOT_TYPE", "STATE",
            "WORKSPACE", "check_crop", "in_worker", "location_text", "task_description", "task_group", "task_names"]
