@@ -196,3 +196,48 @@ def test_one_training_step_with_relative_actions_gives_lerobots_loss(checkpoints
     absolute = processor.normalize(torch.from_numpy(chunk), "actions", "arm::joint")
     assert not torch.allclose(inputs["actions"][0, :, 0], absolute[:, 0])
     torch.testing.assert_close(inputs["actions"][0, :, 1], absolute[:, 1])
+
+
+def test_the_server_acts_as_lerobot_for_openpis_client(checkpoints):
+    """The relative checkpoint served (`python -m hf_vla.serve`) and queried with openpi's own client: the chunk is
+    lerobot's for the noise the server draws (its connection's generator, seeded by the request's `episode_seed`)."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+    from test_serve import Server
+
+    (policy, pre, post), converted = checkpoints["relative_gripper_absolute"]
+    server = Server("--checkpoint", str(converted))
+    try:
+        client = WebsocketClientPolicy(server.uri)
+        d = Dims()
+        for seed in (0, 1):
+            image, state, _ = _observation(seed)
+            noise = torch.randn(1, d.chunk, d.max_action, generator=torch.Generator().manual_seed(100 + seed))
+            reply = client.infer({CAMERA: image, "observation.state": state, "prompt": "pick the cube",
+                                  "episode_seed": 100 + seed})
+            np.testing.assert_allclose(reply["actions"], _lerobot_chunk(policy, pre, post, image, state, noise),
+                                       rtol=0, atol=TOLERANCE)
+    finally:
+        server.stop()
+
+
+def test_a_continued_chunk_of_a_relative_head_is_compared_in_the_models_space(checkpoints):
+    """Real-time chunking with relative actions: the previous chunk's remainder (the runner's own, or a client's in
+    robot units) is re-expressed as offsets from the new observation's state before it guides or is spliced in, so the
+    actions the robot executes while the new chunk is computed are the previous chunk's, in robot units, though the
+    state moved."""
+    from hf_vla.serving.policy import ObservationMap, load_policy
+
+    _, converted = checkpoints["relative_gripper_absolute"]
+    runner = load_policy(converted, obs_map=ObservationMap(cameras=[CAMERA]))
+    image, state, _ = _observation(0)
+    moved = state + np.array([0.4, -0.2, 0.1], np.float32)
+    runner.reset(seed=3)
+    first = runner({CAMERA: image, "observation.state": state}, task="pick the cube")
+    second = runner({CAMERA: image, "observation.state": moved}, task="pick the cube", executed_steps=1,
+                    inference_delay=2)
+    np.testing.assert_allclose(second[:2], first[1:3], rtol=0, atol=1e-5)
+    runner.reset(seed=3)
+    third = runner({CAMERA: image, "observation.state": moved}, task="pick the cube", inference_delay=2,
+                   prev_chunk_left_over=first[1:])
+    np.testing.assert_allclose(third[:2], first[1:3], rtol=0, atol=1e-5)
+    assert np.abs(moved - state)[:1].max() > 0.1  # the relative joint's state did move

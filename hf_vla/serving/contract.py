@@ -23,6 +23,9 @@ The file is plain JSON, versioned (`version`), readable without torch or hf_vla 
     recorded at (`{"key": "observation.image", "height": 96, "width": 96}`; a slot the data leaves empty has key null);
   - `state` / `action`: `{"key": ..., "dim": ...}`;
   - `instruction`: "task" (each episode's task string from the data) or the fixed string every frame was trained with;
+  - `normalization`: the mode of `state` and `actions` (lerobot's names: QUANTILES, MEAN_STD, MIN_MAX,
+    QUANTILE10, IDENTITY) and `relative_actions`: the mask of action dims that are offsets from the state (None:
+    absolute). The processor's statistics carry both and apply them; these say it to a runner outside hf_vla;
   - `datasets`: the names of the datasets of this head;
   - `benchmark`: for data recorded in a simulator by `hf_vla.record`, the settings to evaluate it with: `env`
     (`metaworld`, a gymnasium id, ...), `tasks`, `max_episode_steps` (the training argument `max_episode_steps` when
