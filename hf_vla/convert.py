@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -84,13 +83,12 @@ def _merge_adapter(source: Path, output: Path, overwrite: bool) -> Path:
 
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise ConfigError(f"--output {str(output)!r} exists: choose a new directory, or pass --overwrite")
+    from hf_vla.storage import replace_dir, staging_dir
+
     merged = Path(merged_adapter(source, label="--input"))
-    staging = output.parent / f".{output.name}.merging"
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = staging_dir(output, "merging")
     shutil.copytree(merged, staging)
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(staging, output)
+    replace_dir(staging, output)  # an existing output goes only once the merged one is in place
     logger.info("merged the LoRA adapters of %s with their base into %s", source, output)
     return output
 

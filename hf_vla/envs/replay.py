@@ -76,7 +76,6 @@ def _differs(rendered: np.ndarray, recorded: np.ndarray) -> float:
 def add_locations(source: str | os.PathLike, output: str | os.PathLike, check_every: int = 10,
                   tolerance: float = 2.0, overwrite: bool = False, progress: bool = True) -> Path:
     """Write `output`: the Meta-World recording `source` with the per-frame `locations` column, found by replay."""
-    from hf_vla.envs import metaworld
 
     source, output = Path(source), Path(output)
     marker_path = source / "meta" / RECORD_MARKER
@@ -97,6 +96,19 @@ def add_locations(source: str | os.PathLike, output: str | os.PathLike, check_ev
     check_output("--output", output, overwrite, inputs={"--add_locations": source}, marker=f"meta/{RECORD_MARKER}",
                  what="recording")
     make_dir("--output", output.parent)
+    from hf_vla.storage import DirectoryLock
+
+    # one writer of --output at a time (the lock's own folder beside it: the staging folder is made by the copy)
+    with DirectoryLock(output.parent / f".{output.name}.writing", label="--output", lock_name="_hf_vla_replay.lock",
+                       what=f"another replay into {output}"):
+        return _add_locations(source, output, marker, info, check_every, tolerance, overwrite, progress)
+
+
+def _add_locations(source: Path, output: Path, marker: dict, info: dict, check_every: int, tolerance: float,
+                   overwrite: bool, progress: bool) -> Path:
+    """`add_locations`' replay and write, with the output's writer lock held."""
+    from hf_vla.envs import metaworld
+
     size, fps = int(marker["image_size"]), float(info["fps"])
     by_description = {}
     for name, stats in marker["tasks"].items():

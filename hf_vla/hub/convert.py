@@ -412,10 +412,9 @@ def convert_checkpoint(
 
         contract.from_lerobot(lerobot_config, head, image_size=getattr(processor, "image_size", None) or 224,
                                 chunk_size=config.chunk_size, source=str(input_dir), norm_stats=stats).save(result)
-        if output_dir.exists():  # --overwrite: the old output goes only once the new one is complete
-            old = staging / "previous"
-            os.replace(output_dir, old)
-        os.replace(result, output_dir)
+        from hf_vla.storage import replace_dir
+
+        replace_dir(result, output_dir)  # --overwrite: the old output goes only once the new one is complete
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("wrote %s (%s)", output_dir, config.model_type)
