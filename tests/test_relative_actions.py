@@ -197,3 +197,17 @@ def test_a_relative_run_carries_its_pipeline_to_the_checkpoint(arm, tmp_path):
     moved = act(state, np.array([1.0, 0.0, 0.0], np.float32)) - act(state, np.zeros(3, np.float32))
     torch.testing.assert_close(moved[:, 0], torch.ones(moved.shape[0]), atol=1e-5, rtol=0)
     torch.testing.assert_close(moved[:, 1], torch.zeros(moved.shape[0]), atol=1e-6, rtol=0)
+
+
+def test_pi0_refuses_what_its_processor_cannot_apply(arm, tmp_path, capsys):
+    """hf_vla's pi0 processor normalises with mean/std and absolute actions: another mode, or relative actions, with
+    policy pi0 is one line at start-up, never silently ignored."""
+    from test_failures import base_config, run_fails, write_config
+
+    for extra, culprit in (({"relative_actions": True}, "relative_actions with policy 'pi0'"),
+                           ({"normalization": {"actions": "QUANTILES"}}, "normalization ['QUANTILES'] with policy "
+                                                                        "'pi0'")):
+        config = base_config(arm, tmp_path / "out", policy="pi0", model_config={"chunk_size": 4})
+        config["datasets"][0] |= extra
+        _, message = run_fails(capsys, write_config(tmp_path, config), code=2)
+        assert culprit in message, message
