@@ -319,15 +319,14 @@ class PolicyRunner:
         """The head's relative-action mask (transformers' pi0 processor has none: absolute actions)."""
         return self.processor.relative_mask(head) if hasattr(self.processor, "relative_mask") else None
 
-    def _model_space(self, actions: torch.Tensor, head: str, state: np.ndarray) -> torch.Tensor:
-        """Robot-unit actions `[steps, action_dim]` -> the model's space for an observation of `state`: relative to
-        it where the head is, then normalised (how a leftover chunk is compared with the chunk being sampled)."""
+    def _relative(self, actions: torch.Tensor, head: str, state: np.ndarray) -> torch.Tensor:
+        """Robot-unit actions `[steps, action_dim]` as the model predicts them for an observation of `state`:
+        offsets from it where the head is relative, else unchanged (not normalised)."""
         from hf_vla.models.pi05.normalization import to_relative
 
         mask = self._relative_mask(head)
-        if mask is not None:
-            actions = to_relative(torch.as_tensor(actions, dtype=torch.float32), torch.as_tensor(state), mask)
-        return self.processor.normalize(actions, "actions", head)
+        actions = torch.as_tensor(actions, dtype=torch.float32)
+        return actions if mask is None else to_relative(actions, torch.as_tensor(state), mask)
 
     def _check_state(self, state: np.ndarray, head: str) -> None:
         """The state fits the head and lies within `limits.max_state_range` widths of its training range."""
@@ -373,16 +372,12 @@ class PolicyRunner:
             if leftover.shape[1] != dims:
                 raise RequestError(f"prev_chunk_left_over: actions has {leftover.shape[1]} dims but head {head!r} has "
                                    f"stats for {dims}")
-            mask = self._relative_mask(head)
-            if mask is not None:  # its range is checked as what the model sees: offsets from this state
-                from hf_vla.models.pi05.normalization import to_relative
-
-                relative = to_relative(torch.as_tensor(leftover), torch.as_tensor(state), mask).numpy()
-                self._check_range(relative, head, "actions", "prev_chunk_left_over: action (relative to the state)")
-            else:
-                self._check_range(leftover, head, "actions", "prev_chunk_left_over: action")
+            relative = self._relative_mask(head) is not None
+            seen = self._relative(torch.as_tensor(leftover), head, state)  # what the model sees: offsets, if relative
+            self._check_range(seen.numpy(), head, "actions", "prev_chunk_left_over: action"
+                              + (" (relative to the state)" if relative else ""))
             try:
-                return self._model_space(torch.as_tensor(leftover), head, state)
+                return self.processor.normalize(seen, "actions", head)
             except ValueError as error:
                 raise RequestError(f"prev_chunk_left_over: {error}") from error
         if executed_steps is None:
@@ -396,7 +391,7 @@ class PolicyRunner:
         if self._relative_mask(head) is not None:
             # offsets from the previous observation's state: in robot units, then offsets from this one's
             absolute = self._actions(left[None], head, self.last_state)[0]
-            return self._model_space(absolute, head, state)
+            return self.processor.normalize(self._relative(absolute, head, state), "actions", head)
         return left
 
     def _inputs(self, images, states, tasks, camera_mask, head) -> tuple[dict, torch.Tensor]:
