@@ -126,7 +126,12 @@ def main(argv=None):
         stage_train(work, args.arm, args.steps, results)
     elif args.stage == "evaluate":
         stage_evaluate(work, args.arm, args.episodes, results)
-    (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    # the arms' stages may run side by side: merge this stage's entry into the file as it is now
+    key = "record" if args.stage == "record" else args.arm
+    if args.stage != "report":
+        merged = _load(work / "results.json") | {key: results[key]}
+        (work / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
+        results = merged
     if args.stage == "report":
         report = stage_report(results)
         RESULTS.write_text(json.dumps(report, indent=2) + "\n")
