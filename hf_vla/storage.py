@@ -166,6 +166,17 @@ class DirectoryLock:
 
 
 
+def cache_root() -> Path:
+    """hf_vla's own cache: `$HF_VLA_CACHE`, else `$HF_HOME/hf_vla`. Under it: `scan/` (the data checks and exact
+    statistics), `converted/` and `merged/` (checkpoints converted or merged on load), `downloads/`."""
+    configured = os.environ.get("HF_VLA_CACHE")
+    if configured:
+        return Path(configured)
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "hf_vla"
+
+
 # ---- stage, then rename ---------------------------------------------------------------------------------------------
 def staging_dir(target: str | os.PathLike, purpose: str) -> Path:
     """Where a new `target` is written before `replace_dir` renames it into place: `.<name>.<purpose>` beside it (on
@@ -284,5 +295,6 @@ def weights_fingerprint(checkpoint: str | os.PathLike) -> str | None:
     return digest.hexdigest()[:16]
 
 
-__all__ = ["DirectoryLock", "HEARTBEAT_S", "LOCK_NAME", "STALE_AFTER_S", "check_creatable", "check_output", "make_dir",
+__all__ = ["DirectoryLock", "HEARTBEAT_S", "LOCK_NAME", "STALE_AFTER_S", "cache_root", "check_creatable", "check_output",
+           "make_dir",
            "replace_dir", "staging_dir", "weights_fingerprint"]

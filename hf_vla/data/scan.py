@@ -121,12 +121,10 @@ class ScanResult:
 
 
 def cache_dir() -> Path:
-    configured = os.environ.get("HF_VLA_CACHE")
-    if configured:
-        return Path(configured) / "scan"
-    from huggingface_hub import constants
+    """Where scans are cached: `scan/` under hf_vla's cache (`hf_vla.storage.cache_root`)."""
+    from hf_vla.storage import cache_root
 
-    return Path(constants.HF_HOME) / "hf_vla" / "scan"
+    return cache_root() / "scan"
 
 
 def _stat(path: Path) -> list:

@@ -40,13 +40,10 @@ LEROBOT_FILES = ["config.json", "model.safetensors", "policy_preprocessor*.json"
 
 
 def cache_dir() -> Path:
-    """hf_vla's own cache: `$HF_VLA_CACHE`, else `$HF_HOME/hf_vla` (the scan cache lives under it too)."""
-    configured = os.environ.get("HF_VLA_CACHE")
-    if configured:
-        return Path(configured)
-    from huggingface_hub import constants
+    """hf_vla's own cache (`hf_vla.storage.cache_root`: `$HF_VLA_CACHE`, else `$HF_HOME/hf_vla`)."""
+    from hf_vla.storage import cache_root
 
-    return Path(constants.HF_HOME) / "hf_vla"
+    return cache_root()
 
 
 def hub_error(error: BaseException, what: str, revision: str | None = None) -> ConfigError:
