@@ -74,10 +74,13 @@ def _lerobot_checkpoint(path, tokenizer, mode: str | None, relative: bool, seed:
 
 
 def _observation(seed: int):
+    """An image, a state and lerobot's noise; seeds >= 2 draw states far outside the statistics' range (normalised
+    below -1: the prompt's bin -1, as lerobot and openpi discretise it)."""
     rng = np.random.default_rng(seed)
     d = Dims()
     image = rng.integers(0, 256, (d.image_size, d.image_size, 3), dtype=np.uint8)
-    state = rng.uniform(-1.5, 1.5, STATE_DIM).astype(np.float32)
+    state = rng.uniform(-1.5, 1.5, STATE_DIM).astype(np.float32) if seed < 2 else np.array(
+        [-6.0, rng.uniform(-1, 1), 6.0], np.float32)
     noise = torch.from_numpy(rng.standard_normal((1, d.chunk, d.max_action)).astype(np.float32))
     return image, state, noise
 
@@ -134,7 +137,7 @@ def test_converted_checkpoints_act_as_lerobot_in_robot_units(checkpoints, name):
     assert contract["normalization"] == {"state": mode or "QUANTILES", "actions": mode or "QUANTILES"}
     assert contract["relative_actions"] == ([True, False] if relative else None)
     runner = load_policy(converted, obs_map=ObservationMap(cameras=[CAMERA]))
-    for seed in (0, 1):
+    for seed in (0, 1, 2):
         image, state, noise = _observation(seed)
         expected = _lerobot_chunk(policy, pre, post, image, state, noise)
         # by hand, as the README's inference loop
@@ -143,6 +146,8 @@ def test_converted_checkpoints_act_as_lerobot_in_robot_units(checkpoints, name):
             chunk = model.sample_actions(**inputs, noise=noise.clone())
         ours = processor.unnormalize_actions(chunk).numpy()[0]
         np.testing.assert_allclose(ours, expected, rtol=0, atol=TOLERANCE)
+        if seed == 2:  # the state left the range: its prompt holds bin -1, as lerobot's does
+            assert " -1 " in f" {' '.join(map(str, processor.discretize_state(processor.normalize(state, 'state'))))} "
         # the policy runner of evaluate / serve / RL / DAgger (prepare, sample, finish), with lerobot's noise
         runner.reset(seed=0)
         request = runner.prepare({CAMERA: image, "observation.state": state}, task="pick the cube")

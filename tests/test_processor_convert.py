@@ -64,7 +64,8 @@ def test_discretization_matches_openpi(processor):
     ours = processor.discretize_state(values)
     openpi = np.digitize(values.numpy(), bins=np.linspace(-1, 1, 257)[:-1]) - 1
     np.testing.assert_array_equal(ours, openpi)
-    assert processor.discretize_state(torch.tensor([-5.0, 5.0])).tolist() == [0, 255]
+    # out of range as openpi and lerobot have it: below -1 is bin -1, above 1 the last bin
+    assert processor.discretize_state(torch.tensor([-5.0, 5.0])).tolist() == [-1, 255]
 
 
 def test_images_resized_with_aspect_preserving_padding():

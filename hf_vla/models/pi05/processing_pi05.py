@@ -313,10 +313,11 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
 
     # ---- prompt --------------------------------------------------------------------------------------------------
     def discretize_state(self, normalized_state: torch.Tensor) -> np.ndarray:
-        """`state_bins` uniform bins over [-1, 1] (openpi's `np.digitize(..., linspace(-1, 1, bins + 1)[:-1]) - 1`)."""
+        """`state_bins` uniform bins over [-1, 1], exactly as openpi and lerobot (`np.digitize(..., linspace(-1, 1,
+        bins + 1)[:-1]) - 1`): a value below -1 is bin -1 and one above 1 the last bin, as their prompts have it (a
+        MEAN_STD or IDENTITY state leaves [-1, 1] often; a checkpoint trained on those prompts must see them)."""
         bins = np.linspace(-1, 1, self.state_bins + 1)[:-1]
-        # Clipped so an out-of-range state never yields bin -1 or `state_bins` (openpi leaves those unclipped).
-        return np.clip(np.digitize(normalized_state.detach().cpu().numpy(), bins=bins) - 1, 0, self.state_bins - 1)
+        return np.digitize(normalized_state.detach().cpu().numpy(), bins=bins) - 1
 
     def build_prompt(self, task: str, normalized_state: torch.Tensor) -> str:
         cleaned = task.strip().replace("_", " ").replace("\n", " ")
