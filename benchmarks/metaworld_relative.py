@@ -93,8 +93,9 @@ def stage_evaluate(work: Path, arm: str, episodes: int, results: dict) -> None:
 
 def stage_report(results: dict) -> dict:
     native = _load(REPO / "benchmarks" / "results" / "metaworld_cpu.json")
-    final = native["hf_vla"]["closed_loop"]
-    last = final[sorted(final, key=lambda name: int(name.split("-")[-1]) if "-" in name else 10**9)[-1]]
+    final = native["hf_vla"]["closed_loop"]  # its evaluation of the last checkpoint with 50 episodes per task
+    last = next(entry for entry in reversed(list(final.values()))
+                if all(r["episodes"] == 50 for r in entry["tasks"].values()))
     out = {"delta_native": {"mean_success": last["success_rate"],
                             "tasks": {task: r["success_rate"] for task, r in last["tasks"].items()},
                             "minutes": native["hf_vla"]["budget_min"], "steps": native["hf_vla"]["max_steps"],
