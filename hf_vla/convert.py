@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_vla.cli import HUB_ID, ArgumentParser, run
+from hf_vla.cli import HUB_ID, run
 from hf_vla.errors import ConfigError
 from hf_vla.hub.convert import (  # noqa: F401  (public here: hf_vla.convert.convert_lerobot_state_dict)
     config_from_lerobot,
@@ -30,22 +31,29 @@ from hf_vla.hub.convert import (  # noqa: F401  (public here: hf_vla.convert.con
     read_weights,
     weight_shapes,
 )
+from hf_vla.parser import CommandParser
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class ConvertArguments:
+    """What `python -m hf_vla.convert` reads and writes."""
+
+    input: str | None = field(default=None, metadata={"required": True, "help": "lerobot checkpoint directory "
+                              "(config.json + model.safetensors), or LoRA adapters (a checkpoint of a LoRA run): "
+                              "merged with their base"})
+    output: str | None = field(default=None, metadata={"required": True, "help": "directory to write (new, or "
+                               "replaced with --overwrite); never the input or a directory inside or around it"})
+    tokenizer: str = field(default="google/paligemma-3b-pt-224", metadata={"help": "tokenizer id or local path"})
+    head: str = field(default="default", metadata={"help": "normalization head name for the checkpoint's stats"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing --output (after the new one is "
+                            "complete)"})
+
+
 def main(argv=None):
     """The command; raises `hf_vla.errors.VLAError` for bad arguments (`cli` prints them as one line)."""
-    parser = ArgumentParser(prog="python -m hf_vla.convert", description=__doc__.split("\n")[0])
-    parser.add_argument("--input", required=True, help="lerobot checkpoint directory (config.json + model.safetensors), "
-                        "or LoRA adapters (a checkpoint of a LoRA run): merged with their base")
-    parser.add_argument("--output", required=True, help="directory to write (new, or replaced with --overwrite); never "
-                        "the input or a directory inside or around it")
-    parser.add_argument("--tokenizer", default="google/paligemma-3b-pt-224", help="tokenizer id or local path")
-    parser.add_argument("--head", default="default", help="normalization head name for the checkpoint's stats")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (after the new one "
-                        "is complete)")
-    args = parser.parse_args(argv)
+    args = CommandParser("python -m hf_vla.convert", (ConvertArguments,), __doc__).parse(argv)
     source = Path(args.input)
     if not source.exists() and HUB_ID.match(args.input) and args.input.count("/") == 1:
         raise ConfigError(f"--input {args.input!r}: convert reads a local directory; a Hub id needs no conversion "

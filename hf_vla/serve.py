@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
 
-import torch
-
-from hf_vla.cli import ArgumentParser, model_source, run
+from hf_vla.cli import run
 from hf_vla.errors import ConfigError, ConnectionFailedError
+from hf_vla.parser import CommandParser
+from hf_vla.serving.arguments import RTCArguments, ServeArguments, record_fps
 from hf_vla.serving.batcher import Batcher  # noqa: F401  (the layers, importable from here as before)
 from hf_vla.serving.codec import RefusedArray, packb, refused_arrays, unpackb  # noqa: F401
 from hf_vla.serving.policy import (
@@ -55,9 +54,7 @@ from hf_vla.serving.policy import (
     ObservationMap,
     PolicyRunner,
     RequestError,
-    add_rtc_arguments,
     load_policy,
-    rtc_config_from_args,
 )
 from hf_vla.serving.server import (  # noqa: F401
     API_KEY_ENV,
@@ -76,54 +73,8 @@ logger = logging.getLogger("hf_vla.serve")
 
 def main(argv=None):
     """The command; raises `hf_vla.errors.VLAError` for bad arguments (`cli` prints them as one line)."""
-    parser = ArgumentParser(prog="python -m hf_vla.serve", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="model + processor directory or Hub id (a lerobot pi0.5 "
-                        "checkpoint is converted on load)")
-    parser.add_argument("--revision", default=None, help="Hub revision of --checkpoint")
-    parser.add_argument("--host", default="0.0.0.0", help="interface to bind (default all, as openpi's server; "
-                        "127.0.0.1 for this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
-    parser.add_argument("--head", default=None, help="normalization head robot_type::control_mode (default: the "
-                        "processor's only one; a request may name another under `head`)")
-    parser.add_argument("--obs_map", default=None, help="JSON file {cameras: [...], state: [...], prompt: key}")
-    parser.add_argument("--cameras", nargs="*", default=None, help="image keys in camera-slot order (default: the "
-                        "checkpoint's contract; without one, every HxWx3 array of the observation, sorted)")
-    parser.add_argument("--state", nargs="*", default=None, help="state keys, concatenated (default: the first of "
-                        "observation/state, observation.state, state)")
-    parser.add_argument("--prompt_key", default=None, help="key of the task string (default: prompt)")
-    parser.add_argument("--num_camera_slots", type=int, default=None, help="pad with masked cameras up to this many "
-                        "(default: the checkpoint's)")
-    parser.add_argument("--override", nargs="+", default=[], choices=("cameras", "num_camera_slots"), metavar="FIELD",
-                        help="accept --cameras / --num_camera_slots against the checkpoint's deployment contract")
-    limits = parser.add_argument_group("limits and access")
-    limits.add_argument("--max_message_mb", type=float, default=None, help="largest request read, in MiB (default: "
-                        "every camera at 1920x1080 float32 + 1, e.g. 73 for 3 cameras)")
-    limits.add_argument("--max_image_side", type=int, default=InputLimits.max_image_side,
-                        help="largest image side accepted, in pixels")
-    limits.add_argument("--max_state_range", type=float, default=InputLimits.max_state_range,
-                        help="refuse a state value (or an RTC leftover action) this many q01..q99 widths "
-                        "outside the training range")
-    limits.add_argument("--max_batch", type=int, default=8, help="most requests of clients waiting at once that run "
-                        "in one forward (1: one request at a time)")
-    limits.add_argument("--max_connections", type=int, default=None, help="open connections at most; more are "
-                        "refused at the handshake (HTTP 503) (default: what half the available memory holds when each "
-                        f"sends a --max_message_mb message at once, {CONNECTION_MEMORY_FACTOR}x the bound per "
-                        f"connection, at most {MAX_CONNECTIONS_CAP})")
-    limits.add_argument("--api_key", default=None, help=f"require this key at the handshake (prefer the {API_KEY_ENV} "
-                        "environment variable: a flag is visible in the process list)")
-    recording = parser.add_argument_group("recording (hf_vla.serving.recorder)")
-    recording.add_argument("--record", default=None, metavar="DIR", help="write what each client sent and got as "
-                           "LeRobot episodes under DIR (a new or empty directory, or this checkpoint's earlier "
-                           "recording to continue); joined into DIR/dataset when the server stops")
-    recording.add_argument("--record_fps", type=float, default=None, help="frames per second of the recording (one "
-                           "frame a request; default: the data's fps / the contract's actions per chunk)")
-    add_rtc_arguments(parser)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0, help="noise seed of every connection")
-    args = parser.parse_args(argv)
-    checkpoint = model_source("--checkpoint", args.checkpoint)
-    if not 0 <= args.port <= 65535:
-        parser.error(f"--port {args.port}: must be 0..65535")
+    parsed = CommandParser("python -m hf_vla.serve", (ServeArguments, RTCArguments), __doc__).parse(argv)
+    args, rtc = parsed
     try:
         obs_map = ObservationMap.from_json(args.obs_map) if args.obs_map else ObservationMap()
     except ValueError as error:
@@ -131,42 +82,35 @@ def main(argv=None):
     from hf_vla.cli import setup_logging
 
     setup_logging()
-
     for field_name, value in (("cameras", args.cameras), ("state", args.state), ("prompt", args.prompt_key)):
         if value:
             setattr(obs_map, field_name, value)
-    for name in ("max_message_mb", "max_image_side", "max_state_range", "num_camera_slots", "max_batch",
-                 "max_connections"):
-        value = getattr(args, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            parser.error(f"--{name}: must be positive, got {value}")
-    contract, slots = _contract_cameras(parser, checkpoint, args, obs_map)
+    contract, slots = _contract_cameras(args.checkpoint, args, obs_map)
     record_lock = None
     if args.record:  # before the model loads: a directory of another run, or of a live server, is refused at once
         from hf_vla.serving.recorder import check_record_dir
         from hf_vla.serving.recorder import record_lock as writer_lock
 
-        _record_fps(args.record_fps)
         check_record_dir(args.record, _record_run(args))
         record_lock = writer_lock(args.record).acquire()
     try:
-        _serve(parser, args, checkpoint, obs_map, contract, slots, record_lock)
+        _serve(args, rtc, obs_map, contract, slots, record_lock)
     finally:
         if record_lock is not None:
             record_lock.release()
 
 
-def _serve(parser, args, checkpoint, obs_map, contract, slots, record_lock):
+def _serve(args, rtc, obs_map, contract, slots, record_lock):
     """Load the policy and serve it until stopped (the recording, if any, joined at the end)."""
-    runner = load_policy(checkpoint, device=args.device, revision=args.revision, obs_map=obs_map, seed=args.seed,
-                         rtc=rtc_config_from_args(args), num_camera_slots=slots,
+    runner = load_policy(args.checkpoint, device=args.device, revision=args.revision, obs_map=obs_map, seed=args.seed,
+                         rtc=rtc.rtc_config(), num_camera_slots=slots,
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
     heads = runner.processor.head_names
     if args.head is not None or len(heads) == 1:
         try:  # an unknown head fails here, before listening
             runner.head = runner.head_name(args.head)
         except RequestError as error:
-            parser.error(f"--head: {error}")
+            raise ConfigError(f"--head: {error}") from None
     else:
         logger.warning("several heads %s and no --head: every request must name its `head`", heads)
     metadata = {"checkpoint": str(args.checkpoint), "deployment": contract.to_dict() if contract else None}
@@ -195,18 +139,6 @@ def _serve(parser, args, checkpoint, obs_map, contract, slots, record_lock):
                 print(f"hf_vla.serve: recorded episodes joined into {joined}", flush=True)
 
 
-def _record_fps(fps: float | None) -> int | None:
-    """--record_fps: a whole number of frames per second (a LeRobot dataset's fps is one), or one line."""
-    if fps is None:
-        return None
-    if not (math.isfinite(fps) and fps > 0):
-        raise ConfigError(f"--record_fps {fps}: must be positive")
-    if not float(fps).is_integer():
-        raise ConfigError(f"--record_fps {fps}: a LeRobot dataset has a whole number of frames per second; give an "
-                          f"integer (e.g. {max(1, round(fps))})")
-    return int(fps)
-
-
 def _record_run(args) -> dict:
     """What identifies a recording's run: the checkpoint (a local one by its resolved path and its weights'
     fingerprint, so another spelling of it is the same run and other weights under its path are not) and revision."""
@@ -223,7 +155,7 @@ def _recorder(args, contract, runner: PolicyRunner, lock=None):
     whole)."""
     from hf_vla.serving.recorder import ServeRecorder
 
-    fps = _record_fps(args.record_fps)
+    fps = record_fps(args.record_fps)
     spec = (contract.heads.get(runner.head) if contract and runner.head else None) or {}
     if fps is None:
         rate = (spec.get("fps") or 10.0) / (contract.n_action_steps if contract and spec.get("fps") else 1)
@@ -236,7 +168,7 @@ def _recorder(args, contract, runner: PolicyRunner, lock=None):
     return ServeRecorder(args.record, run, fps, lock=lock)
 
 
-def _contract_cameras(parser, checkpoint, args, obs_map: ObservationMap):
+def _contract_cameras(checkpoint, args, obs_map: ObservationMap):
     """The checkpoint's deployment contract and the camera slots to serve: the contract's camera keys unless
     --cameras (or --obs_map) names the client's keys, which must be as many, once each; --num_camera_slots must
     agree with it. A contradiction is refused unless --override names it."""

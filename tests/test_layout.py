@@ -110,7 +110,7 @@ def test_the_top_level_holds_the_commands_and_public_entry_modules_only():
     """Library code lives in the rooms; the top level is the package, its commands (`python -m hf_vla.<command>`)
     and the modules the README and notebooks import."""
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
-    assert top == ["__init__", "__main__", "cli", "convert", "demo", "errors", "evaluate", "lora", "record", "serve",
-                   "storage", "tiny", "train"], top
+    assert top == ["__init__", "__main__", "cli", "convert", "demo", "errors", "evaluate", "lora", "parser", "record",
+                   "serve", "storage", "tiny", "train"], top
     rooms = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert rooms == ["data", "envs", "evaluation", "hub", "models", "rl", "serving", "training"], rooms

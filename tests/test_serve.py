@@ -22,7 +22,7 @@ from conftest import REPO, randomize_, refused
 import hf_vla.envs  # noqa: F401  (registers ColorReach)
 from hf_vla.models.pi05 import PI05Config, PI05ForConditionalGeneration, PI05Processor
 from hf_vla.models.pi05.rtc import RTCConfig, guidance_weight, guided_velocity, prefix_weights
-from hf_vla.serving.policy import ObservationMap, PolicyRunner, RequestError, add_rtc_arguments, rtc_config_from_args
+from hf_vla.serving.policy import ObservationMap, PolicyRunner, RequestError, rtc_config_from_args
 
 HEAD = "color_reach::delta_xy"
 NORM_STATS = {HEAD: {"state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0]},
@@ -129,17 +129,18 @@ def test_guidance_with_jacobian_is_the_vector_jacobian_product():
 
 
 def test_rtc_flags_build_the_config():
-    import argparse
+    from hf_vla.errors import ConfigError
+    from hf_vla.parser import CommandParser
+    from hf_vla.serving.arguments import RTCArguments
 
-    parser = argparse.ArgumentParser()
-    add_rtc_arguments(parser)
-    assert rtc_config_from_args(parser.parse_args([])) == RTCConfig()
-    args = parser.parse_args(["--rtc_jacobian", "--prefix_attention_schedule", "exp", "--max_guidance_weight", "5",
-                              "--execution_horizon", "3"])
+    parser = CommandParser("serve", (RTCArguments,), "")
+    assert rtc_config_from_args(parser.parse([])) == RTCConfig() == parser.parse([]).rtc_config()
+    args = parser.parse(["--rtc_jacobian", "--prefix_attention_schedule", "exp", "--max_guidance_weight", "5",
+                         "--execution_horizon", "3"])
     assert rtc_config_from_args(args) == RTCConfig(execution_horizon=3, max_guidance_weight=5.0,
                                                    prefix_attention_schedule="exp", jacobian=True)
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--prefix_attention_schedule", "cosine"])
+    with pytest.raises(ConfigError, match="argument --prefix_attention_schedule: invalid choice: 'cosine'"):
+        parser.parse(["--prefix_attention_schedule", "cosine"])
 
 
 def test_rtc_runner_continues_the_previous_chunk(demo_policy):

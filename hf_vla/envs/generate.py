@@ -21,7 +21,7 @@ def generate_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: in
     demo's episode seeds `seed * 100_003 + i` (for seed 0: the recorder's own 0, 1, 2, ...)."""
     import itertools
 
-    from hf_vla.record import record
+    from hf_vla.envs.recording import record
 
     root = Path(root)
     if root.exists():

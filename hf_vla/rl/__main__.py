@@ -23,69 +23,55 @@ from hf_vla.errors import ConfigError
 logger = logging.getLogger("hf_vla.rl")
 
 
-def help_text() -> str:
-    """`--help`: the module's text, the RL fields, and the training arguments whose RL default differs."""
+def _sections(parser):
+    """`--help`'s groups: the RL fields, then the training arguments whose RL default differs."""
     import dataclasses
-    import textwrap
 
     from hf_vla.rl.config import RLConfig
     from hf_vla.training.trainer import VLATrainingArguments
 
     base = {f.name: f for f in dataclasses.fields(VLATrainingArguments)}
-    lines = [__doc__.strip(), "", "RL fields (every field of `python -m hf_vla.train --help`'s training arguments "
-             "applies too):"]
-    def default_of(item):
-        if item.default is not dataclasses.MISSING:
-            value = item.default
-        elif item.default_factory is not dataclasses.MISSING:
-            value = item.default_factory()
-        else:
-            value = None
-        return getattr(value, "value", value)
+    fields = [f for f in dataclasses.fields(RLConfig) if f.init and not f.name.startswith("_")]
 
-    changed = []
-    for item in dataclasses.fields(RLConfig):
-        if not item.init or item.name.startswith("_"):
-            continue
-        default = default_of(item)
-        shown = json.dumps(default) if default is None or isinstance(default, bool) else default
-        if item.name in base:
-            theirs = default_of(base[item.name])
-            if theirs != default:
-                changed.append(f"  --{item.name} (default: {shown}; training's: {theirs})")
-            continue
-        lines.append(f"  --{item.name} (default: {shown})")
-        lines += textwrap.wrap(item.metadata.get("help", ""), 100, initial_indent="      ",
-                               subsequent_indent="      ")
-    return "\n".join(lines + ["", "training arguments with RL defaults:", *changed])
+    def default(item):
+        return parser_default(item)
+
+    def training(item, value):
+        return f"; training's: {default(base[item.name])}"
+
+    return [("RL fields (every field of `python -m hf_vla.train --help`'s training arguments applies too)",
+             [f for f in fields if f.name not in base], None),
+            ("training arguments with RL defaults", [f for f in fields if f.name in base
+                                                     and default(base[f.name]) != default(f)], training)]
+
+
+def parser_default(item):
+    from hf_vla.parser import _default_of
+
+    return _default_of(item)
+
+
+def rl_parser():
+    from hf_vla.parser import CommandParser
+    from hf_vla.rl.config import RLConfig
+
+    return CommandParser("python -m hf_vla.rl", (RLConfig,), __doc__, config_file="required", help_exits=False,
+                         what="an RLConfig field", sections=_sections,
+                         types_in_help=False)
+
+
+def help_text() -> str:
+    """`--help`: the module's text, the RL fields, and the training arguments whose RL default differs."""
+    return rl_parser().help_text()
 
 
 def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
     """JSON config + `--key value` overrides -> a validated `RLConfig` (nothing loaded yet)."""
-    from transformers import HfArgumentParser
-
     from hf_vla.cli import check_writable_dir
-    from hf_vla.rl.config import RLConfig
-    from hf_vla.train import _apply_overrides, read_config_file
-    from hf_vla.training.config_checks import _suggest, check_fields, field_annotations
+    from hf_vla.training.arguments import read_config
 
-    path = Path(path)
-    config = read_config_file(path)
-    annotations = field_annotations(RLConfig)
-    _apply_overrides(config, overrides or [], annotations)
-    if isinstance(config.get("resume_from_checkpoint"), bool):
-        config["resume_from_checkpoint"] = "true" if config["resume_from_checkpoint"] else None
-    unknown = sorted(set(config) - set(annotations))
-    if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {unknown}{_suggest(unknown, annotations)} (not an RLConfig field; "
-                          "python -m hf_vla.rl --help lists them)")
-    config = check_fields(config, [RLConfig])
-    try:
-        (args,) = HfArgumentParser(RLConfig).parse_dict(config, allow_extra_keys=False)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"{path}: {error}") from error
+    parser = rl_parser()
+    args = parser.build(read_config(parser, Path(path), overrides), str(path))
     if not args.model_name_or_path:
         raise ConfigError(f"{path}: set model_name_or_path (the policy to improve: an hf_vla output directory, a Hub id "
                           "or a lerobot pi0 / pi0.5 checkpoint)")
@@ -130,7 +116,7 @@ def main(argv: list[str] | None = None):
         print(help_text())
         return None
     args = parse_rl_config(argv[0], argv[1:])
-    from hf_vla.train import run_checked
+    from hf_vla.training.launch import run_checked
 
     return run_checked(args, lambda: _run(args))
 
@@ -179,7 +165,7 @@ def _run(args):
 
 
 def cli(argv: list[str] | None = None):
-    from hf_vla.train import launched_cli
+    from hf_vla.training.launch import launched_cli
 
     return launched_cli("hf_vla.rl", main, argv)
 

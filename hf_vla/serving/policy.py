@@ -448,29 +448,11 @@ def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | Non
     return PolicyRunner(model, processor, device=device, **kwargs)
 
 
-def add_rtc_arguments(parser, title: str = "real-time chunking (RTC)") -> None:
-    """The real-time chunking flags of `hf_vla.serve` and `hf_vla.evaluate` (fields of `RTCConfig`)."""
-    from hf_vla.models.pi05.rtc import METHODS, SCHEDULES
-
-    group = parser.add_argument_group(title)
-    group.add_argument("--execution_horizon", type=int, default=RTCConfig.execution_horizon,
-                       help="actions of the previous chunk blended with (capped at the remainder)")
-    group.add_argument("--max_guidance_weight", type=float, default=RTCConfig.max_guidance_weight,
-                       help="cap of the guidance weight (lerobot's default 10)")
-    group.add_argument("--prefix_attention_schedule", choices=SCHEDULES, default=RTCConfig.prefix_attention_schedule,
-                       help="decay of the prefix weights (lerobot's default linear; exp is the paper's soft mask)")
-    group.add_argument("--rtc_jacobian", action="store_true",
-                       help="propagate the guidance error through the action expert as the paper does (one backward "
-                            "pass per flow step) instead of lerobot's weighted error")
-    group.add_argument("--rtc_method", choices=METHODS, default=RTCConfig.method,
-                       help="guidance: inference-time RTC (the settings above); prefix: training-time RTC, for a model "
-                            "trained with rtc_max_delay >= the delay; auto: prefix when the model was trained for it")
-
-
 def rtc_config_from_args(args) -> RTCConfig:
+    """The `RTCConfig` of parsed options with `hf_vla.serving.arguments.RTCArguments`' fields."""
     return RTCConfig(execution_horizon=args.execution_horizon, max_guidance_weight=args.max_guidance_weight,
                      prefix_attention_schedule=args.prefix_attention_schedule, jacobian=args.rtc_jacobian,
                      method=args.rtc_method)
 
 
-__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "add_rtc_arguments", "load_policy", "load_pretrained", "rtc_config_from_args", "stat_dims", "stat_range"]
+__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "load_policy", "load_pretrained", "rtc_config_from_args", "stat_dims", "stat_range"]

@@ -1,0 +1,512 @@
+"""Recording a simulator's scripted expert (or a DAgger round) as a LeRobot v3.0 dataset: `record()`, the one
+function behind `python -m hf_vla.record` (whose docstring says what it writes), and `RecordArguments`, its options."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hf_vla.cli import positive, progress_bar
+from hf_vla.envs.dagger import DaggerSettings, dagger_episodes, dagger_features
+from hf_vla.envs.metaworld import LOCATIONS
+from hf_vla.errors import ConfigError
+from hf_vla.serving.contract import RECORD_MARKER
+from hf_vla.storage import DirectoryLock
+
+logger = logging.getLogger("hf_vla.record")
+ENVS = ("metaworld", "color_reach")
+STRATEGIES = ("expert", "dagger")
+EVAL_ENV = {"metaworld": "metaworld", "color_reach": "hf_vla/ColorReach-v0"}  # the env id a checkpoint's contract names
+PART_MARKER = "hf_vla_record_part.json"  # a recorded task in the staging directory: done
+LOCK_NAME = "_hf_vla_record.lock"  # one recording at a time into a staging directory
+# (image key, state key, action key) of the recorded datasets: lerobot's Meta-World names, also the demo's
+CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
+
+
+@dataclass
+class RecordResult:
+    output: str
+    env: str
+    tasks: dict[str, dict] = field(default_factory=dict)  # task name -> {"kept", "rejected", "description"}
+    frames: int = 0
+    seconds: float = 0.0
+    shortfall: dict[str, int] = field(default_factory=dict)  # task name -> episodes missing after --max_tries
+
+
+
+
+def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, only_successful: bool = True,
+                    stats: dict | None = None, bar=None, locations: bool = False) -> Iterator[list[dict]]:
+    """Up to `count` episodes of `env.expert_action()` (frames in the writer's format), over `seeds`; failures are
+    counted in `stats["rejected"]` and skipped when `only_successful`. With `locations`, each frame also carries the
+    env's `target_text()` (where the gripper, object and goal are in that frame's image) under `text`."""
+    kept = 0
+    stats = stats if stats is not None else {}
+    stats.setdefault("kept", 0)
+    stats.setdefault("rejected", 0)
+    for _ in range(max_attempts):
+        if kept >= count:
+            break
+        seed = next(seeds, None)  # drawn only when an episode is tried: the seeds used are exactly those drawn
+        if seed is None:
+            break
+        observation, info = env.reset(seed=int(seed))
+        task = info.get("task") or getattr(env, "task", "")
+        frames, success, done = [], False, False
+        while not done:
+            action = np.asarray(env.expert_action(), dtype=np.float32)
+            frame = {"images": {CAMERA: observation[CAMERA]}, "state": observation[STATE], "action": action,
+                     "task": task}
+            if locations:
+                frame["text"] = {LOCATIONS: env.call("target_text") if hasattr(env, "call") else env.target_text()}
+            frames.append(frame)
+            observation, _, terminated, truncated, info = env.step(action)
+            success = success or bool(info.get("is_success", False))
+            done = terminated or truncated
+        if only_successful and not success:
+            stats["rejected"] += 1
+            if bar is not None:
+                bar.set_postfix(rejected=stats["rejected"])
+            continue
+        kept += 1
+        stats["kept"] += 1
+        if bar is not None:
+            bar.update(1)
+        yield frames
+
+
+class _ColorReachWithExpert:
+    """ColorReach with its scripted expert as `expert_action()` (one seeded generator for the expert's noise)."""
+
+    def __init__(self, seed: int, **env_kwargs):
+        from hf_vla.envs.reach import ColorReachEnv
+
+        self.env = ColorReachEnv(**env_kwargs)
+        self.rng = np.random.default_rng(seed)
+        self.metadata = self.env.metadata
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def reset(self, seed=None):
+        return self.env.reset(seed=seed)
+
+    def step(self, action):
+        return self.env.step(action)
+
+    def expert_action(self):
+        from hf_vla.envs.reach import expert_action
+
+        return expert_action(self.env, self.rng)
+
+
+def _part_stats(part: Path) -> dict | None:
+    marker = part / PART_MARKER
+    return json.loads(marker.read_text()) if marker.exists() else None
+
+
+def record(env: str, output: str | Path, episodes: int, tasks: str | None = None, image_size: int | None = None,
+           seed: int | None = None, max_episode_steps: int | None = None, overwrite: bool = False,
+           progress: bool = True, seeds: Callable[[int], Iterator[int]] | None = None, env_kwargs: dict | None = None,
+           max_tries: int | None = None, strategy: str = "expert", policy: str | None = None,
+           dagger: DaggerSettings | None = None, round_index: int = 1, device: str = "cpu") -> RecordResult:
+    """Record `episodes` successful expert episodes per task into a new LeRobot dataset at `output` (with
+    `strategy="dagger"`: `episodes` DAgger episodes per task of `policy`, labelled by the expert; see
+    `hf_vla.envs.dagger`).
+
+    Each task is recorded into its own part under `.<output name>.recording/` beside `output` and marked done when
+    complete; the parts are joined with lerobot's `aggregate_datasets` and the result renamed into place. Killed and
+    rerun with the same arguments, the recording continues from the first task not done. A task gets at most
+    `max_tries` episodes (default 3 x episodes + 10); a shortfall is reported in the result, not hidden."""
+    if env not in ENVS:
+        raise ConfigError(f"env {env!r}: choose one of {list(ENVS)}")
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy {strategy!r}: choose one of {list(STRATEGIES)}")
+    if (strategy == "dagger") != (policy is not None):
+        raise ConfigError("--strategy dagger needs --policy CHECKPOINT (the policy that acts)" if policy is None else
+                          f"--policy {policy}: only --strategy dagger runs a policy (the expert records alone)")
+    positive("episodes", episodes)
+    positive("round", round_index)
+    positive("image_size", image_size)
+    positive("max_episode_steps", max_episode_steps)
+    positive("max_tries", max_tries)
+    max_tries = max_tries or 3 * episodes + 10
+    if max_tries < episodes:
+        raise ConfigError(f"--max_tries {max_tries} is below --episodes {episodes}: a task could never be complete")
+    from hf_vla.storage import check_output, make_dir
+
+    output = check_output("--output", output, overwrite, inputs={"--policy": policy if strategy == "dagger" else None},
+                          marker=f"meta/{RECORD_MARKER}", what="recording")
+    make_dir("--output", output.parent)
+    runner = None
+    if strategy == "dagger":
+        dagger = dagger or DaggerSettings()
+        runner, resolved = _dagger_policy(env, policy, tasks, image_size, max_episode_steps, env_kwargs, episodes,
+                                          device)
+        tasks, image_size, max_episode_steps, env_kwargs = (resolved["task"], resolved["image_size"],
+                                                            resolved["max_episode_steps"], resolved["env_kwargs"])
+        seed = 1000 * round_index if seed is None else seed
+    seed = 0 if seed is None else seed
+    if env == "metaworld":
+        from hf_vla.envs import metaworld
+
+        names = metaworld.task_names(tasks or "reach-v3")
+        kwargs = dict(env_kwargs or {})
+        unknown = sorted(set(kwargs) - {"crop", "action_mode"})
+        if unknown:
+            raise ConfigError(f"env_kwargs {unknown}: Meta-World recording takes crop and action_mode (image_size and "
+                              "max_episode_steps are arguments of their own)")
+        if kwargs.get("action_mode", "delta") not in metaworld.ACTION_MODES:
+            raise ConfigError(f"--action_mode {kwargs['action_mode']!r}: choose one of {list(metaworld.ACTION_MODES)}")
+        if kwargs.get("action_mode") == "delta":
+            kwargs.pop("action_mode")  # the default: recorded as before
+        if kwargs.get("crop") is not None:
+            kwargs["crop"] = list(metaworld.check_crop(kwargs["crop"]))  # JSON-able: it goes into the plan and marker
+        make = {name: (lambda name=name: metaworld.in_worker(
+            name, image_size=image_size or 128, max_episode_steps=max_episode_steps or metaworld.DEFAULT_STEPS,
+            **kwargs)) for name in names}
+        fps, state_dim, action_dim, robot_type, size = metaworld.FPS, 4, 4, metaworld.ROBOT_TYPE, image_size or 128
+        default_steps = metaworld.DEFAULT_STEPS
+    else:
+        from hf_vla.envs.reach import ROBOT_TYPE, ColorReachEnv
+
+        if (env_kwargs or {}).get("crop") is not None:
+            raise ConfigError("--crop: Meta-World only (ColorReach renders its 32 px scene whole)")
+        if (env_kwargs or {}).get("action_mode") is not None:
+            raise ConfigError("--action_mode: Meta-World only (ColorReach's actions are its own)")
+        if tasks:
+            raise ConfigError("--task: ColorReach draws its instruction per episode; it has no task to choose")
+        kwargs = dict(env_kwargs or {})
+        if image_size:
+            kwargs["image_size"] = image_size
+        if max_episode_steps:
+            kwargs["max_steps"] = max_episode_steps
+        names = ["color_reach"]
+        make = {"color_reach": lambda: _ColorReachWithExpert(seed, **kwargs)}
+        probe = ColorReachEnv(**kwargs)
+        fps, state_dim, action_dim, robot_type, size = probe.metadata["render_fps"], 2, 2, ROBOT_TYPE, probe.image_size
+        default_steps = probe.max_steps
+    seeds = seeds or (lambda first: iter(range(first, first + 10**9)))
+    plan = {"env": env, "tasks": names, "episodes_per_task": episodes, "image_size": size, "seed": seed,
+            "max_episode_steps": max_episode_steps or default_steps, "max_tries": max_tries,
+            "env_kwargs": {k: v for k, v in kwargs.items() if k not in ("image_size", "max_steps")}}
+    if runner is not None:
+        from hf_vla.serving.recorder import checkpoint_identity
+        from hf_vla.storage import weights_fingerprint
+
+        # the policy by its resolved path and its weights: another spelling of it continues the round, other weights
+        # under its path do not (a round acted by two policies)
+        plan |= {"strategy": strategy, "policy": checkpoint_identity(str(policy)),
+                 "weights": weights_fingerprint(policy), "round": round_index, "dagger": dagger.to_dict(),
+                 "n_action_steps": resolved["n_action_steps"], "plan_steps": resolved["plan_steps"]}
+
+    staging = output.parent / f".{output.name}.recording"
+    lock = DirectoryLock(staging, label="--output", lock_name=LOCK_NAME,
+                         what=f"another recording into {output}").acquire()
+    try:
+        return _record_tasks(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env,
+                             runner, resolved if runner is not None else None, dagger, max_tries, fps, size,
+                             state_dim, action_dim, robot_type)
+    finally:
+        lock.release()
+        if staging.is_dir() and not any(staging.iterdir()):  # done: the staging directory held only the lock
+            staging.rmdir()
+
+
+def _record_tasks(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env, runner,
+                  resolved, dagger, max_tries, fps, size, state_dim, action_dim, robot_type) -> RecordResult:
+    """`record`'s work, with the staging directory's writer lock held."""
+    from hf_vla.data.writer import write_lerobot_dataset
+
+    plan_file = staging / "plan.json"
+    previous = json.loads(plan_file.read_text()) if plan_file.exists() else None
+    if previous is not None and previous.get("policy") and plan.get("policy"):  # an older round's plan: its spelling
+        from hf_vla.serving.recorder import checkpoint_identity
+
+        previous["policy"] = checkpoint_identity(previous["policy"])
+        previous.setdefault("weights", plan.get("weights"))  # plans of an hf_vla without the fingerprint
+    if any(p.name != LOCK_NAME for p in staging.iterdir()) and previous != plan:
+        if not overwrite:
+            raise ConfigError(
+                f"{staging} holds an interrupted recording with other settings ({_plan_difference(previous, plan)}): "
+                "rerun with its settings to continue it, or pass --overwrite to start over")
+        for leftover in staging.iterdir():
+            if leftover.name != LOCK_NAME:
+                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    parts = staging / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    plan_file.write_text(json.dumps(plan, indent=2))
+    for leftover in parts.glob("*.partial"):  # a task killed mid-way: recorded again from its first seed
+        shutil.rmtree(leftover)
+
+    result = RecordResult(str(output), env)
+    started = time.perf_counter()
+    done = {name: _part_stats(parts / name) for name in names}
+    resumed = [name for name, stats in done.items() if stats is not None]
+    if resumed:
+        logger.info("continuing the recording in %s: %d of %d tasks already done", staging, len(resumed), len(names))
+    bar = progress_bar(episodes * len(names), f"recording {env}", "episodes", enabled=progress,
+                       initial=sum(done[name]["kept"] for name in resumed))
+    try:
+        for name in names:
+            if done[name] is not None:
+                continue
+            live = make[name]()
+            used_seeds: list[int] = []  # every env seed an episode was tried with: evaluation must stay off them
+
+            def tried(first, used_seeds=used_seeds):
+                for value in seeds(first):
+                    used_seeds.append(int(value))
+                    yield value
+
+            stats = {"description": getattr(live, "task", name)}
+            frames_count = [0]
+            task_started = time.perf_counter()
+
+            def task_episodes(live=live, stats=stats, used_seeds=used_seeds, frames_count=frames_count, name=name):
+                if runner is not None:
+                    from hf_vla.evaluation.envs import _check_dims
+
+                    _check_dims(runner, live, f"{env} {name}")
+                    stats["rejected"] = 0
+                    source = dagger_episodes(live, runner, resolved["n_action_steps"], episodes, tried(seed), dagger,
+                                             CAMERA, STATE, stats=stats, bar=bar,
+                                             episodes=stats.setdefault("episodes", []),
+                                             text=_location_text if env == "metaworld" else None,
+                                             plan_steps=resolved["plan_steps"])
+                else:
+                    source = expert_episodes(live, episodes, tried(seed), max_attempts=max_tries, stats=stats,
+                                             bar=bar, locations=env == "metaworld")
+                for frames in source:
+                    frames_count[0] += len(frames)
+                    yield frames
+
+            partial = parts / f"{name}.partial"
+            try:
+                bar.set_description(f"recording {name}")
+                episodes_iter = task_episodes()
+                first = next(episodes_iter, None)
+                if first is not None:
+                    write_lerobot_dataset(
+                        partial / "dataset", itertools.chain([first], episodes_iter), fps=fps,
+                        cameras={CAMERA: (size, size)}, state_dim=state_dim, action_dim=action_dim,
+                        robot_type=robot_type, state_key=STATE, action_key=ACTION, repo_id=f"local/{name}",
+                        text_features=(LOCATIONS,) if env == "metaworld" else (),
+                        extra_features=dagger_features(action_dim, resolved["plan_steps"]) if runner is not None
+                        else None,
+                        # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env
+                        # renders.
+                        pix_fmt="yuv444p", crf=0)
+                else:
+                    partial.mkdir(parents=True, exist_ok=True)
+            finally:
+                if hasattr(live, "close"):
+                    live.close()
+            if runner is not None:
+                logger.info("%s: the policy succeeded in %d of %d DAgger episodes; the expert acted at %d of %d steps",
+                            name, stats["successes"], stats["kept"], stats["expert_steps"], frames_count[0])
+            elif stats["kept"] < episodes:
+                logger.warning("%s: only %d of %d episodes succeeded in %d tries (--max_tries %d)", name,
+                               stats["kept"], episodes, stats["kept"] + stats["rejected"], max_tries)
+            stats |= {"frames": frames_count[0], "seeds": [min(used_seeds, default=seed), max(used_seeds, default=seed)],
+                      "seconds": round(time.perf_counter() - task_started, 1)}
+            (partial / PART_MARKER).write_text(json.dumps(stats, indent=2))
+            os.replace(partial, parts / name)  # the task is done: a rerun skips it
+            done[name] = stats
+    finally:
+        bar.close()
+
+    for name in names:
+        stats = dict(done[name])
+        result.frames += stats.pop("frames")
+        result.tasks[name] = stats
+    recorded = [parts / name / "dataset" for name in names if (parts / name / "dataset").exists()]
+    if not recorded:
+        raise ConfigError(f"no successful expert episode in {sum(s['rejected'] for s in result.tasks.values())} tries "
+                          f"of {names}: nothing to write ({staging} is kept; --overwrite starts over)")
+    dataset = staging / "dataset"
+    shutil.rmtree(dataset, ignore_errors=True)
+    if len(recorded) == 1:
+        shutil.copytree(recorded[0], dataset)
+    else:
+        from lerobot.datasets.aggregate import aggregate_datasets
+
+        logger.info("joining %d tasks into one dataset", len(recorded))
+        aggregate_datasets([f"local/{p.parent.name}" for p in recorded], f"local/{output.name}", roots=recorded,
+                           aggr_root=dataset)
+    result.seconds = round(time.perf_counter() - started + sum(s.get("seconds", 0) for n, s in result.tasks.items()
+                                                                if n in resumed), 1)
+    all_seeds = [s["seeds"] for s in result.tasks.values()]
+    shortfall = {n: episodes - s["kept"] for n, s in result.tasks.items() if s["kept"] < episodes}
+    (dataset / "meta" / RECORD_MARKER).write_text(json.dumps(
+        asdict(result) | {"seed": seed, "image_size": size, "episodes_per_task": episodes,
+                          "max_episode_steps": plan["max_episode_steps"], "max_tries": max_tries,
+                          "fast_render": env == "metaworld", "env_kwargs": plan["env_kwargs"],
+                          **{key: plan[key] for key in ("strategy", "policy", "weights", "round", "dagger",
+                                                        "n_action_steps", "plan_steps") if key in plan},
+                          "shortfall": shortfall,
+                          "data_seeds": [min(s[0] for s in all_seeds), max(s[1] for s in all_seeds)]},
+        indent=2))
+    from hf_vla.storage import replace_dir
+
+    replace_dir(dataset, output)  # an existing output (checked: a recording) is replaced once the new one is whole
+    for leftover in staging.iterdir():  # the lock stays until it is released
+        if leftover.name != LOCK_NAME:
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+    result.shortfall = shortfall
+    total = sum(t["kept"] for t in result.tasks.values())
+    logger.info("recorded %d episodes (%d frames; %d rejected) into %s in %.0f s", total, result.frames,
+                sum(t["rejected"] for t in result.tasks.values()), output, result.seconds)
+    if shortfall:
+        logger.warning("%d task(s) short of %d episodes: %s", len(shortfall), episodes,
+                       ", ".join(f"{n} ({episodes - k} of {episodes} kept)" for n, k in shortfall.items()))
+    return result
+
+
+def _location_text(env) -> dict:
+    return {LOCATIONS: env.call("target_text") if hasattr(env, "call") else env.target_text()}
+
+
+def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | None, max_episode_steps: int | None,
+                   env_kwargs: dict | None, episodes: int, device: str):
+    """The policy of a DAgger recording, loaded, and the settings its deployment contract fixes (tasks, image size,
+    episode limit, env arguments such as a crop): a flag that contradicts the contract, or a checkpoint trained in
+    another env, is refused in one line."""
+    from hf_vla.evaluation.settings import env_arguments, evaluation_settings, head_spec
+    from hf_vla.hub.resolve import resolve_contract
+    from hf_vla.serving.contract import ContractError
+    from hf_vla.serving.policy import ObservationMap, load_policy
+
+    try:
+        contract = resolve_contract(policy, None)
+    except ConfigError as error:
+        raise ConfigError(f"--policy {error}") from None
+    spec = head_spec(contract, None)
+    trained_env = ((spec or {}).get("benchmark") or {}).get("env")
+    if trained_env is not None and trained_env != EVAL_ENV[env]:
+        raise ConfigError(f"--policy {policy}: its data was recorded in {trained_env!r}, not {EVAL_ENV[env]!r} "
+                          f"(--env {env}); DAgger runs a policy in the env it was trained for")
+    try:
+        settings = evaluation_settings(contract, None, EVAL_ENV[env], tasks, episodes, image_size=image_size,
+                                       max_episode_steps=max_episode_steps, overrides=("seed",),
+                                       chunk_size=contract.chunk_size if contract else None)
+    except ContractError as error:
+        raise ConfigError(f"--policy {policy}: {str(error).split('; drop the flag')[0]}; drop the flag: DAgger runs "
+                          "the policy as it was trained") from None
+    given = dict(env_kwargs or {})
+    merged = env_arguments(spec, settings, {})
+    for key, value in given.items():
+        if value is not None and merged.get(key) is not None and _as_list(merged[key]) != _as_list(value):
+            raise ConfigError(f"--policy {policy}: --{key} {value} contradicts the checkpoint, which was trained with "
+                              f"{key}={merged[key]}; drop the flag: DAgger runs the policy as it was trained")
+    merged = {k: v for k, v in (merged | {k: v for k, v in given.items() if v is not None}).items()
+              if k != "image_size"}
+    runner = load_policy(policy, device=device, obs_map=ObservationMap(cameras=settings["cameras"].value or None),
+                         num_camera_slots=len(spec["cameras"]) if spec else None)
+    if env == "color_reach":  # ColorReach draws its instruction per episode: no task to choose
+        task = None
+    else:
+        task = settings["task"].value
+    return runner, {"task": task, "image_size": settings["image_size"].value,
+                    "n_action_steps": int(settings["n_action_steps"].value),
+                    # the expert's own chunk per frame where the env can simulate its expert ahead (hf_vla.envs.dagger)
+                    "plan_steps": int(runner.model.config.chunk_size) if env == "metaworld" else None,
+                    "max_episode_steps": settings["max_episode_steps"].value, "env_kwargs": merged}
+
+
+def _as_list(value):
+    if isinstance(value, str):
+        return [int(v) if v.strip().lstrip("-").isdigit() else v.strip() for v in value.split(",")]
+    return list(value) if isinstance(value, list | tuple) else value
+
+
+def _plan_difference(previous: dict | None, plan: dict) -> str:
+    if previous is None:
+        return "no plan.json"
+    keys = [k for k in plan if previous.get(k) != plan[k]]
+    return ", ".join(f"{k}: {previous.get(k)!r} there, {plan[k]!r} now" for k in keys)[:300]
+
+
+DAGGER = "DAgger (a policy acts, the expert labels; hf_vla.envs.dagger)"
+
+
+@dataclass
+class RecordArguments:
+    """What `python -m hf_vla.record` records, from which env, where to."""
+
+    env: str | None = field(default=None, metadata={"required": True, "choices": ENVS, "help": "the simulator"})
+    task: str | None = field(default=None, metadata={"help": "Meta-World: task names (comma-separated, -v3 optional), "
+                             "a difficulty group (easy, medium, hard, very_hard), or mt50 / all (the 50 tasks)"})
+    episodes: int | None = field(default=None, metadata={"help": "successful episodes per task (required to record)"})
+    output: str | None = field(default=None, metadata={"required": True, "help": "the dataset directory to create"})
+    image_size: int | None = field(default=None, metadata={"help": "square image side (Meta-World default 128)"})
+    seed: int | None = field(default=None, metadata={"help": "first episode seed of each task (default 0; DAgger: "
+                             "1000 x --round)"})
+    max_episode_steps: int | None = field(default=None, metadata={"help": "episode limit (default: the env's)"})
+    max_tries: int | None = field(default=None, metadata={"help": "expert episodes tried per task before its "
+                                  "shortfall is reported (default 3 x --episodes + 10)"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing --output once the new one is "
+                            "complete"})
+    crop: str | None = field(default=None, metadata={
+        "help": "Meta-World: left,top,right,bottom pixels of the 480 px render to keep before resizing to --image_size "
+        "(e.g. 144,96,400,352, the five-task workspace); kept in the dataset's deployment contract, so evaluation and "
+        "RL crop the same way"})
+    action_mode: str | None = field(default=None, metadata={
+        "choices": ("delta", "absolute_ee"), "help": "Meta-World: delta (its own actions) or absolute_ee (the hand's "
+        "target position, what a position-controlled arm receives; gripper unchanged); kept in the deployment "
+        "contract (default: delta)"})
+    add_locations: str | None = field(default=None, metadata={
+        "help": "Meta-World: instead of recording, write --output as this recording (one of this command without the "
+        "per-frame locations column) with it, by replaying each episode from its seed; refused where the replay "
+        "departs from the recording"})
+    strategy: str = field(default="expert", metadata={
+        "group": DAGGER, "choices": STRATEGIES, "help": "expert: the scripted expert acts (successful episodes only); "
+        "dagger: --policy acts and the expert labels every state"})
+    policy: str | None = field(default=None, metadata={"group": DAGGER, "help": "dagger: the checkpoint (directory or "
+                               "Hub id) that acts"})
+    round: int | None = field(default=None, metadata={"group": DAGGER, "help": "dagger: the round's number, kept in "
+                              "the metadata (default: 1; seeds 1000 x round)"})
+    beta: float | None = field(default=None, metadata={"group": DAGGER, "help": "dagger: the expert's share of the "
+                               "steps (each step drawn; the paper's mixture) (default: 0)"})
+    takeover_threshold: float | None = field(default=None, metadata={
+        "group": DAGGER, "help": "dagger: the expert takes over where the policy's action is farther than this from "
+        "its own (HG-DAgger's gate)"})
+    takeover_steps: int | None = field(default=None, metadata={"group": DAGGER, "help": "dagger: steps the expert "
+                                       "keeps control (default: 10)"})
+    stall_steps: int | None = field(default=None, metadata={"group": DAGGER, "help": "dagger: the expert takes over "
+                                    "after this many steps without a new best reward"})
+    device: str = field(default="cpu", metadata={"group": DAGGER, "help": "dagger: where the policy runs"})
+
+    def __post_init__(self):
+        if self.add_locations is not None and self.env != "metaworld":
+            raise ConfigError("--add_locations: locations are Meta-World's (--env metaworld)")
+        if self.add_locations is None and self.episodes is None:
+            raise ConfigError("--episodes is required to record")
+        dagger_flags = [f"--{name}" for name in ("round", "beta", "takeover_threshold", "takeover_steps",
+                                                 "stall_steps") if getattr(self, name) is not None]
+        if self.strategy != "dagger" and dagger_flags:
+            raise ConfigError(f"{', '.join(dagger_flags)}: DAgger settings, taken with --strategy dagger only (the "
+                              "expert records alone)")
+
+    def record(self):
+        """`record(...)` with these options."""
+        env_kwargs = {k: v for k, v in (("crop", self.crop), ("action_mode", self.action_mode)) if v} or None
+        dagger = DaggerSettings(self.beta or 0.0, self.takeover_threshold,
+                                10 if self.takeover_steps is None else self.takeover_steps, self.stall_steps)
+        return record(self.env, self.output, self.episodes, tasks=self.task, image_size=self.image_size,
+                      seed=self.seed, max_episode_steps=self.max_episode_steps, overwrite=self.overwrite,
+                      max_tries=self.max_tries, env_kwargs=env_kwargs, strategy=self.strategy, policy=self.policy,
+                      round_index=1 if self.round is None else self.round, device=self.device,
+                      dagger=dagger if self.strategy == "dagger" else None)
+
+
+__all__ = ["RecordArguments", "RecordResult", "expert_episodes", "record"]

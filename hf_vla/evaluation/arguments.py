@@ -1,0 +1,78 @@
+"""The options of `python -m hf_vla.evaluate` (`EvaluateArguments`, beside the shared `RTCArguments`), as a dataclass
+for the one parser (`hf_vla.parser.CommandParser`): its help is `--help`, its checks run before a model loads or an
+env is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hf_vla.cli import model_source, output_dir, websocket_uri
+from hf_vla.evaluation.envs import check_cameras, check_env, env_camera_keys
+from hf_vla.evaluation.runner import MAX_ENVS_AT_ONCE
+from hf_vla.evaluation.settings import DEFAULT_ENV, DEFAULT_SEED, OVERRIDABLE
+from hf_vla.serving.arguments import DEFAULT_DEVICE
+
+CONTRACT = ("settings the checkpoint's deployment contract (deployment_config.json) provides; a flag that contradicts "
+            "it is refused unless --override names it")
+SOURCE = ("the policy: --checkpoint or --server")
+
+
+@dataclass
+class EvaluateArguments:
+    """What `python -m hf_vla.evaluate` runs, in which env, and how many episodes."""
+
+    checkpoint: str | None = field(default=None, metadata={"group": SOURCE, "help": "model + processor directory or "
+                                   "Hub id (a lerobot pi0.5 checkpoint is converted on load), run in-process"})
+    revision: str | None = field(default=None, metadata={"group": SOURCE, "help": "Hub revision of --checkpoint"})
+    server: str | None = field(default=None, metadata={"group": SOURCE, "help": "ws://HOST:PORT of a policy server "
+                               "(python -m hf_vla.serve)"})
+    env: str | None = field(default=None, metadata={
+        "group": CONTRACT, "help": "gymnasium env id, or `metaworld` / `libero` (lerobot's env wrappers; with --task) "
+        f"(default: the env the data was recorded in, else {DEFAULT_ENV})"})
+    task: str | None = field(default=None, metadata={
+        "group": CONTRACT, "help": "Meta-World task names (comma-separated) or a difficulty group (easy, medium, hard, "
+        "very_hard); LIBERO suites (libero_spatial, ...) or suite/index (default: the recorded tasks)"})
+    image_size: int | None = field(default=None, metadata={"group": CONTRACT, "min": 1, "help": "the image side the "
+                                   "env renders (default: the size the data was recorded at; else the env's own)"})
+    max_episode_steps: int | None = field(default=None, metadata={
+        "group": CONTRACT, "min": 1, "help": "episode limit (default: the checkpoint's, else the env's: 500 for "
+        "Meta-World, the suite's for LIBERO)"})
+    n_action_steps: int | None = field(default=None, metadata={"group": CONTRACT, "min": 1, "help": "actions executed "
+                                       "per chunk (default: the checkpoint's, else half the chunk)"})
+    cameras: list[str] | None = field(default=None, metadata={"group": CONTRACT, "help": "observation image keys in "
+                                      "camera-slot order (default: the checkpoint's)"})
+    seed: int | None = field(default=None, metadata={"group": CONTRACT, "help": f"first episode seed (default "
+                             f"{DEFAULT_SEED}; seeds the training data was recorded with are refused)"})
+    override: list[str] = field(default_factory=list, metadata={
+        "group": CONTRACT, "choices": OVERRIDABLE, "help": "accept these flags against the checkpoint's contract; "
+        "recorded in eval_result.json"})
+    episodes: int = field(default=50, metadata={"min": 1, "help": "episodes per task"})
+    num_envs: int | None = field(default=None, metadata={"min": 1, "help": "envs run at once, each in a worker "
+                                 "process, one policy call per control step for all of them (default: 70% of the "
+                                 "cores, as lerobot-eval; per-seed outcomes do not depend on it)"})
+    tasks_at_once: int | None = field(default=None, metadata={
+        "min": 1, "help": "benchmark tasks evaluated side by side, their envs served by one policy call per control "
+        f"step (default: as many as keep {MAX_ENVS_AT_ONCE} env workers or fewer; per-seed outcomes do not depend on "
+        "it)"})
+    inference_delay: int = field(default=0, metadata={"min": 0, "help": "simulated inference delay in control steps "
+                                 "(actions of the old chunk run meanwhile)"})
+    rtc: bool = field(default=False, metadata={"help": "real-time chunking: continue the chunk being executed (its "
+                      "in-process settings below; a server uses its own)"})
+    head: str | None = field(default=None, metadata={"help": "normalization head (default: the processor's only "
+                             "one)"})
+    save_videos: int = field(default=3, metadata={"min": 0, "help": "rollouts saved as animated GIFs per task"})
+    output_dir: str | None = field(default=None, metadata={"help": "where eval_result.json and the GIFs go"})
+    device: str = field(default=DEFAULT_DEVICE, metadata={"help": "where the policy runs (in-process)"})
+
+    def __post_init__(self):
+        if self.checkpoint is not None:
+            self.checkpoint = model_source("--checkpoint", self.checkpoint)
+        if self.server is not None:
+            websocket_uri("--server", self.server)
+        output_dir("--output_dir", self.output_dir)
+        if self.env is not None:
+            check_env(self.env, self.task, "--env ", "--task ")  # an unknown env or task stops here, by name
+            check_cameras("--cameras", self.cameras, env_camera_keys(self.env))
+
+
+__all__ = ["EvaluateArguments"]

@@ -1,0 +1,281 @@
+"""The one parser of every command: `python -m hf_vla.<command> [CONFIG.json] [--key value ...]` into the command's
+option dataclasses, with `--help` generated from their fields (see `CommandParser`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import typing
+from pathlib import Path
+
+from hf_vla.errors import ConfigError
+from hf_vla.training.config_checks import _suggest, check_fields, check_value, field_annotations, is_bool_field
+
+
+class CommandParser:
+    """The one parser of every command (train, rl, evaluate, record, serve, convert): an optional JSON config file,
+    then `--key value` overrides, into the command's option dataclasses; `--help` is generated from their fields.
+
+        python -m hf_vla.<command> [CONFIG.json] [--key value ...]
+
+    The rules, the same for every command:
+    - `--key value` or `--key=value`; a bare `--flag` sets a boolean field true; a list field takes every value up to
+      the next flag (`--cameras a b`), or one JSON list; `null` is None.
+    - A value is converted for its field's annotation (`hf_vla.training.config_checks`: JSON-decoded where the field
+      takes no string: `--learning_rate 1e-3` is 0.001); a dotted key reaches into a dict or list field
+      (`--model_config.chunk_size 10`, `--datasets.0.weight 2`), its value JSON-decoded when it parses.
+    - Field metadata: `help`; `choices`; `min` (0: `>= 0`, 1: positive); `required`; `group` (the `--help` section).
+    - `exclusive`: groups of fields at most one of which may be set (one of which must be, with `required_one`).
+    Every error is a `ConfigError` naming the flag (or the file and key), before any model or data is loaded; the
+    dataclasses' own `__post_init__` checks run last.
+    """
+
+    def __init__(self, prog: str, dataclass_types, description: str, config_file: str = "optional",
+                 exclusive: tuple[tuple[str, ...], ...] = (), required_one: bool = False, help_exits: bool = True,
+                 what: str = "an argument", sections=None, types_in_help: bool = True):
+        if config_file not in ("none", "optional", "required"):
+            raise ValueError(f"config_file={config_file!r}")
+        self.prog, self.types, self.description = prog, tuple(dataclass_types), description
+        self.config_file, self.exclusive, self.required_one = config_file, exclusive, required_one
+        self.help_exits, self.what, self.sections, self.types_in_help = help_exits, what, sections, types_in_help
+        self.annotations = {}
+        self.fields = {}
+        for kind in self.types:
+            self.annotations.update(field_annotations(kind))
+            self.fields.update({f.name: f for f in dataclasses_fields(kind) if f.init})
+
+    # ------------------------------------------------------------------ parsing
+    def parse(self, argv: list[str] | None = None):
+        """The dataclass instances (one per type; the instance itself when there is one type), or None after
+        printing `--help` (SystemExit(0) instead where `help_exits`)."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if any(a in ("-h", "--help") for a in argv) or (not argv and self.config_file == "required"):
+            print(self.help_text())
+            if self.help_exits:
+                raise SystemExit(0)
+            return None
+        config, source = {}, "command line"
+        if argv and not argv[0].startswith("--") and self.config_file != "none":
+            source = argv[0]
+            config = read_config_file(Path(argv.pop(0)))
+        elif self.config_file == "required":
+            raise ConfigError(f"the first argument must be a config file (a .json path), got {argv[0]!r}")
+        unknown = sorted(set(config) - set(self.annotations))
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {unknown}{_suggest(unknown, self.annotations)} (not "
+                              f"{self.what})")
+        self.apply_overrides(config, argv)
+        return self.build(config, source)
+
+    def build(self, config: dict, source: str = "command line"):
+        """`config` (field -> value) checked and turned into the dataclasses."""
+        for group in self.exclusive:
+            named = [name for name in group if config.get(name) is not None]
+            if len(named) > 1:
+                raise ConfigError(f"argument --{named[1]}: not allowed with argument --{named[0]}")
+            if not named and self.required_one:
+                raise ConfigError(f"one of the arguments {' '.join('--' + n for n in group)} is required")
+        missing = [name for name, item in self.fields.items() if item.metadata.get("required")
+                   and config.get(name) is None]
+        if missing:
+            raise ConfigError(f"the following arguments are required: {', '.join('--' + n for n in missing)}")
+        config = check_fields(config, self.types)
+        for name, value in config.items():
+            self._check_metadata(name, value)
+        built = []
+        for kind in self.types:
+            names = {f.name for f in dataclasses_fields(kind)}
+            try:
+                built.append(kind(**{k: v for k, v in config.items() if k in names}))
+            except ConfigError:
+                raise
+            except (ValueError, TypeError) as error:
+                raise ConfigError(f"{source}: {error}") from error
+        return built[0] if len(built) == 1 else tuple(built)
+
+    def _check_metadata(self, name: str, value) -> None:
+        metadata = self.fields[name].metadata
+        choices = metadata.get("choices")
+        for item in (value if isinstance(value, list) else [value]) if choices else ():
+            if item is not None and item not in choices:
+                raise ConfigError(f"argument --{name}: invalid choice: {item!r} (choose from "
+                                  f"{', '.join(map(repr, choices))})")
+        low = metadata.get("min")
+        if low is not None and value is not None and not (value >= low if low == 0 else value > 0):
+            raise ConfigError(f"--{name}={value}: must be {'>= 0' if low == 0 else 'positive'}")
+
+    def apply_overrides(self, config: dict, overrides: list[str]) -> None:
+        """`--key value ...` into `config` (see the class's rules)."""
+        overrides = list(overrides)
+        while overrides:
+            flag = overrides.pop(0)
+            if not flag.startswith("--"):
+                raise ConfigError(f"override {flag!r}: expected --key value")
+            key, value = flag[2:], None
+            if "=" in key:
+                key, value = key.split("=", 1)
+            key = key.replace("-", "_")
+            target, *path = key.split(".")
+            if target not in self.annotations:  # a typo on the command line is the command line's
+                raise ConfigError(f"command line: --{key}: unknown argument{_suggest([target], self.annotations)} "
+                                  f"(not {self.what}; {self.prog} --help lists them)")
+            annotation = self.annotations[target]
+            if value is None:
+                values = []
+                while overrides and not overrides[0].startswith("--"):
+                    values.append(overrides.pop(0))
+                    if path or not _is_list_field(annotation):
+                        break
+                if not values:
+                    if _is_list_field(annotation) and not path:
+                        config[target] = []
+                        continue
+                    if not is_bool_field(annotation):
+                        raise ConfigError(f"--{key} needs a value (only boolean fields may be given as a bare flag)")
+                    values = ["true"]
+                if _is_list_field(annotation) and not path:
+                    if len(values) == 1 and values[0].lstrip().startswith("["):
+                        config[target] = _decode(values[0])
+                    else:
+                        config[target] = [_item(target, v, annotation) for v in values]
+                    continue
+                value = values[0]
+            if path:
+                _set_path(config, target, path, key, _decode(value))
+            elif value == "null" or value.lstrip().startswith(("{", "[")):  # JSON null, objects and lists
+                config[target] = _decode(value)
+            else:  # converted for the field's type when checked (a string field keeps "5" a string)
+                config[target] = value
+
+    # ------------------------------------------------------------------ help
+    def help_text(self, width: int = 110) -> str:
+        """The description, then every field with its type, default and help, by section."""
+        import textwrap
+
+        lines = [self.description.strip(), "", "Every field below is a --key VALUE flag (and a key of an optional "
+                 "JSON config file given first)."]
+        for title, items, note in self.sections(self) if self.sections else self._default_sections():
+            lines += ["", f"{title}:"]
+            for item in items:
+                default = _default_of(item)
+                annotation = self.annotations[item.name]
+                kind = str(annotation) if typing.get_args(annotation) else getattr(annotation, "__name__", None)
+                kind = (kind or str(annotation)).replace("typing.", "")
+                kind = kind.replace("transformers.training_args.", "")
+                shown = json.dumps(default) if default is None or isinstance(default, bool | list | dict) else default
+                extra = note(item, default) if note else ""
+                required = ", required" if item.metadata.get("required") else ""
+                kind = f"{kind}{required}, " if self.types_in_help else ""
+                lines.append(f"  --{item.name} ({kind}default: {shown}{extra})")
+                text = " ".join(str(item.metadata.get("help") or "").split())
+                if item.metadata.get("choices"):
+                    text += f" [choices: {', '.join(map(str, item.metadata['choices']))}]"
+                if text.strip():
+                    lines += textwrap.wrap(text.strip(), width, initial_indent="      ", subsequent_indent="      ")
+        lines += ["", "  --verbose   show library logs (FFmpeg, datasets, lerobot, DeepSpeed), hidden by default",
+                  "  --help      this text"]
+        return "\n".join(lines)
+
+    def _default_sections(self):
+        sections: dict[str, list] = {}
+        for kind in self.types:
+            for item in dataclasses_fields(kind):
+                if item.init and not item.name.startswith("_"):
+                    sections.setdefault(item.metadata.get("group") or "options", []).append(item)
+        return [(title, items, None) for title, items in sections.items()]
+
+
+def dataclasses_fields(kind):
+    import dataclasses
+
+    return dataclasses.fields(kind)
+
+
+def _default_of(item):
+    import dataclasses
+
+    if item.default is not dataclasses.MISSING:
+        value = item.default
+    elif item.default_factory is not dataclasses.MISSING:
+        value = item.default_factory()
+    else:
+        return "(required)"
+    return getattr(value, "value", value)  # enums as written in a config
+
+
+def _is_list_field(annotation) -> bool:
+    """`list[X]` or `list[X] | None`: the fields a flag gives several values."""
+    import types
+    import typing
+
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (
+        annotation,)
+    options = [o for o in options if o is not type(None)]
+    return len(options) == 1 and (typing.get_origin(options[0]) is list or options[0] is list)
+
+
+def _item(name: str, value: str, annotation):
+    """One value of a list flag, converted for the list's item type."""
+    import types
+    import typing
+
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (
+        annotation,)
+    (kind,) = [o for o in options if o is not type(None)]
+    item = (typing.get_args(kind) or (typing.Any,))[0]
+    return check_value(name, value, item)
+
+
+def _decode(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _index(node: list, part: str, key: str, where: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"override --{key}: {where} is a list of {len(node)} entr{'y' if len(node) == 1 else 'ies'}; "
+                          f"use an index 0..{len(node) - 1} (--{where}.0.<field> VALUE), or give the whole list")
+    return int(part)
+
+
+def _set_path(config: dict, target: str, path: list[str], key: str, value) -> None:
+    """A dotted override into dicts (created when missing) and lists (by index: `datasets.0.cameras`)."""
+    node = config.setdefault(target, [] if target == "datasets" else {})
+    where = target
+    for part in path[:-1]:
+        if isinstance(node, list):
+            child = node[_index(node, part, key, where)]
+        elif isinstance(node, dict):
+            child = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"override --{key}: {where!r} is not an object")
+        if not isinstance(child, dict | list):
+            raise ConfigError(f"override --{key}: {where}.{part} is {child!r}, not an object or list")
+        node, where = child, f"{where}.{part}"
+    if isinstance(node, list):  # --datasets.0 '{...}': one whole entry
+        node[_index(node, path[-1], key, where)] = value
+    elif isinstance(node, dict):
+        node[path[-1]] = value
+    else:
+        raise ConfigError(f"override --{key}: {where!r} is not an object")
+
+
+def read_config_file(path: Path) -> dict:
+    """A JSON config file as a dict (its free-form `//` comment dropped); one line naming the file otherwise."""
+    from hf_vla.errors import MissingFileError
+
+    if not path.is_file():
+        raise MissingFileError(f"config file {path} not found")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: the configuration must be a JSON object, got {type(config).__name__}")
+    config.pop("//", None)  # free-form comment key
+    return config
+
+
+__all__ = ["CommandParser", "read_config_file"]

@@ -1,0 +1,258 @@
+"""The arguments of `python -m hf_vla.train`: `ModelArguments` and `DataArguments` (beside `VLATrainingArguments`,
+transformers' `TrainingArguments` plus hf_vla's), and `parse_config`, the config file and overrides through the one
+parser (`hf_vla.parser.CommandParser`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hf_vla.cli import check_writable_dir
+from hf_vla.errors import ConfigError
+from hf_vla.lora import PRESETS
+from hf_vla.parser import CommandParser
+from hf_vla.training.config_checks import check_dataset_specs, check_model_config
+from hf_vla.training.trainer import VLATrainingArguments
+
+POLICIES = ("pi05", "pi0")
+DTYPES = ("float32", "bfloat16")
+ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+@dataclass
+class ModelArguments:
+    """Which policy to train and from where.
+
+    policy: `pi05` (hf_vla) or `pi0` (transformers' own model).
+    model_name_or_path: a checkpoint (local dir or Hub id) to start from: hf_vla / transformers, or lerobot's pi0 /
+        pi0.5 (e.g. `lerobot/pi05_base`), converted on load and cached (`hf_vla.hub.resolve.resolve_pretrained`); without it
+        the policy is built from `model_config` with fresh weights (seeded with `seed`).
+    model_revision: the Hub revision (branch, tag or commit) of `model_name_or_path`.
+    model_config: config fields for a policy built from scratch (the demo's tiny dims, for example); its keys are
+        checked against the policy's config class. With `model_name_or_path`, fields that change no weight's shape
+        override the checkpoint's (`FINE_TUNE_OVERRIDES`: openpi fine-tunes pi0.5's base with its own
+        `action_horizon`, i.e. `chunk_size`, and `discrete_state_input`); any other is refused.
+    tokenizer: tokenizer id or path (real runs: `google/paligemma-3b-pt-224`); `"tiny"` builds the small offline one
+        (`"tiny_loc"`: with PaliGemma's `<loc>` tokens, for location targets; model vocabulary 2560).
+    attn_implementation: eager | sdpa | flex_attention | flash_attention_2 | flash_attention_3.
+    dtype: float32 | bfloat16 (bf16 trains with fp32 master weights unless `master_weights` is off).
+    lora_preset: `expert` or `all_linear` (peft LoRA, see `hf_vla.lora`); none trains the full model.
+    rtc_max_delay: training-time real-time chunking (pi0.5): each sample gets a committed prefix of up to this many
+        actions (clean, at time 0, left out of the loss), so the policy learns to continue the actions a robot
+        executes while it infers. Overrides the checkpoint's or `model_config`'s value and is saved with the model.
+        Measured on the demo: from scratch it teaches a shortcut (the prefix shows the way, the instruction is not
+        learned: 36% success); fine-tuning a trained policy with it keeps the policy and adds the skill.
+    rtc_prefix_noise: with `rtc_max_delay`, the std of one offset per sample on its committed prefix (normalised
+        units; see `PI05Config`). Overrides the checkpoint's value and is saved with the model. On the demo's RTC
+        fine-tune, 0 lost 0.9 points of closed-loop success to no RTC; 0.2 lost 0.1 (10 vs 6 failures of 3,500).
+    token_loss: pi0.5's token objective (pi05; docs/cotraining.md): the backbone also predicts each chunk's FAST
+        action tokens (cross-entropy beside `flow_loss_weight` x the flow MSE). Saved with the model; inference is
+        unchanged.
+    knowledge_insulation: with `token_loss`, the expert reads stop-gradient backbone keys/values, so the backbone
+        learns from the tokens only (KI, arXiv 2505.23705). Saved with the model.
+    fast_tokenizer: a FAST tokenizer to use (`fast_tokenizer.json`, its folder, or a checkpoint trained with the
+        token loss); unset, one is fitted at start-up on the training mixture's chunks.
+    fast_vocab_size / fast_scale / fast_fit_chunks: the fit's BPE vocabulary, DCT coefficient scale, and how many
+        chunks of the training mixture it reads.
+    """
+
+    policy: str = field(default="pi05", metadata={"help": f"one of {POLICIES}"})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "checkpoint to start from"})
+    model_revision: str | None = field(default=None, metadata={"help": "Hub revision of model_name_or_path"})
+    model_config: dict | None = field(default=None, metadata={"help": "config of a policy built from scratch"})
+    tokenizer: str = field(default="google/paligemma-3b-pt-224", metadata={"help": "tokenizer id/path or 'tiny'"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": f"one of {ATTENTION}"})
+    dtype: str = field(default="float32", metadata={"help": f"one of {DTYPES}"})
+    lora_preset: str | None = field(default=None, metadata={"help": f"one of {sorted(PRESETS)}"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha (default 2r)"})
+    rtc_max_delay: int | None = field(default=None, metadata={
+        "help": "training-time RTC: committed prefixes of up to this many actions (pi05; default: the config's)"})
+    rtc_prefix_noise: float | None = field(default=None, metadata={
+        "help": "training-time RTC: std of a per-sample offset on the committed prefix (default: the config's)"})
+    token_loss: bool | None = field(default=None, metadata={
+        "help": "pi0.5's token objective: FAST action tokens trained by the backbone (default: the config's)"})
+    knowledge_insulation: bool | None = field(default=None, metadata={
+        "help": "with token_loss: the flow loss trains only the expert (default: the config's, true)"})
+    fast_tokenizer: str | None = field(default=None, metadata={"help": "FAST tokenizer to load (default: fit one)"})
+    fast_vocab_size: int = field(default=1024, metadata={"help": "FAST BPE vocabulary when fitted"})
+    fast_scale: float = field(default=10.0, metadata={"help": "FAST DCT coefficient scale when fitted"})
+    fast_fit_chunks: int = field(default=20_000, metadata={"help": "training chunks the FAST fit reads"})
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy={self.policy!r}: choose one of {POLICIES}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: choose one of {DTYPES}")
+        if self.attn_implementation not in ATTENTION:
+            raise ConfigError(f"attn_implementation={self.attn_implementation!r}: choose one of {ATTENTION}")
+        if self.attn_implementation.startswith("flash_attention"):
+            import importlib.util
+
+            package = "flash_attn" if self.attn_implementation == "flash_attention_2" else "flash_attn_interface"
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"attn_implementation={self.attn_implementation!r} needs the {package!r} package, "
+                                  "which is not installed; use 'sdpa'")
+        if self.lora_preset is not None and self.lora_preset not in PRESETS:
+            raise ConfigError(f"lora_preset={self.lora_preset!r}: choose one of {sorted(PRESETS)}")
+        if self.lora_r <= 0:
+            raise ConfigError(f"lora_r={self.lora_r}: must be positive")
+        for name in ("rtc_max_delay", "rtc_prefix_noise"):
+            if getattr(self, name) is not None and self.policy != "pi05":
+                raise ConfigError(f"{name}={getattr(self, name)}: training-time RTC needs policy 'pi05' (its "
+                                  f"action expert takes a time per action token), not {self.policy!r}")
+        for name in ("token_loss", "knowledge_insulation", "fast_tokenizer"):
+            if getattr(self, name) not in (None, False) and self.policy != "pi05":
+                raise ConfigError(f"{name}={getattr(self, name)!r}: the token objective needs policy 'pi05', not "
+                                  f"{self.policy!r}")
+        if self.fast_vocab_size <= 0 or self.fast_fit_chunks <= 0:
+            raise ConfigError(f"fast_vocab_size={self.fast_vocab_size}, fast_fit_chunks={self.fast_fit_chunks}: "
+                              "must be positive")
+        if not (math.isfinite(self.fast_scale) and self.fast_scale > 0):
+            raise ConfigError(f"fast_scale={self.fast_scale}: must be a finite number > 0")
+        if self.rtc_prefix_noise is not None and not (math.isfinite(self.rtc_prefix_noise)
+                                                      and self.rtc_prefix_noise >= 0):
+            raise ConfigError(f"rtc_prefix_noise={self.rtc_prefix_noise}: must be a finite number >= 0")
+        if self.model_name_or_path is None and self.model_config is None and self.policy != "pi05":
+            raise ConfigError("set model_name_or_path (a checkpoint) or model_config (dims to build from scratch)")
+        if self.model_config is not None and self.model_name_or_path is None:
+            config_class = policy_config_class(self.policy)
+            check_model_config(self.model_config, config_class,
+                               default_sub_types={"vlm_config": "paligemma", "dit_config": "gemma"})
+            from huggingface_hub.errors import StrictDataclassError
+
+            try:  # builds only the config (no weights): catches wrong types and incompatible tower shapes now
+                config_class(**self.model_config)
+            except (ValueError, TypeError, StrictDataclassError) as error:
+                cause = error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ else error
+                raise ConfigError(f"model_config: {cause}") from error
+
+
+# config fields a fine-tune may set over its checkpoint's: none changes a weight's shape
+FINE_TUNE_OVERRIDES = {"chunk_size", "num_inference_steps", "tokenizer_max_length", "discrete_state_input",
+                       "time_sampling_beta_alpha", "time_sampling_beta_beta", "time_sampling_scale",
+                       "time_sampling_offset"}
+
+
+def policy_config_class(policy: str):
+    if policy == "pi05":
+        from hf_vla.models.pi05 import PI05Config
+
+        return PI05Config
+    from transformers import PI0Config
+
+    return PI0Config
+
+
+@dataclass
+class DataArguments:
+    """The LeRobot mixture: `datasets` is a list of `hf_vla.data.DatasetConfig` dicts (feature mapping per dataset).
+
+    validation_ratio: share of each dataset's episodes held out for evaluation (deterministic with `split_seed`).
+    generate_demo_data: write the built-in demo dataset to the first dataset's `root` when it is missing.
+    norm_stats_from: a checkpoint directory (or its `norm_stats.json`) whose normalisation statistics replace the
+        mixture's for every head: a policy trained further on grown data (DAgger rounds added to its expert data)
+        keeps the normalisation it learned with, instead of one re-computed over the new mixture.
+    """
+
+    datasets: list[dict] = field(default_factory=list, metadata={"help": "list of DatasetConfig dicts"})
+    validation_ratio: float = field(default=0.0, metadata={"help": "held-out share of episodes"})
+    split_seed: int = field(default=0, metadata={"help": "seed of the episode split"})
+    generate_demo_data: bool = field(default=False, metadata={"help": "write the demo dataset when missing"})
+    demo_episodes: int = field(default=200, metadata={"help": "episodes of the generated demo dataset"})
+    norm_stats_from: str | None = field(default=None, metadata={
+        "help": "checkpoint dir or norm_stats.json whose normalisation replaces the mixture's"})
+
+    def __post_init__(self):
+        if not self.datasets:
+            raise ConfigError("datasets: at least one LeRobot dataset is needed")
+        self.datasets[:] = check_dataset_specs(self.datasets)
+        if not 0.0 <= self.validation_ratio < 1.0:
+            raise ConfigError(f"validation_ratio={self.validation_ratio}: must be in [0, 1)")
+        if self.demo_episodes <= 0:
+            raise ConfigError(f"demo_episodes={self.demo_episodes}: must be positive")
+
+
+def _sections(parser: CommandParser):
+    """`--help`'s groups: model, data, hf_vla training, transformers' TrainingArguments (an hf_vla default that differs
+    from transformers' is said)."""
+    from transformers import TrainingArguments
+
+    inherited = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+
+    def fields(kind, from_transformers=None):
+        return [f for f in dataclasses.fields(kind) if f.init and not f.name.startswith("_") and (
+            from_transformers is None or (f.name in inherited) == from_transformers)]
+
+    def ours(item, default):
+        original = inherited.get(item.name)
+        if original is None or original.default is dataclasses.MISSING:
+            return ""
+        theirs = getattr(original.default, "value", original.default)
+        return f"; hf_vla's default, transformers' is {theirs}" if theirs != default else ""
+
+    return [("model (ModelArguments)", fields(ModelArguments), None),
+            ("data (DataArguments)", fields(DataArguments), None),
+            ("hf_vla training (VLATrainingArguments)", fields(VLATrainingArguments, False), None),
+            ("transformers TrainingArguments (all apply)", fields(VLATrainingArguments, True), ours)]
+
+
+def training_parser(description: str = "python -m hf_vla.train CONFIG.json [--key value ...]") -> CommandParser:
+    return CommandParser("python -m hf_vla.train", (ModelArguments, DataArguments, VLATrainingArguments), description,
+                         config_file="required", help_exits=False, what="a model, data or training argument",
+                         sections=_sections)
+
+
+def parse_config(path: str | Path, overrides: list[str] | None = None):
+    """JSON config + `--key value` overrides -> (ModelArguments, DataArguments, VLATrainingArguments), validated.
+
+    Nothing is loaded or created: a bad key, type or value raises `ConfigError` naming it.
+    """
+    parser = training_parser()
+    config = read_config(parser, Path(path), overrides)
+    model_args, data_args, training_args = parser.build(config, str(path))
+    _check_combination(model_args, data_args, training_args)
+    return model_args, data_args, training_args
+
+
+def read_config(parser: CommandParser, path: Path, overrides: list[str] | None) -> dict:
+    """The config file with the overrides applied, and the values every training command reads its own way."""
+    from hf_vla.parser import read_config_file
+    from hf_vla.training.config_checks import _suggest
+
+    config = read_config_file(path)
+    unknown = sorted(set(config) - set(parser.annotations))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {unknown}{_suggest(unknown, parser.annotations)} (not "
+                          f"{parser.what})")
+    parser.apply_overrides(config, overrides or [])
+    resume = config.get("resume_from_checkpoint")
+    if isinstance(resume, bool) or str(resume).lower() in ("true", "false"):  # `--resume_from_checkpoint true`
+        config["resume_from_checkpoint"] = "true" if resume in (True, "true", "True") else None
+    deepspeed = config.get("deepspeed") or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed and config.get("dtype") == "bfloat16" and "bf16" not in config and not config.get("fp16"):
+        # a bfloat16 model under DeepSpeed trains in its bf16 mode (fp32 master partitions); the DeepSpeed plugin
+        # takes its precision when the training arguments are built, so it is set here
+        config["bf16"] = True
+    return config
+
+
+def _check_combination(model_args: ModelArguments, data_args: DataArguments, args: VLATrainingArguments):
+    """Rules that span the three argument groups."""
+    if args.eval_strategy != "no" and data_args.validation_ratio == 0:
+        raise ConfigError(f"eval_strategy={args.eval_strategy.value!r} needs a validation split: set validation_ratio "
+                          "> 0 (for example 0.01), or eval_strategy 'no'")
+    check_writable_dir("output_dir", args.output_dir)
+    if model_args.dtype == "bfloat16" and args.fp16:
+        raise ConfigError("dtype='bfloat16' with fp16=true: choose one precision")
+    resume = args.resume_from_checkpoint
+    if resume and resume.lower() not in ("true", "false"):
+        from hf_vla.training.checkpoints import check_resumable
+
+        check_resumable(resume)
+
+
+__all__ = ["ATTENTION", "DTYPES", "DataArguments", "FINE_TUNE_OVERRIDES", "ModelArguments", "POLICIES", "parse_config", "policy_config_class", "training_parser"]

@@ -1,0 +1,208 @@
+"""What `python -m hf_vla.train` builds from its arguments, cheapest first: the tokenizer, the policy's config (a
+checkpoint's, with a fine-tune's overrides), the model, and the start-up checks between them and the data."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from hf_vla.errors import ConfigError
+from hf_vla.training.arguments import FINE_TUNE_OVERRIDES, ModelArguments, policy_config_class
+
+logger = logging.getLogger("hf_vla.train")
+TINY_TOKENIZER = "tiny"
+TINY_LOC_TOKENIZER = "tiny_loc"  # with <loc0000>..<loc1023> (a model vocabulary of 2560)
+
+
+def _first_difference(given, loaded, where: str) -> str | None:
+    """Where a `model_config` value differs from the loaded checkpoint's (dicts compared key by key against the
+    sub-config's attributes), or None."""
+    if isinstance(given, dict):
+        for key, value in given.items():
+            theirs = loaded.get(key) if isinstance(loaded, dict) else getattr(loaded, key, None)
+            found = _first_difference(value, theirs, f"{where}.{key}")
+            if found:
+                return found
+        return None
+    if hasattr(given, "to_dict"):
+        given = given.to_dict()
+        return _first_difference(given, loaded, where)
+    return None if given == loaded else f"{where}={given!r} but the checkpoint has {loaded!r}"
+
+
+def saved_norm_stats(source: str, current: dict) -> dict:
+    """The normalisation statistics saved with a checkpoint (`source`: its directory or `norm_stats.json`), for the
+    heads of `current` (the mixture's): a head it lacks, or other dims, is refused naming the file."""
+    path = Path(source)
+    if path.is_dir():  # a training output's norm_stats.json, else a (converted) checkpoint's processor_config.json
+        path = path / "norm_stats.json" if (path / "norm_stats.json").is_file() else path / "processor_config.json"
+    if not path.is_file():
+        raise ConfigError(f"norm_stats_from={source!r}: no norm_stats.json or processor_config.json there (an hf_vla "
+                          "output directory or a converted checkpoint has one)")
+    try:
+        saved = json.loads(path.read_text())["norm_stats"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ConfigError(f"norm_stats_from: {path} is not an hf_vla norm_stats.json ({error})") from None
+    stats = {}
+    for head, values in current.items():
+        if head not in saved:
+            raise ConfigError(f"norm_stats_from: {path} has no head {head!r} (it has {sorted(saved)}); the mixture's "
+                              "heads must be the checkpoint's")
+        for key in ("state", "actions"):
+            try:
+                ours, theirs = len(values[key]["q01"]), len(saved[head][key]["q01"])
+            except (KeyError, TypeError):
+                raise ConfigError(f"norm_stats_from: {path} head {head!r} has no {key} q01 (an hf_vla "
+                                  "norm_stats.json has q01/q99/mean/std per head for state and actions)") from None
+            if ours != theirs:
+                raise ConfigError(f"norm_stats_from: head {head!r} {key} has {theirs} dims in {path} but {ours} in "
+                                  "the mixture")
+            for setting in ("mode", "relative_mask"):  # how the numbers are used must be how this run uses them
+                if saved[head][key].get(setting) != values[key].get(setting):
+                    raise ConfigError(f"norm_stats_from: head {head!r} {key} {setting} is "
+                                      f"{saved[head][key].get(setting)!r} in {path} but {values[key].get(setting)!r} "
+                                      "in the mixture (its datasets' normalization / relative_actions): statistics "
+                                      "are only reused with the same transforms")
+            for name, numbers in saved[head][key].items():  # a NaN here would surface as a diverged model at step 1
+                if name in ("mode", "relative_mask", "count"):
+                    continue
+                bad = _not_finite(numbers)
+                if bad:
+                    raise ConfigError(f"norm_stats_from: {path} head {head!r} {key} {name}: {bad}")
+        stats[head] = saved[head]
+    return stats
+
+
+def _not_finite(numbers) -> str | None:
+    """Why a saved statistic is unusable (not a list of numbers, or NaN/inf at some dims), or None."""
+    import numpy as np
+
+    try:
+        array = np.asarray(numbers, dtype=np.float64)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.ndim != 1:
+        return "not a list of numbers"
+    bad = np.flatnonzero(~np.isfinite(array))
+    return f"NaN or inf at dims {bad[:8].tolist()}" if len(bad) else None
+
+
+def build_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    if name in (TINY_TOKENIZER, TINY_LOC_TOKENIZER):
+        from hf_vla.tiny import build_tiny_tokenizer
+
+        return build_tiny_tokenizer(locations=name == TINY_LOC_TOKENIZER)
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        from hf_vla.hub.resolve import load_error
+
+        raise load_error(error, f"tokenizer={name!r} could not be loaded", name) from error
+
+
+def model_config(model_args: ModelArguments):
+    """The policy's config, without any weights: from the checkpoint's config.json or from `model_config`, with
+    `rtc_max_delay` and `rtc_prefix_noise` applied."""
+    config = _base_model_config(model_args)
+    if model_args.rtc_max_delay is not None:
+        if not 0 <= model_args.rtc_max_delay < config.chunk_size:
+            raise ConfigError(f"rtc_max_delay={model_args.rtc_max_delay}: must be in [0, chunk_size="
+                              f"{config.chunk_size}) (a committed prefix shorter than the chunk)")
+        config.rtc_max_delay = model_args.rtc_max_delay
+    if model_args.rtc_prefix_noise is not None:
+        if model_args.rtc_prefix_noise > 0 and not config.rtc_max_delay:
+            raise ConfigError(f"rtc_prefix_noise={model_args.rtc_prefix_noise}: only used with training-time RTC; "
+                              "set rtc_max_delay > 0 too")
+        config.rtc_prefix_noise = float(model_args.rtc_prefix_noise)
+    for name in ("token_loss", "knowledge_insulation"):
+        if getattr(model_args, name) is not None:
+            setattr(config, name, bool(getattr(model_args, name)))
+    return config
+
+
+def _base_model_config(model_args: ModelArguments):
+    config_class = policy_config_class(model_args.policy)
+    if model_args.model_name_or_path:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: no loadable config ({error})") \
+                from error
+        if config.model_type != config_class.model_type:
+            raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r} is a {config.model_type!r} "
+                              f"checkpoint but policy={model_args.policy!r}")
+        for name, value in (model_args.model_config or {}).items():
+            if not hasattr(config, name):
+                raise ConfigError(f"model_config.{name}: the checkpoint's {type(config).__name__} has no such field")
+            if name in FINE_TUNE_OVERRIDES:  # changes no weight's shape: the fine-tune's value
+                setattr(config, name, value)
+                continue
+            differs = _first_difference(value, getattr(config, name), f"model_config.{name}")
+            if differs:  # a config written for the checkpoint (the same dims) passes; another is not silently dropped
+                raise ConfigError(f"{differs}: with model_name_or_path the architecture is the checkpoint's; only "
+                                  f"{sorted(FINE_TUNE_OVERRIDES)} can be set for a fine-tune")
+        return config
+    return config_class(**(model_args.model_config or {}))
+
+
+def build_model(model_args: ModelArguments, config=None, seed: int | None = None, full_determinism: bool = False):
+    """The policy, seeded: every rank (and every run with the same seed) starts from the same weights."""
+    import torch
+    from transformers import AutoModelForImageTextToText, PI0ForConditionalGeneration, enable_full_determinism, set_seed
+
+    from hf_vla.models.pi05 import PI05ForConditionalGeneration
+    from hf_vla.training.engines import built_without_zero3_init
+
+    if seed is not None:  # weights not in a checkpoint (fresh heads, a from-scratch model) come from the seeded RNG
+        enable_full_determinism(seed) if full_determinism else set_seed(seed)
+    dtype = getattr(torch, model_args.dtype)
+    config = config if config is not None else model_config(model_args)
+    if model_args.model_name_or_path:
+        try:  # the checkpoint's weights with its config as model_config() read it (rtc_max_delay applied)
+            return AutoModelForImageTextToText.from_pretrained(
+                model_args.model_name_or_path, config=config, dtype=dtype, revision=model_args.model_revision,
+                attn_implementation=model_args.attn_implementation
+            )
+        except OSError as error:
+            raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: {error}") from error
+    model_class = PI05ForConditionalGeneration if model_args.policy == "pi05" else PI0ForConditionalGeneration
+    config._attn_implementation = model_args.attn_implementation
+    with built_without_zero3_init():  # whole, then partitioned by DeepSpeed (see its docstring)
+        model = model_class(config)
+    model.set_attn_implementation(model_args.attn_implementation)
+    return model.to(dtype)
+
+
+def _check_token_objective(config, model_args: ModelArguments, args) -> None:
+    """The token loss trains the backbone (under knowledge insulation, nothing else does): a run that freezes it would
+    compute a cross-entropy that trains nothing."""
+    frozen = {"vlm": "freeze='vlm'", "expert_only": "freeze='expert_only'"}.get(args.freeze)
+    if model_args.lora_preset == "expert":
+        frozen = "lora_preset='expert' (LoRA on the expert only)"
+    if frozen:
+        raise ConfigError(f"token_loss with {frozen}: the token loss trains the VLM backbone, which this leaves "
+                          "frozen; use lora_preset='all_linear' or freeze 'none' / 'vision_tower'")
+
+
+def _check_dims(config, mixture, from_scratch: bool):
+    for head in mixture.head_names:
+        for key, dim in (("state", config.max_state_dim), ("actions", config.max_action_dim)):
+            if len(mixture.norm_stats[head][key]["q01"]) > dim:
+                raise ConfigError(f"head {head!r}: {key} has {len(mixture.norm_stats[head][key]['q01'])} dims, more "
+                                  f"than the model's max_{'state' if key == 'state' else 'action'}_dim={dim}")
+    widest = max(len(mixture.norm_stats[head]["actions"]["q01"]) for head in mixture.head_names)
+    if from_scratch and widest < config.max_action_dim:
+        # Measured on the demo: with 6 padded dims 93% of first moves chose the named target after 5,000 steps, 45%
+        # after 3,000; with none 99% (docs/measurements.md, 'The built-in demo').
+        logger.warning(
+            "training from scratch with max_action_dim=%d but at most %d real action dims: the padded dims of x_t are "
+            "pure noise the masked loss never supervises, which slows learning; consider max_action_dim=%d",
+            config.max_action_dim, widest, widest)
+
+
+__all__ = ["TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_tokenizer", "model_config", "saved_norm_stats"]
