@@ -169,31 +169,13 @@ def _recorder(args, contract, runner: PolicyRunner, lock=None):
 
 
 def _contract_cameras(checkpoint, args, obs_map: ObservationMap):
-    """The checkpoint's deployment contract and the camera slots to serve: the contract's camera keys unless
-    --cameras (or --obs_map) names the client's keys, which must be as many, once each; --num_camera_slots must
-    agree with it. A contradiction is refused unless --override names it."""
+    """The checkpoint's deployment contract and the camera slots to serve (`evaluation.settings.served_cameras`)."""
+    from hf_vla.evaluation.settings import served_cameras
     from hf_vla.hub.resolve import resolve_contract
-    from hf_vla.serving.contract import ContractError, choose, refuse_repeated_cameras
 
     contract = resolve_contract(checkpoint, args.revision)
-    spec = None
-    if contract is not None:
-        from hf_vla.evaluation.settings import head_spec
-
-        spec = head_spec(contract, args.head)
-    cameras = obs_map.cameras
-    refuse_repeated_cameras("--cameras", cameras)
-    trained = [c["key"] for c in spec["cameras"]] if spec else None
-    if trained and cameras and len(cameras) != len(trained) and "cameras" not in args.override:
-        raise ContractError(f"--cameras {' '.join(cameras)}: {len(cameras)} camera(s), but the checkpoint was trained "
-                            f"with {len(trained)} ({' '.join(str(k) for k in trained)}); pass --override cameras to "
-                            "serve it anyway")
-    if trained and not cameras:
-        obs_map.cameras = [key for key in trained if key is not None]  # the keys the data had, in slot order
-    elif trained and cameras and cameras != trained:
-        logger.info("cameras %s fill the checkpoint's slots %s", cameras, trained)
-    slots = choose("num_camera_slots", args.num_camera_slots, len(trained) if trained else None, None,
-                   set(args.override)).value
+    obs_map.cameras, slots = served_cameras(contract, args.head, obs_map.cameras, args.num_camera_slots,
+                                            args.override)
     return contract, slots
 
 

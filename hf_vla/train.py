@@ -41,6 +41,7 @@ from hf_vla.training.builders import (  # noqa: F401
     _check_token_objective,
     build_model,
     build_tokenizer,
+    check_data_for_policy,
     model_config,
     saved_norm_stats,
 )
@@ -83,18 +84,7 @@ def _train(model_args, data_args, training_args):
     config = model_config(model_args)
     if getattr(config, "token_loss", False):
         _check_token_objective(config, model_args, training_args)
-    texts = [d.get("name") or d.get("repo_id") or d.get("root") for d in data_args.datasets if d.get("target_text_key")]
-    if texts and not getattr(config, "token_loss", False):
-        raise ConfigError(f"datasets {texts}: target_text_key is a target of the token objective; set token_loss "
-                          "true (or leave target_text_key out)")
-    if model_args.policy == "pi0":  # hf_vla's pi0 processor normalises with mean/std, absolute: say so, never ignore
-        for dataset in data_args.datasets:
-            modes = {str(m).upper() for m in (dataset.get("normalization") or {}).values()} - {"MEAN_STD"}
-            if modes or dataset.get("relative_actions"):
-                raise ConfigError(f"dataset {dataset.get('name') or dataset.get('repo_id') or dataset.get('root')!r}: "
-                                  f"{'normalization ' + str(sorted(modes)) if modes else 'relative_actions'} with "
-                                  "policy 'pi0', whose processor normalises with mean/std and absolute actions; use "
-                                  "policy 'pi05' for other modes and relative actions")
+    check_data_for_policy(config, model_args, data_args)
     if training_args.n_action_steps is not None and training_args.n_action_steps > config.chunk_size:
         raise ConfigError(f"n_action_steps={training_args.n_action_steps}: at most the chunk size "
                           f"({config.chunk_size}); it is how many actions of each predicted chunk are executed")

@@ -189,6 +189,23 @@ def _check_token_objective(config, model_args: ModelArguments, args) -> None:
                           "frozen; use lora_preset='all_linear' or freeze 'none' / 'vision_tower'")
 
 
+def check_data_for_policy(config, model_args: ModelArguments, data_args) -> None:
+    """Dataset fields the policy cannot honour are refused, never ignored: a text target without the token objective;
+    normalisation modes and relative actions with pi0 (its processor normalises with mean/std, absolute)."""
+    texts = [d.get("name") or d.get("repo_id") or d.get("root") for d in data_args.datasets if d.get("target_text_key")]
+    if texts and not getattr(config, "token_loss", False):
+        raise ConfigError(f"datasets {texts}: target_text_key is a target of the token objective; set token_loss "
+                          "true (or leave target_text_key out)")
+    if model_args.policy == "pi0":  # hf_vla's pi0 processor normalises with mean/std, absolute: say so, never ignore
+        for dataset in data_args.datasets:
+            modes = {str(m).upper() for m in (dataset.get("normalization") or {}).values()} - {"MEAN_STD"}
+            if modes or dataset.get("relative_actions"):
+                raise ConfigError(f"dataset {dataset.get('name') or dataset.get('repo_id') or dataset.get('root')!r}: "
+                                  f"{'normalization ' + str(sorted(modes)) if modes else 'relative_actions'} with "
+                                  "policy 'pi0', whose processor normalises with mean/std and absolute actions; use "
+                                  "policy 'pi05' for other modes and relative actions")
+
+
 def _check_dims(config, mixture, from_scratch: bool):
     for head in mixture.head_names:
         for key, dim in (("state", config.max_state_dim), ("actions", config.max_action_dim)):
@@ -205,4 +222,4 @@ def _check_dims(config, mixture, from_scratch: bool):
             config.max_action_dim, widest, widest)
 
 
-__all__ = ["TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_tokenizer", "model_config", "saved_norm_stats"]
+__all__ = ["TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_tokenizer", "check_data_for_policy", "model_config", "saved_norm_stats"]
