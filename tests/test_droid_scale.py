@@ -12,7 +12,7 @@ import torch
 
 from hf_vla.data import WeightedDatasetMixture
 from hf_vla.data import scan as scan_module
-from hf_vla.data.scan import cache_dir, scan_source
+from hf_vla.data.scan import cache_dir
 from hf_vla.data.sources import DatasetConfig, LeRobotSource
 from hf_vla.data.synthetic import DROID_CAMERAS, droid_dataset_config, write_droid_like
 
@@ -76,7 +76,7 @@ def _whole_file_episode(source, episode):
 @pytest.mark.parametrize("layout", ["episode", "file"])
 def test_per_episode_reads_equal_whole_file_reads(droid, layout, monkeypatch):
     source = LeRobotSource(DatasetConfig(**droid_dataset_config(droid[layout], keep_ranges=False)), 0)
-    scan_source(source)
+    source.scan()
     cached = source.episode_rows
     assert cached is not None
     reads = []
@@ -109,7 +109,7 @@ def test_scan_cache_hit_miss_and_stale(droid, tmp_path, monkeypatch):
 
     def scan(**config):
         source = LeRobotSource(DatasetConfig(**(droid_dataset_config(root) | config)), 0)
-        return source, scan_source(source)
+        return source, source.scan()
 
     source, first = scan()
     assert not first.cached and reads

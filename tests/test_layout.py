@@ -1,5 +1,5 @@
-"""The package's layout: no import circle among hf_vla's modules, deferred (function-level) imports included, and
-the rooms a user would name (training, data, models, evaluation, serving, hub, envs, rl) holding the code."""
+"""The package's layout: no import circle among hf_vla's modules, deferred (function-level) imports and those under
+`if TYPE_CHECKING:` included (a circle hidden there is still two modules that each need the other), and the rooms a user would name (training, data, models, evaluation, serving, hub, envs, rl) holding the code."""
 
 from __future__ import annotations
 
@@ -21,28 +21,16 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _type_checking(node) -> bool:
-    test = node.test
-    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or \
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-
-
 def import_graph() -> dict[str, set[str]]:
-    """module -> the hf_vla modules it imports anywhere in its body (a function's deferred imports too; imports under
-    `if TYPE_CHECKING:` never run and are left out)."""
+    """module -> the hf_vla modules it imports anywhere in its body (a function's deferred imports and those under
+    `if TYPE_CHECKING:` too)."""
     modules = _modules()
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges = set()
-        skipped = set()
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.If) and _type_checking(node):
-                skipped.update(id(child) for statement in node.body for child in ast.walk(statement))
-        for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

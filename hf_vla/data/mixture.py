@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from lerobot.datasets.compute_stats import aggregate_feature_stats
 
-from hf_vla.data.scan import MAX_STATS_FRAMES, scan_source
+from hf_vla.data.scan import MAX_STATS_FRAMES
 from hf_vla.data.sources import BlockList, DatasetConfig, LeRobotSource
 from hf_vla.data.stream import EpisodeShuffleStream, Provenance, ValidationStream
 from hf_vla.errors import ConfigError, DataError
@@ -85,7 +85,7 @@ class WeightedDatasetMixture:
             pooled[key] = {name: np.asarray(value).tolist() for name, value in stats.items()
                            if name in STAT_NAMES}
         # The scan checks every member's data (NaN/inf, layout, tasks, videos) whichever quantiles are used; cached.
-        scans = [scan_source(s) for s in members]
+        scans = [s.scan(MAX_STATS_FRAMES) for s in members]
         if all(s.config.quantile_stats == "exact" for s in members):
             # Exact quantiles of the pooled frames: each member contributes in proportion to its frame count.
             total = sum(v.frames for v in scans)

@@ -36,7 +36,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import av
 import numpy as np
@@ -45,10 +44,10 @@ import pyarrow.parquet as pq
 
 from hf_vla.errors import DataError
 
-if TYPE_CHECKING:
-    from hf_vla.data.sources import LeRobotSource
-
 logger = logging.getLogger("hf_vla.data")
+# `source` below is a `hf_vla.data.sources.LeRobotSource`, read through its public attributes only (config, root, name,
+# episodes, ranges, file_of_row, episode_files(), data_files(), ...); the scan changes nothing of it and returns a
+# `ScanResult` the source takes (`LeRobotSource.scan`). No import of sources here: the source imports this module.
 SCAN_VERSION = 5  # 4: the content hash of the used rows; 5: ctime in the key, per-episode hashes
 MAX_STATS_FRAMES = 2_000_000
 
@@ -118,6 +117,9 @@ class ScanResult:
     # The same content per data file (its path under the dataset root): the file's hash and a hash per kept episode,
     # so a resume that finds the content changed can name the file and the episodes (`content_difference`).
     detail: dict | None = None
+    # every used episode's state/action rows as cached beside the scan (None without the cache): the source reads its
+    # episodes from there afterwards (`LeRobotSource.take_scan`)
+    rows: EpisodeRows | None = None
 
 
 def cache_dir() -> Path:
@@ -154,7 +156,7 @@ def vector_column(column: pa.ChunkedArray | pa.Array, dim: int, what: str) -> np
     return array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), dim)
 
 
-def fingerprint(source: LeRobotSource, max_frames: int, seed: int) -> str:
+def fingerprint(source, max_frames: int, seed: int) -> str:
     """Changes when any file the scan reads changes, or the selection / feature mapping / sampling does."""
     config = source.config
     digest = hashlib.sha256()
@@ -169,7 +171,7 @@ def fingerprint(source: LeRobotSource, max_frames: int, seed: int) -> str:
     }, sort_keys=True).encode())
     digest.update(np.ascontiguousarray(source.ranges).tobytes())
     root = source.root
-    files = [root / "meta" / "info.json", root / "meta" / "tasks.parquet", *source._episode_files(),
+    files = [root / "meta" / "info.json", root / "meta" / "tasks.parquet", *source.episode_files(),
              *sorted(source.data_files())]
     for camera in config.cameras:
         if camera:
@@ -205,7 +207,7 @@ def kept_mask(episodes: np.ndarray, frames: np.ndarray, merged: np.ndarray) -> n
     return valid & (merged[index, 0] == episodes) & (frames < merged[index, 2])
 
 
-def _read_file(source: LeRobotSource, path: Path) -> pa.Table:
+def _read_file(source, path: Path) -> pa.Table:
     config = source.config
     columns = [config.state_key, config.action_key, "episode_index", "frame_index", "task_index"]
     for key in (getattr(config, "target_text_key", None), getattr(config, "action_chunk_key", None)):
@@ -221,7 +223,7 @@ def _read_file(source: LeRobotSource, path: Path) -> pa.Table:
         raise DataError(f"dataset {source.name!r}: {path} is not a readable parquet file ({error})") from error
 
 
-def _check_layout(source: LeRobotSource, path: Path, table: pa.Table, file_rows: np.ndarray):
+def _check_layout(source, path: Path, table: pa.Table, file_rows: np.ndarray):
     """The file holds exactly the episodes meta/episodes places in it, contiguous, frames 0..length-1."""
     episodes_meta = source.episodes["episode_index"][file_rows]
     lengths = source.episodes["length"][file_rows].astype(np.int64)
@@ -244,7 +246,7 @@ def _check_layout(source: LeRobotSource, path: Path, table: pa.Table, file_rows:
     return episodes, frames
 
 
-def _check_text(source: LeRobotSource, path: Path, name: str, column, keep, episodes, frames):
+def _check_text(source, path: Path, name: str, column, keep, episodes, frames):
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise DataError(f"dataset {source.name!r}: {path} column {name!r} (target_text_key) holds {column.type}, not "
                         "strings")
@@ -255,7 +257,7 @@ def _check_text(source: LeRobotSource, path: Path, name: str, column, keep, epis
                         f"text in {name!r} ({len(missing)} used row(s) without one)")
 
 
-def _check_finite(source: LeRobotSource, path: Path, name: str, values: np.ndarray, episodes, frames):
+def _check_finite(source, path: Path, name: str, values: np.ndarray, episodes, frames):
     finite = np.isfinite(values)
     if finite.all():
         return
@@ -282,7 +284,7 @@ class _Extremes:
             self.found.setdefault(name, []).append((which, picked.astype(np.float64), path, episodes[index],
                                                     frames[index]))
 
-    def check(self, source: LeRobotSource, name: str, sample: np.ndarray, widths: float | None):
+    def check(self, source, name: str, sample: np.ndarray, widths: float | None):
         if widths is None or not len(sample) or name not in self.found:
             return
         # nearest ranks inward ("higher" q01, "lower" q99): an interpolated q99 of a small dataset leans on its
@@ -302,7 +304,7 @@ class _Extremes:
                     f"raise the dataset's outlier_widths (now {widths:g}) or set it to null")
 
 
-def check_videos(source: LeRobotSource) -> int:
+def check_videos(source) -> int:
     """Every used video file reaches the end of the episodes that use it. Returns the number of files checked."""
     checked = 0
     fps = source.fps
@@ -353,7 +355,7 @@ def _video_reach(path: Path, needed: float, fps: float) -> float | None:
         raise DataError(f"video {path} cannot be read ({error})") from error
 
 
-def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | None = None) -> ScanResult:
+def _scan(source, max_frames: int, seed: int, rows_dir: Path | None = None) -> ScanResult:
     config = source.config
     merged = merged_ranges(source.ranges)
     total = int((merged[:, 2] - merged[:, 1]).sum())
@@ -379,10 +381,10 @@ def _scan(source: LeRobotSource, max_frames: int, seed: int, rows_dir: Path | No
         used_mask = np.zeros(source.num_episodes, dtype=bool)
         used_mask[used] = True
     # every episode of a file (also the unused ones) is checked against the file's layout
-    order = np.argsort(source._file_of_row, kind="stable")
-    bounds = np.searchsorted(source._file_of_row[order], np.arange(source._file_of_row.max() + 2))
+    order = np.argsort(source.file_of_row, kind="stable")
+    bounds = np.searchsorted(source.file_of_row[order], np.arange(source.file_of_row.max() + 2))
     for path in sorted(used_files):
-        file_id = source._file_of_row[used_files[path][0]]
+        file_id = source.file_of_row[used_files[path][0]]
         file_rows = order[bounds[file_id] : bounds[file_id + 1]]
         table = _read_file(source, path)
         pa.default_memory_pool().release_unused()  # the previous file's buffers: keep the pool from growing
@@ -507,35 +509,29 @@ def content_difference(saved: dict | None, current: dict | None) -> str | None:
     return where + (f" ({', '.join(more)})" if more else "")
 
 
-def scan_source(source: LeRobotSource, max_frames: int = MAX_STATS_FRAMES, seed: int = 0,
-                use_cache: bool = True) -> ScanResult:
-    """The checked frame count and quantile sample of `source`, from the cache when the dataset is unchanged.
-
-    With the cache, the source also reads its episodes from the cached rows afterwards (`source.episode_rows`). The
-    source keeps the content hash (`source.content_fingerprint`) for the training stream's resume check.
-    """
-    result = _scan_or_cached(source, max_frames, seed, use_cache)
-    source.content_fingerprint, source.content_detail = result.content, result.detail
-    return result
-
-
-def _scan_or_cached(source: LeRobotSource, max_frames: int, seed: int, use_cache: bool) -> ScanResult:
+def scan_source(source, max_frames: int = MAX_STATS_FRAMES, seed: int = 0, use_cache: bool = True) -> ScanResult:
+    """The checked frame count and quantile sample of `source` (a `hf_vla.data.sources.LeRobotSource`, read through
+    its public interface; nothing of it is changed), from the cache when the dataset is unchanged; with the cache, the
+    result's `rows` hold every used episode's rows (`LeRobotSource.take_scan` reads its episodes from them after)."""
     key = fingerprint(source, max_frames, seed)
     directory = cache_dir() / key
     if use_cache and (directory / "scan.npz").is_file():
         try:
             with np.load(directory / "scan.npz") as data:
                 result = ScanResult(int(data["frames"]), data["state"], data["actions"], cached=True,
-                                    content=str(data["content"]), detail=json.loads(str(data["detail"])))
-            source.episode_rows = EpisodeRows(directory, source.state_dim, source.action_dim)
+                                    content=str(data["content"]), detail=json.loads(str(data["detail"])),
+                                    rows=EpisodeRows(directory, source.state_dim, source.action_dim))
             logger.info("dataset %r: checks, statistics and episode rows from the cache %s", source.name, directory)
             return result
         except (OSError, ValueError, KeyError) as error:  # a damaged cache entry is recomputed
             import shutil
 
             logger.warning("dataset %r: recomputing the damaged cache %s (%s)", source.name, directory, error)
-            source.episode_rows = None
             shutil.rmtree(directory, ignore_errors=True)
+    return _scan_to_cache(source, max_frames, seed, use_cache, key, directory)
+
+
+def _scan_to_cache(source, max_frames: int, seed: int, use_cache: bool, key: str, directory: Path) -> ScanResult:
     started = time.perf_counter()
     if not use_cache:
         result = _scan(source, max_frames, seed)
@@ -553,7 +549,7 @@ def _scan_or_cached(source: LeRobotSource, max_frames: int, seed: int, use_cache
             shutil.rmtree(temporary, ignore_errors=True)
         else:
             os.replace(temporary, directory)
-        source.episode_rows = EpisodeRows(directory, source.state_dim, source.action_dim)
+        result.rows = EpisodeRows(directory, source.state_dim, source.action_dim)
     except OSError as error:  # no room or no permission for the cache: scan without it (parquet reads later)
         shutil.rmtree(temporary, ignore_errors=True)
         logger.warning("dataset %r: could not write the cache %s (%s); reading episodes from parquet", source.name,

@@ -13,189 +13,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import string
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import av
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
-from av.video.reformatter import VideoReformatter
 
+from hf_vla.data.blocks import Block, BlockList, kept_blocks, load_keep_ranges_spec  # noqa: F401  (public here)
+from hf_vla.data.dataset_config import NUMERIC_DTYPES, DatasetConfig  # noqa: F401
 from hf_vla.data.scan import vector_column
+from hf_vla.data.video import VideoReader  # noqa: F401
 from hf_vla.errors import ConfigError, DataError, FeatureKeyError, MissingFileError
 
 logger = logging.getLogger("hf_vla.data")
-NUMERIC_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
-
-
-@dataclass
-class DatasetConfig:
-    """How one LeRobot dataset feeds the model (its feature mapping). Everything is configuration, no code.
-
-    repo_id: Hub id (e.g. `lerobot/droid_1.0.1`); root: local dataset directory (either or both). With a repo_id
-        and no root the dataset lives in lerobot's cache (`$HF_LEROBOT_HOME/<repo_id>`): its metadata is fetched
-        first, then only the data and video files of the episodes and cameras the run uses (resumable, with a
-        progress bar; with `HF_HUB_OFFLINE=1` a dataset already there trains offline).
-    revision: the Hub revision (branch, tag or commit) of a repo_id dataset (default: lerobot's codebase version tag).
-    name: display name for metrics (`eval_by_dataset/<name>/mse`); defaults to the repo id or directory name.
-    weight: mixture weight (relative frequency of its frames in training batches).
-    cameras: source camera key for each model camera slot, in slot order; `null` leaves a slot empty
-        (`pixel_attention_mask=False`).
-    state_key / action_key: the dataset's state and action features (numeric vectors).
-    robot_type / control_mode: the normalization head is `robot_type::control_mode` (robot_type defaults to the
-        dataset's metadata). Without both, the head is the dataset name.
-    fps: expected frame rate; a mismatch with the metadata is an error (chunks are in dataset frames).
-    task: override the task string of every frame.
-    keep_ranges: `{"<episode key>": [[start, end], ...]}` (a dict, a JSON file path, `hf://[datasets/]ns/name/path`
-        or an http(s) URL, fetched once and cached): only these frame ranges
-        (`start` inclusive, `end` exclusive) are used, each as its own block; episodes absent from it are dropped.
-        Reversed, empty and out-of-episode ranges and malformed entries are reported (a warning naming counts and
-        examples while some ranges survive; an error when none does); ranges reaching past an episode's end are
-        clipped to it.
-    keep_ranges_key: how an episode's key is derived: a format string over the episode's metadata columns plus
-        `episode_index`, `repo_id` and `name` (default `"{episode_index}"`).
-    shuffle_tasks_seed: a language-blind control: every episode gets the task of another episode (a seeded
-        permutation), so instructions carry no information about the episode.
-    quantile_stats: `"exact"` (default) computes q01/q99 from the state/action columns (no video is read; at most
-        2M frames, subsampled with a fixed seed); `"metadata"` uses `meta/stats.json`, whose quantiles lerobot builds
-        as a frame-weighted mean of per-episode quantiles (too narrow when episodes cover different ranges). Either
-        way the start-up scan checks every state/action value for NaN/inf.
-    target_text_key: a per-frame string column (e.g. a subtask annotation) the backbone learns to predict after the
-        chunk's FAST tokens under `token_loss` (docs/cotraining.md); a training target only (never a model input).
-        Checked at start-up in every used row: present, a string.
-    action_chunk_key: a per-frame column holding the frame's whole target chunk, `[H x action_dim]` flattened (H at
-        least the model's chunk size; its first chunk-size steps are used, none padded), instead of the chunk being
-        read from the next frames' actions: a DAgger recording's `action_plan`, the expert's own chunk from each
-        visited state (hf_vla.envs.dagger). Same units as the actions (normalised with their statistics).
-    normalization: how the head's state and actions are normalised, `{"state": MODE, "actions": MODE}` with lerobot's
-        modes (`QUANTILES`, pi0.5's default; `MEAN_STD`, lerobot's pi0.5 LIBERO recipe; `MIN_MAX`, `QUANTILE10`,
-        `IDENTITY`); lerobot's `normalization_mapping` keys (`STATE`, `ACTION`, `VISUAL`: IDENTITY only) work too.
-        Saved with the processor and in the deployment contract; datasets of one head must agree.
-    relative_actions: actions as offsets from the frame's state (openpi's `DeltaActions`, lerobot's
-        `use_relative_actions`): `true` (every action dim but those `relative_exclude_joints` names, lerobot's rule),
-        or an explicit mask as openpi's `make_bool_mask` (`[true] * 7 + [false]`: 7 joints delta, gripper absolute;
-        dims past the mask are absolute). Every step of a chunk is relative to the frame's own state; the action
-        statistics are computed at start-up over the relative chunks trained on (`chunk_size` steps), never taken
-        from `meta/stats.json`. Inference adds the observation's state back (recorded with the checkpoint).
-    relative_exclude_joints: with `relative_actions: true`, action names kept absolute (default `["gripper"]`; a dim
-        is excluded when a name equals its action name or is a substring of it, case-insensitively). A name given
-        here that matches no action name is refused.
-    outlier_widths: the start-up scan refuses a state/action value farther than this many q01..q99 widths outside
-        that range (per dim; the width is at least 1e-3 of the dim's magnitude, so a constant dim tolerates its own
-        scale): bit rot in a parquet page body decodes to values like 1e38 that pass every format check. `null`
-        turns the check off for data whose rare extremes are real.
-    """
-
-    repo_id: str | None = None
-    root: str | None = None
-    revision: str | None = None
-    name: str | None = None
-    weight: float = 1.0
-    cameras: list[str | None] = field(default_factory=list)
-    state_key: str = "observation.state"
-    action_key: str = "action"
-    robot_type: str | None = None
-    control_mode: str | None = None
-    fps: float | None = None
-    task: str | None = None
-    keep_ranges: str | dict | None = None
-    keep_ranges_key: str = "{episode_index}"
-    shuffle_tasks_seed: int | None = None
-    quantile_stats: str = "exact"
-    outlier_widths: float | None = 1e4
-    target_text_key: str | None = None
-    action_chunk_key: str | None = None
-    normalization: dict | None = None
-    relative_actions: bool | list[bool] | None = None
-    relative_exclude_joints: list[str] | None = None
-
-    def __post_init__(self):
-        if self.quantile_stats not in ("exact", "metadata"):
-            raise ConfigError(f"dataset {self.name or self.repo_id!r}: quantile_stats must be 'exact' or 'metadata', "
-                              f"got {self.quantile_stats!r}")
-        if self.repo_id is None and self.root is None:
-            raise ConfigError("DatasetConfig needs repo_id or root")
-        if self.outlier_widths is not None and not (isinstance(self.outlier_widths, int | float)
-                                                    and self.outlier_widths > 0):
-            raise ConfigError(f"dataset {self.name or self.repo_id!r}: outlier_widths must be a positive number or "
-                              f"null, got {self.outlier_widths!r}")
-        if self.name is None:
-            self.name = self.repo_id or Path(self.root).name
-        if not self.weight > 0:
-            raise ConfigError(f"dataset {self.name!r}: weight must be > 0, got {self.weight}")
-        if not isinstance(self.cameras, list) or not self.cameras or not any(self.cameras):
-            raise ConfigError(f"dataset {self.name!r}: `cameras` must map at least one model camera slot to a camera key")
-        from hf_vla.models.pi05.normalization import parse_mapping
-
-        try:
-            self.normalization = parse_mapping(self.normalization, f"dataset {self.name!r}: normalization") or None
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        relative = self.relative_actions
-        if isinstance(relative, list):
-            if not relative or not all(isinstance(m, bool) or m in (0, 1) for m in relative):
-                raise ConfigError(f"dataset {self.name!r}: relative_actions as a mask is a non-empty list of true/false "
-                                  f"(openpi's make_bool_mask), got {relative!r}")
-            self.relative_actions = [bool(m) for m in relative]
-        elif relative is not None and not isinstance(relative, bool):
-            raise ConfigError(f"dataset {self.name!r}: relative_actions must be true/false or a list of true/false "
-                              f"(a mask), got {relative!r}")
-        if self.relative_exclude_joints is not None:
-            if self.relative_actions is not True:
-                raise ConfigError(f"dataset {self.name!r}: relative_exclude_joints names action dims kept absolute "
-                                  "with relative_actions: true (an explicit mask says it itself)")
-            if not isinstance(self.relative_exclude_joints, list) or not all(
-                    isinstance(n, str) for n in self.relative_exclude_joints):
-                raise ConfigError(f"dataset {self.name!r}: relative_exclude_joints must be a list of action names, got "
-                                  f"{self.relative_exclude_joints!r}")
-
-
-@dataclass(frozen=True)
-class Block:
-    """A contiguous frame range [start, end) of one episode: the unit of shuffling and of sequential decoding."""
-
-    source: int
-    episode: int  # the dataset's own episode index
-    start: int
-    end: int
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-class BlockList(Sequence):
-    """Blocks of one source held as an int64 array `[n, 3]` (episode, start, end); items are `Block`s on access.
-
-    92k episodes cost 2 MB here instead of 92k Python objects in every rank and DataLoader worker.
-    """
-
-    def __init__(self, source: int, ranges: np.ndarray):
-        self.source = source
-        self.ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
-
-    def __len__(self) -> int:
-        return len(self.ranges)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return BlockList(self.source, self.ranges[index])
-        episode, start, end = self.ranges[index]
-        return Block(self.source, int(episode), int(start), int(end))
-
-    def __iter__(self) -> Iterator[Block]:
-        for episode, start, end in self.ranges.tolist():
-            yield Block(self.source, episode, start, end)
-
-    @property
-    def frames(self) -> int:
-        return int((self.ranges[:, 2] - self.ranges[:, 1]).sum())
 
 
 def _names(feature: dict) -> list[str] | None:
@@ -370,12 +202,12 @@ class LeRobotSource:
                                                                  "to_timestamp")]
         return columns
 
-    def _episode_files(self) -> list[Path]:
+    def episode_files(self) -> list[Path]:
         return sorted((self.root / "meta" / "episodes").glob("*/*.parquet"))
 
     def _read_episode_table(self, columns: list[str], required: bool = True) -> pa.Table:
         tables = []
-        for path in self._episode_files():
+        for path in self.episode_files():
             try:
                 present = pq.read_schema(path).names
                 missing = [c for c in columns if c not in present]
@@ -404,7 +236,7 @@ class LeRobotSource:
         first = np.full(len(files), np.iinfo(np.int64).max)
         np.minimum.at(first, inverse, self.episodes["dataset_from_index"])
         self.episodes["file_row"] = self.episodes["dataset_from_index"] - first[inverse]
-        self._file_of_row = inverse
+        self.file_of_row = inverse  # the index of each row's episode file
         self._shuffled_tasks = None
         if self.config.shuffle_tasks_seed is not None:
             tasks = self._read_episode_table(["tasks"])["tasks"].to_pylist()
@@ -486,7 +318,7 @@ class LeRobotSource:
         except ValueError as error:
             raise ConfigError(f"dataset {self.name!r}: keep_ranges_key {fmt!r} is not a format string ({error})") \
                 from error
-        available = set(pq.read_schema(self._episode_files()[0]).names) - {"tasks"}
+        available = set(pq.read_schema(self.episode_files()[0]).names) - {"tasks"}
         available = {c for c in available if not c.startswith(("stats/", "meta/"))} | {"episode_index", "repo_id",
                                                                                         "name"}
         unknown = sorted(fields - available)
@@ -510,102 +342,16 @@ class LeRobotSource:
             keys.append(fmt.format(episode_index=episode, **constants, **{c: values[c][row] for c in columns}))
         return keys
 
-    def _load_keep_ranges_spec(self) -> dict:
-        spec = self.config.keep_ranges
-        if isinstance(spec, str | os.PathLike):
-            from hf_vla.hub.resolve import fetch_file, is_remote
-
-            path = fetch_file(spec, f"dataset {self.name!r}: keep_ranges") if is_remote(spec) else Path(spec)
-            if not path.is_file():
-                raise MissingFileError(f"dataset {self.name!r}: keep_ranges file {path} not found")
-            try:
-                spec = json.loads(path.read_text())
-            except json.JSONDecodeError as error:
-                raise DataError(f"dataset {self.name!r}: keep_ranges file {path} is not valid JSON ({error})") from error
-        if not isinstance(spec, dict):
-            raise DataError(f"dataset {self.name!r}: keep_ranges must map episode keys to [[start, end], ...] lists, "
-                            f"got {type(spec).__name__}")
-        if not spec:
-            where = f" ({self.config.keep_ranges})" if isinstance(self.config.keep_ranges, str) else ""
-            raise DataError(f"dataset {self.name!r}: the keep_ranges filter{where} is empty: it would keep no frame")
-        return spec
-
     def _block_ranges(self) -> np.ndarray:
         """`[n, 3]` (episode, start, end) of the blocks: whole episodes, or the kept ranges (validated)."""
         lengths = self.episodes["length"].astype(np.int64)
         if self.config.keep_ranges is None:
             return np.stack([self.episodes["episode_index"].astype(np.int64), np.zeros_like(lengths), lengths], axis=1)
         self.keep_ranges = True
-        spec = self._load_keep_ranges_spec()
-        keys = self.episode_keys()
-        row_of_key = {key: row for row, key in enumerate(keys)}
-        rows, starts, ends, malformed, unmatched = [], [], [], [], []
-        matched = 0
-        for key, ranges in spec.items():
-            row = row_of_key.get(key)
-            if row is None:
-                unmatched.append(key)
-                continue
-            matched += 1
-            if not isinstance(ranges, list):
-                malformed.append(f"{key}: {ranges!r}")
-                continue
-            for item in ranges:
-                if (isinstance(item, list | tuple) and len(item) == 2
-                        and all(isinstance(v, int) and not isinstance(v, bool) for v in item)):
-                    rows.append(row)
-                    starts.append(item[0])
-                    ends.append(item[1])
-                else:
-                    malformed.append(f"{key}: {item!r}")
-        rows, starts, ends = (np.asarray(v, dtype=np.int64) for v in (rows, starts, ends))
-        length = lengths[rows]
-        reversed_ = ends < starts
-        empty = ends == starts
-        outside = ~reversed_ & ~empty & ((starts >= length) | (ends <= 0))
-        valid = ~(reversed_ | empty | outside)
-        clipped = valid & ((starts < 0) | (ends > length))
-        problems = []
-
-        def examples(mask):
-            picked = np.flatnonzero(mask)[:3]
-            return ", ".join(f"{keys[rows[i]]} [{starts[i]}, {ends[i]}] (length {length[i]})" for i in picked)
-
-        for label, mask in (("reversed (end < start)", reversed_), ("empty (end == start)", empty),
-                            ("outside their episode", outside), ("clipped to their episode", clipped)):
-            if mask.any():
-                problems.append(f"{int(mask.sum())} {label}, e.g. {examples(mask)}")
-        if malformed:
-            problems.append(f"{len(malformed)} malformed entries (not [start, end] integer pairs), e.g. "
-                            f"{'; '.join(malformed[:3])}")
-        total = len(rows) + len(malformed)
-        kept_rows, kept_starts = rows[valid], np.maximum(starts[valid], 0)
-        kept_ends = np.minimum(ends[valid], length[valid])
-        if not len(kept_rows):
-            if not matched:
-                raise DataError(
-                    f"dataset {self.name!r}: the keep_ranges filter matches no episode: none of its "
-                    f"{len(spec)} keys equals an episode key (filter keys like {list(spec)[:3]}, episode keys like "
-                    f"{keys[:3]}); check keep_ranges_key ({self.config.keep_ranges_key!r})"
-                )
-            raise DataError(
-                f"dataset {self.name!r}: the keep_ranges filter keeps no frame: its keys match {matched} episodes, "
-                f"but all {total} of their ranges are invalid: {'; '.join(problems)}"
-            )
-        order = np.lexsort((kept_starts, kept_rows))
-        kept_rows, kept_starts, kept_ends = kept_rows[order], kept_starts[order], kept_ends[order]
-        overlap = (kept_rows[1:] == kept_rows[:-1]) & (kept_starts[1:] < kept_ends[:-1])
-        if overlap.any():
-            problems.append(f"{int(overlap.sum())} overlapping another range of the same episode (their frames are "
-                            "used twice)")
-        if unmatched:
-            problems.append(f"{len(unmatched)} filter keys match no episode (e.g. {unmatched[:3]})")
-        if problems:
-            logger.warning("dataset %r: keep_ranges: %d of %d ranges kept; %s", self.name, len(kept_rows), total,
-                           "; ".join(problems))
-        self.keep_range_report = {"kept": int(len(kept_rows)), "total": int(total), "problems": problems}
-        episodes = self.episodes["episode_index"].astype(np.int64)[kept_rows]
-        return np.stack([episodes, kept_starts, kept_ends], axis=1)
+        spec = load_keep_ranges_spec(self.config.keep_ranges, self.name)
+        ranges, self.keep_range_report = kept_blocks(self.name, spec, self.episode_keys(), lengths,
+                                                     self.episodes["episode_index"], self.config.keep_ranges_key)
+        return ranges
 
     # ---- files ---------------------------------------------------------------------------------------------------
     def data_path(self, episode: int) -> Path:
@@ -641,7 +387,7 @@ class LeRobotSource:
     def data_files(self) -> dict[Path, np.ndarray]:
         """Data file -> rows of the used episodes it holds (one path format per file, not per episode)."""
         rows = self.used_rows()
-        return {self._data_path_of_row(int(group[0])): group for group in self._group(rows, self._file_of_row[rows])}
+        return {self._data_path_of_row(int(group[0])): group for group in self._group(rows, self.file_of_row[rows])}
 
     def video_files(self, camera: str) -> dict[Path, np.ndarray]:
         rows = self.used_rows()
@@ -781,95 +527,18 @@ class LeRobotSource:
                             f"{self.root / 'meta/tasks.parquet'}") from None
 
     # ---- statistics ----------------------------------------------------------------------------------------------
-    def column_values(self, max_frames: int = 2_000_000, seed: int = 0) -> dict[str, np.ndarray]:
-        """state / actions of (a seeded subsample of) the used frames, read from parquet only (see `scan`)."""
+    def scan(self, max_frames: int = 2_000_000, seed: int = 0):
+        """The start-up scan of this dataset (`hf_vla.data.scan.scan_source`: every row and video checked, the
+        quantile sample), taken: its content hash kept for the training stream's resume check, and its cached rows
+        (when the cache holds them) read by `episode_table` from then on."""
         from hf_vla.data.scan import scan_source
 
         result = scan_source(self, max_frames=max_frames, seed=seed)
+        self.episode_rows = result.rows
+        self.content_fingerprint, self.content_detail = result.content, result.detail
+        return result
+
+    def column_values(self, max_frames: int = 2_000_000, seed: int = 0) -> dict[str, np.ndarray]:
+        """state / actions of (a seeded subsample of) the used frames, read from parquet only (see `scan`)."""
+        result = self.scan(max_frames=max_frames, seed=seed)
         return {"state": result.state, "actions": result.actions, "frames": result.frames}
-
-
-class VideoReader:
-    """Sequential decoding of one camera of one block, resized with aspect-preserving padding while decoding."""
-
-    def __init__(self, path: Path, start_time: float, fps: float, image_size: int, episode: int | None = None,
-                 threads: int = 0):
-        self.path = path
-        self.fps = fps
-        self.image_size = image_size
-        self.episode = episode
-        try:
-            self.container = av.open(str(path))
-        except (FileNotFoundError, av.error.FileNotFoundError) as error:
-            raise MissingFileError(f"video file {path} is missing") from error
-        except av.FFmpegError as error:
-            raise DataError(f"{self._where()}: cannot open the video ({error})") from error
-        self.stream = self.container.streams.video[0]
-        if threads < 0:  # FFmpeg's choice (one thread per core, per decoder)
-            self.stream.thread_type = "AUTO"
-        elif threads > 1:
-            self.stream.thread_type = "AUTO"  # frame and slice threads, at most `threads`
-            self.stream.codec_context.thread_count = threads
-        else:
-            self.stream.thread_type = "SLICE"  # no frame threads: one decoder per open block, dozens per worker
-            self.stream.codec_context.thread_count = 1
-        self.start_time = start_time
-        self._frames = None
-        self._last = None
-        self._scaled = None
-        # One swscale context for the whole block: `VideoFrame.to_ndarray(width=...)` builds a new one for every frame
-        # (filter set-up cost 0.8 ms vs 0.36 ms per 640x480 -> 224 frame; same pixels).
-        self._reformatter = VideoReformatter()
-
-    def _where(self) -> str:
-        return f"{self.path}" + (f" (episode {self.episode})" if self.episode is not None else "")
-
-    def _seek(self, timestamp: float):
-        self.container.seek(int(max(0.0, timestamp - 0.5) / self.stream.time_base), stream=self.stream, backward=True)
-        self._frames = self.container.decode(self.stream)
-        self._last = None
-
-    def _scale(self, height: int, width: int):
-        if self._scaled is None:
-            ratio = max(width / self.image_size, height / self.image_size)
-            self._scaled = (int(height / ratio), int(width / ratio))
-        return self._scaled
-
-    def frame(self, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Frame `index` (episode frame, from its start) as uint8 [3, S, S], written into `out` when given.
-
-        Indices must not go back within a block. Scaling happens in swscale while converting to RGB; the padding is
-        centred and black. swscale's AREA filter is used: of its filters it comes closest to the processor's
-        `resize_with_pad` (torch bilinear) at inference, and it is exact when no scaling is needed. (FAST_BILINEAR
-        corrupts colour at sharp edges even without scaling: errors up to 160 levels on the 32 px demo frames.)
-        """
-        target = self.start_time + index / self.fps
-        try:
-            if self._frames is None or (self._last is not None and target < self._last[0] - 1e-6):
-                self._seek(target)
-            tolerance = 0.5 / self.fps
-            while self._last is None or self._last[0] < target - tolerance:
-                try:
-                    decoded = next(self._frames)
-                except StopIteration:
-                    if self._last is not None and abs(self._last[0] - target) < 2 * tolerance:
-                        break
-                    end = f"{self._last[0]:.3f}s" if self._last else "its start"
-                    raise DataError(f"{self._where()}: no frame at {target:.3f}s (frame {index}); the video ends at "
-                                    f"{end}: truncated, or shorter than meta/episodes says") from None
-                self._last = (float(decoded.time), decoded)
-        except av.FFmpegError as error:
-            raise DataError(f"{self._where()}: cannot decode frame {index} at {target:.3f}s ({error}); the file is "
-                            "corrupt or truncated") from error
-        decoded = self._last[1]
-        height, width = self._scale(decoded.height, decoded.width)
-        array = self._reformatter.reformat(decoded, format="rgb24", width=width, height=height,
-                                           interpolation="AREA").to_ndarray()
-        if out is None:
-            out = torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8)
-        top, left = (self.image_size - height) // 2, (self.image_size - width) // 2
-        out[:, top : top + height, left : left + width] = torch.from_numpy(array).permute(2, 0, 1)
-        return out
-
-    def close(self):
-        self.container.close()
