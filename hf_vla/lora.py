@@ -8,7 +8,7 @@
 - "all_linear": LoRA on every linear layer the policy runs in the VLM's language model and in the expert; the SigLIP
   tower stays frozen.
 The small action/time heads train in full (`modules_to_save`). Targets and heads come from the model itself
-(`lora_target_modules`, `trained_heads`: pi0.5's methods, or `hf_vla.models.pi0_adapter.PI0Structure` for pi0).
+(`lora_target_modules`, `trained_heads`: `hf_vla.training.structure`'s `PI05Structure` / `PI0Structure`).
 
 What a LoRA run saves for use (its output directory, rollout snapshots): the merged model at the root (base weights
 with the adapters folded in, the trained heads in place), which `AutoModel.from_pretrained`, `hf_vla.evaluate` and
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig
 
-from hf_vla.models.pi0_adapter import policy_structure
+from hf_vla.training.structure import policy_structure
 
 PRESETS = ("expert", "all_linear")
 ADAPTER_DIR = "adapter"  # the adapters of a merged save

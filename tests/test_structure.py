@@ -130,28 +130,29 @@ def test_the_collator_batch_is_the_processor_batch(two_datasets):  # noqa: F811
             assert batch["action_dim_mask"][i].sum() == width and batch["actions"][i, :, width:].abs().sum() == 0
 
 
-def test_freeze_modes_and_lora_targets_come_from_the_model(two_datasets, tmp_path, monkeypatch):  # noqa: F811
+def test_freeze_modes_and_lora_targets_come_from_the_policy_structure(two_datasets, tmp_path, monkeypatch):  # noqa: F811
     from transformers import PI0ForConditionalGeneration
 
     from hf_vla.lora import lora_config
-    from hf_vla.models.pi0_adapter import policy_structure
+    from hf_vla.training.structure import PI05Structure, policy_structure
 
     model = PI05ForConditionalGeneration(tiny_pi05_config())
-    targets = model.lora_target_modules("all_linear")
+    targets = policy_structure(model).lora_target_modules("all_linear")
     assert "model.expert.layers.0.input_layernorm.dense" in targets  # adaRMS modulation
     assert "model.vlm.language_model.layers.0.self_attn.q_proj" in targets
     last = len(model.model.vlm.language_model.layers) - 1
     assert f"model.vlm.language_model.layers.{last}.self_attn.k_proj" in targets
     assert f"model.vlm.language_model.layers.{last}.self_attn.q_proj" not in targets  # never run by pi0.5
     assert not any("vision_tower" in t for t in targets)
-    assert set(model.lora_target_modules("expert")) == {t for t in targets if t.startswith("model.expert.")}
-    # lora_config and the trainer ask the model
-    monkeypatch.setattr(PI05ForConditionalGeneration, "lora_target_modules", lambda self, preset: ["action_in_proj"])
-    monkeypatch.setattr(PI05ForConditionalGeneration, "trained_heads", lambda self: ["time_mlp_in"])
+    assert set(policy_structure(model).lora_target_modules("expert")) == {t for t in targets
+                                                                          if t.startswith("model.expert.")}
+    # lora_config and the trainer ask the policy's structure
+    monkeypatch.setattr(PI05Structure, "lora_target_modules", lambda self, preset: ["action_in_proj"])
+    monkeypatch.setattr(PI05Structure, "trained_heads", lambda self: ["time_mlp_in"])
     config = lora_config("expert", r=2, model=model)
     assert config.target_modules == {"action_in_proj"} and config.modules_to_save == ["time_mlp_in"]
     calls = []
-    monkeypatch.setattr(PI05ForConditionalGeneration, "freeze", lambda self, mode: calls.append(mode))
+    monkeypatch.setattr(PI05Structure, "freeze", lambda self, mode: calls.append(mode))
     _trainer(two_datasets, tmp_path, max_steps=1, freeze="vlm")
     assert calls == ["vlm"]
     # transformers' pi0 through its adapter: same presets over its expert (`dit`)

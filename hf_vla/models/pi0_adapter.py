@@ -142,48 +142,6 @@ def pi0_unused_modules(model: nn.Module) -> list[nn.Module]:
             core.dit.embed_tokens]
 
 
-class PI0Structure:
-    """pi0's answers to what the trainer and peft ask a policy (pi0.5 answers them itself): freeze modes, LoRA targets,
-    the heads trained in full."""
-
-    freeze_modes = ("none", "vision_tower", "vlm", "expert_only")
-    lora_presets = ("expert", "all_linear")
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def trained_heads(self) -> list[str]:
-        return ["embed_action_time", "action_out_proj"]
-
-    def freeze(self, mode: str = "none") -> None:
-        from .pi05.modeling_pi05 import apply_freeze
-
-        core = self.model.model
-        apply_freeze(mode, self.freeze_modes, self.model, core.vlm, core.dit.layers)
-        for module in pi0_unused_modules(self.model):
-            module.requires_grad_(False)
-
-    def lora_target_modules(self, preset: str) -> list[str]:
-        if preset not in self.lora_presets:
-            raise ValueError(f"LoRA preset {preset!r}: choose one of {self.lora_presets}")
-        unused = {id(sub) for module in pi0_unused_modules(self.model) for sub in module.modules()}
-        prefixes = ("model.dit.layers.",) + (("model.vlm.language_model.layers.",) if preset == "all_linear" else ())
-        return [name for name, module in self.model.named_modules()
-                if isinstance(module, nn.Linear) and name.startswith(prefixes) and id(module) not in unused]
-
-
-def policy_structure(model: nn.Module):
-    """What a policy says about its own structure (`freeze`, `lora_target_modules`, `trained_heads`): pi0.5 itself,
-    transformers' pi0 through `PI0Structure`, or any model that has those methods."""
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if is_pi0(core):
-        return PI0Structure(core)
-    if all(hasattr(core, name) for name in ("freeze", "lora_target_modules", "trained_heads")):
-        return core
-    raise TypeError(f"{type(core).__name__} does not describe its structure (freeze, lora_target_modules, "
-                    "trained_heads)")
-
-
 def prepare_pi0(model: nn.Module, engine: str) -> None:
     """Freeze pi0's unused modules; under FSDP2 keep its last VLM layer in the root unit."""
     for module in pi0_unused_modules(model):
@@ -194,4 +152,4 @@ def prepare_pi0(model: nn.Module, engine: str) -> None:
             last.__class__ = PI0RootKeptLayer
 
 
-__all__ = ["PI0HeadProcessor", "PI0RootKeptLayer", "PI0Structure", "is_pi0", "pi0_unused_modules", "policy_structure", "prepare_pi0"]
+__all__ = ["PI0HeadProcessor", "PI0RootKeptLayer", "is_pi0", "pi0_unused_modules", "prepare_pi0"]

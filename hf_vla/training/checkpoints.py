@@ -236,6 +236,15 @@ def _step(folder: Path) -> int:
     return int(_CHECKPOINT.match(folder.name).group(1))
 
 
+def previous_checkpoint_note(run_dir: str, disk_full: bool = False) -> str:
+    """What a failed save's message adds: the last complete checkpoint, intact, and how to resume from it."""
+    previous, _ = last_complete_checkpoint(run_dir)
+    if previous is None:
+        return "; there is no earlier complete checkpoint"
+    then = "free space, then " if disk_full else ""
+    return f"; the previous checkpoint {previous} is intact ({then}--resume_from_checkpoint true resumes from it)"
+
+
 def norm_stats_change(folder: str | os.PathLike, norm_stats: dict | None) -> str | None:
     """The first difference between the normalisation statistics saved with the checkpoint in `folder` (its
     processor_config.json) and `norm_stats`, as `head 'h': actions q99[0] 0.1017 -> 0.1043`; None when they are

@@ -25,7 +25,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hf_vla.data import ForkFriendlyDataLoader, PI05Collator
 from hf_vla.errors import CheckpointError, ConfigError, NonFiniteError
 from hf_vla.hub.card import render_model_card
-from hf_vla.models.pi0_adapter import policy_structure
 from hf_vla.training import checkpoints
 from hf_vla.training.engines import configure_engine, finish_engine, saved_as_own_class
 from hf_vla.training.losses import (
@@ -40,6 +39,7 @@ from hf_vla.training.losses import (
 from hf_vla.training.optim import MasterWeightOptimizer
 from hf_vla.training.provenance import ProvenanceEvaluation
 from hf_vla.training.step_metrics import StepMetrics
+from hf_vla.training.structure import policy_structure
 from hf_vla.training.training_args import VLATrainingArguments
 
 logger = logging.getLogger("hf_vla.training.trainer")
@@ -98,7 +98,6 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
             logger.info("trainable parameters: %s of %s (%.2f%%)%s", f"{trainable:,}", f"{total:,}",
                         100 * trainable / max(total, 1), " (LoRA adapters and trained heads)"
                         if self._run_info["lora"] else "")
-        self._saving_checkpoint = False
         tokenizer = getattr(processing_class, "tokenizer", None)
         if tokenizer is not None:  # what the Trainer would align (and warn about, a text-generation concern), silently
             for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -131,7 +130,6 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         self._nonfinite_batches: list[str] = []  # provenance of this step's non-finite micro-batches
         self._nonfinite_skipped = 0
         self._skipped_since_log = 0
-        self._defer_push = False
         # Training metrics the TRL way, flushed in log(): per normalization head, the masked squared-error sum and
         # element count since the last log, so a user sees which embodiment is not learning between evaluations.
         self._metrics = {"train": {"head_sum": None, "head_count": None, "tokens": {}}}
@@ -401,8 +399,9 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         # The Trainer's checkpoint push copies only config and weights: add the auto_map code files (so the Hub repo
-        # loads with trust_remote_code at every step) and the model card. Pushed only once the checkpoint is complete.
-        if self._defer_push:
+        # loads with trust_remote_code at every step) and the model card. Pushed only once the checkpoint is complete
+        # (the Trainer's own call, inside its _save_checkpoint, comes before the completion marker: skipped here).
+        if checkpoints.incomplete_reason(checkpoint_folder) is not None:
             return None
         if self.is_world_process_zero() and self.args.hub_strategy != "end":
             for name in os.listdir(checkpoint_folder):
@@ -416,7 +415,8 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         # Under FSDP2 the model's class is torch's FSDP subclass: save the auto_map and code files of its own class.
         with saved_as_own_class(self.model):
             super()._save(output_dir, state_dict)
-        if self._run_info["lora"] and not self._saving_checkpoint:
+        checkpoint = os.path.basename(os.path.normpath(output_dir or "")).startswith(f"{PREFIX_CHECKPOINT_DIR}-")
+        if self._run_info["lora"] and not checkpoint:  # a checkpoint keeps the Trainer's layout, to resume from
             self._save_merged(output_dir or self.args.output_dir, state_dict)
 
     def _save_merged(self, output_dir: str, state_dict=None):
@@ -453,9 +453,10 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         if self.args.should_save and os.path.isdir(folder):  # left by an interrupted save of this same step
             checkpoints.remove_checkpoint(folder)
         self.accelerator.wait_for_everyone()
-        limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation before completion
-        self._defer_push = True
-        self._saving_checkpoint = True  # the Trainer's layout (adapters at the root) to resume from
+        # transformers rotates checkpoints inside its _save_checkpoint (a module function, no hook), before this
+        # checkpoint is complete: with save_total_limit 1 it would delete the last complete one. So the parent runs
+        # without a limit and the rotation below keeps `limit` complete checkpoints once this one is marked.
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
         try:
             super()._save_checkpoint(model, trial)
             if self.args.should_save:
@@ -477,25 +478,15 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         except Exception as error:
             if self.args.should_save and os.path.isdir(folder):
                 shutil.rmtree(folder, ignore_errors=True)
-            raise CheckpointError(checkpoints.describe_save_error(folder, error) + self._previous_checkpoint_note(
+            raise CheckpointError(checkpoints.describe_save_error(folder, error) + checkpoints.previous_checkpoint_note(
                 run_dir, checkpoints.no_space(folder, error)[0])) from error
         finally:
             self.args.save_total_limit = limit
-            self._defer_push = False
-            self._saving_checkpoint = False
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             checkpoints.rotate(run_dir, limit, protect={self.state.best_model_checkpoint, folder})
         if self.args.push_to_hub:
             self._push_from_checkpoint(folder)
-
-    @staticmethod
-    def _previous_checkpoint_note(run_dir: str, disk_full: bool = False) -> str:
-        previous, _ = checkpoints.last_complete_checkpoint(run_dir)
-        if previous is None:
-            return "; there is no earlier complete checkpoint"
-        then = "free space, then " if disk_full else ""
-        return f"; the previous checkpoint {previous} is intact ({then}--resume_from_checkpoint true resumes from it)"
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # save_pretrained writes PaliGemma's legacy key layout and only from_pretrained maps it back; the Trainer's raw

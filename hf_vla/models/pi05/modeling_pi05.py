@@ -211,20 +211,6 @@ def present_module_classes(model: nn.Module, names) -> set[str]:
     return {name for name in (names or ()) if name in present}
 
 
-def apply_freeze(mode: str, modes, policy: nn.Module, vlm: nn.Module, expert_layers: nn.Module) -> None:
-    """The freeze modes of a PaliGemma + action-expert policy (pi0.5 here, transformers' pi0 in `pi0_adapter`)."""
-    if mode not in modes:
-        raise ValueError(f"freeze={mode!r}: choose one of {modes}")
-    if mode == "vision_tower":
-        vlm.vision_tower.requires_grad_(False)
-        vlm.multi_modal_projector.requires_grad_(False)
-    elif mode == "vlm":
-        vlm.requires_grad_(False)
-    elif mode == "expert_only":
-        policy.requires_grad_(False)
-        expert_layers.requires_grad_(True)
-
-
 class PI05PreTrainedModel(PreTrainedModel):
     config: PI05Config
     config_class = PI05Config
@@ -641,36 +627,6 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         value = self.value_head(prefix_hidden[0], prefix_valid) if output_value else None
         return PI05Output(loss=loss, logits=velocity, past_key_values=cache, value=value, token_losses=token_losses,
                           token_logits=token_logits)
-
-    # ---- structure, for the trainer and peft ---------------------------------------------------------------------
-    freeze_modes = ("none", "vision_tower", "vlm", "expert_only")
-    lora_presets = ("expert", "all_linear")
-
-    def trained_heads(self) -> list[str]:
-        """The small action/time heads (and the critic, when there is one): trained in full when the rest is frozen or
-        adapted (peft `modules_to_save`)."""
-        heads = ["action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"]
-        return heads + (["value_head"] if self.value_head is not None else [])
-
-    def freeze(self, mode: str = "none") -> None:
-        """`vision_tower`: SigLIP and its projector frozen; `vlm`: all of PaliGemma frozen (the expert and the heads
-        train); `expert_only`: only the action expert's layers train. The modules pi0.5 never runs stay frozen."""
-        critic = self.value_head is not None and any(p.requires_grad for p in self.value_head.parameters())
-        apply_freeze(mode, self.freeze_modes, self, self.model.vlm, self.model.expert.layers)
-        self.model.freeze_unused()
-        if self.value_head is not None:  # the critic trains when the RL trainer made it trainable, whatever the mode
-            self.value_head.requires_grad_(critic)
-
-    def lora_target_modules(self, preset: str) -> list[str]:
-        """The linear layers LoRA adapts. `expert`: every linear of the action expert's layers (attention, MLP and the
-        adaRMS modulation); `all_linear`: those and every linear of the VLM's language-model layers that pi0.5 runs
-        (the last layer's query/output projections and MLP never run, so they get no adapter)."""
-        if preset not in self.lora_presets:
-            raise ValueError(f"LoRA preset {preset!r}: choose one of {self.lora_presets}")
-        unused = {id(sub) for module in self.model.unused_modules() for sub in module.modules()}
-        prefixes = ("model.expert.layers.",) + (("model.vlm.language_model.layers.",) if preset == "all_linear" else ())
-        return [name for name, module in self.named_modules()
-                if isinstance(module, nn.Linear) and name.startswith(prefixes) and id(module) not in unused]
 
     @torch.no_grad()
     def prefix_cache(self, input_ids, pixel_values, pixel_attention_mask=None, attention_mask=None) -> DynamicCache:
