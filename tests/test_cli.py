@@ -163,7 +163,7 @@ def test_demo_main_job_end_to_end(tmp_path):
     # the first-move benchmark runs on the checkpoint and reads headings the way the env's geometry says
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("demo_decision", REPO / "benchmarks" / "demo_decision.py")
+    spec = importlib.util.spec_from_file_location("demo_decision", REPO / "benchmarks" / "closed_loop" / "demo_decision.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     result = bench.main([str(tmp_path / "out"), "--starts", "6"])

@@ -550,7 +550,7 @@ def test_filtered_bc_with_the_deterministic_sampler_trains_the_supervised_loss_o
 
 
 def test_the_per_step_split_of_the_grpo_loss_sums_to_it(tmp_path):
-    """`_policy_gradient_loss(per_step=True)` (what benchmarks/rl_gradient_snr.py differentiates) is the loss split by
+    """`_policy_gradient_loss(per_step=True)` (what benchmarks/closed_loop/rl_gradient_snr.py differentiates) is the loss split by
     denoising step: K parts summing to `compute_loss`; PPO and a KL term are refused."""
     from hf_vla.rl import RLConfig, RLTrainer
 

@@ -787,9 +787,9 @@ def sample_batch_one(model, request):
 
 @pytest.mark.slow
 def test_serve_load_benchmark_small():
-    """benchmarks/serve_load.py at CI size: every request of 4 concurrent clients answered with a finite chunk, RSS
+    """benchmarks/speed/serve_load.py at CI size: every request of 4 concurrent clients answered with a finite chunk, RSS
     grows less than 30 MB over 200 connect/disconnect cycles, and the server log has no ERROR line."""
-    result = subprocess.run([sys.executable, "benchmarks/serve_load.py", "--clients", "1", "4", "--requests", "8",
+    result = subprocess.run([sys.executable, "benchmarks/speed/serve_load.py", "--clients", "1", "4", "--requests", "8",
                              "--cycles", "200", "--batching_repeats", "0"], capture_output=True, text=True, cwd=REPO,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

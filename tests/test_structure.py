@@ -218,7 +218,7 @@ def test_no_product_module_imports_test_helpers():
     for path in (REPO / "hf_vla").rglob("*.py"):
         text = path.read_text()
         assert "hf_vla.testing" not in text and "from tests" not in text and "import tests" not in text, path
-    for path in (REPO / "benchmarks").glob("*.py"):
+    for path in (REPO / "benchmarks").rglob("*.py"):
         assert '/ "tests"' not in path.read_text() and "sys.path.insert" not in path.read_text(), path
 
 

@@ -319,7 +319,7 @@ class MetaWorldEnv(gym.Env):
         (MuJoCo's integration state, the step counter, the observation history) is restored after: the env then
         steps exactly as if this had not been called. Past the simulator's step limit the last action repeats. The
         label of a chunked policy's training chunk at a visited state (DAgger with chunks), and the check of how far
-        a recording's labels along the visited states are from it (`benchmarks/dagger_labels.py`)."""
+        a recording's labels along the visited states are from it (`benchmarks/closed_loop/dagger_labels.py`)."""
         import copy
 
         import mujoco

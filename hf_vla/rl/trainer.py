@@ -249,7 +249,7 @@ class RLTrainer(RolloutCollection, RLReporting, VLATrainer):
     def _policy_gradient_loss(self, model, inputs, per_step: bool = False) -> torch.Tensor:
         """The clipped policy-gradient loss of one micro-batch (plus the KL and critic terms); with `per_step`, GRPO's
         policy term split by denoising step (`[K]`, summing to the loss without KL: what
-        `benchmarks/rl_gradient_snr.py` takes gradients of)."""
+        `benchmarks/closed_loop/rl_gradient_snr.py` takes gradients of)."""
         args = self.args
         ppo = args.algorithm == "ppo"
         if per_step and (ppo or args.beta > 0):

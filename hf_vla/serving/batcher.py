@@ -14,7 +14,7 @@ from hf_vla.serving.policy import PreparedRequest, sample_batch
 class Batcher:
     """One thread runs the model. Requests that arrive while it is busy wait in a queue; the next forward takes all of
     them that can share one (`PreparedRequest.batch_key`: same input shapes, no RTC), up to `max_batch` rows. So a
-    lone client is served at once, and N clients cost about one forward instead of N (`benchmarks/serve_load.py`)."""
+    lone client is served at once, and N clients cost about one forward instead of N (`benchmarks/speed/serve_load.py`)."""
 
     def __init__(self, model, device, max_batch: int = 8):
         self.model, self.device, self.max_batch = model, device, max(1, int(max_batch))

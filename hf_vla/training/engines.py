@@ -185,7 +185,7 @@ def allow_sharding_on_cpu():
 
     accelerate enables FSDP and DeepSpeed only for accelerator backends. With this called first (and `use_cpu=True`),
     a multi-process CPU run under `accelerate launch --config_file configs/accelerate/fsdp2.yaml` (or zero2/zero3) runs
-    `VLATrainer` under that engine: how the tests and `benchmarks/engine_memory.py` check the engines on a machine
+    `VLATrainer` under that engine: how the tests and `benchmarks/speed/engine_memory.py` check the engines on a machine
     without GPUs, and a way to dry-run a launch config before renting any. DeepSpeed picks its CPU accelerator itself.
     """
     from accelerate.state import AcceleratorState

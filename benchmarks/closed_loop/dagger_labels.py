@@ -1,6 +1,6 @@
 """How far are a DAgger recording's chunk targets from what the expert would do? (Meta-World, issue #65)
 
-    python benchmarks/dagger_labels.py data_cache/mw_dagger_arm/dagger/dagger_data_1 --chunk 16
+    python -m benchmarks.closed_loop.dagger_labels data_cache/mw_dagger_arm/dagger/dagger_data_1 --chunk 16
 
 A chunked policy trains on the chunk `[action_t, ..., action_{t+H-1}]` of each frame. In an expert recording those
 are the expert's own next actions, so the chunk is the expert's plan from state t. In a DAgger recording each frame's

@@ -1,7 +1,7 @@
 """RL fine-tuning throughput of full-size pi0.5 on one GPU: rollout episodes per hour through `RLTrainer`.
 
-    python benchmarks/rl_gpu.py [--out benchmarks/results/rl_gpu_h100.json] [--variants lora full] [--updates 4]
-    python benchmarks/rl_gpu.py --tiny --updates 2 --num_envs 1 --group_size 2   # CPU smoke test at tiny dims
+    python -m benchmarks.gpu.rl_gpu [--out benchmarks/results/rl_gpu_h100.json] [--variants lora full] [--updates 4]
+    python -m benchmarks.gpu.rl_gpu --tiny --updates 2 --num_envs 1 --group_size 2   # CPU smoke test at tiny dims
 
 The model is pi0.5 at the published dims (PaliGemma 3B's SigLIP So400m/14 + Gemma 2B, Gemma 300M action expert, chunk
 50; random weights: nothing can be downloaded here), bf16 on the GPU. It runs the real thing: `RLTrainer` (the class
@@ -24,7 +24,7 @@ backward over every kept decision), episodes, decisions, and the peak GPU memory
 update / (rollout + update seconds), the first update left out (CUDA start-up). Prints JSON and writes it to `--out`
 after every variant, so a cut-off run keeps what it measured, and with `--progress_dir` appends each phase's time
 (imports, model, trainer, every rollout and update) to a file as it ends. On a lent GPU machine without network,
-`benchmarks/gpu_site.py` packs the packages it lacks (its docstring has the commands).
+`benchmarks/gpu/gpu_site.py` packs the packages it lacks (its docstring has the commands).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TASKS = "reach-v3,push-v3,button-press-topdown-v3,drawer-open-v3,door-open-v3"  # the Meta-World benchmark's five
 HEAD = "metaworld::delta_xyz_gripper"
 

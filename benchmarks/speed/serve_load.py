@@ -1,7 +1,7 @@
 """`python -m hf_vla.serve` under load: concurrent openpi clients, connection churn, and whether batching would pay.
 
-    python benchmarks/serve_load.py                                   # demo model, 1/4/16 clients, 1,000 cycles
-    python benchmarks/serve_load.py --checkpoint outputs/demo --clients 1 4 --requests 20 --cycles 200
+    python -m benchmarks.speed.serve_load                                   # demo model, 1/4/16 clients, 1,000 cycles
+    python -m benchmarks.speed.serve_load --checkpoint outputs/demo --clients 1 4 --requests 20 --cycles 200
 
 Starts the server in its own process (the demo's architecture with random weights unless `--checkpoint` names one),
 then, with the real `openpi-client`:
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEAD = "demo::xy"
 
 

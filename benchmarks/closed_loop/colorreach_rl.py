@@ -1,11 +1,11 @@
 """RL against more SFT on the built-in demo task (ColorReach), every arm from the same start at the same extra
 wall-clock: the minutes-long check of whether an RL method improves a policy on this CPU, before Meta-World hours.
 
-    python benchmarks/colorreach_rl.py                       # record, start, every arm, evaluate (about 25 min)
-    python benchmarks/colorreach_rl.py --arms filtered_bc --budget_min 5   # one arm again (reuses record and start)
-    python benchmarks/colorreach_rl.py --recorded 100 --start_steps 5000 --start_decay 1200 \
+    python -m benchmarks.closed_loop.colorreach_rl                       # record, start, every arm, evaluate (about 25 min)
+    python -m benchmarks.closed_loop.colorreach_rl --arms filtered_bc --budget_min 5   # one arm again (reuses record and start)
+    python -m benchmarks.closed_loop.colorreach_rl --recorded 100 --start_steps 5000 --start_decay 1200 \
         --work data_cache/colorreach_rl_100 --output benchmarks/results/colorreach_rl_100_cpu.json   # a plateau start
-    python benchmarks/colorreach_rl.py ... --arms grpo_constant_replay,filtered_bc_replay --side_by_side \
+    python -m benchmarks.closed_loop.colorreach_rl ... --arms grpo_constant_replay,filtered_bc_replay --side_by_side \
         --budget_min 60 --episodes 500          # two arms at once, one core each
 
 Start (default): `configs/demo.json` on 1,000 recorded expert episodes (`python -m hf_vla.record --env color_reach`),
@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REPLAY = "<replay>"  # expands to the expert data of the work folder (`--bc_datasets`)
 CONSTANT = ["--noise_schedule", "constant", "--noise_level", "2.0"]
 FILTERED = ["--algorithm", "filtered_bc", "--noise_level", "0", "--group_size", "1", "--groups_per_update", "32"]

@@ -1,6 +1,6 @@
 """Train-step and sample_actions latency: hf_vla pi0.5 vs lerobot's PI05Pytorch, same tiny config, CPU.
 
-    python benchmarks/model_step.py [--repeats 7] [--batch 8]
+    python -m benchmarks.speed.model_step [--repeats 7] [--batch 8]
 
 Prints JSON: medians (seconds) of forward+backward and of `sample_actions` for both, and the ratios hf_vla/lerobot.
 hf_vla runs with sdpa (its default path); lerobot with its own eager joint attention, as it ships.

@@ -1,6 +1,6 @@
 """Frames/s and distinct episodes per batch: the episode-shuffle stream vs lerobot's shuffled map-style DataLoader.
 
-    python benchmarks/dataloader.py [--dataset ../shared/datasets/humanoid_teleop_24] [--workers 1] [--rounds 3]
+    python -m benchmarks.speed.dataloader [--dataset ../shared/datasets/humanoid_teleop_24] [--workers 1] [--rounds 3]
                                     [--batches 40] [--lerobot-batches 4]
 
 The two loaders are timed in alternating rounds (stream, lerobot, stream, ...), each round on fresh workers after one
@@ -27,7 +27,7 @@ from hf_vla.data import PI05Collator, WeightedDatasetMixture
 from hf_vla.models.pi05.processing_pi05 import resize_with_pad
 from hf_vla.tiny import build_tiny_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 IMAGE_SIZE, CHUNK, BATCH = 224, 50, 32
 
 

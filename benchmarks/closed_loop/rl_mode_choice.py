@@ -1,6 +1,6 @@
 """Which noise picks a ColorReach policy's target: the initial noise x_1, or the Flow-SDE steps' noise.
 
-    python benchmarks/rl_mode_choice.py CHECKPOINT [--starts 60] [--samples 16] [--noise_level 0.5]
+    python -m benchmarks.closed_loop.rl_mode_choice CHECKPOINT [--starts 60] [--samples 16] [--noise_level 0.5]
 
 Flow-SDE's likelihood (what `hf_vla.rl` differentiates) covers the K Gaussian denoising steps, not the initial noise
 x_1. If x_1 alone chose between the targets, a policy gradient on that likelihood could not credit the choice. On

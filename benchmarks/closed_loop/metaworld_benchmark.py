@@ -1,13 +1,13 @@
 """Meta-World closed loop: expert data -> pi0.5 trained by `python -m hf_vla.train` -> success per task, next to lerobot.
 
-    python benchmarks/metaworld_benchmark.py --stage record            # 5 tasks x 50 expert episodes at 96 px
-    python benchmarks/metaworld_benchmark.py --stage record --crop 144,96,400,352 --work data_cache/metaworld_crop
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage record            # 5 tasks x 50 expert episodes at 96 px
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage record --crop 144,96,400,352 --work data_cache/metaworld_crop
                                                                        # the same, the workspace cropped first
-    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20
-    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20 --tag cotrain \
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20 --tag cotrain \
         --config configs/pi05_metaworld_cotrain.json       # pi0.5's token objective (FAST + knowledge insulation)
-    python benchmarks/metaworld_benchmark.py --stage lerobot --budget_min 20   # lerobot-train, ACT (no pretrained backbone)
-    python benchmarks/metaworld_benchmark.py --stage evaluate --episodes 50
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage lerobot --budget_min 20   # lerobot-train, ACT (no pretrained backbone)
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage evaluate --episodes 50
 
 (Not `benchmarks/metaworld.py`: run as a script, that name would shadow the `metaworld` package.)
 
@@ -36,13 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TASKS = ["reach-v3", "push-v3", "button-press-topdown-v3", "drawer-open-v3", "door-open-v3"]
-IMAGE = 96
-
-
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+from benchmarks.common import CONFIG, IMAGE, REPO, TASKS, dataset_spec, evaluate, evaluate_lerobot
+from benchmarks.common import load_json as _load
 
 
 def _save(work: Path, output: Path, results: dict):
@@ -51,20 +46,6 @@ def _save(work: Path, output: Path, results: dict):
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text + "\n")
     print(text)
-
-
-def _dataset_spec(work: Path, focus: list[str] | None = None, target_text_key: str | None = None) -> list[dict]:
-    """One dataset per task, one normalisation head: the validation metrics come per task
-    (`eval_by_dataset/<task>/mse`). `focus`: sample those tasks' frames (weight 1) and the others almost never
-    (weight 0.001); every task stays in the mixture so the normalisation statistics, pooled over all five, are the
-    ones a checkpoint trained on all five has."""
-    spec = [{"root": str(work / "data" / task), "name": task, "cameras": ["observation.image"],
-             "robot_type": "metaworld", "control_mode": "delta_xyz_gripper"} for task in TASKS]
-    for dataset in spec if focus else []:
-        dataset["weight"] = 1.0 if dataset["name"] in focus else 0.001
-    for dataset in spec if target_text_key else []:  # e.g. the recordings' object locations (token objective)
-        dataset["target_text_key"] = target_text_key
-    return spec
 
 
 def _recorded_env_kwargs(work: Path) -> dict:
@@ -93,14 +74,13 @@ def stage_record(work: Path, episodes: int, results: dict, crop: str | None = No
                          "frames": frames, "expert_success": expert, "rejected": rejected}
 
 
-CONFIG = REPO / "configs" / "pi05_metaworld.json"
 
 
 def _train(work: Path, out: Path, overrides: list[str], config: Path = CONFIG) -> float:
     started = time.perf_counter()
     target = next((d.get("target_text_key") for d in json.loads(Path(config).read_text()).get("datasets", [])), None)
     subprocess.run([sys.executable, "-m", "hf_vla.train", str(config),
-                    "--datasets", json.dumps(_dataset_spec(work, target_text_key=target)), "--output_dir", str(out), *overrides],
+                    "--datasets", json.dumps(dataset_spec(work, target_text_key=target)), "--output_dir", str(out), *overrides],
                    check=True, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"))
     return time.perf_counter() - started
 
@@ -175,64 +155,6 @@ def stage_lerobot(work: Path, budget_min: float, results: dict, batch: int = 32)
                               "n_action_steps": 8}
 
 
-def _evaluate(checkpoint: Path, episodes: int, max_steps: int, out: Path, tasks: list[str] | None = None) -> dict:
-    # image size, episode limit and actions per chunk come from the checkpoint's deployment contract
-    subprocess.run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(checkpoint), "--env", "metaworld",
-                    "--task", ",".join(tasks or TASKS), "--episodes", str(episodes), "--save_videos", "1",
-                    "--output_dir", str(out)], check=True, cwd=REPO, stdout=subprocess.DEVNULL,
-                   env=dict(os.environ, OMP_NUM_THREADS="1"))  # 30 ms a step; with 2 threads beside an env: 150
-    saved = json.loads((out / "eval_result.json").read_text())
-    return {"success_rate": saved["success_rate"],
-            "tasks": {name: {k: r[k] for k in ("success_rate", "episodes", "successes", "mean_steps")}
-                      for name, r in saved["tasks"].items()}}
-
-
-class LeRobotChunks:
-    """A lerobot policy checkpoint (ACT here) as a chunk predictor for `hf_vla.evaluation.runner.run_episodes`: lerobot's own
-    pre-processor (normalisation), `predict_action_chunk`, post-processor (un-normalisation), on the observation the
-    hf_vla harness gives (lerobot's Meta-World wrapper, the recorded image size)."""
-
-    def __init__(self, path: Path):
-        from lerobot.configs.policies import PreTrainedConfig
-        from lerobot.policies.factory import get_policy_class, make_pre_post_processors
-
-        config = PreTrainedConfig.from_pretrained(path)
-        self.policy = get_policy_class(config.type).from_pretrained(path).eval()
-        self.pre, self.post = make_pre_post_processors(self.policy.config, pretrained_path=str(path))
-
-    def __call__(self, observation: dict, task: str, inference_delay: int = 0, executed_steps=None):
-        import torch
-
-        image = torch.from_numpy(observation["observation.image"]).permute(2, 0, 1).float().div(255)[None]
-        batch = {"observation.image": image, "observation.state": torch.from_numpy(observation["observation.state"])[None],
-                 "task": [task]}
-        with torch.no_grad():
-            batch = self.pre(batch)
-            chunk = self.policy.predict_action_chunk(batch)
-            chunk = self.post(chunk)
-        return chunk[0].cpu().numpy()
-
-
-def _evaluate_lerobot(path: Path, episodes: int, max_steps: int, out: Path, env_kwargs: dict | None = None) -> dict:
-    from hf_vla.envs import metaworld
-    from hf_vla.evaluation.runner import BenchmarkResult, run_episodes
-
-    policy = LeRobotChunks(path)
-    results = {}
-    for task in TASKS:
-        env = metaworld.in_worker(task, image_size=IMAGE, max_episode_steps=max_steps, **(env_kwargs or {}))
-        try:
-            policy.policy.reset()
-            results[task] = run_episodes(env, policy, episodes, 8, seed=10_000, save_videos=1, output_dir=out / task,
-                                         progress=False)
-        finally:
-            env.close()
-    result = BenchmarkResult.from_tasks("metaworld", results)
-    return {"success_rate": result.success_rate,
-            "tasks": {name: {"success_rate": r.success_rate, "episodes": r.episodes, "successes": r.successes,
-                             "mean_steps": r.mean_steps} for name, r in result.tasks.items()}}
-
-
 def _spearman(x: list[float], y: list[float]) -> float:
     from scipy.stats import spearmanr
 
@@ -245,7 +167,7 @@ def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_step
         act = sorted((work / "lerobot_act" / "checkpoints").glob("*/pretrained_model"))
         if act:
             started = time.perf_counter()
-            results.setdefault("lerobot_act", {})["closed_loop"] = _evaluate_lerobot(act[-1], episodes, max_steps,
+            results.setdefault("lerobot_act", {})["closed_loop"] = evaluate_lerobot(act[-1], episodes, max_steps,
                                                                                      work / "eval" / "lerobot_act",
                                                                                      _recorded_env_kwargs(work))
             results["lerobot_act"]["closed_loop"]["seconds"] = round(time.perf_counter() - started, 1)
@@ -262,7 +184,7 @@ def stage_evaluate(work: Path, episodes: int, checkpoint_episodes: int, max_step
             continue
         name = "final" if checkpoint == out else checkpoint.name
         started = time.perf_counter()
-        closed[name] = _evaluate(checkpoint, episodes if last else checkpoint_episodes, max_steps,
+        closed[name] = evaluate(checkpoint, episodes if last else checkpoint_episodes, max_steps,
                                  work / "eval" / f"{tag}_{name}")
         closed[name]["seconds"] = round(time.perf_counter() - started, 1)
     results.setdefault(tag, {})["closed_loop"] = closed

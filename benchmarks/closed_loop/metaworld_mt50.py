@@ -1,23 +1,23 @@
 """Meta-World MT50 as published: one policy for all 50 tasks, success per difficulty group and the mean of the four
 group means, hf_vla next to lerobot's trainer at the same budget, both evaluated by the same harness.
 
-    python benchmarks/metaworld_mt50.py --stage record                  # 50 tasks x 50 expert episodes, resumable
-    python benchmarks/metaworld_mt50.py --stage hf_vla --budget_min 45 --steps_per_s 3.0   # pi05_metaworld_mt50.json
-    python benchmarks/metaworld_mt50.py --stage lerobot --budget_min 45  # lerobot-train (ACT) on the same data
-    python benchmarks/metaworld_mt50.py --stage evaluate --episodes 5 --num_envs 2
-    python benchmarks/metaworld_mt50.py --stage longer --steps 20000     # hf_vla's run resumed to 20,000 steps
-    python benchmarks/metaworld_mt50.py --stage evaluate --which hf_vla_long --episodes 5 --num_envs 2
-    OMP_NUM_THREADS=1 python benchmarks/metaworld_mt50.py --stage augment   # hf_vla's run with image augmentation
-    python benchmarks/metaworld_mt50.py --stage evaluate --which hf_vla_aug --episodes 5 --num_envs 2
+    python -m benchmarks.closed_loop.metaworld_mt50 --stage record                  # 50 tasks x 50 expert episodes, resumable
+    python -m benchmarks.closed_loop.metaworld_mt50 --stage hf_vla --budget_min 45 --steps_per_s 3.0   # pi05_metaworld_mt50.json
+    python -m benchmarks.closed_loop.metaworld_mt50 --stage lerobot --budget_min 45  # lerobot-train (ACT) on the same data
+    python -m benchmarks.closed_loop.metaworld_mt50 --stage evaluate --episodes 5 --num_envs 2
+    python -m benchmarks.closed_loop.metaworld_mt50 --stage longer --steps 20000     # hf_vla's run resumed to 20,000 steps
+    python -m benchmarks.closed_loop.metaworld_mt50 --stage evaluate --which hf_vla_long --episodes 5 --num_envs 2
+    OMP_NUM_THREADS=1 python -m benchmarks.closed_loop.metaworld_mt50 --stage augment   # hf_vla's run with image augmentation
+    python -m benchmarks.closed_loop.metaworld_mt50 --stage evaluate --which hf_vla_aug --episodes 5 --num_envs 2
 
 pi0.5's token objective on MT50 (issue #64): `--arm` trains one of the object-centred ablation's arms
-(benchmarks/metaworld_mt50_ablation.py's SETTINGS: `fast_ki`, `fast_ki_locations`; the latter needs the recording's
+(benchmarks/closed_loop/metaworld_mt50_ablation.py's SETTINGS: `fast_ki`, `fast_ki_locations`; the latter needs the recording's
 `locations` column) into `<work>/hf_vla_<arm>`, at the steps of `--budget_min x --steps_per_s` (that arm's one-core
 rate), and `--which hf_vla_<arm>` evaluates it:
 
-    python benchmarks/metaworld_mt50.py --stage hf_vla --arm fast_ki_locations --data data_cache/mt50_loc \
+    python -m benchmarks.closed_loop.metaworld_mt50 --stage hf_vla --arm fast_ki_locations --data data_cache/mt50_loc \
         --budget_min 45 --steps_per_s 2.3
-    python benchmarks/metaworld_mt50.py --stage evaluate --which hf_vla_fast_ki_locations --episodes 5 --num_envs 2 \
+    python -m benchmarks.closed_loop.metaworld_mt50 --stage evaluate --which hf_vla_fast_ki_locations --episodes 5 --num_envs 2 \
         --data data_cache/mt50_loc
 
 The committed figures ran the two training stages side by side with OMP_NUM_THREADS=1 (one core each; 3.0 steps/s is
@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "pi05_metaworld_mt50.json"
 
 
@@ -220,14 +220,7 @@ def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results
         results[which] = _summary(result, dict(results.get(f"{which}_train", {}), eval_seconds=seconds), episodes,
                                   seed)
     if which in ("both", "lerobot"):
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("metaworld_benchmark", REPO / "benchmarks" /
-                                                      "metaworld_benchmark.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)  # its lerobot policy adapter (LeRobotChunks), shared by both benchmarks
-        LeRobotChunks = module.LeRobotChunks
-
+        from benchmarks.common import LeRobotChunks  # the lerobot policy adapter both benchmarks share
         from hf_vla.envs import metaworld
         from hf_vla.evaluation.runner import BenchmarkResult, run_episodes
         from hf_vla.hub.resolve import resolve_contract

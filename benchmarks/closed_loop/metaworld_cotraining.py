@@ -1,27 +1,27 @@
 """pi0.5's token objective on the five-task Meta-World benchmark: flow only vs FAST CE + knowledge insulation.
 
-    python benchmarks/metaworld_benchmark.py --stage record
-    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20 --tag cotrain \\
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage record
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20 --tag cotrain \\
         --config configs/pi05_metaworld_cotrain.json --output data_cache/metaworld_bench/cotrain.json
-    python benchmarks/metaworld_benchmark.py --stage evaluate --tag cotrain --which hf_vla --checkpoint_episodes 0 \\
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage evaluate --tag cotrain --which hf_vla --checkpoint_episodes 0 \\
         --episodes 50 --output data_cache/metaworld_bench/cotrain.json
     # the third arm, FAST + KI + object locations, on a recording that carries them:
-    python benchmarks/metaworld_benchmark.py --stage record --work data_cache/metaworld_loc
-    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20 --tag locations \
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage record --work data_cache/metaworld_loc
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20 --tag locations \
         --work data_cache/metaworld_loc --config configs/pi05_metaworld_cotrain_locations.json
-    python benchmarks/metaworld_benchmark.py --stage evaluate --tag locations --which hf_vla --checkpoint_episodes 0 \
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage evaluate --tag locations --which hf_vla --checkpoint_episodes 0 \
         --episodes 50 --work data_cache/metaworld_loc
-    python benchmarks/metaworld_cotraining.py          # -> benchmarks/results/metaworld_cotraining_cpu.json
+    python -m benchmarks.closed_loop.metaworld_cotraining          # -> benchmarks/results/metaworld_cotraining_cpu.json
     # the four object-centred tasks, the same three arms at equal minutes (MT50 recipe, 128 px):
     python -m hf_vla.record --env metaworld --task basketball,peg-insert-side,push,pick-place --episodes 50 \
         --output data_cache/mt50_4loc --image_size 160
-    python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_4loc --work data_cache/object_centred \
+    python -m benchmarks.closed_loop.metaworld_mt50_ablation --data data_cache/mt50_4loc --work data_cache/object_centred \
         --output benchmarks/results/metaworld_object_centred_cpu.json --budget_min 15 \
         --settings flow_only,fast_ki,fast_ki_locations --probe_only        # the step rates, measured alone
-    python benchmarks/metaworld_mt50_ablation.py ... (the same without --probe_only)
-    python benchmarks/metaworld_cotraining.py --object_centred benchmarks/results/metaworld_object_centred_cpu.json
-    # MT50 with the best token arm at the 45-minute budget (benchmarks/metaworld_mt50.py's docstring):
-    python benchmarks/metaworld_cotraining.py --mt50 benchmarks/results/metaworld_mt50_cpu.json
+    python -m benchmarks.closed_loop.metaworld_mt50_ablation ... (the same without --probe_only)
+    python -m benchmarks.closed_loop.metaworld_cotraining --object_centred benchmarks/results/metaworld_object_centred_cpu.json
+    # MT50 with the best token arm at the 45-minute budget (benchmarks/closed_loop/metaworld_mt50.py's docstring):
+    python -m benchmarks.closed_loop.metaworld_cotraining --mt50 benchmarks/results/metaworld_mt50_cpu.json
 
 The arms share the recorded data (5 tasks x 50 expert episodes at 96 px), the 20-minute budget (steps from each
 arm's own probe of 200 steps, so the token objective's cost per step shows as fewer steps) and the evaluation (50
@@ -39,7 +39,7 @@ import statistics
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _arm(run: dict, name: str) -> dict:
@@ -101,7 +101,7 @@ def object_centred(ablation: dict, work: Path) -> dict:
 
 def mt50(benchmark: dict, work: Path) -> dict:
     """The issue's schema for MT50 (`average` = mean of the four group means, the published figure), from
-    benchmarks/metaworld_mt50.py's results: `flow_only` its `hf_vla` run, each token arm its `hf_vla_<arm>` run."""
+    benchmarks/closed_loop/metaworld_mt50.py's results: `flow_only` its `hf_vla` run, each token arm its `hf_vla_<arm>` run."""
     out = {}
     for arm, key in (("flow_only", "hf_vla"), ("fast_ki", "hf_vla_fast_ki"),
                      ("fast_ki_locations", "hf_vla_fast_ki_locations")):
@@ -127,13 +127,13 @@ def main(argv=None):
                         help="the locations arm's --work (recorded again: its recordings carry the locations column)")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "metaworld_cotraining_cpu.json"))
     parser.add_argument("--object_centred", default=None,
-                        help="the four object-centred tasks' arms (benchmarks/metaworld_mt50_ablation.py --budget_min "
+                        help="the four object-centred tasks' arms (benchmarks/closed_loop/metaworld_mt50_ablation.py --budget_min "
                              "--settings flow_only,fast_ki,fast_ki_locations --output PATH): put into the output's "
                              "object_centred entry, the five-task entries kept as they are")
     parser.add_argument("--object_centred_work", default=str(REPO / "data_cache" / "object_centred"),
                         help="that run's --work (its checkpoints, for the policy call's latency)")
     parser.add_argument("--mt50", default=None,
-                        help="benchmarks/metaworld_mt50.py's results (its --output): put into the output's mt50 "
+                        help="benchmarks/closed_loop/metaworld_mt50.py's results (its --output): put into the output's mt50 "
                              "entry, the other entries kept as they are")
     parser.add_argument("--mt50_work", default=str(REPO / "data_cache" / "mt50_bench"),
                         help="that run's --work (its checkpoints, for the policy call's latency)")

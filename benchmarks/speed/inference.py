@@ -1,7 +1,7 @@
 """`sample_actions` latency: hf_vla's pi0.5 against lerobot's, same inputs, eager and `torch.compile`.
 
-    python benchmarks/inference.py [--sizes demo mid] [--device cpu] [--repeats 20]
-    python benchmarks/inference.py --sizes full --device cuda          # on a GPU: the published dims, bf16
+    python -m benchmarks.speed.inference [--sizes demo mid] [--device cpu] [--repeats 20]
+    python -m benchmarks.speed.inference --sizes full --device cuda          # on a GPU: the published dims, bf16
 
 Sizes: `demo` is the built-in demo's model (hf_vla only: its dims are not ones lerobot's constructor can build),
 `mid` a mid-size pi0.5 (Gemma 256-wide x 4 layers, expert 128 x 4, SigLIP 128 x 2, 224 px), `full` pi0.5 at the
@@ -291,7 +291,7 @@ def serve_overhead(repeats: int, warmup: int) -> dict:
         processor.save_pretrained(tmp)
         server = subprocess.Popen([sys.executable, "-m", "hf_vla.serve", "--checkpoint", tmp, "--host", "127.0.0.1",
                                    "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                  cwd=Path(__file__).resolve().parents[1])
+                                  cwd=Path(__file__).resolve().parents[2])
         try:
             uri = None
             for line in server.stdout:

@@ -1,7 +1,7 @@
 """Does the backbone find the objects? A checkpoint trained with location targets, read back on held-out frames.
 
-    python benchmarks/location_probe.py data_cache/metaworld_loc/locations --work data_cache/metaworld_loc
-    python benchmarks/location_probe.py data_cache/mt50_bench/hf_vla_fast_ki_locations --data data_cache/mt50_loc
+    python -m benchmarks.closed_loop.location_probe data_cache/metaworld_loc/locations --work data_cache/metaworld_loc
+    python -m benchmarks.closed_loop.location_probe data_cache/mt50_bench/hf_vla_fast_ki_locations --data data_cache/mt50_loc
 
 (`--data`: one recording of many tasks, e.g. MT50's, the split and the task per frame taken from it; frames are
 grouped by their task's description, so tasks that share one, push and push-back, are one row.)
@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # run as a script, its folder is on the path: the five-task benchmark's dataset spec
-from metaworld_benchmark import _dataset_spec  # noqa: E402
+from benchmarks.common import dataset_spec  # noqa: E402
 
 LOC = re.compile(r"<loc(\d{4})><loc(\d{4})> ([^;<]+?)\s*(?:;|$)")
 
@@ -47,7 +47,7 @@ def probe(checkpoint: Path, work: Path, validation_ratio: float = 0.05, split_se
     if int(loc_ids.min()) < 0 or (loc_ids == tokenizer.unk_token_id).any():
         raise SystemExit(f"{checkpoint}: its tokenizer has no <loc0000>..<loc1023> tokens")
     bin_of_id = {int(i): b for b, i in enumerate(loc_ids)}
-    spec = _dataset_spec(work, target_text_key="locations") if data is None else [
+    spec = dataset_spec(work, target_text_key="locations") if data is None else [
         {"root": str(data), "name": data.name, "cameras": ["observation.image"], "control_mode": "delta_xyz_gripper",
          "target_text_key": "locations"}]
     mixture = WeightedDatasetMixture(spec, validation_ratio=validation_ratio, split_seed=split_seed)

@@ -1,7 +1,7 @@
 """Pack what a bare GPU machine lacks for the GPU benchmarks into one archive that travels with the repository.
 
-    python benchmarks/gpu_site.py [--output .site/devsite.tar.xz]
-    python benchmarks/gpu_site.py --tests [--output .site/testsite.tar.xz]
+    python -m benchmarks.gpu.gpu_site [--output .site/devsite.tar.xz]
+    python -m benchmarks.gpu.gpu_site --tests [--output .site/testsite.tar.xz]
 
 A lent GPU machine has PyTorch, accelerate, peft and most of the scientific stack but no network, another transformers
 (and a tokenizers that transformers 5.5 refuses), and neither lerobot nor Meta-World. This downloads the wheels of the
@@ -14,7 +14,7 @@ On the GPU machine (`.site` is ignored by git: name it in the call's `carry`):
 
     mkdir -p /tmp/s && tar xJf .site/devsite.tar.xz -C /tmp/s
     export PYTHONPATH=/tmp/s/devsite:$PWD MUJOCO_GL=egl PYOPENGL_PLATFORM=egl HF_HUB_OFFLINE=1
-    python3 benchmarks/rl_gpu.py --variants lora --updates 5 --progress_dir $OUT --out $OUT/rl_gpu.json
+    python3 -m benchmarks.gpu.rl_gpu --variants lora --updates 5 --progress_dir $OUT --out $OUT/rl_gpu.json
 
 MuJoCo's EGL rendering there also needs the GL loader libraries (libegl1, libglvnd0, libopengl0, libgl1, libglx0,
 unpacked with `dpkg -x`), as the device tool's notes describe.
@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # What `import hf_vla.rl` and lerobot's Meta-World wrapper need beyond the GPU machine's packages, at this project's
 # versions (transformers 5.5 needs tokenizers <= 0.23.0; the machine has 0.23.2).
 WHEELS = ["transformers==5.5.4", "tokenizers==0.22.2", "peft==0.21.2", "lerobot==0.6.1", "datasets==4.8.5",

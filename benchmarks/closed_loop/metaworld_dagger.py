@@ -1,8 +1,8 @@
 """DAgger against continued behaviour cloning on the five Meta-World tasks, at equal extra minutes (issue #65).
 
-    python benchmarks/metaworld_benchmark.py --stage record                        # the expert data (once)
-    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20 --steps_per_s 4.75 --tag bc_start
-    python benchmarks/metaworld_dagger.py --start data_cache/metaworld_bench/bc_start --budget_min 20 --rounds 2
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage record                        # the expert data (once)
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20 --steps_per_s 4.75 --tag bc_start
+    python -m benchmarks.closed_loop.metaworld_dagger --start data_cache/metaworld_bench/bc_start --budget_min 20 --rounds 2
 
 From the 20-minute BC start (the five-task recipe, `configs/pi05_metaworld.json`), two arms get `--budget_min` more
 minutes each:
@@ -31,10 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # run as a script, its folder is on the path: the five-task benchmark's spec and evaluation (episode limits: the
 # checkpoint's contract)
-from metaworld_benchmark import CONFIG, TASKS, _dataset_spec, _evaluate  # noqa: E402
+from benchmarks.common import CONFIG, TASKS, dataset_spec, evaluate  # noqa: E402
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
 OBJECT_CENTRED = ["basketball-v3", "peg-insert-side-v3", "push-v3", "pick-place-v3"]
@@ -44,7 +44,7 @@ MT50_CONFIG = REPO / "configs" / "pi05_metaworld_mt50.json"
 def _setting(args) -> dict:
     """The tasks, expert datasets, training config and evaluation episode limit of `--setting`."""
     if args.setting == "five_task":
-        return {"tasks": TASKS, "datasets": _dataset_spec(args.work), "config": CONFIG, "max_steps": 200}
+        return {"tasks": TASKS, "datasets": dataset_spec(args.work), "config": CONFIG, "max_steps": 200}
     # the four object-centred MT50 tasks: their recording (with locations) as one dataset, the MT50 recipe
     return {"tasks": OBJECT_CENTRED, "config": MT50_CONFIG, "max_steps": 500,
             "datasets": [{"root": str(args.data), "name": "expert", "cameras": ["observation.image"],
@@ -154,13 +154,13 @@ def main(argv=None):
     rate = results["steps_per_s"]
     budget_s = args.budget_min * 60
     if args.stage in ("all", "start") and "start" not in results:
-        results["start"] = _summary(_evaluate(args.start, args.episodes, 0, work / "eval_start", setting["tasks"]))
+        results["start"] = _summary(evaluate(args.start, args.episodes, 0, work / "eval_start", setting["tasks"]))
         save()
     if args.stage in ("all", "bc") and "continued_bc" not in results:
         steps = int(rate * budget_s / 100) * 100
         seconds = _train(args.start, setting["datasets"], work / "continued_bc", steps, args)
         results["continued_bc"] = {"steps": steps, "train_seconds": round(seconds, 1)}
-        results["continued_bc"] |= _summary(_evaluate(work / "continued_bc", args.episodes, 0, work / "eval_bc",
+        results["continued_bc"] |= _summary(evaluate(work / "continued_bc", args.episodes, 0, work / "eval_bc",
                                                       setting["tasks"]))
         save()
     if args.stage in ("all", "dagger") and "mean_success" not in results.get("dagger", {}):
@@ -185,7 +185,7 @@ def main(argv=None):
                 dagger["rounds"] = [r for r in dagger["rounds"] if r["round"] != round_index] + [entry]
                 save()
             policy = out
-        dagger |= _summary(_evaluate(policy, args.episodes, 0, work / "eval_dagger", setting["tasks"]))
+        dagger |= _summary(evaluate(policy, args.episodes, 0, work / "eval_dagger", setting["tasks"]))
         dagger["steps"] = sum(r["steps"] for r in dagger["rounds"])
         save()
     if "continued_bc" in results and "mean_success" in results.get("dagger", {}):

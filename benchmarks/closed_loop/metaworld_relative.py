@@ -1,14 +1,14 @@
 """Relative against absolute actions where it matters: a position-controlled arm (issue #74).
 
-    python benchmarks/metaworld_relative.py --stage record     # the five tasks x 50 expert episodes, absolute targets
-    python benchmarks/metaworld_relative.py --stage train --arm absolute
-    python benchmarks/metaworld_relative.py --stage train --arm relative
-    python benchmarks/metaworld_relative.py --stage evaluate --arm absolute
-    python benchmarks/metaworld_relative.py --stage evaluate --arm relative
-    python benchmarks/metaworld_relative.py --stage report     # benchmarks/results/metaworld_relative_cpu.json
+    python -m benchmarks.closed_loop.metaworld_relative --stage record     # the five tasks x 50 expert episodes, absolute targets
+    python -m benchmarks.closed_loop.metaworld_relative --stage train --arm absolute
+    python -m benchmarks.closed_loop.metaworld_relative --stage train --arm relative
+    python -m benchmarks.closed_loop.metaworld_relative --stage evaluate --arm absolute
+    python -m benchmarks.closed_loop.metaworld_relative --stage evaluate --arm relative
+    python -m benchmarks.closed_loop.metaworld_relative --stage report     # benchmarks/results/metaworld_relative_cpu.json
 
 Meta-World's actions are deltas (the hand's target moves by 0.01 x action). Here the five-task benchmark
-(`metaworld_benchmark.py`: reach, push, button-press-topdown, drawer-open, door-open, 96 px, 50 episodes per task,
+(`benchmarks/closed_loop/metaworld_benchmark.py`: reach, push, button-press-topdown, drawer-open, door-open, 96 px, 50 episodes per task,
 seeds from 0) is recorded with `python -m hf_vla.record --action_mode absolute_ee`: each action is the hand's absolute
 target position (`hand + 0.01 x delta`, gripper unchanged), what a position-controlled arm receives. The five-task
 recipe (`configs/pi05_metaworld.json`) then trains on it at its 20-minute budget (5,700 steps, the committed
@@ -30,17 +30,13 @@ import sys
 import time
 from pathlib import Path
 
-from metaworld_benchmark import CONFIG, IMAGE, TASKS, _evaluate  # this folder is the script's: on sys.path
+from benchmarks.common import CONFIG, IMAGE, TASKS, evaluate, load_json, result_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 STEPS = 5_700  # the committed five-task arm's budget: 4.78 steps/s (its probe) x 20 minutes
 MASK = [True, True, True, False]  # xyz relative to the hand (state[:3]), the gripper absolute
-RESULTS = REPO / "benchmarks" / "results" / "metaworld_relative_cpu.json"
-
-
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+RESULTS = result_path("metaworld_relative")
 
 
 def _spec(work: Path, arm: str) -> list[dict]:
@@ -59,7 +55,7 @@ def stage_record(work: Path, episodes: int, results: dict) -> None:
             subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "metaworld", "--task", task,
                             "--episodes", str(episodes), "--output", str(data), "--image_size", str(IMAGE),
                             "--action_mode", "absolute_ee"], check=True, cwd=REPO)
-        marker = _load(data / "meta" / "hf_vla_record.json")
+        marker = load_json(data / "meta" / "hf_vla_record.json")
         seconds += marker["seconds"]
         frames += marker["frames"]
     results["record"] = {"episodes_per_task": episodes, "image_size": IMAGE, "action_mode": "absolute_ee",
@@ -84,7 +80,7 @@ def stage_train(work: Path, arm: str, steps: int, results: dict) -> None:
 
 def stage_evaluate(work: Path, arm: str, episodes: int, results: dict) -> None:
     started = time.perf_counter()
-    closed = _evaluate(work / arm, episodes, 200, work / "eval" / arm)
+    closed = evaluate(work / arm, episodes, 200, work / "eval" / arm)
     entry = results.setdefault(arm, {})
     entry |= {"mean_success": closed["success_rate"], "episodes_per_task": episodes,
               "tasks": {task: r["success_rate"] for task, r in closed["tasks"].items()},
@@ -92,7 +88,7 @@ def stage_evaluate(work: Path, arm: str, episodes: int, results: dict) -> None:
 
 
 def stage_report(results: dict) -> dict:
-    native = _load(REPO / "benchmarks" / "results" / "metaworld_cpu.json")
+    native = load_json(REPO / "benchmarks" / "results" / "metaworld_cpu.json")
     final = native["hf_vla"]["closed_loop"]  # its evaluation of the last checkpoint with 50 episodes per task
     last = next(entry for entry in reversed(list(final.values()))
                 if all(r["episodes"] == 50 for r in entry["tasks"].values()))
@@ -120,7 +116,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    results = _load(work / "results.json")
+    results = load_json(work / "results.json")
     if args.stage == "record":
         stage_record(work, args.episodes, results)
     elif args.stage == "train":
@@ -130,7 +126,7 @@ def main(argv=None):
     # the arms' stages may run side by side: merge this stage's entry into the file as it is now
     key = "record" if args.stage == "record" else args.arm
     if args.stage != "report":
-        merged = _load(work / "results.json") | {key: results[key]}
+        merged = load_json(work / "results.json") | {key: results[key]}
         (work / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
         results = merged
     if args.stage == "report":

@@ -1,6 +1,6 @@
 """First-move decision accuracy of a ColorReach checkpoint: does the policy read the instruction?
 
-    python benchmarks/demo_decision.py outputs/demo [--starts 300] [--seed 10000]
+    python -m benchmarks.closed_loop.demo_decision outputs/demo [--starts 300] [--seed 10000]
 
 Closed-loop success needs many rollouts and mixes two skills (choosing the target, then reaching it). This measures
 the first one alone, in seconds: for `--starts` fresh env starts (env seeds from `--seed`; the demo data uses seeds

@@ -1,6 +1,6 @@
 """DROID-scale data loading: hf_vla's stream against lerobot's LeRobotDataset on the same DROID-shaped dataset.
 
-    python benchmarks/droid_scale.py [--episodes 10000 92000] [--root DATA_DIR] [--lerobot_batches 20]
+    python -m benchmarks.speed.droid_scale [--episodes 10000 92000] [--root DATA_DIR] [--lerobot_batches 20]
 
 For each size it writes (once, under --root) a synthetic dataset with DROID's shape (`hf_vla.data.synthetic`: 3
 cameras of tiny video, so decoding is cheap and the data pipeline is what is measured; about 290 frames per episode;

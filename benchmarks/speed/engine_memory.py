@@ -1,6 +1,6 @@
 """Bytes per parameter each rank holds under DDP, FSDP2, ZeRO-2 and ZeRO-3, and what they make for the full pi0.5 on 8 GPUs.
 
-    python benchmarks/engine_memory.py [--dataset ../shared/datasets/humanoid_teleop_24] [--engines ddp fsdp2 zero2 zero3]
+    python -m benchmarks.speed.engine_memory [--dataset ../shared/datasets/humanoid_teleop_24] [--engines ddp fsdp2 zero2 zero3]
 
 For each engine it runs `accelerate launch --config_file configs/accelerate/<engine>.yaml --num_processes 2` on CPU
 (gloo; `hf_vla.training.engines.allow_sharding_on_cpu`), training a tiny pi0.5 held in bfloat16 with fp32 master weights (the
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARDED = {"ddp": set(), "fsdp2": {"params", "grads", "masters", "optimizer_state", "ema"},
            "zero2": {"grads", "masters", "optimizer_state"},
            "zero3": {"params", "grads", "masters", "optimizer_state", "ema"}}

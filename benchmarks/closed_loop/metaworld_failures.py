@@ -1,6 +1,6 @@
 """Where a Meta-World policy fails: the geometry of its held-out episodes on reach-v3 and push-v3.
 
-    python benchmarks/metaworld_failures.py --checkpoint data_cache/metaworld_bench/hf_vla --episodes 50
+    python -m benchmarks.closed_loop.metaworld_failures --checkpoint data_cache/metaworld_bench/hf_vla --episodes 50
 
 The checkpoint runs as `hf_vla.evaluate` runs it (the one episode loop, its deployment contract: image size, episode
 limit, actions per chunk; seeds from 10,000, deterministic sampling), with the env's hidden state read at every step:

@@ -1,6 +1,6 @@
 """How much of an RL update's gradient is signal: the RL gradient of independent rollout batches, compared.
 
-    python benchmarks/rl_gradient_snr.py configs/rl/demo.json --model_name_or_path CHECKPOINT [--key value ...] \
+    python -m benchmarks.closed_loop.rl_gradient_snr configs/rl/demo.json --model_name_or_path CHECKPOINT [--key value ...] \
         --batches 4 --output snr.json
 
 Builds `hf_vla.rl.RLTrainer` from the config exactly as `python -m hf_vla.rl` does, then, with the start weights

@@ -1,15 +1,15 @@
 """The MT50 recipe's ablation: which image size, chunk and executed actions let a from-scratch pi0.5 on this 2-core CPU
 solve Meta-World's medium and hard tasks (issue #38, item 2).
 
-    python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_160 --settings base_96,mt50_128,exec8_128
+    python -m benchmarks.closed_loop.metaworld_mt50_ablation --data data_cache/mt50_160 --settings base_96,mt50_128,exec8_128
 
 (`exec8_128` differs from `mt50_128` only in how many actions of a chunk run, so it evaluates that checkpoint.)
 The step-count settings on a recording of the four tasks alone (7 minutes here), two at a time, one core each:
 
     python -m hf_vla.record --env metaworld --task basketball,peg-insert-side,push,pick-place --episodes 50 \
         --output data_cache/mt50_4 --image_size 160
-    OMP_NUM_THREADS=1 python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_4 --settings long_128 &
-    OMP_NUM_THREADS=1 python benchmarks/metaworld_mt50_ablation.py --data data_cache/mt50_4 --settings aug_long_128
+    OMP_NUM_THREADS=1 python -m benchmarks.closed_loop.metaworld_mt50_ablation --data data_cache/mt50_4 --settings long_128 &
+    OMP_NUM_THREADS=1 python -m benchmarks.closed_loop.metaworld_mt50_ablation --data data_cache/mt50_4 --settings aug_long_128
 
 pi0.5's token objective at equal minutes (issue #64; `--budget_min`: each setting's steps from its own 200-step probe,
 `--probe_only` measures every probe first, alone): settings `flow_only`, `fast_ki`, `fast_ki_locations` (the last
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "pi05_metaworld_mt50.json"
 TASKS = "basketball-v3,peg-insert-side-v3,push-v3,pick-place-v3"  # 2 medium, 2 hard; the 96 px recipe got 0-15%
 

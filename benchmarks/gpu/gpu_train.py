@@ -1,6 +1,6 @@
 """Full-size pi0.5 training on one GPU: hf_vla's `VLATrainer` against lerobot's pi0.5, same inputs, same run.
 
-    python benchmarks/gpu_train.py [--out results.json] [--only hf_vla lerobot] [--episodes 300]
+    python -m benchmarks.gpu.gpu_train [--out results.json] [--only hf_vla lerobot] [--episodes 300]
 
 The model is pi0.5 at the published dims (PaliGemma 3B's SigLIP So400m/14 + Gemma 2B, Gemma 300M action expert;
 random weights: nothing can be downloaded), 3 cameras at 224 px, chunk 50, prompts padded to 200 tokens.
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}  # dense bf16 tensor-core peak, FLOP/s
 
 

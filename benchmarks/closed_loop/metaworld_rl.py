@@ -1,15 +1,15 @@
 """RL after SFT against more SFT, at the same extra wall-clock, on the Meta-World benchmark's five tasks.
 
-    python benchmarks/metaworld_benchmark.py --stage record                  # 5 tasks x 50 expert episodes, 96 px
-    python benchmarks/metaworld_benchmark.py --stage hf_vla --budget_min 20  # the start checkpoint (20-minute recipe)
-    python benchmarks/metaworld_rl.py --stage rl --budget_min 60             # (b) python -m hf_vla.rl, 60 minutes
-    python benchmarks/metaworld_rl.py --stage rl --budget_min 60 --config configs/rl/pi05_metaworld_ppo.json \
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage record                  # 5 tasks x 50 expert episodes, 96 px
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20  # the start checkpoint (20-minute recipe)
+    python -m benchmarks.closed_loop.metaworld_rl --stage rl --budget_min 60             # (b) python -m hf_vla.rl, 60 minutes
+    python -m benchmarks.closed_loop.metaworld_rl --stage rl --budget_min 60 --config configs/rl/pi05_metaworld_ppo.json \
         --arm rl_ppo                                                         # (b') PPO with a critic, its own arm
-    python benchmarks/metaworld_rl.py --stage rl --budget_min 60 --config configs/rl/pi05_metaworld_ppo_dense.json \
+    python -m benchmarks.closed_loop.metaworld_rl --stage rl --budget_min 60 --config configs/rl/pi05_metaworld_ppo_dense.json \
         --arm rl_ppo_dense                                                   # (b'') PPO on the dense reward
-    python benchmarks/metaworld_rl.py --stage sft --budget_min 60            # (a) python -m hf_vla.train, 60 minutes
-    python benchmarks/metaworld_rl.py --stage evaluate --episodes 50         # start, (a), (b) on the same held-out seeds
-    python benchmarks/metaworld_rl.py --stage evaluate --which rl_ppo        # an RL arm by its --arm name
+    python -m benchmarks.closed_loop.metaworld_rl --stage sft --budget_min 60            # (a) python -m hf_vla.train, 60 minutes
+    python -m benchmarks.closed_loop.metaworld_rl --stage evaluate --episodes 50         # start, (a), (b) on the same held-out seeds
+    python -m benchmarks.closed_loop.metaworld_rl --stage evaluate --which rl_ppo        # an RL arm by its --arm name
 
 Both arms start from the same checkpoint (`--start`, default the 20-minute recipe's output in the Meta-World benchmark's
 work folder). (a) continues `configs/pi05_metaworld.json` on the same expert data with its warmup-stable-decay schedule
@@ -24,7 +24,6 @@ checkpoints' contract). JSON: `benchmarks/results/metaworld_rl_cpu.json` =
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,10 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("metaworld_benchmark", REPO / "benchmarks" / "metaworld_benchmark.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmarks import common
+
+REPO = Path(__file__).resolve().parents[2]
 SEED = 10_000
 
 
@@ -86,13 +84,13 @@ def stage_sft(work: Path, start: Path, budget_min: float, rate: float, results: 
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "pi05_metaworld.json"),
                     "--model_name_or_path", str(start), "--model_config", "null",
-                    "--datasets", json.dumps(bench._dataset_spec(work, tasks)), "--output_dir", str(out),
+                    "--datasets", json.dumps(common.dataset_spec(work, tasks)), "--output_dir", str(out),
                     "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", str(max(100, steps // 4)),
                     "--max_episode_steps", "200", "--lr_scheduler_kwargs",
                     json.dumps({"num_decay_steps": max(1, steps // 4), "min_lr_ratio": 0.1})],
                    check=True, cwd=REPO, env=_env())
     results["sft_run" if arm == "continued_sft" else f"{arm}_run"] = {
-        "budget_min": budget_min, "steps": steps, "steps_per_s_assumed": rate, "tasks": tasks or bench.TASKS,
+        "budget_min": budget_min, "steps": steps, "steps_per_s_assumed": rate, "tasks": tasks or common.TASKS,
         "wall_seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -102,7 +100,7 @@ def stage_evaluate(work: Path, start: Path, episodes: int, results: dict, which:
     for name in which:
         arms.setdefault(name, work / name)  # an arm by its --arm name
         started = time.perf_counter()
-        evaluated = bench._evaluate(arms[name], episodes, 200, work / f"eval_{name}", tasks)
+        evaluated = common.evaluate(arms[name], episodes, 200, work / f"eval_{name}", tasks)
         # a single-task evaluation gets its own key: the five-task figures of the same arm stay
         results[f"{name}:{','.join(tasks)}" if tasks else name] = {"mean_success": evaluated["success_rate"],
                          "tasks": {t: r["success_rate"] for t, r in evaluated["tasks"].items()},
@@ -130,9 +128,9 @@ def main():
     args, extra = parser.parse_known_args()
     work = Path(args.work)
     tasks = args.tasks.split(",") if args.tasks else None
-    unknown = sorted(set(tasks or []) - set(bench.TASKS))
+    unknown = sorted(set(tasks or []) - set(common.TASKS))
     if unknown:
-        parser.error(f"--tasks {args.tasks}: {', '.join(unknown)} not among the benchmark's {', '.join(bench.TASKS)}")
+        parser.error(f"--tasks {args.tasks}: {', '.join(unknown)} not among the benchmark's {', '.join(common.TASKS)}")
     start = Path(args.start) if args.start else work / "hf_vla"
     output = Path(args.output)
     results = json.loads(output.read_text()) if output.exists() else {}

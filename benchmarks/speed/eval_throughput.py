@@ -1,8 +1,8 @@
 """Closed-loop evaluation throughput: episodes/s of `hf_vla.evaluate` with 1, 2 and 4 envs at once, against the
 evaluator before batched envs (one env, one observation per policy call).
 
-    python benchmarks/eval_throughput.py                      # Meta-World reach, 16 episodes of 100 steps per setting
-    python benchmarks/eval_throughput.py --baseline_tree ../old_checkout --num_envs 1 2 4 --episodes 16
+    python -m benchmarks.speed.eval_throughput                      # Meta-World reach, 16 episodes of 100 steps per setting
+    python -m benchmarks.speed.eval_throughput --baseline_tree ../old_checkout --num_envs 1 2 4 --episodes 16
 
 The policy is `configs/pi05_metaworld.json`'s architecture (96 px, chunk 16, 8 actions executed per chunk) with random
 weights, which never succeeds: every episode runs its full `--steps`, so each setting does the same work (episodes x
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEAD = "metaworld::delta_xyz_gripper"
 
 

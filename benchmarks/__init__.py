@@ -1,0 +1,1 @@
+"""hf_vla's benchmarks: see `benchmarks/common.py`."""
