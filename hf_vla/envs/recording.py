@@ -222,11 +222,61 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
             staging.rmdir()
 
 
+@dataclass
+class _Job:
+    """One recording as `record` resolved it: where (the staging directory, its `plan`, the output), which tasks (`make`:
+    name -> env factory), how many episodes from which seeds, and who acts (`runner`: a DAgger policy, else the
+    expert)."""
+
+    staging: Path
+    plan: dict
+    output: Path
+    names: list
+    make: dict
+    episodes: int
+    overwrite: bool
+    progress: bool
+    seeds: Callable
+    seed: int
+    env: str
+    runner: object
+    resolved: dict | None
+    dagger: object
+    max_tries: int
+    fps: int
+    size: int
+    state_dim: int
+    action_dim: int
+    robot_type: str
+
+
 def _record_tasks(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env, runner,
                   resolved, dagger, max_tries, fps, size, state_dim, action_dim, robot_type) -> RecordResult:
-    """`record`'s work, with the staging directory's writer lock held."""
-    from hf_vla.data.writer import write_lerobot_dataset
+    """`record`'s work, with the staging directory's writer lock held: each task not done yet recorded into its part,
+    then the parts joined into the output."""
+    job = _Job(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env, runner, resolved,
+               dagger, max_tries, fps, size, state_dim, action_dim, robot_type)
+    parts = _prepare_staging(job)
+    started = time.perf_counter()
+    done = {name: _part_stats(parts / name) for name in names}
+    resumed = [name for name, stats in done.items() if stats is not None]
+    if resumed:
+        logger.info("continuing the recording in %s: %d of %d tasks already done", staging, len(resumed), len(names))
+    bar = progress_bar(episodes * len(names), f"recording {env}", "episodes", enabled=progress,
+                       initial=sum(done[name]["kept"] for name in resumed))
+    try:
+        for name in names:
+            if done[name] is None:
+                done[name] = _record_task(job, name, parts, bar)
+    finally:
+        bar.close()
+    return _join(job, parts, done, started, resumed)
 
+
+def _prepare_staging(job: _Job) -> Path:
+    """The staging directory ready for `job`'s plan: an interrupted recording of the same plan is continued (its
+    unfinished task started over), one of another plan refused (or, with --overwrite, cleared)."""
+    staging, plan = job.staging, job.plan
     plan_file = staging / "plan.json"
     previous = json.loads(plan_file.read_text()) if plan_file.exists() else None
     if previous is not None and previous.get("policy") and plan.get("policy"):  # an older round's plan: its spelling
@@ -235,7 +285,7 @@ def _record_tasks(staging, plan, output, names, make, episodes, overwrite, progr
         previous["policy"] = checkpoint_identity(previous["policy"])
         previous.setdefault("weights", plan.get("weights"))  # plans of an hf_vla without the fingerprint
     if any(p.name != LOCK_NAME for p in staging.iterdir()) and previous != plan:
-        if not overwrite:
+        if not job.overwrite:
             raise ConfigError(
                 f"{staging} holds an interrupted recording with other settings ({_plan_difference(previous, plan)}): "
                 "rerun with its settings to continue it, or pass --overwrite to start over")
@@ -247,84 +297,86 @@ def _record_tasks(staging, plan, output, names, make, episodes, overwrite, progr
     plan_file.write_text(json.dumps(plan, indent=2))
     for leftover in parts.glob("*.partial"):  # a task killed mid-way: recorded again from its first seed
         shutil.rmtree(leftover)
+    return parts
 
-    result = RecordResult(str(output), env)
+
+def _tried(seeds: Iterator[int], used: list[int]) -> Iterator[int]:
+    """`seeds`, each noted in `used` when drawn: evaluation must stay off every seed an episode was tried with."""
+    for value in seeds:
+        used.append(int(value))
+        yield value
+
+
+def _episodes(job: _Job, live, name: str, stats: dict, used: list[int], bar) -> Iterator[list[dict]]:
+    """The task's episodes as frame lists: DAgger's (the policy acts, the expert labels), else the expert's."""
+    seeds = _tried(job.seeds(job.seed), used)
+    if job.runner is None:
+        yield from expert_episodes(live, job.episodes, seeds, max_attempts=job.max_tries, stats=stats, bar=bar,
+                                   locations=job.env == "metaworld")
+        return
+    from hf_vla.evaluation.envs import _check_dims
+
+    _check_dims(job.runner, live, f"{job.env} {name}")
+    stats["rejected"] = 0
+    yield from dagger_episodes(live, job.runner, job.resolved["n_action_steps"], job.episodes, seeds, job.dagger,
+                               CAMERA, STATE, stats=stats, bar=bar, episodes=stats.setdefault("episodes", []),
+                               text=_location_text if job.env == "metaworld" else None,
+                               plan_steps=job.resolved["plan_steps"])
+
+
+def _record_task(job: _Job, name: str, parts: Path, bar) -> dict:
+    """One task recorded into `parts/<name>.partial`, renamed to `parts/<name>` when whole; its statistics."""
+    from hf_vla.data.writer import write_lerobot_dataset
+
+    live = job.make[name]()
+    used: list[int] = []
+    stats = {"description": getattr(live, "task", name)}
+    frames = 0
     started = time.perf_counter()
-    done = {name: _part_stats(parts / name) for name in names}
-    resumed = [name for name, stats in done.items() if stats is not None]
-    if resumed:
-        logger.info("continuing the recording in %s: %d of %d tasks already done", staging, len(resumed), len(names))
-    bar = progress_bar(episodes * len(names), f"recording {env}", "episodes", enabled=progress,
-                       initial=sum(done[name]["kept"] for name in resumed))
+
+    def counted(source):
+        nonlocal frames
+        for episode in source:
+            frames += len(episode)
+            yield episode
+
+    partial = parts / f"{name}.partial"
     try:
-        for name in names:
-            if done[name] is not None:
-                continue
-            live = make[name]()
-            used_seeds: list[int] = []  # every env seed an episode was tried with: evaluation must stay off them
-
-            def tried(first, used_seeds=used_seeds):
-                for value in seeds(first):
-                    used_seeds.append(int(value))
-                    yield value
-
-            stats = {"description": getattr(live, "task", name)}
-            frames_count = [0]
-            task_started = time.perf_counter()
-
-            def task_episodes(live=live, stats=stats, used_seeds=used_seeds, frames_count=frames_count, name=name):
-                if runner is not None:
-                    from hf_vla.evaluation.envs import _check_dims
-
-                    _check_dims(runner, live, f"{env} {name}")
-                    stats["rejected"] = 0
-                    source = dagger_episodes(live, runner, resolved["n_action_steps"], episodes, tried(seed), dagger,
-                                             CAMERA, STATE, stats=stats, bar=bar,
-                                             episodes=stats.setdefault("episodes", []),
-                                             text=_location_text if env == "metaworld" else None,
-                                             plan_steps=resolved["plan_steps"])
-                else:
-                    source = expert_episodes(live, episodes, tried(seed), max_attempts=max_tries, stats=stats,
-                                             bar=bar, locations=env == "metaworld")
-                for frames in source:
-                    frames_count[0] += len(frames)
-                    yield frames
-
-            partial = parts / f"{name}.partial"
-            try:
-                bar.set_description(f"recording {name}")
-                episodes_iter = task_episodes()
-                first = next(episodes_iter, None)
-                if first is not None:
-                    write_lerobot_dataset(
-                        partial / "dataset", itertools.chain([first], episodes_iter), fps=fps,
-                        cameras={CAMERA: (size, size)}, state_dim=state_dim, action_dim=action_dim,
-                        robot_type=robot_type, state_key=STATE, action_key=ACTION, repo_id=f"local/{name}",
-                        text_features=(LOCATIONS,) if env == "metaworld" else (),
-                        extra_features=dagger_features(action_dim, resolved["plan_steps"]) if runner is not None
-                        else None,
-                        # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env
-                        # renders.
-                        pix_fmt="yuv444p", crf=0)
-                else:
-                    partial.mkdir(parents=True, exist_ok=True)
-            finally:
-                if hasattr(live, "close"):
-                    live.close()
-            if runner is not None:
-                logger.info("%s: the policy succeeded in %d of %d DAgger episodes; the expert acted at %d of %d steps",
-                            name, stats["successes"], stats["kept"], stats["expert_steps"], frames_count[0])
-            elif stats["kept"] < episodes:
-                logger.warning("%s: only %d of %d episodes succeeded in %d tries (--max_tries %d)", name,
-                               stats["kept"], episodes, stats["kept"] + stats["rejected"], max_tries)
-            stats |= {"frames": frames_count[0], "seeds": [min(used_seeds, default=seed), max(used_seeds, default=seed)],
-                      "seconds": round(time.perf_counter() - task_started, 1)}
-            (partial / PART_MARKER).write_text(json.dumps(stats, indent=2))
-            os.replace(partial, parts / name)  # the task is done: a rerun skips it
-            done[name] = stats
+        bar.set_description(f"recording {name}")
+        episodes = counted(_episodes(job, live, name, stats, used, bar))
+        first = next(episodes, None)
+        if first is not None:
+            write_lerobot_dataset(
+                partial / "dataset", itertools.chain([first], episodes), fps=job.fps,
+                cameras={CAMERA: (job.size, job.size)}, state_dim=job.state_dim, action_dim=job.action_dim,
+                robot_type=job.robot_type, state_key=STATE, action_key=ACTION, repo_id=f"local/{name}",
+                text_features=(LOCATIONS,) if job.env == "metaworld" else (),
+                extra_features=dagger_features(job.action_dim, job.resolved["plan_steps"]) if job.runner is not None
+                else None,
+                # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env renders.
+                pix_fmt="yuv444p", crf=0)
+        else:
+            partial.mkdir(parents=True, exist_ok=True)
     finally:
-        bar.close()
+        if hasattr(live, "close"):
+            live.close()
+    if job.runner is not None:
+        logger.info("%s: the policy succeeded in %d of %d DAgger episodes; the expert acted at %d of %d steps",
+                    name, stats["successes"], stats["kept"], stats["expert_steps"], frames)
+    elif stats["kept"] < job.episodes:
+        logger.warning("%s: only %d of %d episodes succeeded in %d tries (--max_tries %d)", name,
+                       stats["kept"], job.episodes, stats["kept"] + stats["rejected"], job.max_tries)
+    stats |= {"frames": frames, "seeds": [min(used, default=job.seed), max(used, default=job.seed)],
+              "seconds": round(time.perf_counter() - started, 1)}
+    (partial / PART_MARKER).write_text(json.dumps(stats, indent=2))
+    os.replace(partial, parts / name)  # the task is done: a rerun skips it
+    return stats
 
+
+def _join(job: _Job, parts: Path, done: dict, started: float, resumed: list[str]) -> RecordResult:
+    """The tasks' parts joined (lerobot's `aggregate_datasets`) into the output, with `meta/hf_vla_record.json`."""
+    names, episodes, staging, output, plan = job.names, job.episodes, job.staging, job.output, job.plan
+    result = RecordResult(str(output), job.env)
     for name in names:
         stats = dict(done[name])
         result.frames += stats.pop("frames")
@@ -348,9 +400,9 @@ def _record_tasks(staging, plan, output, names, make, episodes, overwrite, progr
     all_seeds = [s["seeds"] for s in result.tasks.values()]
     shortfall = {n: episodes - s["kept"] for n, s in result.tasks.items() if s["kept"] < episodes}
     (dataset / "meta" / RECORD_MARKER).write_text(json.dumps(
-        asdict(result) | {"seed": seed, "image_size": size, "episodes_per_task": episodes,
-                          "max_episode_steps": plan["max_episode_steps"], "max_tries": max_tries,
-                          "fast_render": env == "metaworld", "env_kwargs": plan["env_kwargs"],
+        asdict(result) | {"seed": job.seed, "image_size": job.size, "episodes_per_task": episodes,
+                          "max_episode_steps": plan["max_episode_steps"], "max_tries": job.max_tries,
+                          "fast_render": job.env == "metaworld", "env_kwargs": plan["env_kwargs"],
                           **{key: plan[key] for key in ("strategy", "policy", "weights", "round", "dagger",
                                                         "n_action_steps", "plan_steps") if key in plan},
                           "shortfall": shortfall,
