@@ -270,7 +270,7 @@ def read_config_file(path: Path) -> dict:
         raise MissingFileError(f"config file {path} not found")
     try:
         config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+    except json.JSONDecodeError as error:  # (not storage.read_json: a config's messages name the file first)
         raise ConfigError(f"{path}: not valid JSON ({error})") from error
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the configuration must be a JSON object, got {type(config).__name__}")

@@ -166,6 +166,19 @@ class DirectoryLock:
 
 
 
+def read_json(path: Path, label: str, missing: str = "not found", error=None):
+    """The JSON in `path`, or one line: `<label> <path> not found` (MissingFileError, `missing` says how) or `<label>
+    <path> is not valid JSON (...)` (`error`, DataError by default)."""
+    from hf_vla.errors import DataError, MissingFileError
+
+    if not path.is_file():
+        raise MissingFileError(f"{label} {path} {missing}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as failure:
+        raise (error or DataError)(f"{label} {path} is not valid JSON ({failure})") from failure
+
+
 def cache_root() -> Path:
     """hf_vla's own cache: `$HF_VLA_CACHE`, else `$HF_HOME/hf_vla`. Under it: `scan/` (the data checks and exact
     statistics), `converted/` and `merged/` (checkpoints converted or merged on load), `downloads/`."""

@@ -3,7 +3,6 @@ keep-ranges filter that selects them (`load_keep_ranges_spec`, `kept_blocks`).""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_vla.errors import DataError, MissingFileError
+from hf_vla.errors import DataError
 
 logger = logging.getLogger("hf_vla.data")
 
@@ -64,14 +63,10 @@ def load_keep_ranges_spec(spec, name: str) -> dict:
     given = spec
     if isinstance(spec, str | os.PathLike):
         from hf_vla.hub.resolve import fetch_file, is_remote
+        from hf_vla.storage import read_json
 
         path = fetch_file(spec, f"dataset {name!r}: keep_ranges") if is_remote(spec) else Path(spec)
-        if not path.is_file():
-            raise MissingFileError(f"dataset {name!r}: keep_ranges file {path} not found")
-        try:
-            spec = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise DataError(f"dataset {name!r}: keep_ranges file {path} is not valid JSON ({error})") from error
+        spec = read_json(path, f"dataset {name!r}: keep_ranges file")
     if not isinstance(spec, dict):
         raise DataError(f"dataset {name!r}: keep_ranges must map episode keys to [[start, end], ...] lists, "
                         f"got {type(spec).__name__}")

@@ -11,7 +11,6 @@ Every error names the dataset and the file, episode or key at fault.
 
 from __future__ import annotations
 
-import json
 import logging
 import string
 from collections import OrderedDict
@@ -173,13 +172,10 @@ class LeRobotSource:
 
     @staticmethod
     def _check_local_root(name: str, root: Path):
+        from hf_vla.storage import read_json
+
         info_file = root / "meta" / "info.json"
-        if not info_file.is_file():
-            raise MissingFileError(f"dataset {name!r}: {info_file} not found (is root a LeRobot dataset?)")
-        try:
-            info = json.loads(info_file.read_text())
-        except json.JSONDecodeError as error:
-            raise DataError(f"dataset {name!r}: {info_file} is not valid JSON ({error})") from error
+        info = read_json(info_file, f"dataset {name!r}:", missing="not found (is root a LeRobot dataset?)")
         version = info.get("codebase_version")
         if version != "v3.0":
             raise DataError(
