@@ -96,6 +96,7 @@ class _Slot:
     success: bool = False
     done: bool = True
     group: object = None  # the slot's task when the runner holds several tasks' envs
+    stepped: tuple | None = None  # an in-process env's step outcome, between `_send_step` and `_receive_step`
 
 
 class EpisodeRunner:
@@ -170,13 +171,13 @@ class EpisodeRunner:
                 stepping = [slot for slot in self.slots if not slot.done and slot.queue]
                 sent = []
                 for slot in stepping:
-                    if self._guard(slot, _send_step, slot.env, slot.queue[0]) is not _DIED:
+                    if self._guard(slot, _send_step, slot, slot.queue[0]) is not _DIED:
                         sent.append(slot)
                     else:
                         self._discard(slot, results, bar)
                         self._start_guarded(slot, pending, save_videos, results)
                 for slot in sent:
-                    outcome = self._guard(slot, _receive_step, slot.env)
+                    outcome = self._guard(slot, _receive_step, slot)
                     if outcome is _DIED:
                         self._discard(slot, results, bar)
                         self._start_guarded(slot, pending, save_videos, results)
@@ -304,17 +305,18 @@ class EpisodeRunner:
         return episode
 
 
-def _send_step(env, action) -> None:
-    if hasattr(env, "step_async"):
-        env.step_async(action)
+def _send_step(slot: _Slot, action) -> None:
+    """Start the slot's env step: asynchronous in a worker process (`InWorker.step_async`), else run now and kept."""
+    if hasattr(slot.env, "step_async"):
+        slot.env.step_async(action)
     else:
-        env._pending = env.step(action)
+        slot.stepped = slot.env.step(action)
 
 
-def _receive_step(env):
-    if hasattr(env, "step_wait"):
-        return env.step_wait()
-    outcome, env._pending = env._pending, None
+def _receive_step(slot: _Slot):
+    if hasattr(slot.env, "step_wait"):
+        return slot.env.step_wait()
+    outcome, slot.stepped = slot.stepped, None
     return outcome
 
 
