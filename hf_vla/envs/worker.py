@@ -16,7 +16,7 @@ slots with an action queued (the others wait for a policy call, or are idle once
 slot's next episode from a seed of its own, asks envs for what is not in a step (`call("expert_action")`,
 `call("target_text")`, renders for the GIFs), and replaces one crashed worker while the others keep their episodes,
 which `AsyncVectorEnv` cannot (a dead worker ends the whole vector env). What this module adds over a `Pipe` is those
-four commands, the fork server, the signal handling and the exceptions: about 150 lines.
+four commands, the fork server, the signal handling and the exceptions: about 200 lines.
 """
 
 from __future__ import annotations
