@@ -3,8 +3,10 @@ option dataclasses, with `--help` generated from their fields (see `CommandParse
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -42,7 +44,7 @@ class CommandParser:
         self.fields = {}
         for kind in self.types:
             self.annotations.update(field_annotations(kind))
-            self.fields.update({f.name: f for f in dataclasses_fields(kind) if f.init})
+            self.fields.update({f.name: f for f in dataclasses.fields(kind) if f.init})
 
     # ------------------------------------------------------------------ parsing
     def parse(self, argv: list[str] | None = None):
@@ -54,18 +56,23 @@ class CommandParser:
             if self.help_exits:
                 raise SystemExit(0)
             return None
-        config, source = {}, "command line"
+        path = None
         if argv and not argv[0].startswith("--") and self.config_file != "none":
-            source = argv[0]
-            config = read_config_file(Path(argv.pop(0)))
+            path = Path(argv.pop(0))
         elif self.config_file == "required":
             raise ConfigError(f"the first argument must be a config file (a .json path), got {argv[0]!r}")
+        return self.build(self.read(path, argv), str(path) if path else "command line")
+
+    def read(self, path: Path | None, overrides: list[str]) -> dict:
+        """The config file's keys (none without a file), each a field of the dataclasses, with the overrides applied
+        on top: not yet type-checked (`build` does)."""
+        config = read_config_file(path) if path is not None else {}
         unknown = sorted(set(config) - set(self.annotations))
         if unknown:
-            raise ConfigError(f"{source}: unknown key(s) {unknown}{_suggest(unknown, self.annotations)} (not "
+            raise ConfigError(f"{path}: unknown key(s) {unknown}{_suggest(unknown, self.annotations)} (not "
                               f"{self.what})")
-        self.apply_overrides(config, argv)
-        return self.build(config, source)
+        self.apply_overrides(config, overrides)
+        return config
 
     def build(self, config: dict, source: str = "command line"):
         """`config` (field -> value) checked and turned into the dataclasses."""
@@ -84,7 +91,7 @@ class CommandParser:
             self._check_metadata(name, value)
         built = []
         for kind in self.types:
-            names = {f.name for f in dataclasses_fields(kind)}
+            names = {f.name for f in dataclasses.fields(kind)}
             try:
                 built.append(kind(**{k: v for k, v in config.items() if k in names}))
             except ConfigError:
@@ -120,25 +127,23 @@ class CommandParser:
                 raise ConfigError(f"command line: --{key}: unknown argument{_suggest([target], self.annotations)} "
                                   f"(not {self.what}; {self.prog} --help lists them)")
             annotation = self.annotations[target]
+            item = None if path else _list_item(annotation)  # a list field given whole takes several values
             if value is None:
                 values = []
                 while overrides and not overrides[0].startswith("--"):
                     values.append(overrides.pop(0))
-                    if path or not _is_list_field(annotation):
+                    if item is None:
                         break
+                if item is not None:
+                    if len(values) == 1 and values[0].lstrip().startswith("["):
+                        config[target] = _decode(values[0])
+                    else:  # none (a bare list flag) is the empty list
+                        config[target] = [check_value(target, v, item) for v in values]
+                    continue
                 if not values:
-                    if _is_list_field(annotation) and not path:
-                        config[target] = []
-                        continue
                     if not is_bool_field(annotation):
                         raise ConfigError(f"--{key} needs a value (only boolean fields may be given as a bare flag)")
                     values = ["true"]
-                if _is_list_field(annotation) and not path:
-                    if len(values) == 1 and values[0].lstrip().startswith("["):
-                        config[target] = _decode(values[0])
-                    else:
-                        config[target] = [_item(target, v, annotation) for v in values]
-                    continue
                 value = values[0]
             if path:
                 _set_path(config, target, path, key, _decode(value))
@@ -157,7 +162,7 @@ class CommandParser:
         for title, items, note in self.sections(self) if self.sections else self._default_sections():
             lines += ["", f"{title}:"]
             for item in items:
-                default = _default_of(item)
+                default = field_default(item)
                 annotation = self.annotations[item.name]
                 kind = str(annotation) if typing.get_args(annotation) else getattr(annotation, "__name__", None)
                 kind = (kind or str(annotation)).replace("typing.", "")
@@ -179,51 +184,31 @@ class CommandParser:
     def _default_sections(self):
         sections: dict[str, list] = {}
         for kind in self.types:
-            for item in dataclasses_fields(kind):
+            for item in dataclasses.fields(kind):
                 if item.init and not item.name.startswith("_"):
                     sections.setdefault(item.metadata.get("group") or "options", []).append(item)
         return [(title, items, None) for title, items in sections.items()]
 
 
-def dataclasses_fields(kind):
-    import dataclasses
-
-    return dataclasses.fields(kind)
-
-
-def _default_of(item):
-    import dataclasses
-
+def field_default(item: dataclasses.Field):
+    """A field's default as a config writes it (an enum's value); `(required)` without one."""
     if item.default is not dataclasses.MISSING:
         value = item.default
     elif item.default_factory is not dataclasses.MISSING:
         value = item.default_factory()
     else:
         return "(required)"
-    return getattr(value, "value", value)  # enums as written in a config
+    return getattr(value, "value", value)
 
 
-def _is_list_field(annotation) -> bool:
-    """`list[X]` or `list[X] | None`: the fields a flag gives several values."""
-    import types
-    import typing
-
+def _list_item(annotation):
+    """The item type of a `list[X]` or `list[X] | None` field (`typing.Any` for a bare `list`), else None."""
     options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (
         annotation,)
     options = [o for o in options if o is not type(None)]
-    return len(options) == 1 and (typing.get_origin(options[0]) is list or options[0] is list)
-
-
-def _item(name: str, value: str, annotation):
-    """One value of a list flag, converted for the list's item type."""
-    import types
-    import typing
-
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (
-        annotation,)
-    (kind,) = [o for o in options if o is not type(None)]
-    item = (typing.get_args(kind) or (typing.Any,))[0]
-    return check_value(name, value, item)
+    if len(options) != 1 or not (typing.get_origin(options[0]) is list or options[0] is list):
+        return None
+    return (typing.get_args(options[0]) or (typing.Any,))[0]
 
 
 def _decode(value: str):
@@ -278,4 +263,4 @@ def read_config_file(path: Path) -> dict:
     return config
 
 
-__all__ = ["CommandParser", "read_config_file"]
+__all__ = ["CommandParser", "field_default", "read_config_file"]

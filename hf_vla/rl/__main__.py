@@ -27,28 +27,20 @@ def _sections(parser):
     """`--help`'s groups: the RL fields, then the training arguments whose RL default differs."""
     import dataclasses
 
+    from hf_vla.parser import field_default
     from hf_vla.rl.config import RLConfig
     from hf_vla.training.trainer import VLATrainingArguments
 
     base = {f.name: f for f in dataclasses.fields(VLATrainingArguments)}
     fields = [f for f in dataclasses.fields(RLConfig) if f.init and not f.name.startswith("_")]
 
-    def default(item):
-        return parser_default(item)
-
     def training(item, value):
-        return f"; training's: {default(base[item.name])}"
+        return f"; training's: {field_default(base[item.name])}"
 
     return [("RL fields (every field of `python -m hf_vla.train --help`'s training arguments applies too)",
              [f for f in fields if f.name not in base], None),
             ("training arguments with RL defaults", [f for f in fields if f.name in base
-                                                     and default(base[f.name]) != default(f)], training)]
-
-
-def parser_default(item):
-    from hf_vla.parser import _default_of
-
-    return _default_of(item)
+                                                     and field_default(base[f.name]) != field_default(f)], training)]
 
 
 def rl_parser():
@@ -56,8 +48,7 @@ def rl_parser():
     from hf_vla.rl.config import RLConfig
 
     return CommandParser("python -m hf_vla.rl", (RLConfig,), __doc__, config_file="required", help_exits=False,
-                         what="an RLConfig field", sections=_sections,
-                         types_in_help=False)
+                         what="an RLConfig field", sections=_sections, types_in_help=False)
 
 
 def help_text() -> str:

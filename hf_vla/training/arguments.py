@@ -220,15 +220,7 @@ def parse_config(path: str | Path, overrides: list[str] | None = None):
 
 def read_config(parser: CommandParser, path: Path, overrides: list[str] | None) -> dict:
     """The config file with the overrides applied, and the values every training command reads its own way."""
-    from hf_vla.parser import read_config_file
-    from hf_vla.training.config_checks import _suggest
-
-    config = read_config_file(path)
-    unknown = sorted(set(config) - set(parser.annotations))
-    if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {unknown}{_suggest(unknown, parser.annotations)} (not "
-                          f"{parser.what})")
-    parser.apply_overrides(config, overrides or [])
+    config = parser.read(path, overrides or [])
     resume = config.get("resume_from_checkpoint")
     if isinstance(resume, bool) or str(resume).lower() in ("true", "false"):  # `--resume_from_checkpoint true`
         config["resume_from_checkpoint"] = "true" if resume in (True, "true", "True") else None
