@@ -46,7 +46,7 @@ import threading
 from hf_vla.cli import run
 from hf_vla.errors import ConfigError, ConnectionFailedError
 from hf_vla.parser import CommandParser
-from hf_vla.serving.arguments import RTCArguments, ServeArguments, record_fps
+from hf_vla.serving.arguments import RTCArguments, ServeArguments
 from hf_vla.serving.batcher import Batcher  # noqa: F401  (the layers, importable from here as before)
 from hf_vla.serving.codec import RefusedArray, packb, refused_arrays, unpackb  # noqa: F401
 from hf_vla.serving.policy import (
@@ -73,8 +73,7 @@ logger = logging.getLogger("hf_vla.serve")
 
 def main(argv=None):
     """The command; raises `hf_vla.errors.VLAError` for bad arguments (`cli` prints them as one line)."""
-    parsed = CommandParser("python -m hf_vla.serve", (ServeArguments, RTCArguments), __doc__).parse(argv)
-    args, rtc = parsed
+    args, rtc = CommandParser("python -m hf_vla.serve", (ServeArguments, RTCArguments), __doc__).parse(argv)
     try:
         obs_map = ObservationMap.from_json(args.obs_map) if args.obs_map else ObservationMap()
     except ValueError as error:
@@ -85,7 +84,7 @@ def main(argv=None):
     for field_name, value in (("cameras", args.cameras), ("state", args.state), ("prompt", args.prompt_key)):
         if value:
             setattr(obs_map, field_name, value)
-    contract, slots = _contract_cameras(args.checkpoint, args, obs_map)
+    contract, slots = _contract_cameras(args, obs_map)
     record_lock = None
     if args.record:  # before the model loads: a directory of another run, or of a live server, is refused at once
         from hf_vla.serving.recorder import check_record_dir
@@ -155,7 +154,7 @@ def _recorder(args, contract, runner: PolicyRunner, lock=None):
     whole)."""
     from hf_vla.serving.recorder import ServeRecorder
 
-    fps = record_fps(args.record_fps)
+    fps = args.record_fps  # whole: ServeArguments checked it
     spec = (contract.heads.get(runner.head) if contract and runner.head else None) or {}
     if fps is None:
         rate = (spec.get("fps") or 10.0) / (contract.n_action_steps if contract and spec.get("fps") else 1)
@@ -168,12 +167,12 @@ def _recorder(args, contract, runner: PolicyRunner, lock=None):
     return ServeRecorder(args.record, run, fps, lock=lock)
 
 
-def _contract_cameras(checkpoint, args, obs_map: ObservationMap):
+def _contract_cameras(args, obs_map: ObservationMap):
     """The checkpoint's deployment contract and the camera slots to serve (`evaluation.settings.served_cameras`)."""
     from hf_vla.evaluation.settings import served_cameras
     from hf_vla.hub.resolve import resolve_contract
 
-    contract = resolve_contract(checkpoint, args.revision)
+    contract = resolve_contract(args.checkpoint, args.revision)
     obs_map.cameras, slots = served_cameras(contract, args.head, obs_map.cameras, args.num_camera_slots,
                                             args.override)
     return contract, slots

@@ -38,9 +38,9 @@ class RTCArguments:
         "with rtc_max_delay >= the delay; auto: prefix when the model was trained for it"})
 
     def rtc_config(self) -> RTCConfig:
-        return RTCConfig(execution_horizon=self.execution_horizon, max_guidance_weight=self.max_guidance_weight,
-                         prefix_attention_schedule=self.prefix_attention_schedule, jacobian=self.rtc_jacobian,
-                         method=self.rtc_method)
+        from hf_vla.serving.policy import rtc_config_from_args
+
+        return rtc_config_from_args(self)
 
 
 LIMITS = "limits and access"
@@ -108,7 +108,7 @@ class ServeArguments:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"--{name}: must be positive, got {value}")
-        record_fps(self.record_fps)
+        self.record_fps = record_fps(self.record_fps)  # whole, or refused
 
 
 def record_fps(fps: float | None) -> int | None:
