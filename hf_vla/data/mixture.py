@@ -85,7 +85,7 @@ class WeightedDatasetMixture:
             pooled[key] = {name: np.asarray(value).tolist() for name, value in stats.items()
                            if name in STAT_NAMES}
         # The scan checks every member's data (NaN/inf, layout, tasks, videos) whichever quantiles are used; cached.
-        scans = [s.scan(MAX_STATS_FRAMES) for s in members]
+        scans = [s.scan() for s in members]
         if all(s.config.quantile_stats == "exact" for s in members):
             # Exact quantiles of the pooled frames: each member contributes in proportion to its frame count.
             total = sum(v.frames for v in scans)

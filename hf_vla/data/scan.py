@@ -118,7 +118,7 @@ class ScanResult:
     # so a resume that finds the content changed can name the file and the episodes (`content_difference`).
     detail: dict | None = None
     # every used episode's state/action rows as cached beside the scan (None without the cache): the source reads its
-    # episodes from there afterwards (`LeRobotSource.take_scan`)
+    # episodes from there afterwards (`LeRobotSource.scan`)
     rows: EpisodeRows | None = None
 
 
@@ -512,7 +512,7 @@ def content_difference(saved: dict | None, current: dict | None) -> str | None:
 def scan_source(source, max_frames: int = MAX_STATS_FRAMES, seed: int = 0, use_cache: bool = True) -> ScanResult:
     """The checked frame count and quantile sample of `source` (a `hf_vla.data.sources.LeRobotSource`, read through
     its public interface; nothing of it is changed), from the cache when the dataset is unchanged; with the cache, the
-    result's `rows` hold every used episode's rows (`LeRobotSource.take_scan` reads its episodes from them after)."""
+    result's `rows` hold every used episode's rows (`LeRobotSource.scan` reads its episodes from them after)."""
     key = fingerprint(source, max_frames, seed)
     directory = cache_dir() / key
     if use_cache and (directory / "scan.npz").is_file():

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from hf_vla.data.blocks import Block, BlockList, kept_blocks, load_keep_ranges_spec  # noqa: F401  (public here)
 from hf_vla.data.dataset_config import NUMERIC_DTYPES, DatasetConfig  # noqa: F401
-from hf_vla.data.scan import vector_column
+from hf_vla.data.scan import MAX_STATS_FRAMES, vector_column
 from hf_vla.data.video import VideoReader  # noqa: F401
 from hf_vla.errors import ConfigError, DataError, FeatureKeyError, MissingFileError
 
@@ -523,7 +523,7 @@ class LeRobotSource:
                             f"{self.root / 'meta/tasks.parquet'}") from None
 
     # ---- statistics ----------------------------------------------------------------------------------------------
-    def scan(self, max_frames: int = 2_000_000, seed: int = 0):
+    def scan(self, max_frames: int = MAX_STATS_FRAMES, seed: int = 0):
         """The start-up scan of this dataset (`hf_vla.data.scan.scan_source`: every row and video checked, the
         quantile sample), taken: its content hash kept for the training stream's resume check, and its cached rows
         (when the cache holds them) read by `episode_table` from then on."""
@@ -534,7 +534,7 @@ class LeRobotSource:
         self.content_fingerprint, self.content_detail = result.content, result.detail
         return result
 
-    def column_values(self, max_frames: int = 2_000_000, seed: int = 0) -> dict[str, np.ndarray]:
+    def column_values(self, max_frames: int = MAX_STATS_FRAMES, seed: int = 0) -> dict[str, np.ndarray]:
         """state / actions of (a seeded subsample of) the used frames, read from parquet only (see `scan`)."""
         result = self.scan(max_frames=max_frames, seed=seed)
         return {"state": result.state, "actions": result.actions, "frames": result.frames}
