@@ -13,7 +13,7 @@ LORA_PRESETS = ("expert", "all_linear")
 
 
 def apply_freeze(mode: str, modes, policy: nn.Module, vlm: nn.Module, expert_layers: nn.Module) -> None:
-    """The freeze modes of a PaliGemma + action-expert policy (pi0.5 here, transformers' pi0 in `pi0_adapter`)."""
+    """The freeze modes of a PaliGemma + action-expert policy (pi0.5's and transformers' pi0's alike)."""
     if mode not in modes:
         raise ValueError(f"freeze={mode!r}: choose one of {modes}")
     if mode == "vision_tower":
@@ -26,69 +26,85 @@ def apply_freeze(mode: str, modes, policy: nn.Module, vlm: nn.Module, expert_lay
         expert_layers.requires_grad_(True)
 
 
-class PI05Structure:
-    """pi0.5's answers: freeze modes, LoRA targets, the heads trained in full (and the critic, when there is one)."""
+class _Structure:
+    """What a PaliGemma + action-expert policy answers the trainer and peft: freeze modes, LoRA targets, the heads
+    trained in full. A subclass names its expert's layers, the modules the policy never runs and its heads."""
 
     freeze_modes = FREEZE_MODES
     lora_presets = LORA_PRESETS
+    expert_prefix = ""  # the expert's layers in the model's state-dict names
 
     def __init__(self, model: nn.Module):
         self.model = model
+
+    def expert_layers(self) -> nn.Module:
+        raise NotImplementedError
+
+    def unused_modules(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def trained_heads(self) -> list[str]:
+        raise NotImplementedError
+
+    def freeze(self, mode: str = "none") -> None:
+        """`vision_tower`: SigLIP and its projector frozen; `vlm`: all of PaliGemma frozen (the expert and the heads
+        train); `expert_only`: only the action expert's layers train. The modules the policy never runs stay
+        frozen."""
+        apply_freeze(mode, self.freeze_modes, self.model, self.model.model.vlm, self.expert_layers())
+        for module in self.unused_modules():
+            module.requires_grad_(False)
+
+    def lora_target_modules(self, preset: str) -> list[str]:
+        """The linear layers LoRA adapts. `expert`: every linear of the action expert's layers (for pi0.5 its
+        attention, MLP and adaRMS modulation); `all_linear`: those and every linear of the VLM's language-model layers
+        that the policy runs (modules it never runs, such as pi0.5's last-layer query/output projections and MLP, get
+        no adapter)."""
+        if preset not in self.lora_presets:
+            raise ValueError(f"LoRA preset {preset!r}: choose one of {self.lora_presets}")
+        unused = {id(sub) for module in self.unused_modules() for sub in module.modules()}
+        prefixes = (self.expert_prefix,) + (("model.vlm.language_model.layers.",) if preset == "all_linear" else ())
+        return [name for name, module in self.model.named_modules()
+                if isinstance(module, nn.Linear) and name.startswith(prefixes) and id(module) not in unused]
+
+
+class PI05Structure(_Structure):
+    """pi0.5's: its expert is `model.expert`; the critic, when there is one, is trained in full beside the heads."""
+
+    expert_prefix = "model.expert.layers."
+
+    def expert_layers(self) -> nn.Module:
+        return self.model.model.expert.layers
+
+    def unused_modules(self) -> list[nn.Module]:
+        return self.model.model.unused_modules()
 
     def trained_heads(self) -> list[str]:
         """The small action/time heads (and the critic, when there is one): trained in full when the rest is frozen or
         adapted (peft `modules_to_save`)."""
         heads = ["action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"]
-        return heads + (["value_head"] if getattr(self.model, "value_head", None) is not None else [])
+        return heads + (["value_head"] if self.model.value_head is not None else [])
 
     def freeze(self, mode: str = "none") -> None:
-        """`vision_tower`: SigLIP and its projector frozen; `vlm`: all of PaliGemma frozen (the expert and the heads
-        train); `expert_only`: only the action expert's layers train. The modules pi0.5 never runs stay frozen."""
-        model = self.model
-        critic = model.value_head is not None and any(p.requires_grad for p in model.value_head.parameters())
-        apply_freeze(mode, self.freeze_modes, model, model.model.vlm, model.model.expert.layers)
-        model.model.freeze_unused()
-        if model.value_head is not None:  # the critic trains when the RL trainer made it trainable, whatever the mode
-            model.value_head.requires_grad_(critic)
-
-    def lora_target_modules(self, preset: str) -> list[str]:
-        """The linear layers LoRA adapts. `expert`: every linear of the action expert's layers (attention, MLP and the
-        adaRMS modulation); `all_linear`: those and every linear of the VLM's language-model layers that pi0.5 runs
-        (the last layer's query/output projections and MLP never run, so they get no adapter)."""
-        if preset not in self.lora_presets:
-            raise ValueError(f"LoRA preset {preset!r}: choose one of {self.lora_presets}")
-        unused = {id(sub) for module in self.model.model.unused_modules() for sub in module.modules()}
-        prefixes = ("model.expert.layers.",) + (("model.vlm.language_model.layers.",) if preset == "all_linear" else ())
-        return [name for name, module in self.model.named_modules()
-                if isinstance(module, nn.Linear) and name.startswith(prefixes) and id(module) not in unused]
+        critic = self.model.value_head
+        trained = critic is not None and any(p.requires_grad for p in critic.parameters())
+        super().freeze(mode)
+        if critic is not None:  # the critic trains when the RL trainer made it trainable, whatever the mode
+            critic.requires_grad_(trained)
 
 
-class PI0Structure:
-    """pi0's answers to what the trainer and peft ask a policy : freeze modes, LoRA targets,
-    the heads trained in full."""
+class PI0Structure(_Structure):
+    """transformers' pi0's: its expert is `model.dit`."""
 
-    freeze_modes = FREEZE_MODES
-    lora_presets = LORA_PRESETS
+    expert_prefix = "model.dit.layers."
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def expert_layers(self) -> nn.Module:
+        return self.model.model.dit.layers
+
+    def unused_modules(self) -> list[nn.Module]:
+        return pi0_unused_modules(self.model)
 
     def trained_heads(self) -> list[str]:
         return ["embed_action_time", "action_out_proj"]
-
-    def freeze(self, mode: str = "none") -> None:
-        core = self.model.model
-        apply_freeze(mode, self.freeze_modes, self.model, core.vlm, core.dit.layers)
-        for module in pi0_unused_modules(self.model):
-            module.requires_grad_(False)
-
-    def lora_target_modules(self, preset: str) -> list[str]:
-        if preset not in self.lora_presets:
-            raise ValueError(f"LoRA preset {preset!r}: choose one of {self.lora_presets}")
-        unused = {id(sub) for module in pi0_unused_modules(self.model) for sub in module.modules()}
-        prefixes = ("model.dit.layers.",) + (("model.vlm.language_model.layers.",) if preset == "all_linear" else ())
-        return [name for name, module in self.model.named_modules()
-                if isinstance(module, nn.Linear) and name.startswith(prefixes) and id(module) not in unused]
 
 
 def policy_structure(model: nn.Module):
@@ -97,7 +113,7 @@ def policy_structure(model: nn.Module):
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     if is_pi0(core):
         return PI0Structure(core)
-    if type(core).__name__ == "PI05ForConditionalGeneration":
+    if type(core).__name__ == "PI05ForConditionalGeneration":  # by name: a trust_remote_code copy is another class
         return PI05Structure(core)
     if all(hasattr(core, name) for name in ("freeze", "lora_target_modules", "trained_heads")):
         return core
