@@ -37,11 +37,11 @@ from hf_vla.training.arguments import (  # noqa: F401  (public here, as before)
 from hf_vla.training.builders import (  # noqa: F401
     TINY_LOC_TOKENIZER,
     TINY_TOKENIZER,
-    _check_dims,
-    _check_token_objective,
     build_model,
     build_tokenizer,
     check_data_for_policy,
+    check_dims,
+    check_token_objective,
     model_config,
     saved_norm_stats,
 )
@@ -83,7 +83,7 @@ def _train(model_args, data_args, training_args):
             model_args.model_revision = None  # the converted copy is local
     config = model_config(model_args)
     if getattr(config, "token_loss", False):
-        _check_token_objective(config, model_args, training_args)
+        check_token_objective(config, model_args, training_args)
     check_data_for_policy(config, model_args, data_args)
     if training_args.n_action_steps is not None and training_args.n_action_steps > config.chunk_size:
         raise ConfigError(f"n_action_steps={training_args.n_action_steps}: at most the chunk size "
@@ -104,7 +104,7 @@ def _train(model_args, data_args, training_args):
                                          split_seed=data_args.split_seed, chunk_size=config.chunk_size)
     if data_args.norm_stats_from:
         mixture.norm_stats = saved_norm_stats(data_args.norm_stats_from, mixture.norm_stats)
-    _check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None)
+    check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None)
     mixture.check_chunks(config.chunk_size)  # before anything reads chunks (the FAST fit, the streams)
     model = build_model(model_args, config, seed=training_args.seed, full_determinism=training_args.full_determinism)
     if source and model_args.model_name_or_path != source:

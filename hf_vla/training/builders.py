@@ -178,7 +178,7 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
     return model.to(dtype)
 
 
-def _check_token_objective(config, model_args: ModelArguments, args) -> None:
+def check_token_objective(config, model_args: ModelArguments, args) -> None:
     """The token loss trains the backbone (under knowledge insulation, nothing else does): a run that freezes it would
     compute a cross-entropy that trains nothing."""
     frozen = {"vlm": "freeze='vlm'", "expert_only": "freeze='expert_only'"}.get(args.freeze)
@@ -206,7 +206,7 @@ def check_data_for_policy(config, model_args: ModelArguments, data_args) -> None
                                   "policy 'pi05' for other modes and relative actions")
 
 
-def _check_dims(config, mixture, from_scratch: bool):
+def check_dims(config, mixture, from_scratch: bool):
     for head in mixture.head_names:
         for key, dim in (("state", config.max_state_dim), ("actions", config.max_action_dim)):
             if len(mixture.norm_stats[head][key]["q01"]) > dim:
@@ -222,4 +222,5 @@ def _check_dims(config, mixture, from_scratch: bool):
             config.max_action_dim, widest, widest)
 
 
-__all__ = ["TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_tokenizer", "check_data_for_policy", "model_config", "saved_norm_stats"]
+__all__ = ["TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_tokenizer", "check_data_for_policy", "check_dims",
+           "check_token_objective", "model_config", "saved_norm_stats"]
