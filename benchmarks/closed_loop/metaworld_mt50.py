@@ -43,12 +43,10 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import load_json
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "pi05_metaworld_mt50.json"
-
-
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _save(output: Path, results: dict) -> None:
@@ -78,7 +76,7 @@ def stage_record(data: Path, episodes: int, image_size: int, results: dict) -> N
     if not (data / "meta" / "hf_vla_record.json").exists():  # a rerun continues an interrupted recording
         subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "metaworld", "--task", "mt50", "--episodes",
                         str(episodes), "--output", str(data), "--image_size", str(image_size)], check=True, cwd=REPO)
-    marker = _load(data / "meta" / "hf_vla_record.json")
+    marker = load_json(data / "meta" / "hf_vla_record.json")
     results["record"] = {"episodes_per_task": marker["episodes_per_task"], "image_size": marker["image_size"],
                          "seconds": marker["seconds"], "frames": marker["frames"], "shortfall": marker["shortfall"],
                          "expert_success": {n: t["kept"] / max(1, t["kept"] + t["rejected"])
@@ -227,7 +225,7 @@ def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results
 
         contract = resolve_contract(str(work / "hf_vla")) if (work / "hf_vla").exists() else None
         limit = 500 if contract is None else next(iter(contract.heads.values()))["benchmark"]["max_episode_steps"]
-        image = _load(data / "meta" / "hf_vla_record.json")["image_size"]
+        image = load_json(data / "meta" / "hf_vla_record.json")["image_size"]
         policy_dir = sorted((work / f"lerobot_{results['lerobot_train']['policy']}" / "checkpoints").glob(
             "*/pretrained_model"))[-1]
         policy = LeRobotChunks(policy_dir)
@@ -274,7 +272,7 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     data = (Path(args.data) if args.data else work / "data").resolve()  # the stages run from the repository root
     output = Path(args.output)
-    results = _load(output)
+    results = load_json(output)
     before = json.loads(json.dumps(results))
     if args.stage == "record":
         stage_record(data, args.record_episodes, args.image_size, results)
@@ -292,7 +290,7 @@ def main(argv=None):
         stage_evaluate(data, work, args.episodes, args.num_envs, results, args.which)
     # stages may run side by side (hf_vla and lerobot train on one core each): write only what this stage changed
     # into the file as it is now, so the later stage does not drop the earlier one's keys
-    merged = _load(output)
+    merged = load_json(output)
     merged.update({key: value for key, value in results.items() if before.get(key) != value})
     _save(output, merged)
 

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import CONFIG, IMAGE, TASKS, evaluate, load_json, result_path
+from benchmarks.common import CONFIG, IMAGE, TASKS, dataset_spec, evaluate, load_json, result_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,8 +40,7 @@ RESULTS = result_path("metaworld_relative")
 
 
 def _spec(work: Path, arm: str) -> list[dict]:
-    spec = [{"root": str(work / "data" / task), "name": task, "cameras": ["observation.image"],
-             "robot_type": "metaworld", "control_mode": "ee_position"} for task in TASKS]
+    spec = dataset_spec(work, control_mode="ee_position")
     for dataset in spec if arm == "relative" else []:
         dataset["relative_actions"] = MASK
     return spec
