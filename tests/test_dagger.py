@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import refused
 
-from hf_vla.envs.dagger import INTERVENTION, POLICY_ACTION, SUCCESS, DaggerSettings, _episode
+from hf_vla.envs.dagger import INTERVENTION, POLICY_ACTION, SUCCESS, DaggerSettings, dagger_episodes
 from hf_vla.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,8 +138,10 @@ class _Policy:
 
 
 def _acted(settings, env=None, policy=None, n_action_steps=4):
-    frames, _, expert_steps = _episode(env or _Line(), policy or _Policy(), n_action_steps, 3, settings, "image",
-                                       "state", None)
+    stats = {}
+    (frames,) = dagger_episodes(env or _Line(), policy or _Policy(), n_action_steps, 1, iter([3]), settings, "image",
+                                "state", stats=stats)
+    expert_steps = stats["expert_steps"]
     acted = [int(f["extra"][INTERVENTION][0]) for f in frames]
     assert expert_steps == sum(acted) and all(f["action"][0] == 1.0 for f in frames)  # the label: always the expert's
     return acted, frames

@@ -22,6 +22,7 @@ import torch
 from conftest import REPO, randomize_, refused
 
 from hf_vla import PI05ForConditionalGeneration, PI05Processor
+from hf_vla.rl.critic import add_value_head, prefix_value
 from hf_vla.rl.flow import (
     FlowSDE,
     absorbing_bonus,
@@ -306,7 +307,7 @@ def test_the_critic_reads_the_prefix_once_and_learns_a_return():
     """The value head: 0 when new; the same value through sampling, the cached update path and a plain forward; its
     loss trains the head and the VLM under it, not the action expert; a few steps fit a target."""
     model, processor = tiny_policy(seed=8)
-    model.add_value_head()
+    add_value_head(model)
     inputs = model_inputs(processor, batch=3)
     noise, step_noise = torch.randn(3, 4, 2), torch.randn(3, 4, 4, 2)
     sde = FlowSDE(4, 0.5)
@@ -325,7 +326,7 @@ def test_the_critic_reads_the_prefix_once_and_learns_a_return():
         optimizer.step()
     _, value = chain_means(model, inputs, chain, sde, value=True)
     assert (value - target).abs().max() < 0.1, value
-    direct = model(noise=chain[:, 0], timestep=torch.ones(3), output_value=True, **inputs).value
+    direct = prefix_value(model, inputs)
     sampled = sample_chain(model, inputs, noise, step_noise, sde, value=True)[2]
     torch.testing.assert_close(direct, value.detach())
     torch.testing.assert_close(sampled, value.detach())

@@ -27,6 +27,7 @@ frame's chunk with the dataset field `action_chunk_key: "action_plan"` (docs/dep
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -68,77 +69,100 @@ def dagger_episodes(env, policy, n_action_steps: int, count: int, seeds: Iterato
                     camera: str, state: str, stats: dict | None = None, bar=None,
                     episodes: list | None = None, text=None, plan_steps: int | None = None) -> Iterator[list[dict]]:
     """`count` episodes in `env` (which has `expert_action()`), the policy (`reset(seed=)`, `policy(observation, task)
-    -> chunk`) acting as `settings` say, each a list of frames in the recorder's format with the expert's label as
-    `action`. Per-episode summaries (seed, success, steps, expert steps) are appended to `episodes`; `stats` counts
-    `kept`, `successes`, `frames` and `expert_steps`. `text(env)`, when given, is each frame's per-frame text columns
-    (Meta-World's locations, as the expert recording has them). `plan_steps`: also record each frame's
-    `action_plan`, the env's `expert_plan(plan_steps)` flattened."""
+    -> chunk`) acting as `settings` say, run by the episode loop (`EpisodeRunner`), each a list of frames in the
+    recorder's format with the expert's label as `action`. Per-episode summaries (seed, success, steps, expert steps)
+    are appended to `episodes`; `stats` counts `kept`, `successes`, `frames` and `expert_steps`. `text(env)`, when
+    given, is each frame's per-frame text columns (Meta-World's locations, as the expert recording has them).
+    `plan_steps`: also record each frame's `action_plan`, the env's `expert_plan(plan_steps)` flattened."""
+    from hf_vla.evaluation.episodes import EpisodeRunner
+
     stats = stats if stats is not None else {}
     for key in ("kept", "successes", "frames", "expert_steps"):
         stats.setdefault(key, 0)
-    for _ in range(count):
-        seed = next(seeds, None)
-        if seed is None:
-            break
-        frames, success, expert_steps = _episode(env, policy, n_action_steps, int(seed), settings, camera, state,
-                                                 text, plan_steps)
+    if count <= 0:
+        return
+    actor = DaggerActor(env, policy, n_action_steps, settings, camera, state, text, plan_steps)
+    runner = EpisodeRunner([env], actor, n_action_steps=1)
+    for episode in runner.episodes(int(seed) for seed in itertools.islice(seeds, count)):
+        frames, expert_steps = episode.log
         stats["kept"] += 1
-        stats["successes"] += success
+        stats["successes"] += episode.success
         stats["frames"] += len(frames)
         stats["expert_steps"] += expert_steps
         if episodes is not None:
-            episodes.append({"seed": int(seed), "success": success, "steps": len(frames), "expert_steps": expert_steps})
+            episodes.append({"seed": episode.seed, "success": episode.success, "steps": len(frames),
+                             "expert_steps": expert_steps})
         if bar is not None:
             bar.update(1)
             bar.set_postfix(success=f"{stats['successes']}/{stats['kept']}")
         yield frames
 
 
-def _episode(env, policy, n_action_steps: int, seed: int, settings: DaggerSettings, camera: str, state: str, text,
-             plan_steps: int | None = None):
-    observation, info = env.reset(seed=seed)
-    if hasattr(policy, "reset"):
-        policy.reset(seed=seed)
-    task = info.get("task") or getattr(env, "task", "")
-    draws = np.random.default_rng([seed, 0xDA66E])  # the beta mixture: a function of the episode seed alone
-    frames, queue = [], []
-    takeover, best, since_best, success, done, expert_steps = 0, -np.inf, 0, False, False, 0
-    while not done:
-        expert = np.asarray(env.expert_action(), dtype=np.float32)
-        if not queue and not takeover:
-            queue = [np.asarray(a, dtype=np.float32) for a in np.asarray(policy(observation, task))[:n_action_steps]]
-        proposed = queue[0] if queue else expert
-        by_expert = takeover > 0
+class DaggerActor:
+    """The acting side of a DAgger episode as a one-action policy for the episode loop: at each step the policy's
+    next action (from its chunk of `n_action_steps`) or the expert's, as `settings` say (see the module docstring);
+    every step's frame, labelled with the expert's action, is kept for the episode's log `(frames, expert_steps)`."""
+
+    def __init__(self, env, policy, n_action_steps: int, settings: DaggerSettings, camera: str, state: str,
+                 text=None, plan_steps: int | None = None):
+        self.env, self.policy, self.n_action_steps, self.settings = env, policy, n_action_steps, settings
+        self.camera, self.state, self.text, self.plan_steps = camera, state, text, plan_steps
+        self._fresh(seed=0)
+
+    def reset(self, seed: int = 0):
+        if hasattr(self.policy, "reset"):
+            self.policy.reset(seed=seed)
+        self._fresh(seed)
+
+    def _fresh(self, seed: int) -> None:
+        self.draws = np.random.default_rng([seed, 0xDA66E])  # the beta mixture: a function of the episode seed alone
+        self.frames, self.queue = [], []
+        self.takeover, self.best, self.since_best, self.success, self.expert_steps = 0, -np.inf, 0, False, 0
+
+    def __call__(self, observation, task):
+        settings = self.settings
+        expert = np.asarray(self.env.expert_action(), dtype=np.float32)
+        if not self.queue and not self.takeover:
+            chunk = np.asarray(self.policy(observation, task))[:self.n_action_steps]
+            self.queue = [np.asarray(a, dtype=np.float32) for a in chunk]
+        proposed = self.queue[0] if self.queue else expert
+        by_expert = self.takeover > 0
         if not by_expert and settings.takeover_threshold is not None and \
                 float(np.linalg.norm(proposed - expert)) > settings.takeover_threshold:
-            by_expert, takeover = True, settings.takeover_steps
-        if not by_expert and settings.stall_steps is not None and since_best >= settings.stall_steps:
-            by_expert, takeover, since_best = True, settings.takeover_steps, 0
-        if not by_expert and settings.beta > 0 and draws.random() < settings.beta:
+            by_expert, self.takeover = True, settings.takeover_steps
+        if not by_expert and settings.stall_steps is not None and self.since_best >= settings.stall_steps:
+            by_expert, self.takeover, self.since_best = True, settings.takeover_steps, 0
+        if not by_expert and settings.beta > 0 and self.draws.random() < settings.beta:
             by_expert = True
-        if takeover:
-            takeover -= 1
+        if self.takeover:
+            self.takeover -= 1
         if by_expert:
-            queue = []  # the policy plans again from the state the expert leaves it in
-            expert_steps += 1
+            self.queue = []  # the policy plans again from the state the expert leaves it in
+            self.expert_steps += 1
         else:
-            queue.pop(0)
-        frames.append({"images": {camera: observation[camera]}, "state": observation[state], "action": expert,
-                       "task": task, "extra": {INTERVENTION: np.array([int(by_expert)], np.int64),
-                                               POLICY_ACTION: proposed.astype(np.float32)}})
-        if text is not None:
-            frames[-1]["text"] = text(env)
-        if plan_steps:  # the expert's own chunk from this state: the chunked policy's target here
-            frames[-1]["extra"][ACTION_PLAN] = np.asarray(env.expert_plan(plan_steps), np.float32).reshape(-1)
-        observation, reward, terminated, truncated, info = env.step(expert if by_expert else proposed)
-        success = success or bool(info.get("is_success", False))
-        frames[-1]["extra"][SUCCESS] = np.array([success], dtype=bool)
-        if float(reward) > best:
-            best, since_best = float(reward), 0
+            self.queue.pop(0)
+        frame = {"images": {self.camera: observation[self.camera]}, "state": observation[self.state],
+                 "action": expert, "task": task,
+                 "extra": {INTERVENTION: np.array([int(by_expert)], np.int64),
+                           POLICY_ACTION: proposed.astype(np.float32)}}
+        if self.text is not None:
+            frame["text"] = self.text(self.env)
+        if self.plan_steps:  # the expert's own chunk from this state: the chunked policy's target here
+            frame["extra"][ACTION_PLAN] = np.asarray(self.env.expert_plan(self.plan_steps), np.float32).reshape(-1)
+        self.frames.append(frame)
+        return (expert if by_expert else proposed)[None]
+
+    def after_step(self, action, outcome) -> None:
+        _, reward, _, _, info = outcome
+        self.success = self.success or bool(info.get("is_success", False))
+        self.frames[-1]["extra"][SUCCESS] = np.array([self.success], dtype=bool)
+        if float(reward) > self.best:
+            self.best, self.since_best = float(reward), 0
         else:
-            since_best += 1
-        done = terminated or truncated
-    return frames, success, expert_steps
+            self.since_best += 1
+
+    def episode_log(self) -> tuple[list[dict], int]:
+        return self.frames, self.expert_steps
 
 
 def dagger_features(action_dim: int, plan_steps: int | None = None) -> dict[str, dict]:
@@ -153,4 +177,4 @@ def dagger_features(action_dim: int, plan_steps: int | None = None) -> dict[str,
     return features
 
 
-__all__ = ["ACTION_PLAN", "DaggerSettings", "dagger_episodes", "dagger_features"]
+__all__ = ["ACTION_PLAN", "DaggerActor", "DaggerSettings", "dagger_episodes", "dagger_features"]

@@ -20,6 +20,7 @@ import functools
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from gymnasium.wrappers import ClipAction, TimeLimit
 
 from hf_vla.errors import ConfigError
 
@@ -74,13 +75,15 @@ class LiberoEnv(gym.Env):
                                       observation_width=image_size, observation_height=image_size)
         self.task_name, self.task = task, self.inner.task_description
         self.max_episode_steps = max_episode_steps or module.TASK_SUITE_MAX_STEPS[suite_name]
+        # gymnasium's wrappers clip the action to lerobot's action space and end the episode at the suite's limit
+        self._stepper = TimeLimit(ClipAction(self.inner), self.max_episode_steps)
         self.render_mode = render_mode
         self.observation_space = spaces.Dict({
             **{key: spaces.Box(0, 255, (image_size, image_size, 3), np.uint8) for key in CAMERAS.values()},
             STATE: spaces.Box(-np.inf, np.inf, (8,), np.float32),
         })
         self.action_space = spaces.Box(-1.0, 1.0, (module.ACTION_DIM,), np.float32)
-        self._image, self._steps = None, 0
+        self._image = None
 
     def _observation(self, raw: dict) -> dict:
         import torch
@@ -96,16 +99,13 @@ class LiberoEnv(gym.Env):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
-        raw, _ = self.inner.reset(seed=seed)
-        self._steps = 0
+        raw, _ = self._stepper.reset(seed=seed)
         return self._observation(raw), {"task": self.task, "is_success": False}
 
     def step(self, action):
-        action = np.clip(np.asarray(action, dtype=np.float32).reshape(-1), -1.0, 1.0)
-        raw, reward, terminated, _, info = self.inner.step(action.astype(np.float64))
-        self._steps += 1
+        action = np.asarray(action, dtype=np.float64).reshape(-1)
+        raw, reward, terminated, truncated, info = self._stepper.step(action)
         success = bool(info.get("is_success", False))
-        truncated = self._steps >= self.max_episode_steps
         return (self._observation(raw), float(reward), bool(terminated) or success, truncated and not success,
                 {"task": self.task, "is_success": success})
 

@@ -31,6 +31,7 @@ import os
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from gymnasium.wrappers import ClipAction, TimeLimit
 
 from hf_vla.envs.worker import InWorker
 from hf_vla.errors import ConfigError
@@ -163,6 +164,8 @@ class MetaWorldEnv(gym.Env):
                 return super()._format_raw_obs(raw_obs)
 
         self.inner = Wrapped(task=task, obs_type="pixels_agent_pos")
+        # gymnasium's wrappers clip the commanded delta to lerobot's action space and end the episode at the limit
+        self._stepper = TimeLimit(ClipAction(self.inner), max_episode_steps)
         self.task_name, self.task = task, self.inner.task_description
         self.image_size, self.max_episode_steps, self.render_mode = image_size, max_episode_steps, render_mode
         self.observation_space = spaces.Dict({
@@ -172,7 +175,6 @@ class MetaWorldEnv(gym.Env):
         self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32) if action_mode == "delta" else spaces.Box(
             np.array([-np.inf, -np.inf, -np.inf, -1.0], np.float32), np.array([np.inf, np.inf, np.inf, 1.0], np.float32))
         self._image = None
-        self._steps = 0
 
     def _observation(self, raw: dict) -> dict:
         from PIL import Image
@@ -190,12 +192,11 @@ class MetaWorldEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         try:
-            raw, _ = self.inner.reset(seed=seed)
+            raw, _ = self._stepper.reset(seed=seed)
         except Exception as error:  # the GL context is made at the first render: no GL names the library to install
             if "gl" in f"{type(error).__name__} {error}".lower():
                 raise _no_renderer(error) from error
             raise
-        self._steps = 0
         return self._observation(raw), {"task": self.task, "is_success": False}
 
     def step(self, action):
@@ -204,11 +205,8 @@ class MetaWorldEnv(gym.Env):
             raise ValueError(f"Meta-World takes 4-dim actions (dx, dy, dz, gripper), got {action.shape[0]}")
         if self.action_mode == "absolute_ee":  # the hand's target position: the delta that moves the hand there
             action = np.concatenate([self.to_delta(action[:3]), action[3:]])
-        action = np.clip(action, -1.0, 1.0)
-        raw, reward, terminated, truncated, info = self.inner.step(action)
-        self._steps += 1
+        raw, reward, terminated, truncated, info = self._stepper.step(action)
         success = bool(info.get("is_success", False))
-        truncated = bool(truncated) or self._steps >= self.max_episode_steps
         return (self._observation(raw), float(reward), bool(terminated) or success, truncated and not success,
                 {"task": self.task, "is_success": success})
 

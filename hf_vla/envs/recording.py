@@ -44,35 +44,47 @@ class RecordResult:
 
 
 
+class _ExpertActor:
+    """The env's scripted expert as a one-action policy for the episode loop; each step's frame (in the writer's
+    format, with the env's `target_text()` under `text` when `locations`) is kept for the episode's log."""
+
+    def __init__(self, env, locations: bool):
+        self.env, self.locations, self.frames = env, locations, []
+
+    def reset(self, seed=None):
+        self.frames = []
+
+    def __call__(self, observation, task):
+        action = np.asarray(self.env.expert_action(), dtype=np.float32)
+        frame = {"images": {CAMERA: observation[CAMERA]}, "state": observation[STATE], "action": action, "task": task}
+        if self.locations:
+            env = self.env
+            frame["text"] = {LOCATIONS: env.call("target_text") if hasattr(env, "call") else env.target_text()}
+        self.frames.append(frame)
+        return action[None]
+
+    def episode_log(self) -> list[dict]:
+        return self.frames
+
+
 def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, only_successful: bool = True,
                     stats: dict | None = None, bar=None, locations: bool = False) -> Iterator[list[dict]]:
-    """Up to `count` episodes of `env.expert_action()` (frames in the writer's format), over `seeds`; failures are
-    counted in `stats["rejected"]` and skipped when `only_successful`. With `locations`, each frame also carries the
-    env's `target_text()` (where the gripper, object and goal are in that frame's image) under `text`."""
-    kept = 0
+    """Up to `count` episodes of `env.expert_action()` (frames in the writer's format), over at most `max_attempts`
+    of `seeds`, run by the episode loop (`EpisodeRunner`); failures are counted in `stats["rejected"]` and skipped
+    when `only_successful`. With `locations`, each frame also carries the env's `target_text()` (where the gripper,
+    object and goal are in that frame's image) under `text`."""
+    from hf_vla.evaluation.episodes import EpisodeRunner
+
     stats = stats if stats is not None else {}
     stats.setdefault("kept", 0)
     stats.setdefault("rejected", 0)
-    for _ in range(max_attempts):
-        if kept >= count:
-            break
-        seed = next(seeds, None)  # drawn only when an episode is tried: the seeds used are exactly those drawn
-        if seed is None:
-            break
-        observation, info = env.reset(seed=int(seed))
-        task = info.get("task") or getattr(env, "task", "")
-        frames, success, done = [], False, False
-        while not done:
-            action = np.asarray(env.expert_action(), dtype=np.float32)
-            frame = {"images": {CAMERA: observation[CAMERA]}, "state": observation[STATE], "action": action,
-                     "task": task}
-            if locations:
-                frame["text"] = {LOCATIONS: env.call("target_text") if hasattr(env, "call") else env.target_text()}
-            frames.append(frame)
-            observation, _, terminated, truncated, info = env.step(action)
-            success = success or bool(info.get("is_success", False))
-            done = terminated or truncated
-        if only_successful and not success:
+    if count <= 0:
+        return
+    kept = 0
+    runner = EpisodeRunner([env], _ExpertActor(env, locations), n_action_steps=1)
+    # seeds are drawn only when an episode starts: the seeds used are exactly those drawn
+    for episode in runner.episodes(int(seed) for seed in itertools.islice(seeds, max_attempts)):
+        if only_successful and not episode.success:
             stats["rejected"] += 1
             if bar is not None:
                 bar.set_postfix(rejected=stats["rejected"])
@@ -81,7 +93,9 @@ def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, on
         stats["kept"] += 1
         if bar is not None:
             bar.update(1)
-        yield frames
+        yield episode.log
+        if kept >= count:
+            return
 
 
 class _ColorReachWithExpert:

@@ -52,6 +52,7 @@ class Episode:
     noise_seed: int | None = None  # the policy's noise seed (the env seed unless `run(noise_seeds=...)` says)
     step_rewards: list[float] = field(default_factory=list, repr=False)  # the env's reward at each step
     discarded: bool = False  # its env worker died mid-episode: not an outcome (see `EpisodeRunner(restart=...)`)
+    log: object = field(default=None, repr=False)  # the policy's `episode_log()` (its frames when it records them)
 
     def record(self) -> dict:
         return {"seed": self.seed, "success": self.success, "steps": self.steps, "reward": round(self.reward, 6)}
@@ -153,47 +154,63 @@ class EpisodeRunner:
         unknown = set(seeds) - {slot.group for slot in self.slots}
         if unknown:
             raise ValueError(f"seeds for {sorted(map(str, unknown))}, which this runner has no envs for")
-        self._noise_seeds = {}
+        noise = {}
         for group, members in seeds.items():
             given = (noise_seeds or {}).get(group)
             if given is not None and len(given) != len(members):
                 raise ValueError(f"{len(given)} noise seeds for {len(members)} episodes")
-            self._noise_seeds[group] = list(given) if given is not None else list(members)
-        pending = {group: deque(enumerate(members)) for group, members in seeds.items()}
+            noise[group] = list(given) if given is not None else list(members)
+        pending = {group: iter([(i, seed, noise[group][i]) for i, seed in enumerate(members)])
+                   for group, members in seeds.items()}
         results: dict[tuple, Episode] = {}
         successes = 0
         bar = progress_bar(sum(len(m) for m in seeds.values()), desc, "episodes", enabled=progress)
         try:
-            for slot in self.slots:
-                self._start_guarded(slot, pending, save_videos, results)
-            while any(not slot.done for slot in self.slots):
-                self._serve_requests([slot for slot in self.slots if not slot.done and slot.request is not None])
-                stepping = [slot for slot in self.slots if not slot.done and slot.queue]
-                sent = []
-                for slot in stepping:
-                    if self._guard(slot, _send_step, slot, slot.queue[0]) is not _DIED:
-                        sent.append(slot)
-                    else:
-                        self._discard(slot, results, bar)
-                        self._start_guarded(slot, pending, save_videos, results)
-                for slot in sent:
-                    outcome = self._guard(slot, _receive_step, slot)
-                    if outcome is _DIED:
-                        self._discard(slot, results, bar)
-                        self._start_guarded(slot, pending, save_videos, results)
-                        continue
-                    self._after_step(slot, outcome)
-                    if slot.done:
-                        episode = self._finish(slot, output_dir)
-                        results[slot.group, slot.index] = episode
-                        successes += episode.success
-                        bar.update(1)
-                        bar.set_postfix(success=f"{successes}/{len(results) - self.discarded}")
-                        self._start_guarded(slot, pending, save_videos, results)
+            for group, index, episode in self._stream(pending, save_videos, output_dir):
+                results[group, index] = episode
+                successes += episode.success
+                bar.update(1)
+                if not episode.discarded:
+                    bar.set_postfix(success=f"{successes}/{len(results) - self.discarded}")
         finally:
             bar.close()
         out = {group: [results[group, i] for i in range(len(members))] for group, members in seeds.items()}
         return out if grouped else out[None]
+
+    def episodes(self, seeds, save_videos: int = 0, output_dir: str | Path | None = None):
+        """The episodes as they end (completion order), each seed drawn from the iterable `seeds` only when a slot
+        starts its episode, so a consumer that stops early has drawn no seed it did not run (expert recording and
+        DAgger keep what they need this way). A policy's `episode_log()`, when it has one, is each episode's `log`."""
+        if {slot.group for slot in self.slots} != {None}:
+            raise ValueError("episodes() runs a runner without task groups; use run() for envs per task")
+        for _, _, episode in self._stream({None: ((i, seed, seed) for i, seed in enumerate(seeds))}, save_videos,
+                                          output_dir):
+            yield episode
+
+    def _stream(self, pending: dict, save_videos: int, output_dir):
+        """(group, index, Episode) for every episode as it ends, including those lost to a dead env worker."""
+        for slot in self.slots:
+            yield from self._start_guarded(slot, pending, save_videos)
+        while any(not slot.done for slot in self.slots):
+            self._serve_requests([slot for slot in self.slots if not slot.done and slot.request is not None])
+            stepping = [slot for slot in self.slots if not slot.done and slot.queue]
+            sent = []
+            for slot in stepping:
+                if self._guard(slot, _send_step, slot, slot.queue[0]) is not _DIED:
+                    sent.append(slot)
+                else:
+                    yield self._discard(slot)
+                    yield from self._start_guarded(slot, pending, save_videos)
+            for slot in sent:
+                outcome = self._guard(slot, _receive_step, slot)
+                if outcome is _DIED:
+                    yield self._discard(slot)
+                    yield from self._start_guarded(slot, pending, save_videos)
+                    continue
+                self._after_step(slot, outcome)
+                if slot.done:
+                    yield slot.group, slot.index, self._finish(slot, output_dir)
+                    yield from self._start_guarded(slot, pending, save_videos)
 
     # ---- dead env workers (with `restart`) ---------------------------------------------------------------------
     def _guard(self, slot: _Slot, function, *args):
@@ -213,24 +230,24 @@ class EpisodeRunner:
             slot.env = self.restart(next(i for i, s in enumerate(self.slots) if s is slot))
             return _DIED
 
-    def _discard(self, slot: _Slot, results: dict, bar) -> None:
-        results[slot.group, slot.index] = Episode(slot.seed, False, len(slot.executed), slot.reward,
-                                                  noise_seed=slot.noise_seed, step_rewards=slot.rewards, discarded=True)
+    def _discard(self, slot: _Slot) -> tuple:
         self.discarded += 1
-        bar.update(1)
+        return slot.group, slot.index, Episode(slot.seed, False, len(slot.executed), slot.reward,
+                                               noise_seed=slot.noise_seed, step_rewards=slot.rewards, discarded=True)
 
-    def _start_guarded(self, slot: _Slot, pending: dict, save_videos: int, results: dict) -> None:
+    def _start_guarded(self, slot: _Slot, pending: dict, save_videos: int):
+        """Start the slot's next episode; yields the episodes lost to a worker that died while resetting."""
         while self._guard(slot, self._start, slot, pending, save_videos) is _DIED:
-            results[slot.group, slot.index] = Episode(slot.seed, False, 0, 0.0, noise_seed=slot.noise_seed,
-                                                      discarded=True)
             self.discarded += 1
+            yield slot.group, slot.index, Episode(slot.seed, False, 0, 0.0, noise_seed=slot.noise_seed,
+                                                  discarded=True)
 
     def _start(self, slot: _Slot, pending: dict, save_videos: int) -> None:
-        if not pending.get(slot.group):
+        drawn = next(pending.get(slot.group, iter(())), None)
+        if drawn is None:
             slot.done = True
             return
-        slot.index, slot.seed = pending[slot.group].popleft()
-        slot.noise_seed = self._noise_seeds[slot.group][slot.index]
+        slot.index, slot.seed, slot.noise_seed = drawn
         slot.done, slot.rewards, slot.executed = True, [], []  # until the reset below succeeds
         observation, info = slot.env.reset(seed=slot.seed)
         if hasattr(slot.policy, "reset"):
@@ -277,6 +294,8 @@ class EpisodeRunner:
     def _after_step(self, slot: _Slot, outcome) -> None:
         observation, reward, terminated, truncated, info = outcome
         slot.executed.append(np.asarray(slot.queue.popleft()))
+        if hasattr(slot.policy, "after_step"):  # a policy that keeps a per-step log (expert recording, DAgger)
+            slot.policy.after_step(slot.executed[-1], outcome)
         slot.observation = observation
         slot.reward += float(reward)
         slot.rewards.append(float(reward))
@@ -291,7 +310,8 @@ class EpisodeRunner:
     def _finish(self, slot: _Slot, output_dir) -> Episode:
         jump, jerk, interior = boundary_metrics(slot.executed, slot.switches)
         episode = Episode(slot.seed, slot.success, len(slot.executed), slot.reward, jump, jerk, interior,
-                          noise_seed=slot.noise_seed, step_rewards=slot.rewards)
+                          noise_seed=slot.noise_seed, step_rewards=slot.rewards,
+                          log=slot.policy.episode_log() if hasattr(slot.policy, "episode_log") else None)
         if isinstance(output_dir, dict):  # a folder per task: the names need not say the task
             output_dir, group = output_dir.get(slot.group), None
         else:

@@ -19,12 +19,14 @@ Gaussian target whose exact velocity is known (the samples' mean and variance ma
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 
 from hf_vla.models.pi0_adapter import is_pi0
+from hf_vla.rl.critic import PrefixValue
 
 SCHEDULES = ("flow_sde", "constant")
 
@@ -114,7 +116,7 @@ def velocity_fn(model, inputs: dict, value: bool = False):
     The first call goes through `model` itself (under DDP, its forward prepares the gradient all-reduce) with the
     prefix and fills the prefix cache; later calls run only the expert on the cache. Parameters used by several calls
     get their gradients summed by autograd before DDP's hooks fire, once per backward. With `value`, the first call
-    also runs the critic on the prefix: `velocity.state["value"]` `[B]` afterwards."""
+    also runs the critic on the prefix (`hf_vla.rl.critic`): `velocity.state["value"]` `[B]` afterwards."""
     state = {"cache": None, "value": None}
     core = _core(model)
     if is_pi0(core):
@@ -125,10 +127,11 @@ def velocity_fn(model, inputs: dict, value: bool = False):
     def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
         timestep = _timestep(x, t)
         if state["cache"] is None:
-            out = model(noise=x, timestep=timestep, input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
-                        pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],
-                        use_cache=True, **({"output_value": True} if value else {}))
-            state["cache"], state["value"] = out.past_key_values, getattr(out, "value", None)
+            with PrefixValue(model) if value else contextlib.nullcontext():  # the output then carries `value`
+                out = model(noise=x, timestep=timestep, input_ids=inputs["input_ids"],
+                            pixel_values=inputs["pixel_values"], pixel_attention_mask=inputs["pixel_attention_mask"],
+                            attention_mask=inputs["attention_mask"], use_cache=True)
+            state["cache"], state["value"] = out.past_key_values, out.value if value else None
             return out.logits
         return core(noise=x, timestep=timestep, input_ids=inputs["input_ids"],
                     pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],

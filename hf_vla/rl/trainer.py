@@ -29,6 +29,7 @@ from transformers.trainer_callback import ProgressCallback
 from hf_vla.errors import ConfigError, NonFiniteError
 from hf_vla.rl.collection import RolloutCollection
 from hf_vla.rl.config import ALGORITHMS, EVAL_SEED, REWARDS, RLConfig  # noqa: F401  (public here)
+from hf_vla.rl.critic import add_value_head
 from hf_vla.rl.flow import (
     FlowSDE,
     chain_means,
@@ -140,7 +141,8 @@ class RLTrainer(RolloutCollection, RLReporting, VLATrainer):
             # replayed flow loss): the backbone's target-token path takes no part, so it is frozen as in flow-only
             # training, and the saved result says token_loss false (a later token-loss run re-enables it)
             model.config.token_loss = False
-            model.model.freeze_unused()
+            for module in model.model.unused_modules():
+                module.requires_grad_(False)
             logger.info("token_loss policy: RL trains its flow objective; the target-token path is frozen")
         from hf_vla.rl.settings import rollout_settings
 
@@ -155,7 +157,7 @@ class RLTrainer(RolloutCollection, RLReporting, VLATrainer):
 
             reference = copy.deepcopy(model).eval().requires_grad_(False)
         if args.algorithm == "ppo":  # the critic: the checkpoint's (a PPO run's output) or a new one predicting 0
-            model.add_value_head()
+            add_value_head(model)
             if peft_config is not None:  # under LoRA the critic trains in full, as the action/time heads do
                 peft_config.modules_to_save = sorted(set(peft_config.modules_to_save or []) | {"value_head"})
         replay, self._replay_collate, self._replay_batches = None, None, None

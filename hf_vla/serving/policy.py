@@ -445,7 +445,7 @@ def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | Non
     except (OSError, ValueError) as error:  # a missing directory or Hub repo, offline, a config without a model type
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"checkpoint {str(checkpoint)!r} could not be loaded: {first}") from error
-    return PolicyRunner(model, processor, device=device, **kwargs)
+    return PolicyRunner(model.requires_grad_(False), processor, device=device, **kwargs)  # for inference only
 
 
 def rtc_config_from_args(args) -> RTCConfig:

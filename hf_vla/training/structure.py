@@ -85,11 +85,10 @@ class PI05Structure(_Structure):
         return heads + (["value_head"] if self.model.value_head is not None else [])
 
     def freeze(self, mode: str = "none") -> None:
-        critic = self.model.value_head
-        trained = critic is not None and any(p.requires_grad for p in critic.parameters())
         super().freeze(mode)
-        if critic is not None:  # the critic trains when the RL trainer made it trainable, whatever the mode
-            critic.requires_grad_(trained)
+        critic = self.model.value_head
+        if critic is not None:  # the critic trains when the RL trainer (PPO) added it, whatever the mode
+            critic.requires_grad_(getattr(critic, "trained_by_rl", False))
 
 
 class PI0Structure(_Structure):

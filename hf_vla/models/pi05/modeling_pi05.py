@@ -119,13 +119,11 @@ class PI05VLMDecoderLayer(GemmaDecoderLayer):
 
 @dataclass
 class PI05Output(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` (`logits` = the velocity) plus `value` `[B]`: the critic's estimate of the return, with
-    `output_value=True` on a model with a value head. With `labels` (the token objective): `token_losses` `[B, L_t]`
+    """`CausalLMOutputWithPast` (`logits` = the velocity). With `labels` (the token objective): `token_losses` `[B, L_t]`
     (float32), the backbone's next-token cross-entropy of each target (0 where the label is -100), computed in pieces
     of `config.token_loss_chunk` targets; and, with `output_token_logits=True`, the logits themselves `token_logits`
     `[B, L_t, vocab]` (the model's dtype; for tests and inspection: at a real vocabulary they are large)."""
 
-    value: torch.FloatTensor | None = None
     token_losses: torch.FloatTensor | None = None
     token_logits: torch.FloatTensor | None = None
 
@@ -244,18 +242,6 @@ class PI05PreTrainedModel(PreTrainedModel):
         # pooling head, the Gemma layer class pi0.5 replaces); FSDP's per-layer wrapping refuses unknown class names.
         self._no_split_modules = present_module_classes(self, self._no_split_modules)
 
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        # Loading creates new Parameters: freeze the modules pi0.5 never runs again (see `PI05Model.unused_modules`).
-        loaded = super().from_pretrained(*args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        for module in model.modules():
-            if isinstance(module, PI05Model):
-                module.freeze_unused()
-            if isinstance(module, PI05ValueHead):  # only the RL trainer (PPO) trains the critic
-                module.requires_grad_(False)
-        return loaded
-
     def set_attn_implementation(self, attn_implementation, **kwargs):
         # transformers marks every sub-model config it switched with `_attn_was_changed` but clears the mark only on
         # the direct sub-configs; PaliGemma's nested text/vision configs would keep it and ignore every later switch.
@@ -284,17 +270,13 @@ class PI05Model(PI05PreTrainedModel):
         self.expert = PI05ActionExpert(config.dit_config)
         self.gradient_checkpointing = False
         self.post_init()
-        self.freeze_unused()
-
-    def freeze_unused(self):
-        for module in self.unused_modules():
-            module.requires_grad_(False)
 
     def unused_modules(self) -> list[nn.Module]:
         """Modules pi0.5 never runs: the last VLM layer only provides its keys/values to the expert, so its query and
         output projections, its MLP and post-attention norm, and the VLM's final norm take no part. They stay in the
-        checkpoint (the published layout has them) but are frozen: no optimizer state, no masters, no unused-parameter
-        errors in DDP, and FSDP's strict optimizer-state loading finds state for every trainable parameter."""
+        checkpoint (the published layout has them); training freezes them (`hf_vla.training.structure`): no optimizer
+        state, no masters, no unused-parameter errors in DDP, and FSDP's strict optimizer-state loading finds state
+        for every trainable parameter."""
         if getattr(self.config, "token_loss", False):  # the target tokens read the last layer's output: all of it trains
             return []
         text = self.vlm.language_model
@@ -371,13 +353,11 @@ class PI05Model(PI05PreTrainedModel):
         prefix_embeds: torch.Tensor | None = None,
         past_key_values: DynamicCache | None = None,
         use_cache: bool = False,
-        output_prefix_hidden: bool = False,
         target_valid: torch.Tensor | None = None,
     ) -> tuple:
         """Run the towers. Prefix only (fills a cache), suffix only (reads `past_key_values`), or both jointly.
 
-        Returns the expert's normalised suffix hidden states (or None) and the prefix cache (when one was used); with
-        `output_prefix_hidden`, also the prefix's hidden states entering the VLM's last layer (what the critic reads).
+        Returns the expert's normalised suffix hidden states (or None) and the prefix cache (when one was used).
 
         With `target_valid` `[B, L_t]` (the token objective), `prefix_embeds` ends with `L_t` target-token embeddings:
         they attend to the prefix and causally to each other, the expert attends to the prefix without them (through
@@ -407,12 +387,9 @@ class PI05Model(PI05PreTrainedModel):
         hidden_prefix, hidden_suffix = prefix_embeds, suffix_embeds
         last = len(text.layers) - 1
         insulate = targets and self.config.knowledge_insulation
-        entering_last = None
         for index, (vlm_layer, expert_layer) in enumerate(zip(text.layers, self.expert.layers)):
             # each step through the layer module's forward: FSDP/ZeRO-3 hooks and gradient checkpointing see it
             if hidden_prefix is not None:
-                if index == last:
-                    entering_last = hidden_prefix
                 hidden_prefix, key, value = vlm_layer(
                     hidden_prefix, attention_mask=prefix_mask, position_embeddings=(prefix_cos, prefix_sin),
                     return_kv=True, kv_only=index == last and not targets)
@@ -430,8 +407,6 @@ class PI05Model(PI05PreTrainedModel):
         if hidden_suffix is not None:
             hidden_suffix, _ = self.expert.norm(hidden_suffix, adarms_cond)
         out = (hidden_suffix, past_key_values)
-        if output_prefix_hidden:  # what entered the last layer (which ran kv_only without targets)
-            out += (entering_last[:, :-targets] if targets else hidden_prefix,)
         if targets:
             # next-token prediction: target k is read from the position before it, target 0 from the last real prompt
             # token (the prompt is right-padded, so that is the last valid prefix position)
@@ -454,21 +429,9 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         self.action_out_proj = nn.Linear(width, config.max_action_dim)
         self.time_mlp_in = nn.Linear(width, width)
         self.time_mlp_out = nn.Linear(width, width)
+        # the critic of PPO fine-tuning, held (and saved) with the policy; `hf_vla.rl.critic` adds, runs and trains it
         self.value_head = PI05ValueHead(config) if config.value_head else None
         self.post_init()
-        if self.value_head is not None:  # only the RL trainer (PPO) trains the critic
-            self.value_head.requires_grad_(False)
-
-    def add_value_head(self) -> PI05ValueHead:
-        """The critic of PPO fine-tuning, created (output layer at zero) when the model has none; trainable."""
-        if self.value_head is None:
-            reference = self.action_out_proj.weight
-            self.config.value_head = True
-            head = PI05ValueHead(self.config)
-            head.apply(self._init_weights)
-            self.value_head = head.to(device=reference.device, dtype=torch.float32)
-        self.value_head.requires_grad_(True)
-        return self.value_head
 
     def get_input_embeddings(self):
         return self.model.get_input_embeddings()
@@ -533,7 +496,6 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         state: torch.FloatTensor | None = None,
         past_key_values: DynamicCache | None = None,
         use_cache: bool = False,
-        output_value: bool = False,
         labels: torch.LongTensor | None = None,
         output_token_logits: bool = False,
         **kwargs,
@@ -550,7 +512,6 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             MSE (the trainer computes its own masked, aggregated loss from `logits` instead).
         state: accepted for a uniform policy signature and unused: pi0.5 reads the state from the prompt.
         past_key_values: a prefix cache from a previous call (`use_cache=True`); the prefix is then not recomputed.
-        output_value: also return the critic's `value` `[B]` (needs a value head and the prefix, not a cache).
         labels (`[B, L_t]`, token objective, `config.token_loss`): target token ids after the prompt (FAST action
             tokens, then text), -100 where there is none (right-padded). The backbone reads them causally after the
             prefix and returns each target's next-token cross-entropy `token_losses`; the expert never sees them and,
@@ -584,9 +545,6 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             if pixel_values is None:
                 raise ValueError("pixel_values are needed unless a prefix past_key_values cache is passed.")
             prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
-        if output_value and (self.value_head is None or prefix_embeds is None):
-            raise ValueError("output_value needs a value head (config.value_head, add_value_head()) and the prefix "
-                             "(pixel_values, not a past_key_values cache)")
         suffix_embeds, cond = self.embed_suffix(x_t, timestep)
         prefix_valid = self.model.prefix_mask(pixel_attention_mask, attention_mask)
         target_valid = None
@@ -599,24 +557,22 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             target_valid = labels != -100
             targets = self.model.get_input_embeddings()(labels.masked_fill(~target_valid, 0))
             prefix_embeds = torch.cat([prefix_embeds, targets.to(prefix_embeds.dtype)], dim=1)
-        hidden, cache, *extra = self.model(
+        hidden, cache, *target_hidden = self.model(
             suffix_embeds,
             cond,
             prefix_valid=prefix_valid,
             prefix_embeds=prefix_embeds,
             past_key_values=past_key_values,
             use_cache=use_cache,
-            output_prefix_hidden=output_value,
             target_valid=target_valid,
         )
         token_logits = token_losses = None
         if labels is not None:  # the LM head is the input embedding, tied (PaliGemma)
-            target_hidden = extra.pop()
+            target_hidden = target_hidden[0]
             embedding = self.model.get_input_embeddings().weight
             token_losses = chunked_token_losses(target_hidden, embedding, labels, self.config.token_loss_chunk)
             if output_token_logits:
                 token_logits = F.linear(target_hidden.to(embedding.dtype), embedding)
-        prefix_hidden = extra
         velocity = self.action_out_proj(hidden[:, -self.config.chunk_size :].to(self.action_out_proj.weight.dtype))
         velocity = velocity.float()
         loss = None
@@ -624,8 +580,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             loss = F.mse_loss(velocity, (noise - actions).float())
             if token_losses is not None and target_valid.any():
                 loss = loss + token_losses[target_valid].mean()
-        value = self.value_head(prefix_hidden[0], prefix_valid) if output_value else None
-        return PI05Output(loss=loss, logits=velocity, past_key_values=cache, value=value, token_losses=token_losses,
+        return PI05Output(loss=loss, logits=velocity, past_key_values=cache, token_losses=token_losses,
                           token_logits=token_logits)
 
     @torch.no_grad()
