@@ -6,7 +6,6 @@ A bad argument or input ends a command with one line on stderr, `<command>: erro
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
@@ -19,33 +18,6 @@ from hf_vla.errors import ConfigError, VLAError
 
 # what huggingface_hub accepts as a repo id: "name" or "namespace/name"
 HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every option's default in `--help` (argparse shows none by default), the description as written."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "%(default)" in text or not action.option_strings or any(
-                action.default is value for value in (None, False, argparse.SUPPRESS)):
-            return text
-        return f"{text} (default: %(default)s)".strip()
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line (`hf_vla.<command>: error: ... (see --help)`) and exit 2, like a bad
-    config; `--help` shows every default, and `--verbose` (taken by `run`) is listed."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", _HelpFormatter)
-        super().__init__(*args, **kwargs)
-        self.add_argument("--verbose", action="store_true", help="show library logs (FFmpeg, datasets, lerobot, "
-                          "DeepSpeed), hidden by default")
-
-    def error(self, message: str):
-        name = self.prog.removeprefix("python -m ")  # the same prefix as `run`'s errors
-        print(f"{name}: error: {message} (see --help)", file=sys.stderr, flush=True)
-        raise SystemExit(2)
 
 
 VERBOSE_ENV = "HF_VLA_VERBOSE"  # set by --verbose; inherited by workers and rollout processes
@@ -240,5 +212,5 @@ def check_writable_dir(key: str, path: str | os.PathLike):
         raise ConfigError(f"{key}={str(path)!r}: {probe} is not writable")
 
 
-__all__ = ["ArgumentParser", "HUB_ID", "check_writable_dir", "progress_bar", "quiet_libraries", "take_verbose", "model_source", "output_dir", "positive", "run", "setup_logging",
+__all__ = ["HUB_ID", "check_writable_dir", "progress_bar", "quiet_libraries", "take_verbose", "model_source", "output_dir", "positive", "run", "setup_logging",
            "websocket_uri"]

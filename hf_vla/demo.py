@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "demo.json"  # inside the package (configs/demo.json links here)
@@ -37,15 +38,24 @@ def run(config: Path, overrides: list[str], episodes: int, tag: str, n_action_st
     return summary
 
 
-def main(argv=None):
-    from hf_vla.cli import ArgumentParser
+@dataclass
+class DemoArguments:
+    """The demo's own options; every other `--key value` is a trainer override of the config."""
 
-    parser = ArgumentParser(prog="python -m hf_vla.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=str(CONFIG))
-    parser.add_argument("--episodes", type=int, default=50, help="closed-loop evaluation episodes")
-    parser.add_argument("--blind", action="store_true", help="also train the language-blind control")
-    parser.add_argument("--n_action_steps", type=int, default=None, help="actions executed per chunk (default: half)")
-    args, overrides = parser.parse_known_args(argv)
+    config: str = field(default=str(CONFIG), metadata={"help": "the training config (the demo's by default)"})
+    episodes: int = field(default=50, metadata={"help": "closed-loop evaluation episodes", "min": 1})
+    blind: bool = field(default=False, metadata={"help": "also train the language-blind control"})
+    n_action_steps: int | None = field(default=None, metadata={"help": "actions executed per chunk (default: half)",
+                                                               "min": 1})
+
+
+def main(argv=None):
+    from hf_vla.parser import CommandParser
+
+    args, overrides = CommandParser("python -m hf_vla.demo", (DemoArguments,), __doc__,
+                                    config_file="none").parse_known(argv)
+    if args is None:  # --help
+        return []
     summaries = [run(Path(args.config), overrides, args.episodes, "demo", args.n_action_steps)]
     if args.blind:
         datasets = json.loads(Path(args.config).read_text())["datasets"]

@@ -63,6 +63,21 @@ class CommandParser:
             raise ConfigError(f"the first argument must be a config file (a .json path), got {argv[0]!r}")
         return self.build(self.read(path, argv), str(path) if path else "command line")
 
+    def parse_known(self, argv: list[str] | None = None) -> tuple:
+        """(the dataclass instances, the `--key value` arguments of keys that are not their fields), for a command
+        that passes the rest on (the demo gives them to the trainer); None for the instances after `--help`."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        own, rest = [], []
+        target = own
+        for token in argv:
+            if token in ("-h", "--help"):
+                target = own
+            elif token.startswith("--"):
+                name = token[2:].split("=", 1)[0].split(".", 1)[0].replace("-", "_")
+                target = own if name in self.annotations else rest
+            target.append(token)
+        return self.parse(own), rest
+
     def read(self, path: Path | None, overrides: list[str]) -> dict:
         """The config file's keys (none without a file), each a field of the dataclasses, with the overrides applied
         on top: not yet type-checked (`build` does)."""
@@ -157,8 +172,8 @@ class CommandParser:
         """The description, then every field with its type, default and help, by section."""
         import textwrap
 
-        lines = [self.description.strip(), "", "Every field below is a --key VALUE flag (and a key of an optional "
-                 "JSON config file given first)."]
+        also = "" if self.config_file == "none" else " (and a key of a JSON config file given first)"
+        lines = [self.description.strip(), "", f"Every field below is a --key VALUE flag{also}."]
         for title, items, note in self.sections(self) if self.sections else self._default_sections():
             lines += ["", f"{title}:"]
             for item in items:
