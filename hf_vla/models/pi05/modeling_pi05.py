@@ -46,7 +46,8 @@ from transformers.models.gemma.modeling_gemma import (
 from transformers.models.pi0.modeling_pi0 import PI0TimestepEmbeddings
 
 from .configuration_pi05 import PI05Config
-from .rtc import RTCConfig, committed_prefix, guidance_target, guided_velocity
+from .losses import chunked_token_losses
+from .rtc import RTCConfig, euler_integrate
 
 # Backends whose attention call accepts an arbitrary key-padding mask, which is all pi0.5 needs per call.
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -126,29 +127,6 @@ class PI05Output(CausalLMOutputWithPast):
 
     token_losses: torch.FloatTensor | None = None
     token_logits: torch.FloatTensor | None = None
-
-
-def _token_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-row next-token cross-entropy (float32) through the tied LM head `weight`."""
-    return F.cross_entropy(F.linear(hidden.to(weight.dtype), weight).float(), labels, reduction="none")
-
-
-def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
-    """`[B, L_t]` cross-entropy of every target (0 at -100) without the `[B, L_t, vocab]` logits: the valid rows go
-    through the LM head `chunk` at a time, each piece recomputed in the backward pass (activation checkpointing)."""
-    valid = labels != -100
-    rows, targets = hidden[valid], labels[valid]
-    if rows.shape[0] == 0:  # no target here: keep the last layer in the graph (DDP expects its gradient, 0)
-        return torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device) + 0.0 * hidden.float().sum()
-    step = chunk if chunk and chunk > 0 else rows.shape[0]
-    pieces = []
-    for start in range(0, rows.shape[0], step):
-        args = (rows[start : start + step], weight, targets[start : start + step])
-        if chunk and chunk > 0 and torch.is_grad_enabled():
-            pieces.append(torch.utils.checkpoint.checkpoint(_token_cross_entropy, *args, use_reentrant=False))
-        else:
-            pieces.append(_token_cross_entropy(*args))
-    return torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device).masked_scatter(valid, torch.cat(pieces))
 
 
 class PI05ValueHead(nn.Module):
@@ -633,41 +611,13 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         if noise is None:
             noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
         cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask)
-        guidance = committed = None
-        if prev_chunk_left_over is not None:
-            rtc_config = rtc_config or RTCConfig()
-            method = rtc_config.resolve_method(inference_delay, self.config.rtc_max_delay)
-            if method == "prefix":
-                committed = committed_prefix(prev_chunk_left_over.to(device), self.config.chunk_size,
-                                             self.config.max_action_dim, inference_delay)
-            else:
-                horizon = rtc_config.execution_horizon if execution_horizon is None else execution_horizon
-                guidance = guidance_target(prev_chunk_left_over.to(device), self.config.chunk_size,
-                                           self.config.max_action_dim, horizon, inference_delay,
-                                           rtc_config.prefix_attention_schedule)
-        x_t = noise.float()
-        if committed is not None:  # the committed actions are clean from the start and stay so
-            target, held = committed
-            x_t = torch.where(held[None, :, None], target, x_t)
-        dt = -1.0 / num_steps
-        for step in range(num_steps):
-            time = 1.0 + step * dt
-            timestep = torch.full((batch_size,), time, dtype=torch.float32, device=device)
-            if committed is not None:
-                timestep = torch.where(held, 0.0, timestep[:, None])  # [B, chunk]: time 0 on the committed actions
 
-            def velocity(x, timestep=timestep):
-                return self(noise=x, timestep=timestep, input_ids=input_ids, pixel_attention_mask=pixel_attention_mask,
-                            attention_mask=attention_mask, past_key_values=cache).logits
+        def velocity(x, timestep):
+            return self(noise=x, timestep=timestep, input_ids=input_ids, pixel_attention_mask=pixel_attention_mask,
+                        attention_mask=attention_mask, past_key_values=cache).logits
 
-            if guidance is not None:
-                v_t = guided_velocity(velocity, x_t, time, *guidance, rtc_config)
-            elif committed is not None:
-                v_t = velocity(x_t).masked_fill(held[None, :, None], 0.0)
-            else:
-                v_t = velocity(x_t)
-            x_t = x_t + dt * v_t
-        return x_t
+        return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, prev_chunk_left_over,
+                               inference_delay, execution_horizon, rtc_config)
 
 
 __all__ = ["PI05PreTrainedModel", "PI05Model", "PI05ForConditionalGeneration", "PI05Output", "PI05ValueHead"]

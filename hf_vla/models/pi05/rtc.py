@@ -160,4 +160,46 @@ def guided_velocity(velocity_fn: Callable[[torch.Tensor], torch.Tensor], x_t: to
     return velocity - guidance_weight(time, config.max_guidance_weight) * correction
 
 
-__all__ = ["RTCConfig", "committed_prefix", "prefix_weights", "guidance_weight", "guidance_target", "guided_velocity"]
+def euler_integrate(velocity: Callable, noise: torch.Tensor, num_steps: int, rtc_max_delay: int = 0,
+                    prev_chunk_left_over: torch.Tensor | None = None, inference_delay: int = 0,
+                    execution_horizon: int | None = None, rtc_config: RTCConfig | None = None) -> torch.Tensor:
+    """Integrate `velocity(x_t, timestep)` from t=1 (`noise` `[B, chunk, d]`) to t=0 with `num_steps` Euler steps;
+    with `prev_chunk_left_over`, continuing it as `rtc_config.method` says (guidance, or a prefix held clean at time
+    0 for a model trained with `rtc_max_delay`), as `PI05ForConditionalGeneration.sample_actions` documents."""
+    batch_size, chunk_size, action_dim = noise.shape
+    device = noise.device
+    guidance = committed = None
+    if prev_chunk_left_over is not None:
+        rtc_config = rtc_config or RTCConfig()
+        method = rtc_config.resolve_method(inference_delay, rtc_max_delay)
+        if method == "prefix":
+            committed = committed_prefix(prev_chunk_left_over.to(device), chunk_size, action_dim, inference_delay)
+        else:
+            horizon = rtc_config.execution_horizon if execution_horizon is None else execution_horizon
+            guidance = guidance_target(prev_chunk_left_over.to(device), chunk_size, action_dim, horizon,
+                                       inference_delay, rtc_config.prefix_attention_schedule)
+    x_t = noise
+    if committed is not None:  # the committed actions are clean from the start and stay so
+        target, held = committed
+        x_t = torch.where(held[None, :, None], target, x_t)
+    dt = -1.0 / num_steps
+    for step in range(num_steps):
+        time = 1.0 + step * dt
+        timestep = torch.full((batch_size,), time, dtype=torch.float32, device=device)
+        if committed is not None:
+            timestep = torch.where(held, 0.0, timestep[:, None])  # [B, chunk]: time 0 on the committed actions
+
+        def at_time(x, timestep=timestep):
+            return velocity(x, timestep)
+
+        if guidance is not None:
+            v_t = guided_velocity(at_time, x_t, time, *guidance, rtc_config)
+        elif committed is not None:
+            v_t = at_time(x_t).masked_fill(held[None, :, None], 0.0)
+        else:
+            v_t = at_time(x_t)
+        x_t = x_t + dt * v_t
+    return x_t
+
+
+__all__ = ["euler_integrate", "RTCConfig", "committed_prefix", "prefix_weights", "guidance_weight", "guidance_target", "guided_velocity"]
