@@ -272,9 +272,6 @@ def test_token_objective_refusals_and_a_flow_only_model_unchanged():
     inputs = token_inputs(flow_only.config)
     with pytest.raises(ValueError, match="labels \\(target tokens\\) need config.token_loss=True"):
         flow_only(**inputs)
-    from hf_vla.training.structure import policy_structure
-
-    policy_structure(flow_only).freeze()  # as the trainer does
     assert not flow_only.model.vlm.language_model.norm.weight.requires_grad  # frozen: nothing reads it flow-only
     model = token_model().eval()
     with torch.no_grad():

@@ -248,13 +248,16 @@ class PI05Model(PI05PreTrainedModel):
         self.expert = PI05ActionExpert(config.dit_config)
         self.gradient_checkpointing = False
         self.post_init()
+        for module in self.unused_modules():  # built from a config: ready to train what it runs
+            module.requires_grad_(False)
 
     def unused_modules(self) -> list[nn.Module]:
         """Modules pi0.5 never runs: the last VLM layer only provides its keys/values to the expert, so its query and
         output projections, its MLP and post-attention norm, and the VLM's final norm take no part. They stay in the
-        checkpoint (the published layout has them); training freezes them (`hf_vla.training.structure`): no optimizer
-        state, no masters, no unused-parameter errors in DDP, and FSDP's strict optimizer-state loading finds state
-        for every trainable parameter."""
+        checkpoint (the published layout has them) but are frozen: no optimizer state, no masters, no unused-parameter
+        errors in DDP, and FSDP's strict optimizer-state loading finds state for every trainable parameter. Frozen at
+        construction; `from_pretrained` makes every parameter anew (trainable), and training freezes them again
+        (`hf_vla.training.structure`), as inference loading freezes everything (`load_policy`)."""
         if getattr(self.config, "token_loss", False):  # the target tokens read the last layer's output: all of it trains
             return []
         text = self.vlm.language_model
