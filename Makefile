@@ -7,10 +7,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-all demo lint install
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml plugins/lerobot_policy_hf_vla/pyproject.toml Makefile
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	# the lerobot policy plugin (lerobot imports distributions named lerobot_policy_*): lerobot's tools run hf_vla
+	# checkpoints through it
+	$(VENV)/bin/python -m pip install -q --no-deps -e plugins/lerobot_policy_hf_vla
 	# openpi's own client, for the server tests: its metadata pins numpy<2 and dm-tree, which the websocket client
 	# never imports (only its action-chunk broker does), so it is installed without its dependencies.
 	$(VENV)/bin/python -m pip install -q --no-deps "openpi-client==0.1.2"

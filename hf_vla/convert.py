@@ -10,6 +10,13 @@ reads `config.json` + `model.safetensors` (+ lerobot's normalizer state, when pr
 
 merges the LoRA adapters of a checkpoint of a LoRA run with their base model (the run's output directory already holds
 the merged model). A Hub id needs no conversion (train / evaluate / serve convert lerobot checkpoints on load).
+
+    python -m hf_vla.convert --input outputs/mw --to lerobot_plugin --output outputs/mw/lerobot [--head HEAD]
+
+writes the lerobot-side directory of an hf_vla checkpoint (`config.json` of the policy type `hf_vla`, which the
+`lerobot_policy_hf_vla` plugin installed with hf_vla registers, and lerobot's processor files), so lerobot's own tools
+run it: `lerobot-eval --policy.path=outputs/mw/lerobot --env.type=metaworld ...`, `lerobot-record --policy.path=...`.
+The checkpoint is referenced, not copied (by its path relative to `--output`: keep them side by side).
 """
 
 from __future__ import annotations
@@ -46,7 +53,14 @@ class ConvertArguments:
     output: str | None = field(default=None, metadata={"required": True, "help": "directory to write (new, or "
                                "replaced with --overwrite); never the input or a directory inside or around it"})
     tokenizer: str = field(default="google/paligemma-3b-pt-224", metadata={"help": "tokenizer id or local path"})
-    head: str = field(default="default", metadata={"help": "normalization head name for the checkpoint's stats"})
+    to: str = field(default="hf_vla", metadata={"help": "hf_vla: a lerobot checkpoint (or LoRA adapters) to an hf_vla "
+                    "checkpoint; lerobot_plugin: an hf_vla checkpoint's lerobot-side directory (lerobot's tools run "
+                    "it through the hf_vla plugin)", "choices": ("hf_vla", "lerobot_plugin")})
+    head: str | None = field(default=None, metadata={"help": "normalization head: the name given to a lerobot "
+                             "checkpoint's stats (default 'default'), or the head a lerobot_plugin directory runs "
+                             "(default: the checkpoint's default head)"})
+    n_action_steps: int | None = field(default=None, metadata={"help": "lerobot_plugin: actions executed per chunk "
+                                       "(default: the checkpoint's contract)", "min": 1})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing --output (after the new one is "
                             "complete)"})
 
@@ -61,6 +75,8 @@ def main(argv=None):
                           "convert a lerobot checkpoint on load, or call hf_vla.resolve_pretrained(id) for the path")
     if not source.is_dir():
         raise ConfigError(f"--input {args.input!r}: {'is a file, not' if source.exists() else 'no such'} directory")
+    if args.to == "lerobot_plugin":
+        return _plugin_dir(source, Path(args.output), args)
     if (source / "adapter_config.json").is_file() and not (source / "config.json").is_file():
         return _merge_adapter(source, Path(args.output), args.overwrite)
     config_file = source / "config.json"
@@ -76,13 +92,35 @@ def main(argv=None):
     missing = [name for name in ("config.json", "model.safetensors") if not (source / name).is_file()]
     if missing:
         raise ConfigError(f"--input {args.input!r}: not a lerobot checkpoint directory (no {' or '.join(missing)})")
-    if not args.head.strip():
+    head = "default" if args.head is None else args.head
+    if not head.strip():
         raise ConfigError("--head: must not be empty")
     from hf_vla.cli import setup_logging
 
     setup_logging()
-    return convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer, head=args.head,
+    return convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer, head=head,
                               overwrite=args.overwrite)
+
+
+def _plugin_dir(source: Path, output: Path, args) -> Path:
+    """`--to lerobot_plugin`: the lerobot-side directory of the hf_vla checkpoint `source`."""
+    config = source / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type not in ("pi05", "pi0"):
+        raise ConfigError(f"--input {str(source)!r}: not an hf_vla checkpoint (config.json model_type "
+                          f"{model_type!r}; expected 'pi05' or 'pi0'); convert a lerobot checkpoint first (--to hf_vla)")
+    if output.resolve() == source.resolve():
+        raise ConfigError(f"--output {str(output)!r} is the input checkpoint: write the lerobot-side directory beside "
+                          "or inside it (e.g. CKPT/lerobot)")
+    try:
+        from lerobot_policy_hf_vla import write_policy_dir
+    except ImportError as error:
+        raise ConfigError("the lerobot plugin lerobot_policy_hf_vla is not installed: install hf_vla with make install "
+                          "(or pip install -e plugins/lerobot_policy_hf_vla)") from error
+    written = write_policy_dir(source, output, head=args.head, n_action_steps=args.n_action_steps,
+                               overwrite=args.overwrite)
+    logger.info("wrote %s: lerobot's tools run it with --policy.path=%s", written, written)
+    return written
 
 
 def _merge_adapter(source: Path, output: Path, overwrite: bool) -> Path:

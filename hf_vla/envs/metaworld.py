@@ -183,7 +183,8 @@ class MetaWorldEnv(gym.Env):
         if self.crop is not None:
             left, top, right, bottom = self.crop
             image = image[top:bottom, left:right]
-        if image.shape[:2] != (self.image_size, self.image_size):
+        if image.shape[:2] != (self.image_size, self.image_size):  # PIL, not gymnasium's cv2 ResizeObservation: the
+            # recordings and every figure were made with this resize (and the crop before it)
             image = np.asarray(Image.fromarray(np.ascontiguousarray(image)).resize(
                 (self.image_size, self.image_size), Image.BILINEAR))
         self._image = image

@@ -1,0 +1,51 @@
+"""The lerobot-side config of an hf_vla checkpoint: which checkpoint, which head, how many actions per chunk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lerobot.configs.policies import PreTrainedConfig
+
+
+@PreTrainedConfig.register_subclass("hf_vla")
+@dataclass
+class HFVLAConfig(PreTrainedConfig):
+    """An hf_vla checkpoint (pi0.5 or pi0, any dims, any heads) as a lerobot policy; the model, its processor and its
+    deployment contract (cameras, head, `n_action_steps`, normalisation, relative actions) come from the checkpoint.
+
+    checkpoint: the hf_vla checkpoint: a directory, relative to this config's directory or absolute, or a Hub id.
+    head: its normalisation head (default: the contract's default head).
+    n_action_steps: actions executed from each chunk (default: the contract's).
+    seed: the seed of the policy's noise generator (hf_vla's `PolicyRunner`).
+    """
+
+    checkpoint: str = ".."
+    head: str | None = None
+    n_action_steps: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.n_action_steps is not None and self.n_action_steps < 1:
+            raise ValueError(f"n_action_steps={self.n_action_steps}: must be positive")
+
+    @property
+    def observation_delta_indices(self):
+        return None
+
+    @property
+    def action_delta_indices(self):
+        return None
+
+    @property
+    def reward_delta_indices(self):
+        return None
+
+    def get_optimizer_preset(self):
+        raise NotImplementedError("an hf_vla policy trains with python -m hf_vla.train, not lerobot-train")
+
+    def get_scheduler_preset(self):
+        return None
+
+    def validate_features(self) -> None:
+        """Checked against the checkpoint's contract when the policy loads (`HFVLAPolicy.check_features`)."""
