@@ -137,6 +137,20 @@ def _fast_render(env) -> None:
     model.vis.quality.offsamples = 0
 
 
+def render_to_observation(image: np.ndarray, crop, size: int) -> np.ndarray:
+    """A render as the observation: cut to `crop` (left, top, right, bottom) when given, then resized to `size` px
+    (PIL bilinear, not gymnasium's cv2 `ResizeObservation`: every recording and figure was made with this resize).
+    The lerobot plugin turns lerobot-eval's 480 px frames into a checkpoint's recorded frames with it too."""
+    from PIL import Image
+
+    if crop is not None:
+        left, top, right, bottom = crop
+        image = image[top:bottom, left:right]
+    if image.shape[:2] != (size, size):
+        image = np.asarray(Image.fromarray(np.ascontiguousarray(image)).resize((size, size), Image.BILINEAR))
+    return image
+
+
 class MetaWorldEnv(gym.Env):
     """One Meta-World task in lerobot's wrapper, with LeRobot dataset keys and the scripted expert."""
 
@@ -177,16 +191,8 @@ class MetaWorldEnv(gym.Env):
         self._image = None
 
     def _observation(self, raw: dict) -> dict:
-        from PIL import Image
 
-        image = raw["pixels"]
-        if self.crop is not None:
-            left, top, right, bottom = self.crop
-            image = image[top:bottom, left:right]
-        if image.shape[:2] != (self.image_size, self.image_size):  # PIL, not gymnasium's cv2 ResizeObservation: the
-            # recordings and every figure were made with this resize (and the crop before it)
-            image = np.asarray(Image.fromarray(np.ascontiguousarray(image)).resize(
-                (self.image_size, self.image_size), Image.BILINEAR))
+        image = render_to_observation(raw["pixels"], self.crop, self.image_size)
         self._image = image
         return {CAMERA: image, STATE: np.asarray(raw["agent_pos"], dtype=np.float32)}
 

@@ -139,10 +139,9 @@ class RLTrainer(RolloutCollection, RLReporting, VLATrainer):
         if getattr(model.config, "token_loss", False):
             # a policy trained with pi0.5's token objective improves by its flow policy's objective alone (and its
             # replayed flow loss): the backbone's target-token path takes no part, so it is frozen as in flow-only
-            # training, and the saved result says token_loss false (a later token-loss run re-enables it)
+            # training (the trainer's structure freezes the modules unused once token_loss is off), and the saved
+            # result says token_loss false (a later token-loss run re-enables it)
             model.config.token_loss = False
-            for module in model.model.unused_modules():
-                module.requires_grad_(False)
             logger.info("token_loss policy: RL trains its flow objective; the target-token path is frozen")
         from hf_vla.rl.settings import rollout_settings
 

@@ -144,19 +144,16 @@ class HFVLAPolicy(PreTrainedPolicy):
     def _frame(self, frame: torch.Tensor, camera: dict) -> np.ndarray:
         """lerobot's float `[3, H, W]` in [0, 1] -> uint8 `[H, W, 3]` (exact for frames that were uint8), cut and
         resized to the recorded size as hf_vla's envs do when larger."""
-        from PIL import Image
+        from hf_vla.envs.metaworld import render_to_observation
 
         if frame.dtype == torch.uint8:
             image = frame.permute(1, 2, 0).numpy()
         else:
             image = (frame.float() * 255.0).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
         height, width = camera.get("height"), camera.get("width")
-        if height and width and image.shape[:2] != (height, width) and image.shape[0] > height:
+        if height and width and height == width and image.shape[:2] != (height, width) and image.shape[0] > height:
             crop = (((self.spec or {}).get("benchmark") or {}).get("env_kwargs") or {}).get("crop")
-            if crop:
-                left, top, right, bottom = crop
-                image = image[top:bottom, left:right]
-            image = np.asarray(Image.fromarray(np.ascontiguousarray(image)).resize((width, height), Image.BILINEAR))
+            image = render_to_observation(image, crop, height)
         return np.ascontiguousarray(image)
 
 
