@@ -173,7 +173,9 @@ class CommandParser:
         import textwrap
 
         also = "" if self.config_file == "none" else " (and a key of a JSON config file given first)"
-        lines = [self.description.strip(), "", f"Every field below is a --key VALUE flag{also}."]
+        config = {"none": "", "optional": " [CONFIG.json]", "required": " CONFIG.json"}[self.config_file]
+        lines = [f"usage: {self.prog}{config} [--key VALUE ...]", "", self.description.strip(), "",
+                 f"Every field below is a --key VALUE flag{also}."]
         for title, items, note in self.sections(self) if self.sections else self._default_sections():
             lines += ["", f"{title}:"]
             for item in items:
