@@ -17,6 +17,11 @@ writes the lerobot-side directory of an hf_vla checkpoint (`config.json` of the 
 `lerobot_policy_hf_vla` plugin installed with hf_vla registers, and lerobot's processor files), so lerobot's own tools
 run it: `lerobot-eval --policy.path=outputs/mw/lerobot --env.type=metaworld ...`, `lerobot-record --policy.path=...`.
 The checkpoint is referenced, not copied (by its path relative to `--output`: keep them side by side).
+
+    python -m hf_vla.convert --input outputs/pi05_droid --to lerobot --output exported [--head HEAD]
+
+exports an hf_vla pi0.5 checkpoint to lerobot's own `pi05` format (weights, `config.json`, processor files with one
+head's statistics), which lerobot's `PI05Policy.from_pretrained` and its async-inference server load without hf_vla.
 """
 
 from __future__ import annotations
@@ -55,10 +60,11 @@ class ConvertArguments:
     tokenizer: str = field(default="google/paligemma-3b-pt-224", metadata={"help": "tokenizer id or local path"})
     to: str = field(default="hf_vla", metadata={"help": "hf_vla: a lerobot checkpoint (or LoRA adapters) to an hf_vla "
                     "checkpoint; lerobot_plugin: an hf_vla checkpoint's lerobot-side directory (lerobot's tools run "
-                    "it through the hf_vla plugin)", "choices": ("hf_vla", "lerobot_plugin")})
+                    "it through the hf_vla plugin); lerobot: an hf_vla pi0.5 checkpoint in lerobot's native pi05 "
+                    "format", "choices": ("hf_vla", "lerobot_plugin", "lerobot")})
     head: str | None = field(default=None, metadata={"help": "normalization head: the name given to a lerobot "
                              "checkpoint's stats (default 'default'), or the head a lerobot_plugin directory runs "
-                             "(default: the checkpoint's default head)"})
+                             "or a lerobot export holds (default: the checkpoint's only or default head)"})
     n_action_steps: int | None = field(default=None, metadata={"help": "lerobot_plugin: actions executed per chunk "
                                        "(default: the checkpoint's contract)", "min": 1})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing --output (after the new one is "
@@ -77,6 +83,12 @@ def main(argv=None):
         raise ConfigError(f"--input {args.input!r}: {'is a file, not' if source.exists() else 'no such'} directory")
     if args.to == "lerobot_plugin":
         return _plugin_dir(source, Path(args.output), args)
+    if args.to == "lerobot":
+        from hf_vla.cli import setup_logging
+        from hf_vla.hub.export import export_lerobot
+
+        setup_logging()
+        return export_lerobot(source, Path(args.output), head=args.head, overwrite=args.overwrite)
     if (source / "adapter_config.json").is_file() and not (source / "config.json").is_file():
         return _merge_adapter(source, Path(args.output), args.overwrite)
     config_file = source / "config.json"
