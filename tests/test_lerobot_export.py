@@ -217,15 +217,15 @@ def test_lerobots_async_policy_server_serves_the_export(checkpoints, tiny_tokeni
     """lerobot's `PolicyServer` on localhost over gRPC, sent what `robot_client` sends: Ready, the policy
     instructions (type pi05, the exported directory, the robot's features), one observation (motor values and a
     camera frame, as a robot reads them), then GetActions: the chunk equals hf_vla's runner's for the same noise."""
-    import grpc
     from concurrent import futures
 
+    import grpc
     from lerobot.async_inference.configs import PolicyServerConfig
     from lerobot.async_inference.helpers import RemotePolicyConfig, TimedObservation
     from lerobot.async_inference.policy_server import PolicyServer
-    from lerobot.utils.feature_utils import hw_to_dataset_features
     from lerobot.transport import services_pb2, services_pb2_grpc
     from lerobot.transport.utils import send_bytes_in_chunks
+    from lerobot.utils.feature_utils import hw_to_dataset_features
     from transformers import AutoConfig
 
     from hf_vla.hub.export import lerobot_at_dims
