@@ -189,3 +189,21 @@ def test_lerobot_eval_scores_an_hf_vla_metaworld_checkpoint(tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     info = json.loads((out / "eval_info.json").read_text())
     assert info["overall"]["n_episodes"] == 1 and 0.0 <= info["overall"]["pc_success"] <= 100.0, info["overall"]
+
+
+def test_lerobot_records_with_the_checkpoint_as_its_policy(colorreach):
+    """lerobot-record's and lerobot-rollout's loads: `make_policy` with the dataset's features (the ColorReach
+    recording the checkpoint was trained on passes the checks) and `from_pretrained(path, config=...)`."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.datasets.lerobot_dataset import LeRobotDatasetMetadata
+    from lerobot.policies.factory import get_policy_class, make_policy
+    from lerobot.utils.import_utils import register_third_party_plugins
+
+    register_third_party_plugins()
+    run, directory = colorreach
+    config = PreTrainedConfig.from_pretrained(directory)
+    config.pretrained_path = directory
+    policy = make_policy(config, ds_meta=LeRobotDatasetMetadata("local/color_reach", root=run.parent / "data"))
+    assert type(policy).__name__ == "HFVLAPolicy" and policy.cameras[0]["key"] == "observation.image"
+    rollout = get_policy_class("hf_vla").from_pretrained(directory, config=PreTrainedConfig.from_pretrained(directory))
+    assert rollout.n_action_steps == policy.n_action_steps

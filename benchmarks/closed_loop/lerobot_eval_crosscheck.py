@@ -1,0 +1,119 @@
+"""A harness hf_vla did not write scores an hf_vla checkpoint: `lerobot-eval` through the `lerobot_policy_hf_vla` plugin
+against `hf_vla.evaluate`, the five-task Meta-World checkpoint of the 20-minute recipe, the same held-out seeds.
+
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage record --work data_cache/mw_cross
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20 --steps_per_s 4.78 \
+        --checkpoints 1 --work data_cache/mw_cross --output /tmp/mw.json         # the checkpoint (20 CPU-minutes)
+    python -m benchmarks.closed_loop.lerobot_eval_crosscheck --checkpoint data_cache/mw_cross/hf_vla/run \
+        --episodes 50 [--arms hf_vla,lerobot_eval,hf_vla_as_lerobot]
+
+Arms (each writes its JSON under `--work` and the result is merged into `--output` as it completes, so a killed run
+keeps what finished):
+- `hf_vla`: `python -m hf_vla.evaluate` with every setting from the checkpoint's contract (episode limit, fast render);
+- `lerobot_eval`: `lerobot-eval --policy.path=<plugin dir> --env.type=metaworld --env.task=<task> --seed=10000`, one
+  task per call: lerobot's env (480 px frames with shadows, reflections and multisampling, 500-step episodes), its
+  rollout loop and its success metric; the plugin crops and resizes the frames as the recording did;
+- `hf_vla_as_lerobot`: hf_vla's loop with lerobot's settings (500 steps, the full render): equal to `lerobot_eval`
+  episode by episode when the plugin is exact, and the difference to `hf_vla` then is the settings'.
+Both harnesses seed episode i of a task with 10,000 + i, so episodes are paired (`paired_agreement`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO, TASKS, load_json
+
+LEROBOT_STEPS = 500  # lerobot's MetaworldEnv: max_path_length of MT1, whatever --env.episode_length says
+
+
+def _summary(tasks: dict) -> dict:
+    rates = [t["success_rate"] for t in tasks.values()]
+    return {"mean_success": round(100 * sum(rates) / len(rates), 1), "tasks": tasks}
+
+
+def hf_vla_arm(checkpoint: Path, episodes: int, out: Path, lerobot_settings: bool) -> dict:
+    from hf_vla.evaluation.runner import evaluate_checkpoint
+
+    env_kwargs = {"max_episode_steps": LEROBOT_STEPS, "fast_render": False} if lerobot_settings else None
+    started = time.perf_counter()
+    result = evaluate_checkpoint(checkpoint, env_id="metaworld", task=",".join(TASKS), episodes=episodes,
+                                 save_videos=0, output_dir=out, env_kwargs=env_kwargs, progress=False,
+                                 overrides=("max_episode_steps",) if lerobot_settings else ())
+    tasks = {}
+    for name, task in result.tasks.items():
+        tasks[name] = {"success_rate": task.success_rate, "episodes": task.episodes, "successes": task.successes,
+                       "per_seed": {str(e["seed"]): bool(e["success"]) for e in task.episode_records}}
+    return {**_summary(tasks), "seconds": round(time.perf_counter() - started, 1)}
+
+
+def lerobot_arm(checkpoint: Path, episodes: int, out: Path) -> dict:
+    from hf_vla.convert import main as convert_main
+
+    policy = out / "policy"
+    convert_main(["--input", str(checkpoint), "--to", "lerobot_plugin", "--output", str(policy), "--overwrite", "true"])
+    lerobot_eval = Path(sys.executable).with_name("lerobot-eval")
+    tasks, started = {}, time.perf_counter()
+    for task in TASKS:
+        run = out / task
+        command = [str(lerobot_eval), f"--policy.path={policy}", "--env.type=metaworld", f"--env.task={task}",
+                   f"--eval.n_episodes={episodes}", "--eval.batch_size=1", "--seed=10000", "--policy.device=cpu",
+                   f"--output_dir={run}"]
+        subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+        info = json.loads((run / "eval_info.json").read_text())
+        # its per-task successes, in episode order: episode i ran with seed --seed + i (batch_size 1)
+        successes = [bool(ok) for group in info["per_task"] for ok in group["metrics"]["successes"]]
+        seeds = [10_000 + i for i in range(len(successes))]
+        tasks[task] = {"success_rate": sum(successes) / len(successes), "episodes": len(successes),
+                       "successes": sum(successes), "per_seed": {str(s): ok for s, ok in zip(seeds, successes)}}
+        print(json.dumps({task: tasks[task]["success_rate"]}), flush=True)
+    return {**_summary(tasks), "seconds": round(time.perf_counter() - started, 1),
+            "command": " ".join(command[:1] + [c for c in command[1:] if not c.startswith("--output_dir")])}
+
+
+def paired(first: dict, second: dict) -> dict:
+    """Per task: episodes with the same seed in both arms, and how many had the same outcome."""
+    out = {}
+    for task in TASKS:
+        a, b = first["tasks"].get(task, {}).get("per_seed", {}), second["tasks"].get(task, {}).get("per_seed", {})
+        common = sorted(set(a) & set(b))
+        out[task] = {"episodes": len(common), "same_outcome": sum(a[s] == b[s] for s in common)}
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--episodes", type=int, default=50)
+    parser.add_argument("--arms", default="hf_vla,lerobot_eval")
+    parser.add_argument("--work", default=str(REPO / "data_cache" / "lerobot_crosscheck"))
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "lerobot_eval_crosscheck_cpu.json"))
+    args = parser.parse_args(argv)
+    checkpoint, work, output = Path(args.checkpoint), Path(args.work), Path(args.output)
+    work.mkdir(parents=True, exist_ok=True)
+    results = load_json(output)
+    results |= {"episodes_per_task": args.episodes, "checkpoint": str(checkpoint),
+                "seeds": f"10000..{10000 + args.episodes - 1} per task, both harnesses"}
+    for arm in args.arms.split(","):
+        if arm == "lerobot_eval":
+            results[arm] = lerobot_arm(checkpoint, args.episodes, work / arm)
+            results["command"] = results[arm].pop("command")
+        else:
+            results[arm] = hf_vla_arm(checkpoint, args.episodes, work / arm, lerobot_settings=arm != "hf_vla")
+        for other in ("hf_vla", "hf_vla_as_lerobot"):
+            if other != arm and other in results and "lerobot_eval" in results and arm in ("lerobot_eval", other):
+                results.setdefault("paired_agreement", {})[f"lerobot_eval_vs_{other}"] = paired(
+                    results["lerobot_eval"], results[other])
+        output.write_text(json.dumps(results, indent=2) + "\n")
+        print(json.dumps({arm: results[arm]["mean_success"]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
