@@ -44,9 +44,11 @@ def humanoid() -> Path:
 # --no-loadscope-reorder): the longest files go first so the workers end together. Seconds per file of the default
 # suite (not `slow`), both workers busy on the 2-core CI-like machine (2026-11-28, --durations=0, 940 s wall): test_rl
 # 311, test_metaworld 237, test_readme 229, test_serve 131, test_failures 126, test_trainer 121, test_engines 76,
-# test_cli 76, test_deployment 74, test_preemption 72; every other file under 55. test_engines goes second for the
+# test_cli 76, test_deployment 74, test_preemption 72; every other file under 55. test_lerobot_plugin (lerobot-eval's
+# 500 Meta-World steps, 2026-12-02): ~190. test_engines goes second for the
 # `slow` tier (`make test TEST_MARKS=slow`), where its other engines' launches make it the longest (~540 s).
-LONGEST_FIRST = ("test_rl.py", "test_engines.py", "test_metaworld.py", "test_readme.py", "test_serve.py",
+LONGEST_FIRST = ("test_rl.py", "test_engines.py", "test_metaworld.py", "test_readme.py", "test_lerobot_plugin.py",
+                 "test_serve.py",
                  "test_failures.py", "test_trainer.py", "test_cli.py", "test_deployment.py", "test_preemption.py", "test_cotraining.py",
                  "test_elastic.py", "test_ema.py", "test_hub.py", "test_rollouts.py", "test_pi05_model.py",
                  "test_notebooks.py", "test_structure.py")
