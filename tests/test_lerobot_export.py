@@ -213,7 +213,7 @@ def test_a_checkpoint_of_another_vocabulary_is_refused(tmp_path, tiny_tokenizer)
         export(tmp_path / "demo", tmp_path / "out")
 
 
-def test_lerobots_async_policy_server_serves_the_export(checkpoints, tiny_tokenizer):
+def test_lerobots_async_policy_server_serves_the_export(checkpoints, tiny_tokenizer, tmp_path, monkeypatch):
     """lerobot's `PolicyServer` on localhost over gRPC, sent what `robot_client` sends: Ready, the policy
     instructions (type pi05, the exported directory, the robot's features), one observation (motor values and a
     camera frame, as a robot reads them), then GetActions: the chunk equals hf_vla's runner's for the same noise."""

@@ -84,7 +84,8 @@ def paired(first: dict, second: dict) -> dict:
     for task in TASKS:
         a, b = first["tasks"].get(task, {}).get("per_seed", {}), second["tasks"].get(task, {}).get("per_seed", {})
         common = sorted(set(a) & set(b))
-        out[task] = {"episodes": len(common), "same_outcome": sum(a[s] == b[s] for s in common)}
+        out[task] = {"episodes": len(common), "same_outcome": sum(a[s] == b[s] for s in common),
+                     "successes": [sum(a[s] for s in common), sum(b[s] for s in common)]}
     return out
 
 
@@ -92,6 +93,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--episodes", type=int, default=50)
+    parser.add_argument("--hf_vla_episodes", type=int, default=None, help="episodes per task of the hf_vla arm "
+                        "(default --episodes; the paired comparison uses the seeds both ran)")
     parser.add_argument("--arms", default="hf_vla,lerobot_eval")
     parser.add_argument("--work", default=str(REPO / "data_cache" / "lerobot_crosscheck"))
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "lerobot_eval_crosscheck_cpu.json"))
@@ -100,13 +103,14 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     results = load_json(output)
     results |= {"episodes_per_task": args.episodes, "checkpoint": str(checkpoint),
-                "seeds": f"10000..{10000 + args.episodes - 1} per task, both harnesses"}
+                "seeds": "10000 + i for episode i of each task, in every arm"}
     for arm in args.arms.split(","):
         if arm == "lerobot_eval":
             results[arm] = lerobot_arm(checkpoint, args.episodes, work / arm)
             results["command"] = results[arm].pop("command")
         else:
-            results[arm] = hf_vla_arm(checkpoint, args.episodes, work / arm, lerobot_settings=arm != "hf_vla")
+            episodes = args.hf_vla_episodes or args.episodes if arm == "hf_vla" else args.episodes
+            results[arm] = hf_vla_arm(checkpoint, episodes, work / arm, lerobot_settings=arm != "hf_vla")
         for other in ("hf_vla", "hf_vla_as_lerobot"):
             if other != arm and other in results and "lerobot_eval" in results and arm in ("lerobot_eval", other):
                 results.setdefault("paired_agreement", {})[f"lerobot_eval_vs_{other}"] = paired(
