@@ -104,7 +104,7 @@ def lerobot_at_dims(config):
         yield
 
 
-def _refusals(config, processor, where: str) -> None:
+def _refusals(config, where: str) -> None:
     text_vocab = config.vlm_config.text_config.vocab_size
     if text_vocab != VOCAB:
         raise ConfigError(f"{where}: lerobot's pi0.5 has PaliGemma's {VOCAB:,}-token vocabulary; this checkpoint's "
@@ -164,6 +164,7 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
     act) and the token objective's training settings (inference samples with the flow head in both). A checkpoint of
     non-published dims is written, and loads in lerobot under `lerobot_at_dims`.
     """
+    from huggingface_hub import save_torch_state_dict
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
 
@@ -196,7 +197,7 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
     head = head or deployment.default_head or next(iter(deployment.heads))
     model, processor = load_pretrained(checkpoint)
     config = model.config
-    _refusals(config, processor, where)
+    _refusals(config, where)
     stats = processor.norm_stats.get(head)
     if stats is None:
         raise ConfigError(f"{where}: the processor has no statistics for head {head!r} (it has "
@@ -234,10 +235,12 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
                         f"{wrong[:4]})")
     staging = staging_dir(output, "exporting")
     staging.mkdir(parents=True)
-    policy = PI05Policy.__new__(PI05Policy)  # lerobot's own writer (config + deduplicated safetensors), no weights built
-    torch.nn.Module.__init__(policy)
-    policy.config = lerobot_config
-    policy._save_pretrained(staging, state_dict={k: v.detach().contiguous() for k, v in state_dict.items()})
+    # as lerobot's own PreTrainedPolicy._save_pretrained writes a gathered state dict: its config, then one
+    # model.safetensors with shared tensors (the tied embedding) stored once
+    lerobot_config._save_pretrained(staging)
+    tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
+    total = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors.values()}.values())
+    save_torch_state_dict(tensors, str(staging), max_shard_size=max(total, 1))
     pre, post = lerobot_processors(lerobot_config, _lerobot_stats(stats), processor.tokenizer)
     pre.save_pretrained(staging)
     post.save_pretrained(staging)
