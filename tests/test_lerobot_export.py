@@ -217,6 +217,7 @@ def test_lerobots_async_policy_server_serves_the_export(checkpoints, tiny_tokeni
     """lerobot's `PolicyServer` on localhost over gRPC, sent what `robot_client` sends: Ready, the policy
     instructions (type pi05, the exported directory, the robot's features), one observation (motor values and a
     camera frame, as a robot reads them), then GetActions: the chunk equals hf_vla's runner's for the same noise."""
+    monkeypatch.chdir(tmp_path)  # lerobot's server logs to ./logs/ from the moment its module is imported
     from concurrent import futures
 
     import grpc
