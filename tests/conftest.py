@@ -115,18 +115,19 @@ def randomize_(model, seed=0, scale=0.1):
     return model
 
 
-def colorreach_run(base, max_episode_steps: int, *train_flags: str):
+def colorreach_run(base, max_episode_steps: int, *train_flags: str, config: Path = REPO / "configs/demo.json"):
     """A ColorReach recording at 24 px (4 episodes, seeds 0..) under `base / "data"` and a 2-step run of the demo config
-    on it in `base / "run"` (more flags appended): a small checkpoint with a deployment contract. -> (run, datasets)"""
+    (or `config`) on it in `base / "run"` (more flags appended): a small checkpoint with a deployment contract.
+    -> (run, datasets)"""
     from hf_vla.record import record
     from hf_vla.train import main as train_main
 
     record("color_reach", base / "data", episodes=4, image_size=24, max_episode_steps=max_episode_steps,
            progress=False)
-    datasets = json.loads((REPO / "configs/demo.json").read_text())["datasets"]
+    datasets = json.loads(Path(config).read_text())["datasets"]
     datasets[0]["root"] = str(base / "data")
     out = base / "run"
-    train_main([str(REPO / "configs/demo.json"), "--datasets", json.dumps(datasets), "--output_dir", str(out),
+    train_main([str(config), "--datasets", json.dumps(datasets), "--output_dir", str(out),
                 "--generate_demo_data", "false", "--validation_ratio", "0", "--per_device_train_batch_size", "4",
                 "--stream_open_blocks", "2", "--max_steps", "2", "--warmup_steps", "0", "--disable_tqdm", "true",
                 *train_flags])

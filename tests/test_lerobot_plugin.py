@@ -207,3 +207,24 @@ def test_lerobot_records_with_the_checkpoint_as_its_policy(colorreach):
     assert type(policy).__name__ == "HFVLAPolicy" and policy.cameras[0]["key"] == "observation.image"
     rollout = get_policy_class("hf_vla").from_pretrained(directory, config=PreTrainedConfig.from_pretrained(directory))
     assert rollout.n_action_steps == policy.n_action_steps
+
+
+def test_lerobot_runs_a_pi0_checkpoint(tmp_path):
+    """transformers' pi0 trained by hf_vla (the demo config as pi0) through the same plugin."""
+    from hf_vla.envs.reach import ColorReachEnv
+    from hf_vla.serving.policy import load_policy
+
+    config = json.loads((REPO / "configs/demo.json").read_text())
+    config["policy"] = "pi0"
+    config["model_config"].pop("tokenizer_max_length", None)  # pi0.5's field; transformers' pi0 has none
+    (tmp_path / "pi0.json").write_text(json.dumps(config))
+    run, _ = colorreach_run(tmp_path, 20, config=tmp_path / "pi0.json")
+    assert json.loads((run / "config.json").read_text())["model_type"] == "pi0"
+    policy, pre, post = lerobot_policy(plugin_dir(run, tmp_path / "lerobot"))
+    runner = load_policy(run, seed=0)
+    obs, _ = ColorReachEnv(image_size=24).reset(seed=2)
+    task = "move to the red target"
+    batch = {"observation.image": lerobot_frame(obs["observation.image"]),
+             "observation.state": torch.from_numpy(obs["observation.state"]), "task": task}
+    np.testing.assert_allclose(post(policy.predict_action_chunk(pre(batch)))[0].numpy(), runner(obs, task),
+                               atol=1e-5, rtol=0)
