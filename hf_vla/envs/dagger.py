@@ -66,7 +66,7 @@ class DaggerSettings:
 
 
 def dagger_episodes(env, policy, n_action_steps: int, count: int, seeds: Iterator[int], settings: DaggerSettings,
-                    camera: str, state: str, stats: dict | None = None, bar=None,
+                    camera: str | tuple[str, ...], state: str, stats: dict | None = None, bar=None,
                     episodes: list | None = None, text=None, plan_steps: int | None = None) -> Iterator[list[dict]]:
     """`count` episodes in `env` (which has `expert_action()`), the policy (`reset(seed=)`, `policy(observation, task)
     -> chunk`) acting as `settings` say, run by the episode loop (`EpisodeRunner`), each a list of frames in the
@@ -103,10 +103,11 @@ class DaggerActor:
     next action (from its chunk of `n_action_steps`) or the expert's, as `settings` say (see the module docstring);
     every step's frame, labelled with the expert's action, is kept for the episode's log `(frames, expert_steps)`."""
 
-    def __init__(self, env, policy, n_action_steps: int, settings: DaggerSettings, camera: str, state: str,
+    def __init__(self, env, policy, n_action_steps: int, settings: DaggerSettings, camera: str | tuple[str, ...], state: str,
                  text=None, plan_steps: int | None = None):
         self.env, self.policy, self.n_action_steps, self.settings = env, policy, n_action_steps, settings
-        self.camera, self.state, self.text, self.plan_steps = camera, state, text, plan_steps
+        self.cameras = (camera,) if isinstance(camera, str) else tuple(camera)  # every recorded camera's key
+        self.state, self.text, self.plan_steps = state, text, plan_steps
         self._fresh(seed=0)
 
     def reset(self, seed: int = 0):
@@ -141,7 +142,7 @@ class DaggerActor:
             self.expert_steps += 1
         else:
             self.queue.pop(0)
-        frame = {"images": {self.camera: observation[self.camera]}, "state": observation[self.state],
+        frame = {"images": {key: observation[key] for key in self.cameras}, "state": observation[self.state],
                  "action": expert, "task": task,
                  "extra": {INTERVENTION: np.array([int(by_expert)], np.int64),
                            POLICY_ACTION: proposed.astype(np.float32)}}

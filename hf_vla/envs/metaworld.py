@@ -126,6 +126,28 @@ def check_crop(crop) -> tuple[int, int, int, int] | None:
     return box
 
 
+# the cameras of Meta-World's scene; corner2 is the benchmark's (lerobot's) scene camera, gripperPOV looks out of the hand
+CAMERAS = ("corner2", "corner", "corner3", "topview", "behindGripper", "gripperPOV")
+SCENE_CAMERA = "corner2"
+
+
+def camera_keys(cameras) -> dict[str, str]:
+    """Camera names (a list or `corner2,gripperPOV`) -> their LeRobot keys, in the order given:
+    `observation.images.<name>`, or lerobot's `observation.image` for corner2 alone. A ConfigError names an unknown
+    or repeated camera."""
+    names = [c.strip() for c in (cameras.split(",") if isinstance(cameras, str) else cameras or ()) if c.strip()]
+    if not names:
+        raise ConfigError(f"cameras={cameras!r}: name at least one of {list(CAMERAS)}")
+    unknown = [name for name in names if name not in CAMERAS]
+    if unknown:
+        raise ConfigError(f"cameras: {unknown} is not a camera of Meta-World's scene; choose from {list(CAMERAS)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"cameras={','.join(names)}: a camera is named twice")
+    if names == [SCENE_CAMERA]:
+        return {SCENE_CAMERA: CAMERA}
+    return {name: f"observation.images.{name}" for name in names}
+
+
 ACTION_MODES = ("delta", "absolute_ee")  # Meta-World's own deltas, or the absolute hand target (position control)
 ACTION_SCALE = 0.01  # Meta-World's `action_scale`: a delta of 1 moves the hand's target by 1 cm
 
@@ -157,8 +179,10 @@ class MetaWorldEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array"], "render_fps": FPS}
 
     def __init__(self, task: str = "reach-v3", image_size: int = 128, max_episode_steps: int = DEFAULT_STEPS,
-                 fast_render: bool = True, render_mode: str = "rgb_array", crop=None, action_mode: str = "delta"):
+                 fast_render: bool = True, render_mode: str = "rgb_array", crop=None, action_mode: str = "delta",
+                 cameras=(SCENE_CAMERA,)):
         self.crop = check_crop(crop)
+        self.cameras = camera_keys(cameras)
         if action_mode not in ACTION_MODES:
             raise ConfigError(f"action_mode={action_mode!r}: choose one of {list(ACTION_MODES)}")
         self.action_mode = action_mode
@@ -183,7 +207,7 @@ class MetaWorldEnv(gym.Env):
         self.task_name, self.task = task, self.inner.task_description
         self.image_size, self.max_episode_steps, self.render_mode = image_size, max_episode_steps, render_mode
         self.observation_space = spaces.Dict({
-            CAMERA: spaces.Box(0, 255, (image_size, image_size, 3), np.uint8),
+            **{key: spaces.Box(0, 255, (image_size, image_size, 3), np.uint8) for key in self.cameras.values()},
             STATE: spaces.Box(-np.inf, np.inf, (4,), np.float32),
         })
         self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32) if action_mode == "delta" else spaces.Box(
@@ -191,10 +215,23 @@ class MetaWorldEnv(gym.Env):
         self._image = None
 
     def _observation(self, raw: dict) -> dict:
+        images = {}
+        for name, key in self.cameras.items():
+            if name == SCENE_CAMERA:  # lerobot's render, upright; the crop is in its pixels
+                images[key] = render_to_observation(raw["pixels"], self.crop, self.image_size)
+            else:
+                images[key] = render_to_observation(self.render_camera(name), None, self.image_size)
+        self._image = next(iter(images.values()))
+        return {**images, STATE: np.asarray(raw["agent_pos"], dtype=np.float32)}
 
-        image = render_to_observation(raw["pixels"], self.crop, self.image_size)
-        self._image = image
-        return {CAMERA: image, STATE: np.asarray(raw["agent_pos"], dtype=np.float32)}
+    def render_camera(self, name: str) -> np.ndarray:
+        """The 480 px frame of another camera of the scene, in the process's one GL context (the env's own offscreen
+        viewer) with the same render settings. gymnasium's viewer turns MuJoCo's bottom-up pixels upright, so the
+        frame's top is the camera's up (for gripperPOV, the hand's: tests/test_metaworld_cameras.py projects the goal
+        into every frame of an episode); lerobot turns only corner2's by a further 180 degrees."""
+        env = self.inner._env
+        viewer = env.mujoco_renderer._get_viewer("rgb_array")
+        return viewer.render("rgb_array", camera_id=env.model.camera(name).id).copy()
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -371,4 +408,4 @@ def in_worker(task: str, **kwargs) -> InWorker:
 
 
 __all__ = ["ACTION", "ACTION_MODES", "ACTION_SCALE", "CAMERA", "FPS", "GROUPS", "InWorker", "MetaWorldEnv", "MT50", "LOCATIONS", "RENDER", "ROBOT_TYPE", "STATE",
-           "WORKSPACE", "check_crop", "in_worker", "location_text", "task_description", "task_group", "task_names"]
+           "WORKSPACE", "CAMERAS", "camera_keys", "check_crop", "in_worker", "location_text", "task_description", "task_group", "task_names"]

@@ -56,7 +56,8 @@ class _ExpertActor:
 
     def __call__(self, observation, task):
         action = np.asarray(self.env.expert_action(), dtype=np.float32)
-        frame = {"images": {CAMERA: observation[CAMERA]}, "state": observation[STATE], "action": action, "task": task}
+        images = {key: value for key, value in observation.items() if key.startswith(CAMERA)}  # every camera
+        frame = {"images": images, "state": observation[STATE], "action": action, "task": task}
         if self.locations:
             env = self.env
             frame["text"] = {LOCATIONS: env.call("target_text") if hasattr(env, "call") else env.target_text()}
@@ -175,10 +176,14 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
 
         names = metaworld.task_names(tasks or "reach-v3")
         kwargs = dict(env_kwargs or {})
-        unknown = sorted(set(kwargs) - {"crop", "action_mode"})
+        unknown = sorted(set(kwargs) - {"crop", "action_mode", "cameras"})
         if unknown:
-            raise ConfigError(f"env_kwargs {unknown}: Meta-World recording takes crop and action_mode (image_size and "
-                              "max_episode_steps are arguments of their own)")
+            raise ConfigError(f"env_kwargs {unknown}: Meta-World recording takes crop, action_mode and cameras "
+                              "(image_size and max_episode_steps are arguments of their own)")
+        if kwargs.get("cameras") is not None:
+            kwargs["cameras"] = list(metaworld.camera_keys(kwargs["cameras"]))  # JSON-able, for the plan and marker
+            if kwargs["cameras"] == ["corner2"]:
+                kwargs.pop("cameras")  # the default: recorded as before
         if kwargs.get("action_mode", "delta") not in metaworld.ACTION_MODES:
             raise ConfigError(f"--action_mode {kwargs['action_mode']!r}: choose one of {list(metaworld.ACTION_MODES)}")
         if kwargs.get("action_mode") == "delta":
@@ -197,6 +202,8 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
             raise ConfigError("--crop: Meta-World only (ColorReach renders its 32 px scene whole)")
         if (env_kwargs or {}).get("action_mode") is not None:
             raise ConfigError("--action_mode: Meta-World only (ColorReach's actions are its own)")
+        if (env_kwargs or {}).get("cameras") is not None:
+            raise ConfigError("--cameras: Meta-World only (ColorReach draws one image)")
         if tasks:
             raise ConfigError("--task: ColorReach draws its instruction per episode; it has no task to choose")
         kwargs = dict(env_kwargs or {})
@@ -262,6 +269,16 @@ class _Job:
     state_dim: int
     action_dim: int
     robot_type: str
+
+    @property
+    def camera_keys(self) -> list[str]:
+        """The recorded cameras' LeRobot keys, in slot order (Meta-World's `cameras`, else the env's one camera)."""
+        cameras = self.plan["env_kwargs"].get("cameras")
+        if not cameras:
+            return [CAMERA]
+        from hf_vla.envs.metaworld import camera_keys
+
+        return list(camera_keys(cameras).values())
 
 
 def _record_tasks(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env, runner,
@@ -333,7 +350,7 @@ def _episodes(job: _Job, live, name: str, stats: dict, used: list[int], bar) -> 
     _check_dims(job.runner, live, f"{job.env} {name}")
     stats["rejected"] = 0
     yield from dagger_episodes(live, job.runner, job.resolved["n_action_steps"], job.episodes, seeds, job.dagger,
-                               CAMERA, STATE, stats=stats, bar=bar, episodes=stats.setdefault("episodes", []),
+                               tuple(job.camera_keys), STATE, stats=stats, bar=bar, episodes=stats.setdefault("episodes", []),
                                text=_location_text if job.env == "metaworld" else None,
                                plan_steps=job.resolved["plan_steps"])
 
@@ -362,7 +379,7 @@ def _record_task(job: _Job, name: str, parts: Path, bar) -> dict:
         if first is not None:
             write_lerobot_dataset(
                 partial / "dataset", itertools.chain([first], episodes), fps=job.fps,
-                cameras={CAMERA: (job.size, job.size)}, state_dim=job.state_dim, action_dim=job.action_dim,
+                cameras={key: (job.size, job.size) for key in job.camera_keys}, state_dim=job.state_dim, action_dim=job.action_dim,
                 robot_type=job.robot_type, state_key=STATE, action_key=ACTION, repo_id=f"local/{name}",
                 text_features=(LOCATIONS,) if job.env == "metaworld" else (),
                 extra_features=dagger_features(job.action_dim, job.resolved["plan_steps"]) if job.runner is not None
@@ -530,6 +547,10 @@ class RecordArguments:
         "choices": ("delta", "absolute_ee"), "help": "Meta-World: delta (its own actions) or absolute_ee (the hand's "
         "target position, what a position-controlled arm receives; gripper unchanged); kept in the deployment "
         "contract (default: delta)"})
+    cameras: str | None = field(default=None, metadata={
+        "help": "Meta-World: the scene's cameras to record, comma-separated, in slot order (corner2, corner, corner3, "
+        "topview, behindGripper, gripperPOV: the wrist view), each a video feature observation.images.<name> "
+        "(default: corner2 alone, as lerobot's observation.image); --crop cuts corner2 only; kept in the contract"})
     add_locations: str | None = field(default=None, metadata={
         "help": "Meta-World: instead of recording, write --output as this recording (one of this command without the "
         "per-frame locations column) with it, by replaying each episode from its seed; refused where the replay "
@@ -565,7 +586,8 @@ class RecordArguments:
 
     def record(self):
         """`record(...)` with these options."""
-        env_kwargs = {k: v for k, v in (("crop", self.crop), ("action_mode", self.action_mode)) if v} or None
+        env_kwargs = {k: v for k, v in (("crop", self.crop), ("action_mode", self.action_mode),
+                                        ("cameras", self.cameras)) if v} or None
         dagger = DaggerSettings(self.beta or 0.0, self.takeover_threshold,
                                 10 if self.takeover_steps is None else self.takeover_steps, self.stall_steps)
         return record(self.env, self.output, self.episodes, tasks=self.task, image_size=self.image_size,

@@ -137,13 +137,16 @@ def check_env(env: str, task: str | None, env_label: str = "env=", task_label: s
         raise ConfigError(f"{env_label}{env!r}: {error}") from error
 
 
-def env_camera_keys(env: str) -> list[str]:
+def env_camera_keys(env: str, env_kwargs: dict | None = None) -> list[str]:
     """The image keys an env's observations carry (a benchmark's from its wrapper; a gymnasium env's from its
-    observation space: every HxWxC array)."""
+    observation space: every HxWxC array). Meta-World's follow its `cameras` argument; without `env_kwargs`, every
+    key one of its cameras can have."""
     if env == "metaworld":
-        from hf_vla.envs.metaworld import CAMERA
+        from hf_vla.envs.metaworld import CAMERA, CAMERAS, camera_keys
 
-        return [CAMERA]
+        if env_kwargs is None:
+            return [CAMERA, *camera_keys(CAMERAS).values()]
+        return list(camera_keys(env_kwargs.get("cameras") or ("corner2",)).values())
     if env == "libero":
         from hf_vla.envs.libero import CAMERAS
 

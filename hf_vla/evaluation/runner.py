@@ -186,15 +186,15 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
                                    flags["image_size"], flags["max_episode_steps"], overrides, chunk_size)
     env_id, task = settings["env"].value, settings["task"].value
     check_env(env_id, task)
-    env_cameras = env_camera_keys(env_id)
+    spec = head_spec(contract, settings["head"].value)
+    given = dict(env_kwargs)
+    env_kwargs = env_arguments(spec, settings, env_kwargs)
+    env_cameras = env_camera_keys(env_id, env_kwargs)  # Meta-World renders the cameras its arguments name
     chosen = settings["cameras"].value
     if chosen and settings["cameras"].source == "checkpoint" and not set(chosen) <= set(env_cameras):
         raise ConfigError(f"the checkpoint's cameras {chosen} are not all images of env {env_id!r}'s observations "
                           f"{env_cameras}; pass --cameras with the env's keys in the checkpoint's slot order")
     check_cameras("--cameras", chosen if settings["cameras"].source != "checkpoint" else None, env_cameras)
-    spec = head_spec(contract, settings["head"].value)
-    given = dict(env_kwargs)
-    env_kwargs = env_arguments(spec, settings, env_kwargs)
     shown = {k: v for k, v in env_kwargs.items() if k != "image_size"}  # the env arguments besides the flags
     if output_dir is None:
         output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
