@@ -39,7 +39,11 @@ def _summary(tasks: dict) -> dict:
 
 
 def hf_vla_arm(checkpoint: Path, episodes: int, out: Path, lerobot_settings: bool) -> dict:
+    import torch
+
     from hf_vla.evaluation.runner import evaluate_checkpoint
+
+    torch.set_num_threads(1)  # the env workers need the other core (30 ms a step; with 2 threads beside them, 150)
 
     env_kwargs = {"max_episode_steps": LEROBOT_STEPS, "fast_render": False} if lerobot_settings else None
     started = time.perf_counter()
