@@ -20,6 +20,10 @@ from pathlib import Path
 import torch
 
 from hf_vla.errors import ConfigError, DataError
+from hf_vla.hub.convert import (  # lerobot's variants and SigLIP So400m, as the import reads them
+    _GEMMA_VARIANTS,
+    _VISION_DIMS,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +38,6 @@ _EXPORT_RULES = [
 _EMBED = "model.vlm.language_model.embed_tokens.weight"
 _LM_HEAD = "model.paligemma_with_expert.paligemma.lm_head.weight"
 _EXPERT_LM_HEAD = "model.paligemma_with_expert.gemma_expert.lm_head.weight"
-# lerobot's variants (its get_gemma_config) and SigLIP So400m, as hf_vla's config names them
-_VARIANTS = {"gemma_2b": dict(hidden_size=2048, num_hidden_layers=18, intermediate_size=16384, num_attention_heads=8,
-                              num_key_value_heads=1, head_dim=256),
-             "gemma_300m": dict(hidden_size=1024, num_hidden_layers=18, intermediate_size=4096, num_attention_heads=8,
-                                num_key_value_heads=1, head_dim=256)}
-_SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, patch_size=14)
 
 
 def lerobot_state_dict(state_dict: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -72,13 +70,14 @@ def _dims(config) -> dict:
     pick = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim")
     return {"text": {k: getattr(text, k) for k in pick}, "expert": {k: getattr(expert, k) for k in pick},
-            "vision": {k: getattr(vision, k) for k in _SO400M}, "image_size": int(vision.image_size)}
+            "vision": {k: getattr(vision, k) for k in _VISION_DIMS}, "image_size": int(vision.image_size)}
 
 
 def standard_dims(config) -> bool:
     """Whether lerobot builds this architecture as it stands (PaliGemma 2B + Gemma 300M expert + SigLIP So400m)."""
     d = _dims(config)
-    return d["text"] == _VARIANTS["gemma_2b"] and d["expert"] == _VARIANTS["gemma_300m"] and d["vision"] == _SO400M
+    return (d["text"] == _GEMMA_VARIANTS["gemma_2b"] and d["expert"] == _GEMMA_VARIANTS["gemma_300m"]
+            and d["vision"] == _VISION_DIMS)
 
 
 @contextlib.contextmanager
