@@ -36,11 +36,9 @@ def write_policy_dir(checkpoint: str | os.PathLike, output: str | os.PathLike, h
     `lerobot-eval / lerobot-record / lerobot-rollout --policy.path=output` load it. Staged, then renamed into place."""
     from hf_vla.errors import ConfigError
     from hf_vla.hub.resolve import resolve_contract
-    from hf_vla.storage import replace_dir, staging_dir
+    from hf_vla.storage import check_output, replace_dir, staging_dir
 
-    output = Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
-        raise ConfigError(f"--output {str(output)!r} exists: choose a new directory, or pass --overwrite")
+    output = check_output("--output", output, overwrite)  # inside the checkpoint is allowed: it is not replaced
     source = Path(checkpoint)
     contract = resolve_contract(checkpoint)
     if contract is None:
