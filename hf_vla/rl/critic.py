@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_vla.models.pi05.modeling_pi05 import PI05Output, PI05ValueHead
+from hf_vla.models.pi05.modeling_pi05 import PI05Output
+from hf_vla.models.pi05.value_head import PI05ValueHead
 
 
 def base_policy(model) -> nn.Module:

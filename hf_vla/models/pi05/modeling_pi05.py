@@ -13,12 +13,10 @@ attends to the suffix, this is the same computation as one joint attention with 
 prefix K/V can be cached (`sample_actions` runs the prefix once). Attention goes through `ALL_ATTENTION_FUNCTIONS`,
 so eager, sdpa, flex_attention and flash_attention_2 all compute it; each call needs only a key-padding mask.
 
-We step the two towers layer by layer ourselves instead of calling `GemmaModel.forward` twice, because transformers'
-`GradientCheckpointingLayer` drops `past_key_values` under gradient checkpointing, which would cut the expert off from
-the prefix during training. Each step still goes through its layer module's `forward` (the VLM layers are
-`PI05VLMDecoderLayer`, a `GemmaDecoderLayer` with the same parameters whose forward can also return its keys/values),
-so per-layer FSDP units gather their shards, ZeRO-3 hooks see every parameter use, and gradient checkpointing wraps
-whole layers.
+The towers are stepped layer by layer here, not by two `GemmaModel.forward` calls: transformers'
+`GradientCheckpointingLayer` drops `past_key_values` under gradient checkpointing, cutting the expert off from the
+prefix in training. Each step goes through its layer's `forward` (`PI05VLMDecoderLayer` is a `GemmaDecoderLayer` that
+can also return its keys/values), so FSDP units gather, ZeRO-3 hooks fire and checkpointing wraps whole layers.
 """
 
 from __future__ import annotations
@@ -48,6 +46,7 @@ from transformers.models.pi0.modeling_pi0 import PI0TimestepEmbeddings
 from .configuration_pi05 import PI05Config
 from .losses import chunked_token_losses
 from .rtc import RTCConfig, euler_integrate
+from .value_head import PI05ValueHead
 
 # Backends whose attention call accepts an arbitrary key-padding mask, which is all pi0.5 needs per call.
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -121,31 +120,11 @@ class PI05VLMDecoderLayer(GemmaDecoderLayer):
 @dataclass
 class PI05Output(CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` (`logits` = the velocity). With `labels` (the token objective): `token_losses` `[B, L_t]`
-    (float32), the backbone's next-token cross-entropy of each target (0 where the label is -100), computed in pieces
-    of `config.token_loss_chunk` targets; and, with `output_token_logits=True`, the logits themselves `token_logits`
-    `[B, L_t, vocab]` (the model's dtype; for tests and inspection: at a real vocabulary they are large)."""
+    (float32), each target's next-token cross-entropy (0 where the label is -100), in pieces of `token_loss_chunk`;
+    with `output_token_logits=True` also `token_logits` `[B, L_t, vocab]` (the model's dtype; large at a real vocab)."""
 
     token_losses: torch.FloatTensor | None = None
     token_logits: torch.FloatTensor | None = None
-
-
-class PI05ValueHead(nn.Module):
-    """The critic of PPO fine-tuning (`config.value_head`): LayerNorm, Linear, GELU, Linear(1) on the mean over the
-    real prefix tokens of the hidden states entering the VLM's last layer (the prefix computation sampling runs
-    anyway: the last layer only gives its keys/values). The output layer starts at zero, so a new critic predicts 0."""
-
-    def __init__(self, config: PI05Config):
-        super().__init__()
-        width = config.vlm_config.text_config.hidden_size
-        self.norm = nn.LayerNorm(width)
-        self.dense = nn.Linear(width, width)
-        self.out = nn.Linear(width, 1)
-
-    def forward(self, hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        weights = valid.to(torch.float32)[..., None]
-        pooled = (hidden.float() * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
-        pooled = self.norm(pooled.to(self.norm.weight.dtype))
-        return self.out(F.gelu(self.dense(pooled))).squeeze(-1).float()
 
 
 class PI05ActionExpert(GemmaPreTrainedModel):
@@ -252,12 +231,10 @@ class PI05Model(PI05PreTrainedModel):
             module.requires_grad_(False)
 
     def unused_modules(self) -> list[nn.Module]:
-        """Modules pi0.5 never runs: the last VLM layer only provides its keys/values to the expert, so its query and
-        output projections, its MLP and post-attention norm, and the VLM's final norm take no part. They stay in the
-        checkpoint (the published layout has them) but are frozen: no optimizer state, no masters, no unused-parameter
-        errors in DDP, and FSDP's strict optimizer-state loading finds state for every trainable parameter. Frozen at
-        construction; `from_pretrained` makes every parameter anew (trainable), and training freezes them again
-        (`hf_vla.training.structure`), as inference loading freezes everything (`load_policy`)."""
+        """Modules pi0.5 never runs (the last VLM layer only gives the expert its keys/values): its q/o projections,
+        MLP and post-attention norm, and the VLM's final norm. Kept in the checkpoint (the published layout) and frozen
+        here; `from_pretrained` makes them trainable again and training's structure (`hf_vla.training.structure`)
+        freezes them, so no optimizer state, DDP unused-parameter error or FSDP state-loading gap arises."""
         if getattr(self.config, "token_loss", False):  # the target tokens read the last layer's output: all of it trains
             return []
         text = self.vlm.language_model
@@ -278,10 +255,9 @@ class PI05Model(PI05PreTrainedModel):
         for cfg in (self.config.vlm_config.text_config, self.config.dit_config):
             implementation = cfg._attn_implementation or "eager"
             if implementation not in SUPPORTED_ATTENTION:
-                raise ValueError(
-                    f"pi0.5 cannot run with attn_implementation={implementation!r}: its prefix/suffix attention needs "
-                    f"a per-key padding mask, which this backend does not express. Use one of {SUPPORTED_ATTENTION}."
-                )
+                raise ValueError(f"pi0.5 cannot run with attn_implementation={implementation!r}: its prefix/suffix "
+                                 "attention needs a per-key padding mask, which this backend does not express. Use "
+                                 f"one of {SUPPORTED_ATTENTION}.")
 
     def prefix_mask(self, pixel_attention_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, n_cams * image_tokens + L] bool: which prefix tokens are real."""
@@ -421,11 +397,9 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         self.model.set_input_embeddings(value)
 
     def get_output_embeddings(self):
-        # With the token objective the LM head is the input embedding's weight, tied (PaliGemma). Saying so keeps
-        # sharding engines from giving the embedding a unit of its own that reshards before the head reads it
-        # (accelerate's FSDP2 puts tied embeddings in one unit that stays gathered through the forward). A holder of
-        # the shared weight, not the embedding itself (a unit takes each module once) and not a submodule (the
-        # checkpoint holds the weight once). Flow-only: no head.
+        # The token objective's LM head is the input embedding's weight, tied (PaliGemma); saying so keeps FSDP2 from
+        # giving the embedding a unit that reshards before the head reads it. A holder of the weight outside the
+        # module tree (a unit takes each module once; the checkpoint holds the weight once). Flow-only: no head.
         if not self.config.token_loss:
             return None
         embedding = self.model.get_input_embeddings()
