@@ -7,7 +7,7 @@ COMMANDS = {
     "rl": "improve a policy from its own rollouts in a simulator (GRPO on Flow-SDE likelihoods; CONFIG.json [--key value])",
     "serve": "serve a checkpoint to robots over websocket (openpi's protocol)",
     "record": "record a simulator's scripted expert as a LeRobot dataset (Meta-World, ColorReach)",
-    "convert": "convert a lerobot pi0 / pi0.5 checkpoint, or merge a LoRA checkpoint with its base",
+    "convert": "lerobot pi0 / pi0.5 checkpoints to hf_vla and back (--to lerobot, lerobot_plugin), or merge a LoRA run",
 }
 
 
