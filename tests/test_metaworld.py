@@ -515,3 +515,41 @@ def test_mt50_figures_are_the_published_group_means():
     figures = " / ".join(f"{100 * v:.1f}" for v in expected.values())
     assert f"(easy / medium / hard / very_hard: {figures} -> {100 * result.average:.1f})" in table
     assert "MT50 average" in table
+
+
+def test_the_step_wrappers_end_an_episode_at_its_first_success_even_on_the_last_step():
+    """Meta-World's and LIBERO's envs step through `envs.wrappers.stepper`: gymnasium's ClipAction and TimeLimit, and
+    a success on the step the limit falls on is a termination (a success), not a truncation."""
+    import gymnasium as gym
+
+    from hf_vla.envs.wrappers import stepper
+
+    class Toy(gym.Env):
+        observation_space = gym.spaces.Box(-1, 1, (1,))
+        action_space = gym.spaces.Box(-1, 1, (1,))
+
+        def __init__(self, success_at):
+            self.success_at, self.taken = success_at, []
+
+        def reset(self, *, seed=None, options=None):
+            self.t = 0
+            return np.zeros(1, np.float32), {}
+
+        def step(self, action):
+            self.t += 1
+            self.taken.append(float(action[0]))
+            return np.zeros(1, np.float32), 0.5, False, False, {"is_success": self.t == self.success_at}
+
+    def outcomes(success_at):
+        env = Toy(success_at)
+        wrapped = stepper(env, "toy task", max_episode_steps=3)
+        wrapped.reset(seed=0)
+        steps = [wrapped.step(np.array([5.0], np.float32))[2:] for _ in range(3)]
+        return env.taken, [(terminated, truncated, info) for terminated, truncated, info in steps]
+
+    taken, steps = outcomes(success_at=3)
+    assert taken == [1.0, 1.0, 1.0]  # clipped to the action space
+    assert [s[:2] for s in steps] == [(False, False), (False, False), (True, False)]
+    assert steps[-1][2] == {"task": "toy task", "is_success": True}
+    _, steps = outcomes(success_at=None)
+    assert [s[:2] for s in steps] == [(False, False), (False, False), (False, True)]

@@ -20,8 +20,8 @@ import functools
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
-from gymnasium.wrappers import ClipAction, TimeLimit
 
+from hf_vla.envs.wrappers import stepper
 from hf_vla.errors import ConfigError
 
 # the suites and their task counts (LIBERO's benchmark), so that a task list is checked without LIBERO installed
@@ -76,7 +76,7 @@ class LiberoEnv(gym.Env):
         self.task_name, self.task = task, self.inner.task_description
         self.max_episode_steps = max_episode_steps or module.TASK_SUITE_MAX_STEPS[suite_name]
         # gymnasium's wrappers clip the action to lerobot's action space and end the episode at the suite's limit
-        self._stepper = TimeLimit(ClipAction(self.inner), self.max_episode_steps)
+        self._stepper = stepper(self.inner, self.task, self.max_episode_steps)
         self.render_mode = render_mode
         self.observation_space = spaces.Dict({
             **{key: spaces.Box(0, 255, (image_size, image_size, 3), np.uint8) for key in CAMERAS.values()},
@@ -105,9 +105,7 @@ class LiberoEnv(gym.Env):
     def step(self, action):
         action = np.asarray(action, dtype=np.float64).reshape(-1)
         raw, reward, terminated, truncated, info = self._stepper.step(action)
-        success = bool(info.get("is_success", False))
-        return (self._observation(raw), float(reward), bool(terminated) or success, truncated and not success,
-                {"task": self.task, "is_success": success})
+        return self._observation(raw), reward, terminated, truncated, info
 
     def render(self):
         return self._image

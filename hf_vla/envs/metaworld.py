@@ -31,9 +31,9 @@ import os
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
-from gymnasium.wrappers import ClipAction, TimeLimit
 
 from hf_vla.envs.worker import InWorker
+from hf_vla.envs.wrappers import stepper
 from hf_vla.errors import ConfigError
 
 os.environ.setdefault("MUJOCO_GL", "egl")  # before mujoco is first imported: headless rendering
@@ -202,9 +202,9 @@ class MetaWorldEnv(gym.Env):
                 return super()._format_raw_obs(raw_obs)
 
         self.inner = Wrapped(task=task, obs_type="pixels_agent_pos")
-        # gymnasium's wrappers clip the commanded delta to lerobot's action space and end the episode at the limit
-        self._stepper = TimeLimit(ClipAction(self.inner), max_episode_steps)
         self.task_name, self.task = task, self.inner.task_description
+        # gymnasium's wrappers clip the commanded delta to lerobot's action space and end the episode at the limit
+        self._stepper = stepper(self.inner, self.task, max_episode_steps)
         self.image_size, self.max_episode_steps, self.render_mode = image_size, max_episode_steps, render_mode
         self.observation_space = spaces.Dict({
             **{key: spaces.Box(0, 255, (image_size, image_size, 3), np.uint8) for key in self.cameras.values()},
@@ -250,9 +250,7 @@ class MetaWorldEnv(gym.Env):
         if self.action_mode == "absolute_ee":  # the hand's target position: the delta that moves the hand there
             action = np.concatenate([self.to_delta(action[:3]), action[3:]])
         raw, reward, terminated, truncated, info = self._stepper.step(action)
-        success = bool(info.get("is_success", False))
-        return (self._observation(raw), float(reward), bool(terminated) or success, truncated and not success,
-                {"task": self.task, "is_success": success})
+        return self._observation(raw), reward, terminated, truncated, info
 
     def render(self):
         return self._image
