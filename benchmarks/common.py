@@ -31,13 +31,23 @@ def load_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def recorded_cameras(data: Path) -> list[str]:
+    """The camera keys of a Meta-World recording (`hf_vla.record --cameras`), in its order; `observation.image` for
+    the scene camera alone (and before the recording exists)."""
+    from hf_vla.envs.metaworld import SCENE_CAMERA, camera_keys
+
+    marker = data / "meta" / "hf_vla_record.json"
+    cameras = (load_json(marker).get("env_kwargs") or {}).get("cameras") if marker.exists() else None
+    return list(camera_keys(cameras or [SCENE_CAMERA]).values())
+
+
 def dataset_spec(work: Path, focus: list[str] | None = None, target_text_key: str | None = None,
                  control_mode: str = "delta_xyz_gripper") -> list[dict]:
     """One dataset per task, one normalisation head: the validation metrics come per task
     (`eval_by_dataset/<task>/mse`). `focus`: sample those tasks' frames (weight 1) and the others almost never
     (weight 0.001); every task stays in the mixture so the normalisation statistics, pooled over all five, are the
     ones a checkpoint trained on all five has. `control_mode`: the head's (`ee_position` for absolute targets)."""
-    spec = [{"root": str(work / "data" / task), "name": task, "cameras": ["observation.image"],
+    spec = [{"root": str(work / "data" / task), "name": task, "cameras": recorded_cameras(work / "data" / task),
              "robot_type": "metaworld", "control_mode": control_mode} for task in TASKS]
     for dataset in spec if focus else []:
         dataset["weight"] = 1.0 if dataset["name"] in focus else 0.001

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import CONFIG, IMAGE, REPO, TASKS, dataset_spec, evaluate, evaluate_lerobot
+from benchmarks.common import CONFIG, IMAGE, REPO, TASKS, dataset_spec, evaluate, evaluate_lerobot, recorded_cameras
 from benchmarks.common import load_json as _load
 
 
@@ -55,14 +55,15 @@ def _recorded_env_kwargs(work: Path) -> dict:
     return (benchmark_of(work / "data" / TASKS[0]) or {}).get("env_kwargs") or {}
 
 
-def stage_record(work: Path, episodes: int, results: dict, crop: str | None = None):
+def stage_record(work: Path, episodes: int, results: dict, crop: str | None = None, cameras: str | None = None):
     expert, rejected, frames, seconds = {}, {}, 0, 0.0
     for task in TASKS:
         data = work / "data" / task
         if not (data / "meta" / "hf_vla_record.json").exists():
             subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "metaworld", "--task", task,
                             "--episodes", str(episodes), "--output", str(data), "--image_size", str(IMAGE),
-                            *(["--crop", crop] if crop else [])], check=True, cwd=REPO)
+                            *(["--crop", crop] if crop else []), *(["--cameras", cameras] if cameras else [])],
+                           check=True, cwd=REPO)
         marker = _load(data / "meta" / "hf_vla_record.json")
         stats = marker["tasks"][task]
         expert[task] = stats["kept"] / (stats["kept"] + stats["rejected"])
@@ -70,7 +71,7 @@ def stage_record(work: Path, episodes: int, results: dict, crop: str | None = No
         frames += marker["frames"]
         seconds += marker["seconds"]
     results["record"] = {"episodes_per_task": episodes, "image_size": IMAGE, "seconds": round(seconds, 1),
-                         "env_kwargs": marker.get("env_kwargs") or {},
+                         "env_kwargs": marker.get("env_kwargs") or {}, "cameras": recorded_cameras(data),
                          "frames": frames, "expert_success": expert, "rejected": rejected}
 
 
@@ -236,12 +237,14 @@ def main(argv=None):
                         "configs/pi05_metaworld_cotrain.json, the token objective)")
     parser.add_argument("--crop", default=None, help="record stage: left,top,right,bottom of the 480 px render kept "
                         "before resizing (python -m hf_vla.record --crop); the checkpoints' contract carries it")
+    parser.add_argument("--cameras", default=None, help="record stage: Meta-World's cameras, e.g. corner2,gripperPOV "
+                        "(python -m hf_vla.record --cameras); training and evaluation take them from the recording")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     results = _load(work / "results.json")
     if args.stage == "record":
-        stage_record(work, args.record_episodes, results, args.crop)
+        stage_record(work, args.record_episodes, results, args.crop, args.cameras)
     elif args.stage == "hf_vla":
         stage_hf_vla(work, args.budget_min, args.checkpoints, results, args.tag, args.steps_per_s,
                      args.rollout_episodes, args.max_episode_steps, Path(args.config).resolve())

@@ -5,8 +5,9 @@
 
 `render`: in a process of its own (one GL context), `--steps` env steps of reach-v3 at each image size with corner2
 alone and with corner2 + gripperPOV; per camera, the time of its render and resize (the fast-render setting, as
-recording and evaluation use), and the whole env step. `record`: `python -m hf_vla.record` of the five-task benchmark
-(`--record_episodes` per task, 96 px) with each camera set, wall seconds and frames. Results are merged into
+recording and evaluation use), and the whole env step. `record`: the five-task benchmark's record stage
+(`--record_episodes` per task, 96 px) with each camera set into `--work`/<arm>, its seconds and frames; a success arm
+trains on that recording (`metaworld_benchmark --stage hf_vla --work <work>/two_cameras`). Results are merged into
 `benchmarks/results/metaworld_cameras_cpu.json` (`render`, `record`); the success-rate arms of the issue
 (`five_task`, `object_centred`, `mt50`) go there too when measured.
 """
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, TASKS, load_json, result_path
+from benchmarks.common import REPO, load_json, result_path
 
 CAMERA_SETS = {"one_camera": "corner2", "two_cameras": "corner2,gripperPOV"}
 
@@ -34,6 +35,8 @@ for size in (96, 128):
         env = MetaWorldEnv("reach-v3", image_size=size, cameras=cameras)
         env.reset(seed=0)
         inner, per_camera = env.inner._env, {"corner2": [], "gripperPOV": []}
+        for _ in range(10):  # warm-up: the GL context and first renders
+            env.step(np.zeros(4, np.float32))
         started = time.perf_counter()
         for _ in range(steps):
             env.step(np.zeros(4, np.float32))
@@ -61,17 +64,19 @@ def stage_render(steps: int) -> dict:
 
 
 def stage_record(work: Path, episodes: int) -> dict:
+    """The five-task benchmark's own record stage (`metaworld_benchmark --stage record`, per task, 96 px) once per
+    camera set, each into `work/<arm>`: the recording a success arm then trains on (`--work work/<arm>`)."""
     out = {}
     for arm, cameras in CAMERA_SETS.items():
         target = work / arm
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "metaworld", "--task", ",".join(TASKS),
-                        "--episodes", str(episodes), "--output", str(target), "--image_size", "96", "--cameras",
-                        cameras, "--overwrite", "true"], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-        marker = json.loads((target / "meta" / "hf_vla_record.json").read_text())
-        out[arm] = {"cameras": cameras, "seconds": round(time.perf_counter() - started, 1),
-                    "frames": marker.get("frames"),
-                    "episodes_per_task": episodes}
+        subprocess.run([sys.executable, "-m", "benchmarks.closed_loop.metaworld_benchmark", "--stage", "record",
+                        "--work", str(target), "--record_episodes", str(episodes), "--cameras", cameras,
+                        "--output", str(target / "benchmark.json")], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+        recorded = load_json(target / "results.json")["record"]
+        out[arm] = {"cameras": recorded["cameras"], "wall_seconds": round(time.perf_counter() - started, 1),
+                    "record_seconds": recorded["seconds"], "frames": recorded["frames"],
+                    "episodes_per_task": episodes, "expert_success": recorded["expert_success"]}
         print(json.dumps({arm: out[arm]}), flush=True)
     return out
 
