@@ -48,7 +48,7 @@ def humanoid() -> Path:
 # 500 Meta-World steps, 2026-12-02): ~190. test_engines goes second for the
 # `slow` tier (`make test TEST_MARKS=slow`), where its other engines' launches make it the longest (~540 s).
 LONGEST_FIRST = ("test_rl.py", "test_engines.py", "test_metaworld.py", "test_readme.py", "test_lerobot_plugin.py",
-                 "test_serve.py",
+                 "test_serve.py", "test_metaworld_cameras.py",
                  "test_failures.py", "test_trainer.py", "test_cli.py", "test_deployment.py", "test_preemption.py", "test_cotraining.py",
                  "test_elastic.py", "test_ema.py", "test_hub.py", "test_rollouts.py", "test_pi05_model.py",
                  "test_notebooks.py", "test_structure.py")
