@@ -13,8 +13,9 @@ keeps what finished):
 - `lerobot_eval`: `lerobot-eval --policy.path=<plugin dir> --env.type=metaworld --env.task=<task> --seed=10000`, one
   task per call: lerobot's env (480 px frames with shadows, reflections and multisampling, 500-step episodes), its
   rollout loop and its success metric; the plugin crops and resizes the frames as the recording did;
-- `hf_vla_as_lerobot`: hf_vla's loop with lerobot's settings (500 steps, the full render): equal to `lerobot_eval`
-  episode by episode when the plugin is exact, and the difference to `hf_vla` then is the settings'.
+- `hf_vla_as_lerobot`: hf_vla's loop with lerobot's settings (500 steps, the full render): its difference to `hf_vla`
+  is the settings'. It is not `lerobot_eval` episode by episode: hf_vla seeds each episode's sampling noise with the
+  env seed, the plugin's runner once (lerobot-eval resets the policy without a seed).
 Both harnesses seed episode i of a task with 10,000 + i, so episodes are paired (`paired_agreement`).
 """
 
