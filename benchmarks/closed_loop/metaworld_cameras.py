@@ -30,8 +30,8 @@ import json, sys, time
 import numpy as np
 from hf_vla.envs.metaworld import MetaWorldEnv, render_to_observation
 steps, out = int(sys.argv[1]), {}
-# the process's first env steps slowly for a while (measured: 18 ms a step against 3.5 for the next env), whatever its
-# cameras: one thrown away first, so no arm pays for it
+# an env thrown away first. Not yet enough: the first measured env still steps at about 16 ms against 2.5-3.6 ms for
+# the later ones, and a plain loop of envs steps at 16 ms each (cause not found; the figures are not yet reliable)
 warm = MetaWorldEnv("reach-v3", image_size=96, cameras="corner2,gripperPOV")
 warm.reset(seed=0)
 for _ in range(100):
