@@ -34,11 +34,10 @@ def load_json(path: Path) -> dict:
 def recorded_cameras(data: Path) -> list[str]:
     """The camera keys of a Meta-World recording (`hf_vla.record --cameras`), in its order; `observation.image` for
     the scene camera alone (and before the recording exists)."""
-    from hf_vla.envs.metaworld import SCENE_CAMERA, camera_keys
+    from hf_vla.evaluation.envs import env_camera_keys
+    from hf_vla.serving.contract import benchmark_of
 
-    marker = data / "meta" / "hf_vla_record.json"
-    cameras = (load_json(marker).get("env_kwargs") or {}).get("cameras") if marker.exists() else None
-    return list(camera_keys(cameras or [SCENE_CAMERA]).values())
+    return env_camera_keys("metaworld", (benchmark_of(data) or {}).get("env_kwargs") or {})
 
 
 def dataset_spec(work: Path, focus: list[str] | None = None, target_text_key: str | None = None,
