@@ -30,13 +30,8 @@ import json, sys, time
 import numpy as np
 from hf_vla.envs.metaworld import MetaWorldEnv, render_to_observation
 steps, out = int(sys.argv[1]), {}
-# an env thrown away first. Not yet enough: the first measured env still steps at about 16 ms against 2.5-3.6 ms for
-# the later ones, and a plain loop of envs steps at 16 ms each (cause not found; the figures are not yet reliable)
-warm = MetaWorldEnv("reach-v3", image_size=96, cameras="corner2,gripperPOV")
-warm.reset(seed=0)
-for _ in range(100):
-    warm.step(np.zeros(4, np.float32))
-warm.close()
+# Not yet reliable: `_fast_render` turns multisampling off after lerobot's env has made its renderer's GL context,
+# so an env steps at about 16 ms (96 px) until its renderer is re-created, and then at about 2.3 (#76 notes)
 for size in (96, 128):
     for arm, cameras in (("one_camera", "corner2"), ("two_cameras", "corner2,gripperPOV")):
         env = MetaWorldEnv("reach-v3", image_size=size, cameras=cameras)
