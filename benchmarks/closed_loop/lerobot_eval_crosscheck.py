@@ -5,7 +5,7 @@ against `hf_vla.evaluate`, the five-task Meta-World checkpoint of the 20-minute 
     python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20 --steps_per_s 4.78 \
         --checkpoints 1 --work data_cache/mw_cross --output /tmp/mw.json         # the checkpoint (20 CPU-minutes)
     python -m benchmarks.closed_loop.lerobot_eval_crosscheck --checkpoint data_cache/mw_cross/hf_vla/run \
-        --episodes 50 [--arms hf_vla,lerobot_eval,hf_vla_as_lerobot]
+        --episodes 50 [--arms hf_vla,lerobot_eval,hf_vla_as_lerobot] [--tasks reach-v3,push-v3]   # a few at a time
 
 Arms (each writes its JSON under `--work` and the result is merged into `--output` as it completes, so a killed run
 keeps what finished):
@@ -22,6 +22,7 @@ Both harnesses seed episode i of a task with 10,000 + i, so episodes are paired 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -39,7 +40,7 @@ def _summary(tasks: dict) -> dict:
     return {"mean_success": round(100 * sum(rates) / len(rates), 1), "tasks": tasks}
 
 
-def hf_vla_arm(checkpoint: Path, episodes: int, out: Path, lerobot_settings: bool) -> dict:
+def hf_vla_arm(checkpoint: Path, episodes: int, out: Path, lerobot_settings: bool, task_names: list[str]) -> dict:
     import torch
 
     from hf_vla.evaluation.runner import evaluate_checkpoint
@@ -48,7 +49,7 @@ def hf_vla_arm(checkpoint: Path, episodes: int, out: Path, lerobot_settings: boo
 
     env_kwargs = {"max_episode_steps": LEROBOT_STEPS, "fast_render": False} if lerobot_settings else None
     started = time.perf_counter()
-    result = evaluate_checkpoint(checkpoint, env_id="metaworld", task=",".join(TASKS), episodes=episodes,
+    result = evaluate_checkpoint(checkpoint, env_id="metaworld", task=",".join(task_names), episodes=episodes,
                                  save_videos=0, output_dir=out, env_kwargs=env_kwargs, progress=False,
                                  overrides=("max_episode_steps",) if lerobot_settings else ())
     tasks = {}
@@ -58,14 +59,14 @@ def hf_vla_arm(checkpoint: Path, episodes: int, out: Path, lerobot_settings: boo
     return {**_summary(tasks), "seconds": round(time.perf_counter() - started, 1)}
 
 
-def lerobot_arm(checkpoint: Path, episodes: int, out: Path) -> dict:
+def lerobot_arm(checkpoint: Path, episodes: int, out: Path, task_names: list[str]) -> dict:
     from hf_vla.convert import main as convert_main
 
     policy = out / "policy"
     convert_main(["--input", str(checkpoint), "--to", "lerobot_plugin", "--output", str(policy), "--overwrite", "true"])
     lerobot_eval = Path(sys.executable).with_name("lerobot-eval")
     tasks, started = {}, time.perf_counter()
-    for task in TASKS:
+    for task in task_names:
         run = out / task
         command = [str(lerobot_eval), f"--policy.path={policy}", "--env.type=metaworld", f"--env.task={task}",
                    f"--eval.n_episodes={episodes}", "--eval.batch_size=1", "--seed=10000", "--policy.device=cpu",
@@ -101,25 +102,35 @@ def main(argv=None):
     parser.add_argument("--hf_vla_episodes", type=int, default=None, help="episodes per task of the hf_vla arm "
                         "(default --episodes; the paired comparison uses the seeds both ran)")
     parser.add_argument("--arms", default="hf_vla,lerobot_eval")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="the tasks to run this call; their results replace "
+                        "those tasks' in the output and the other tasks' stay, so an arm can be run a few tasks at a time")
     parser.add_argument("--work", default=str(REPO / "data_cache" / "lerobot_crosscheck"))
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "lerobot_eval_crosscheck_cpu.json"))
     args = parser.parse_args(argv)
     checkpoint, work, output = Path(args.checkpoint), Path(args.work), Path(args.output)
     work.mkdir(parents=True, exist_ok=True)
     results = load_json(output)
-    results |= {"episodes_per_task": args.episodes, "checkpoint": str(checkpoint),
-                "seeds": "10000 + i for episode i of each task, in every arm"}
+    tasks = [t for t in args.tasks.split(",") if t]
+    results |= {"checkpoint": str(checkpoint), "seeds": "10000 + i for episode i of each task, in every arm"}
+    if not isinstance(results.get("episodes_per_task"), dict):
+        results["episodes_per_task"] = {}
     for arm in args.arms.split(","):
+        episodes = args.hf_vla_episodes or args.episodes if arm == "hf_vla" else args.episodes
         if arm == "lerobot_eval":
-            results[arm] = lerobot_arm(checkpoint, args.episodes, work / arm)
-            results["command"] = results[arm].pop("command")
+            new = lerobot_arm(checkpoint, episodes, work / arm, tasks)
+            results["command"] = new.pop("command")
         else:
-            episodes = args.hf_vla_episodes or args.episodes if arm == "hf_vla" else args.episodes
-            results[arm] = hf_vla_arm(checkpoint, episodes, work / arm, lerobot_settings=arm != "hf_vla")
-        for other in ("hf_vla", "hf_vla_as_lerobot"):
-            if other != arm and other in results and "lerobot_eval" in results and arm in ("lerobot_eval", other):
-                results.setdefault("paired_agreement", {})[f"lerobot_eval_vs_{other}"] = paired(
-                    results["lerobot_eval"], results[other])
+            new = hf_vla_arm(checkpoint, episodes, work / arm, lerobot_settings=arm != "hf_vla", task_names=tasks)
+        before = results.get(arm, {})
+        merged = before.get("tasks", {}) | new["tasks"]  # this call's tasks replace theirs, the others stay
+        results[arm] = {**_summary(merged), "seconds": round(before.get("seconds", 0) + new["seconds"], 1)}
+        counts = {t["episodes"] for t in merged.values()}
+        results["episodes_per_task"][arm] = counts.pop() if len(counts) == 1 else {n: t["episodes"]
+                                                                                  for n, t in merged.items()}
+        for first, second in itertools.combinations(("lerobot_eval", "hf_vla", "hf_vla_as_lerobot"), 2):
+            if first in results and second in results:
+                results.setdefault("paired_agreement", {})[f"{first}_vs_{second}"] = paired(results[first],
+                                                                                          results[second])
         output.write_text(json.dumps(results, indent=2) + "\n")
         print(json.dumps({arm: results[arm]["mean_success"]}), flush=True)
 
