@@ -59,29 +59,58 @@ def hf_vla_arm(checkpoint: Path, episodes: int, out: Path, lerobot_settings: boo
     return {**_summary(tasks), "seconds": round(time.perf_counter() - started, 1)}
 
 
-def lerobot_arm(checkpoint: Path, episodes: int, out: Path, task_names: list[str]) -> dict:
+def _lerobot_task(lerobot_eval: Path, policy: Path, task: str, episodes: int, first: int, run: Path) -> list[str]:
+    command = [str(lerobot_eval), f"--policy.path={policy}", "--env.type=metaworld", f"--env.task={task}",
+               f"--eval.n_episodes={episodes}", "--eval.batch_size=1", f"--seed={10_000 + first}",
+               "--policy.device=cpu", f"--output_dir={run}"]
+    return command
+
+
+def lerobot_arm(checkpoint: Path, episodes: int, out: Path, task_names: list[str], first: int = 0,
+                jobs: int = 1, done=None) -> dict:
+    """`lerobot-eval` per task, `jobs` tasks at a time (one thread each). Episodes `first` .. `first + episodes - 1`:
+    lerobot-eval seeds episode i of a call with --seed + i (batch_size 1), so a call from `first` continues the seeds
+    of an earlier one (its sampling-noise stream restarts with the call)."""
     from hf_vla.convert import main as convert_main
 
     policy = out / "policy"
     convert_main(["--input", str(checkpoint), "--to", "lerobot_plugin", "--output", str(policy), "--overwrite", "true"])
     lerobot_eval = Path(sys.executable).with_name("lerobot-eval")
-    tasks, started = {}, time.perf_counter()
-    for task in task_names:
-        run = out / task
-        command = [str(lerobot_eval), f"--policy.path={policy}", "--env.type=metaworld", f"--env.task={task}",
-                   f"--eval.n_episodes={episodes}", "--eval.batch_size=1", "--seed=10000", "--policy.device=cpu",
-                   f"--output_dir={run}"]
-        subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
-        info = json.loads((run / "eval_info.json").read_text())
-        # its per-task successes, in episode order: episode i ran with seed --seed + i (batch_size 1)
-        successes = [bool(ok) for group in info["per_task"] for ok in group["metrics"]["successes"]]
-        seeds = [10_000 + i for i in range(len(successes))]
-        tasks[task] = {"success_rate": sum(successes) / len(successes), "episodes": len(successes),
-                       "successes": sum(successes), "per_seed": {str(s): ok for s, ok in zip(seeds, successes)}}
-        print(json.dumps({task: tasks[task]["success_rate"]}), flush=True)
-    return {**_summary(tasks), "seconds": round(time.perf_counter() - started, 1),
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    if jobs > 1:
+        env["LP_NUM_THREADS"] = "1"  # Mesa's llvmpipe renders on every core otherwise
+    suffix = f"_from{first}" if first else ""
+    pending, running, tasks, started = list(task_names), {}, {}, time.perf_counter()
+    while pending or running:
+        while pending and len(running) < jobs:
+            task = pending.pop(0)
+            command = _lerobot_task(lerobot_eval, policy, task, episodes, first, out / f"{task}{suffix}")
+            running[task] = (subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, env=env), time.perf_counter())
+        time.sleep(2)
+        for task, (process, began) in list(running.items()):
+            if process.poll() is None:
+                continue
+            del running[task]
+            if process.returncode:
+                raise RuntimeError(f"lerobot-eval failed on {task} (rc {process.returncode}): "
+                                   f"rerun {' '.join(process.args)}")
+            info = json.loads((out / f"{task}{suffix}" / "eval_info.json").read_text())
+            successes = [bool(ok) for group in info["per_task"] for ok in group["metrics"]["successes"]]
+            tasks[task] = {"per_seed": {str(10_000 + first + i): ok for i, ok in enumerate(successes)},
+                           "seconds": round(time.perf_counter() - began, 1)}
+            print(json.dumps({task: sum(successes) / len(successes), "episodes": len(successes)}), flush=True)
+            if done is not None:
+                done({task: tasks[task]})  # saved as each task completes: a killed run keeps the finished tasks
+    command = _lerobot_task(lerobot_eval, policy, "TASK", episodes, 0, out)
+    return {"tasks": tasks, "seconds": round(time.perf_counter() - started, 1),
             "command": " ".join(command[:1] + [c for c in command[1:] if not c.startswith("--output_dir")])}
+
+
+def _task_result(per_seed: dict) -> dict:
+    successes = sum(per_seed.values())
+    return {"success_rate": successes / len(per_seed), "episodes": len(per_seed), "successes": successes,
+            "per_seed": dict(sorted(per_seed.items()))}
 
 
 def paired(first: dict, second: dict) -> dict:
@@ -104,6 +133,9 @@ def main(argv=None):
     parser.add_argument("--arms", default="hf_vla,lerobot_eval")
     parser.add_argument("--tasks", default=",".join(TASKS), help="the tasks to run this call; their results replace "
                         "those tasks' in the output and the other tasks' stay, so an arm can be run a few tasks at a time")
+    parser.add_argument("--first_episode", type=int, default=0, help="lerobot_eval: start at episode (seed 10000 +) "
+                        "this; its episodes are added to those the output holds for the task, so 50 can be run as 10 + 40")
+    parser.add_argument("--jobs", type=int, default=1, help="lerobot_eval: tasks run at once, one thread each")
     parser.add_argument("--work", default=str(REPO / "data_cache" / "lerobot_crosscheck"))
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "lerobot_eval_crosscheck_cpu.json"))
     args = parser.parse_args(argv)
@@ -114,16 +146,10 @@ def main(argv=None):
     results |= {"checkpoint": str(checkpoint), "seeds": "10000 + i for episode i of each task, in every arm"}
     if not isinstance(results.get("episodes_per_task"), dict):
         results["episodes_per_task"] = {}
-    for arm in args.arms.split(","):
-        episodes = args.hf_vla_episodes or args.episodes if arm == "hf_vla" else args.episodes
-        if arm == "lerobot_eval":
-            new = lerobot_arm(checkpoint, episodes, work / arm, tasks)
-            results["command"] = new.pop("command")
-        else:
-            new = hf_vla_arm(checkpoint, episodes, work / arm, lerobot_settings=arm != "hf_vla", task_names=tasks)
+    def save(arm: str, new_tasks: dict, seconds: float) -> None:
         before = results.get(arm, {})
-        merged = before.get("tasks", {}) | new["tasks"]  # this call's tasks replace theirs, the others stay
-        results[arm] = {**_summary(merged), "seconds": round(before.get("seconds", 0) + new["seconds"], 1)}
+        merged = before.get("tasks", {}) | new_tasks  # this call's tasks replace theirs, the others stay
+        results[arm] = {**_summary(merged), "seconds": round(before.get("seconds", 0) + seconds, 1)}
         counts = {t["episodes"] for t in merged.values()}
         results["episodes_per_task"][arm] = counts.pop() if len(counts) == 1 else {n: t["episodes"]
                                                                                   for n, t in merged.items()}
@@ -132,8 +158,27 @@ def main(argv=None):
                 results.setdefault("paired_agreement", {})[f"{first}_vs_{second}"] = paired(results[first],
                                                                                           results[second])
         output.write_text(json.dumps(results, indent=2) + "\n")
-        print(json.dumps({arm: results[arm]["mean_success"]}), flush=True)
 
+    def lerobot_done(new: dict) -> None:
+        kept = results.get("lerobot_eval", {}).get("tasks", {}) if args.first_episode else {}
+        merged = {}
+        for task, result in new.items():
+            earlier = {s: ok for s, ok in kept.get(task, {}).get("per_seed", {}).items()
+                       if int(s) < 10_000 + args.first_episode}
+            merged[task] = _task_result(earlier | result["per_seed"]) | {
+                "seconds": round(result["seconds"] + (kept.get(task, {}).get("seconds", 0) if earlier else 0), 1)}
+        save("lerobot_eval", merged, sum(r["seconds"] for r in new.values()))  # each task on its own core
+
+    for arm in args.arms.split(","):
+        episodes = args.hf_vla_episodes or args.episodes if arm == "hf_vla" else args.episodes
+        if arm == "lerobot_eval":
+            new = lerobot_arm(checkpoint, episodes, work / arm, tasks, args.first_episode, args.jobs, lerobot_done)
+            results["command"] = new["command"]
+            output.write_text(json.dumps(results, indent=2) + "\n")
+        else:
+            new = hf_vla_arm(checkpoint, episodes, work / arm, lerobot_settings=arm != "hf_vla", task_names=tasks)
+            save(arm, new["tasks"], new["seconds"])
+        print(json.dumps({arm: results[arm]["mean_success"]}), flush=True)
 
 if __name__ == "__main__":
     main()
