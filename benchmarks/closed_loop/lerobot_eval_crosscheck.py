@@ -77,6 +77,8 @@ def lerobot_arm(checkpoint: Path, episodes: int, out: Path, task_names: list[str
     convert_main(["--input", str(checkpoint), "--to", "lerobot_plugin", "--output", str(policy), "--overwrite", "true"])
     lerobot_eval = Path(sys.executable).with_name("lerobot-eval")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.setdefault("MUJOCO_GL", "egl")  # headless, as hf_vla's Meta-World env: lerobot's sets no backend
+    env.setdefault("PYOPENGL_PLATFORM", env["MUJOCO_GL"])
     if jobs > 1:
         env["LP_NUM_THREADS"] = "1"  # Mesa's llvmpipe renders on every core otherwise
     suffix = f"_from{first}" if first else ""
