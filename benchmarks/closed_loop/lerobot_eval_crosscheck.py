@@ -4,9 +4,9 @@ against `hf_vla.evaluate`, the five-task Meta-World checkpoint of the 20-minute 
     python -m benchmarks.closed_loop.metaworld_benchmark --stage record --work data_cache/mw_cross
     python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20 --steps_per_s 4.78 \
         --checkpoints 1 --work data_cache/mw_cross --output /tmp/mw.json         # the checkpoint (20 CPU-minutes)
-    python -m benchmarks.closed_loop.lerobot_eval_crosscheck --checkpoint data_cache/mw_cross/hf_vla/run \
+    python -m benchmarks.closed_loop.lerobot_eval_crosscheck --checkpoint data_cache/mw_cross/hf_vla \
         --episodes 50 [--arms hf_vla,lerobot_eval,hf_vla_as_lerobot] [--tasks reach-v3,push-v3]   # a few at a time
-    python -m benchmarks.closed_loop.lerobot_eval_crosscheck --checkpoint data_cache/mw_cross/hf_vla/run \
+    python -m benchmarks.closed_loop.lerobot_eval_crosscheck --checkpoint data_cache/mw_cross/hf_vla \
         --arms lerobot_eval --first_episode 10 --episodes 40 --jobs 2     # 10 episodes done: seeds 10010..10049 added
 
 Arms (each writes its JSON under `--work` and the result is merged into `--output` as it completes, so a killed run
