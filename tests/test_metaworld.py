@@ -227,6 +227,38 @@ def test_the_expert_ceiling_and_upright_images():
         env.close()
 
 
+SEQUENTIAL = r"""
+import gc, json, numpy as np
+from hf_vla.envs.metaworld import MetaWorldEnv
+frames, previous = [], None
+for task in ("reach-v3", "push-v3", "reach-v3"):
+    env = MetaWorldEnv(task, image_size=32, cameras="corner2,gripperPOV")
+    observation, _ = env.reset(seed=5)
+    del previous  # the closed env collected while this one's GL context is current (as gc may do at any time)
+    gc.collect()
+    for _ in range(3):
+        observation, *_ = env.step(env.expert_action())
+    frames.append([observation[k].astype(float).tolist() for k in sorted(observation) if "image" in k])
+    env.close()
+    previous = env
+print(json.dumps(frames))
+"""
+
+
+def test_envs_made_one_after_another_in_a_process_render_alike():
+    """Closing an env frees its render context in its own GL context: the next env in the process renders its scene
+    however late the closed one is collected (before, collected while the next env's context was current, it took
+    that context's buffers with it and every later frame came out black), and the same task and seed render alike."""
+    result = subprocess.run([sys.executable, "-c", SEQUENTIAL], capture_output=True, text=True, cwd=REPO,
+                            timeout=300, env=dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, other, again = (np.asarray(f) for f in json.loads(result.stdout.strip().splitlines()[-1]))
+    assert first.shape == (2, 32, 32, 3)
+    assert other.std() > 10 and again.std() > 10  # a scene, not a black frame
+    assert np.abs(first - other).mean() > 1  # push's scene is not reach's
+    np.testing.assert_array_equal(first, again)
+
+
 def test_the_absolute_end_effector_space_commands_what_the_delta_does():
     """`action_mode="absolute_ee"`: the expert's actions are hand targets (`hand + 0.01 x delta`, gripper unchanged) and
     stepping them moves the arm as the deltas do: an episode in each space from one seed visits the same states (to

@@ -18,9 +18,10 @@ Rendering is headless (`MUJOCO_GL=egl` unless set: Mesa software rendering, Debi
 the first frame: 7-16 ms instead of 55-140 ms a frame, the same scene with harder edges. Recording and evaluation must
 use the same setting, and do (both go through this class).
 
-A process holds one GL context well; a second one in the same process gave broken frames. `in_worker(...)` therefore
-runs each env in its own process (`hf_vla.envs.worker`) and drives it from this one: the recorder and the evaluator
-use it, one worker per env.
+Envs made one after another in a process render alike (`close` frees each render context in its own GL context;
+without that the next env's frames came out black). `in_worker(...)` runs an env in its own process
+(`hf_vla.envs.worker`) and drives it from this one: the recorder and the evaluator use it, one worker per env, so
+several envs step side by side.
 """
 
 from __future__ import annotations
@@ -388,6 +389,13 @@ class MetaWorldEnv(gym.Env):
         return np.stack(plan) if plan else np.zeros((0, 4), np.float32)
 
     def close(self):
+        # mujoco frees a viewer's render context (MjrContext) in whatever GL context is current when the viewer is
+        # collected: after gymnasium's close has destroyed the viewer's own, that is the next env's, whose frames
+        # then come out black. Freed here, in its own context, a process makes one env after another.
+        renderer = getattr(self.inner._env, "mujoco_renderer", None)
+        for viewer in getattr(renderer, "_viewers", {}).values():
+            viewer.make_context_current()
+            viewer.con.free()
         self.inner.close()
 
 
