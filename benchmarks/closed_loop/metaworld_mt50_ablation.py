@@ -162,7 +162,9 @@ def override_flags(overrides: dict) -> list[str]:
 
 def _train(data: Path, out: Path, steps: int, overrides: dict, ranges: dict, env: dict,
            target_text_key: str | None = None, save: bool = True) -> float:
-    dataset = [{"root": str(data), "name": "mt50", "cameras": ["observation.image"], "control_mode": "delta_xyz_gripper",
+    from benchmarks.common import recorded_cameras
+
+    dataset = [{"root": str(data), "name": "mt50", "cameras": recorded_cameras(data), "control_mode": "delta_xyz_gripper",
                 "keep_ranges": ranges, **({"target_text_key": target_text_key} if target_text_key else {})}]
     flags = override_flags(overrides)
     resume = ["--resume_from_checkpoint", "true"] if list(out.glob("checkpoint-*")) else []
