@@ -2,14 +2,28 @@
 
     python -m benchmarks.closed_loop.metaworld_cameras --stage render          # ms per frame per camera, 96 / 128 px
     python -m benchmarks.closed_loop.metaworld_cameras --stage record          # the five-task recording, 1 and 2 cameras
+    # the five-task success arm with two cameras (its own 200-step probe, alone, then 20 minutes' steps):
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20 --checkpoints 1 \
+        --work data_cache/metaworld_cameras/two_cameras --output data_cache/metaworld_cameras/two_cameras/benchmark.json
+    python -m benchmarks.closed_loop.metaworld_benchmark --stage evaluate --which hf_vla --checkpoint_episodes 0 \
+        --episodes 50 --work data_cache/metaworld_cameras/two_cameras --output data_cache/metaworld_cameras/two_cameras/benchmark.json
+    # the four object-centred tasks with two cameras (the MT50 recipe's flow-only arm, 15 minutes):
+    python -m hf_vla.record --env metaworld --task basketball,peg-insert-side,push,pick-place --episodes 50 \
+        --output data_cache/mt50_4_cams --image_size 160 --cameras corner2,gripperPOV
+    python -m benchmarks.closed_loop.metaworld_mt50_ablation --data data_cache/mt50_4_cams --work \
+        data_cache/object_centred_cams --output data_cache/object_centred_cams/result.json --budget_min 15 --settings flow_only
+    python -m benchmarks.closed_loop.metaworld_cameras --stage collect         # the arms into the issue's schema
 
 `render`: in a process of its own (one GL context), `--steps` env steps of reach-v3 at each image size with corner2
 alone and with corner2 + gripperPOV; per camera, the time of its render and resize (the fast-render setting, as
 recording and evaluation use), and the whole env step. `record`: the five-task benchmark's record stage
 (`--record_episodes` per task, 96 px) with each camera set into `--work`/<arm>, its seconds and frames; a success arm
 trains on that recording (`metaworld_benchmark --stage hf_vla --work <work>/two_cameras`). Results are merged into
-`benchmarks/results/metaworld_cameras_cpu.json` (`render`, `record`); the success-rate arms of the issue
-(`five_task`, `object_centred`, `mt50`) go there too when measured.
+`benchmarks/results/metaworld_cameras_cpu.json` (`render`, `record`). `collect`: the success arms in the issue's
+schema (`five_task`, `object_centred`: `{"one_camera", "two_cameras"}`, each `{"mean_success", "tasks", "minutes",
+"steps"}`, percent): a two-camera arm from its run above, a one-camera arm from its own run under `--work` when there
+is one, else from the committed one-camera result of the same recipe (`metaworld_cpu.json`, the `flow_only` arm of
+`metaworld_object_centred_cpu.json`), named in its `source`.
 """
 
 from __future__ import annotations
@@ -83,20 +97,73 @@ def stage_record(work: Path, episodes: int) -> dict:
     return out
 
 
+def _percent(rate: float) -> float:
+    return round(100 * rate, 1)
+
+
+def _five_task_arm(results: dict, source: str) -> dict | None:
+    """A five-task run's final checkpoint (metaworld_benchmark's results: `hf_vla`, its `closed_loop`)."""
+    run = results.get("hf_vla") or {}
+    closed = run.get("closed_loop") or {}
+    if not closed:
+        return None
+    last = closed[sorted(closed, key=lambda name: int(name.split("-")[1].split("_")[0]))[-1]]
+    episodes = {r.get("episodes") for r in last["tasks"].values()} - {None}
+    return {"mean_success": _percent(last["success_rate"]),
+            "tasks": {task: _percent(r["success_rate"]) for task, r in last["tasks"].items()},
+            "minutes": run["budget_min"], "steps": run["max_steps"], "train_seconds": run["train_seconds"],
+            "probe_steps_per_s": run["probe_steps_per_s"], "episodes_per_task": max(episodes) if episodes else 50,
+            "cameras": results.get("record", {}).get("cameras", ["observation.image"]), "source": source}
+
+
+def _object_centred_arm(results: dict, source: str) -> dict | None:
+    """The MT50 recipe's flow-only arm on the four tasks (metaworld_mt50_ablation's results)."""
+    arm = (results.get("settings") or {}).get("flow_only")
+    if not arm:
+        return None
+    return {"mean_success": _percent(arm["mean_success"]),
+            "tasks": {task: _percent(rate) for task, rate in arm["tasks"].items()}, "minutes": arm["budget_min"],
+            "steps": arm["steps"], "train_seconds": arm["train_seconds"],
+            "probe_steps_per_s": arm["probe_steps_per_s"], "episodes_per_task": arm["episodes_per_task"],
+            "data": arm.get("data"), "source": source}
+
+
+def stage_collect(work: Path, object_centred_work: Path) -> dict:
+    def relative(path: Path) -> str:
+        return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+    five, centred = {}, {}
+    for arm in CAMERA_SETS:
+        own = work / arm / "benchmark.json"
+        five[arm] = _five_task_arm(load_json(own), relative(own))
+    if five["one_camera"] is None:
+        committed = result_path("metaworld")
+        five["one_camera"] = _five_task_arm(load_json(committed), f"{relative(committed)} (the committed run)")
+    own = object_centred_work / "result.json"
+    centred["two_cameras"] = _object_centred_arm(load_json(own), relative(own))
+    committed = result_path("metaworld_object_centred")
+    centred["one_camera"] = _object_centred_arm(load_json(committed), f"{relative(committed)} (the committed run)")
+    return {"five_task": five, "object_centred": centred}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=["render", "record"], required=True)
+    parser.add_argument("--stage", choices=["render", "record", "collect"], required=True)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--record_episodes", type=int, default=50)
     parser.add_argument("--work", default=str(REPO / "data_cache" / "metaworld_cameras"))
+    parser.add_argument("--object_centred_work", default=str(REPO / "data_cache" / "object_centred_cams"),
+                        help="collect: the object-centred two-camera run's --work (its result.json)")
     parser.add_argument("--output", default=str(result_path("metaworld_cameras")))
     args = parser.parse_args(argv)
     output = Path(args.output)
     results = load_json(output)
     if args.stage == "render":
         results["render"] = stage_render(args.steps)
-    else:
+    elif args.stage == "record":
         results["record"] = stage_record(Path(args.work), args.record_episodes)
+    else:
+        results.update(stage_collect(Path(args.work), Path(args.object_centred_work)))
     output.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
 
