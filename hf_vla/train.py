@@ -163,6 +163,7 @@ def _train(model_args, data_args, training_args):
         stats = {"head_names": mixture.head_names, "norm_stats": mixture.norm_stats}
         (Path(training_args.output_dir) / "norm_stats.json").write_text(json.dumps(stats, indent=2))
     trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics)  # train_results.json: train_runtime, train_steps_per_second, ...
     if trainer.eval_dataset is not None:
         metrics = trainer.evaluate()
         trainer.log_metrics("eval", metrics)

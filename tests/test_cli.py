@@ -230,6 +230,8 @@ def test_commands_print_their_results_not_library_noise(tmp_path):
         assert text not in result.stderr + result.stdout, text
     assert len(result.stderr.replace("\r", "\n").splitlines()) < 60
     assert f"saved the trained model to {out}" in result.stdout
+    train_metrics = json.loads((out / "train_results.json").read_text())  # the run's own rate, beside the weights
+    assert train_metrics["train_steps_per_second"] > 0 and train_metrics["train_runtime"] > 0
     assert "trainable parameters: 1,127,522 of 1,258,850 (89.57%)" in result.stderr  # what trains, said once
     verbose, _ = train("--verbose")
     assert "[libx264" in verbose.stderr  # the library logs are only hidden

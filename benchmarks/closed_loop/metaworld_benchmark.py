@@ -89,12 +89,16 @@ def _train(work: Path, out: Path, overrides: list[str], config: Path = CONFIG) -
 def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict, tag: str = "hf_vla",
                  rate: float | None = None, rollout_episodes: int = 0, max_episode_steps: int = 200,
                  config: Path = CONFIG):
+    rate_probed = rate is None
     if rate is None:  # the step rate, measured undisturbed (a run's wall clock may be stretched by other work)
         probe = work / f"probe_{tag}"
         probe_steps = 200
         seconds = _train(work, probe, ["--max_steps", str(probe_steps), "--save_strategy", "no", "--validation_ratio",
                                        "0.05", "--eval_strategy", "no"], config)
         rate = probe_steps / seconds  # includes start-up: a safe under-estimate
+        # the training loop's own rate (Trainer's train_runtime, without model build and data scan): with two
+        # video streams the start-up was a third of a 200-step probe, so the two rates differ by up to 1.5x
+        loop = _load(probe / "train_results.json").get("train_steps_per_second")
     steps = int(rate * budget_min * 60 / 100) * 100
     out = work / tag
     save = max(100, steps // checkpoints // 100 * 100)
@@ -117,6 +121,7 @@ def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict,
     peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # the largest child so far: the training
     results[tag] = {"peak_rss_gb": round(peak_gb, 2), "config": str(Path(config).relative_to(REPO)) if Path(config).is_relative_to(REPO) else str(config),
                     "budget_min": budget_min, "probe_steps_per_s": round(rate, 2), "max_steps": steps,
+                    **({"probe_loop_steps_per_s": round(loop, 2)} if rate_probed and loop else {}),
                     "train_seconds": round(seconds, 1), "checkpoint_every": save, "offline": evals, "batch_size": 32}
     if (out / "rollout_results.jsonl").exists():  # hf_vla.training.rollouts: per-task success at each rollout step
         results[tag]["rollouts"] = {

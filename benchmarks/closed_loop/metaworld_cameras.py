@@ -2,8 +2,10 @@
 
     python -m benchmarks.closed_loop.metaworld_cameras --stage render          # ms per frame per camera, 96 / 128 px
     python -m benchmarks.closed_loop.metaworld_cameras --stage record          # the five-task recording, 1 and 2 cameras
-    # the five-task success arm with two cameras, at the one-camera run's 5,700 steps (both loops run 4.78-4.79
-    # steps/s alone; the 200-step probe's wall clock, start-up included, said 3.24 and gave 3,800: run as well)
+    python -m benchmarks.closed_loop.metaworld_cameras --stage probe           # each arm's 200-step probe, one machine
+    # the five-task success arm with two cameras, at the one-camera run's 5,700 steps: more than its own minutes
+    # (the probe stage: 200 steps at 3.75 steps/s with start-up, 4,500 steps in 20 minutes; one camera 4.84), so the
+    # comparison favours two cameras
     python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min 20 --checkpoints 1 \
         --steps_per_s 4.78 --tag hf_vla_5700 --work data_cache/metaworld_cameras/two_cameras \
         --output data_cache/metaworld_cameras/two_cameras/benchmark.json
@@ -21,8 +23,10 @@
 alone and with corner2 + gripperPOV; per camera, the time of its render and resize (the fast-render setting, as
 recording and evaluation use), and the whole env step. `record`: the five-task benchmark's record stage
 (`--record_episodes` per task, 96 px) with each camera set into `--work`/<arm>, its seconds and frames; a success arm
-trains on that recording (`metaworld_benchmark --stage hf_vla --work <work>/two_cameras`). Results are merged into
-`benchmarks/results/metaworld_cameras_cpu.json` (`render`, `record`). `collect`: the success arms in the issue's
+trains on that recording (`metaworld_benchmark --stage hf_vla --work <work>/two_cameras`). `probe`: on each arm's
+recording, the recipe's 200-step probe one after the other, its rate with start-up (what a budget's steps are set
+from) and its training loop's rate. Results are merged into `benchmarks/results/metaworld_cameras_cpu.json`
+(`render`, `record`, `probe`). `collect`: the success arms in the issue's
 schema (`five_task`, `object_centred`: `{"one_camera", "two_cameras"}`, each `{"mean_success", "tasks", "minutes",
 "steps"}`, percent): a two-camera arm from its run above, a one-camera arm from its own run under `--work` when there
 is one, else from the committed one-camera result of the same recipe (`metaworld_cpu.json`, the `flow_only` arm of
@@ -41,8 +45,8 @@ from pathlib import Path
 from benchmarks.common import REPO, load_json, result_path
 
 CAMERA_SETS = {"one_camera": "corner2", "two_cameras": "corner2,gripperPOV"}
-# The two-camera five-task run at the one-camera run's steps: their training loops ran 4.79 and 4.78 steps/s alone,
-# so equal steps are equal minutes (`metaworld_benchmark --tag hf_vla_5700 --steps_per_s 4.78`)
+# The two-camera five-task run at the one-camera run's steps (`metaworld_benchmark --tag hf_vla_5700 --steps_per_s
+# 4.78`, the one-camera probe's rate): within the 20 minutes, and more of them than two cameras' own probe gives
 EQUAL_STEPS_TAG = "hf_vla_5700"
 
 RENDER = r"""
@@ -99,6 +103,28 @@ def stage_record(work: Path, episodes: int) -> dict:
         out[arm] = {"cameras": recorded["cameras"], "wall_seconds": round(time.perf_counter() - started, 1),
                     "record_seconds": recorded["seconds"], "frames": recorded["frames"],
                     "episodes_per_task": episodes, "expert_success": recorded["expert_success"]}
+        print(json.dumps({arm: out[arm]}), flush=True)
+    return out
+
+
+def stage_probe(work: Path, steps: int) -> dict:
+    """The five-task recipe's 200-step probe on each arm's recording (`work/<arm>`, from the record stage), one after
+    the other on this machine: its wall-clock rate with start-up (what `metaworld_benchmark --stage hf_vla` sets its
+    steps from) and the training loop's own rate (Trainer's `train_steps_per_second`)."""
+    from benchmarks.closed_loop.metaworld_benchmark import _train
+
+    out = {}
+    for arm in CAMERA_SETS:
+        probe = work / arm / "probe_rates"
+        seconds = _train(work / arm, probe, ["--max_steps", str(steps), "--save_strategy", "no",
+                                             "--validation_ratio", "0.05", "--eval_strategy", "no"])
+        loop = load_json(probe / "train_results.json")
+        out[arm] = {"steps": steps, "wall_seconds": round(seconds, 1),
+                    "steps_per_s_with_start_up": round(steps / seconds, 2),
+                    "loop_steps_per_s": round(loop["train_steps_per_second"], 2),
+                    "start_up_seconds": round(seconds - loop["train_runtime"], 1),
+                    # the recording it trains on, as this machine made it (the record stage, or metaworld_benchmark's)
+                    "recording_seconds": load_json(work / arm / "results.json").get("record", {}).get("seconds")}
         print(json.dumps({arm: out[arm]}), flush=True)
     return out
 
@@ -160,12 +186,18 @@ def stage_collect(work: Path, object_centred_work: Path) -> dict:
     centred["two_cameras"] = _object_centred_arm(load_json(own), relative(own))
     committed = result_path("metaworld_object_centred")
     centred["one_camera"] = _object_centred_arm(load_json(committed), f"{relative(committed)} (the committed run)")
-    return {"five_task": five, "object_centred": centred}
+    # the issue's MT50 arm runs only where two cameras win both comparisons above
+    wins = {name: arms["two_cameras"]["mean_success"] > arms["one_camera"]["mean_success"]
+            for name, arms in (("five_task", five), ("object_centred", centred))
+            if arms.get("two_cameras") and arms.get("one_camera")}
+    mt50 = {"run": False, "two_cameras_win": wins,
+            "why": "MT50 with two cameras runs only if two cameras win both the five-task and the object-centred arms"}
+    return {"five_task": five, "object_centred": centred, "mt50": mt50}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=["render", "record", "collect"], required=True)
+    parser.add_argument("--stage", choices=["render", "record", "probe", "collect"], required=True)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--record_episodes", type=int, default=50)
     parser.add_argument("--work", default=str(REPO / "data_cache" / "metaworld_cameras"))
@@ -179,6 +211,8 @@ def main(argv=None):
         results["render"] = stage_render(args.steps)
     elif args.stage == "record":
         results["record"] = stage_record(Path(args.work), args.record_episodes)
+    elif args.stage == "probe":
+        results["probe"] = stage_probe(Path(args.work), args.steps)
     else:
         results.update(stage_collect(Path(args.work), Path(args.object_centred_work)))
     output.write_text(json.dumps(results, indent=2) + "\n")
