@@ -96,8 +96,8 @@ def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict,
         seconds = _train(work, probe, ["--max_steps", str(probe_steps), "--save_strategy", "no", "--validation_ratio",
                                        "0.05", "--eval_strategy", "no"], config)
         rate = probe_steps / seconds  # includes start-up: a safe under-estimate
-        # the training loop's own rate (Trainer's train_runtime, without model build and data scan): with two
-        # video streams the start-up was a third of a 200-step probe, so the two rates differ by up to 1.5x
+        # the training loop's own rate (Trainer's train_runtime, without model build and data scan): the start-up
+        # was 9-12 s of a 200-step probe's 41-53 s here (metaworld_cameras_cpu.json's `probe`), so 1.2-1.4x above `rate`
         loop = _load(probe / "train_results.json").get("train_steps_per_second")
     steps = int(rate * budget_min * 60 / 100) * 100
     out = work / tag
