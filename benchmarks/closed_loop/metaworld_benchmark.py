@@ -86,19 +86,25 @@ def _train(work: Path, out: Path, overrides: list[str], config: Path = CONFIG) -
     return time.perf_counter() - started
 
 
+def probe(work: Path, out: Path, steps: int = 200, config: Path = CONFIG) -> dict:
+    """A `steps`-step training run without checkpoints or evaluation: its rate with start-up (`steps_per_s`, a safe
+    under-estimate that a budget's steps are set from) and its training loop's own (Trainer's `train_runtime`, without
+    model build and data scan: the start-up was 9-12 s of a 200-step probe's 41-53 s, metaworld_cameras_cpu.json)."""
+    seconds = _train(work, out, ["--max_steps", str(steps), "--save_strategy", "no", "--validation_ratio", "0.05",
+                                 "--eval_strategy", "no"], config)
+    loop = _load(out / "train_results.json")
+    return {"steps": steps, "seconds": seconds, "steps_per_s": steps / seconds,
+            "loop_steps_per_s": loop.get("train_steps_per_second"),
+            "start_up_seconds": seconds - loop["train_runtime"] if "train_runtime" in loop else None}
+
+
 def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict, tag: str = "hf_vla",
                  rate: float | None = None, rollout_episodes: int = 0, max_episode_steps: int = 200,
                  config: Path = CONFIG):
-    rate_probed = rate is None
+    loop = None  # the training loop's own rate, when the probe runs here
     if rate is None:  # the step rate, measured undisturbed (a run's wall clock may be stretched by other work)
-        probe = work / f"probe_{tag}"
-        probe_steps = 200
-        seconds = _train(work, probe, ["--max_steps", str(probe_steps), "--save_strategy", "no", "--validation_ratio",
-                                       "0.05", "--eval_strategy", "no"], config)
-        rate = probe_steps / seconds  # includes start-up: a safe under-estimate
-        # the training loop's own rate (Trainer's train_runtime, without model build and data scan): the start-up
-        # was 9-12 s of a 200-step probe's 41-53 s here (metaworld_cameras_cpu.json's `probe`), so 1.2-1.4x above `rate`
-        loop = _load(probe / "train_results.json").get("train_steps_per_second")
+        measured = probe(work, work / f"probe_{tag}", config=config)
+        rate, loop = measured["steps_per_s"], measured["loop_steps_per_s"]
     steps = int(rate * budget_min * 60 / 100) * 100
     out = work / tag
     save = max(100, steps // checkpoints // 100 * 100)
@@ -121,7 +127,7 @@ def stage_hf_vla(work: Path, budget_min: float, checkpoints: int, results: dict,
     peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # the largest child so far: the training
     results[tag] = {"peak_rss_gb": round(peak_gb, 2), "config": str(Path(config).relative_to(REPO)) if Path(config).is_relative_to(REPO) else str(config),
                     "budget_min": budget_min, "probe_steps_per_s": round(rate, 2), "max_steps": steps,
-                    **({"probe_loop_steps_per_s": round(loop, 2)} if rate_probed and loop else {}),
+                    **({"probe_loop_steps_per_s": round(loop, 2)} if loop else {}),
                     "train_seconds": round(seconds, 1), "checkpoint_every": save, "offline": evals, "batch_size": 32}
     if (out / "rollout_results.jsonl").exists():  # hf_vla.training.rollouts: per-task success at each rollout step
         results[tag]["rollouts"] = {

@@ -115,18 +115,15 @@ def stage_probe(work: Path, steps: int) -> dict:
     """The five-task recipe's 200-step probe on each arm's recording (`work/<arm>`, from the record stage), one after
     the other on this machine: its wall-clock rate with start-up (what `metaworld_benchmark --stage hf_vla` sets its
     steps from) and the training loop's own rate (Trainer's `train_steps_per_second`)."""
-    from benchmarks.closed_loop.metaworld_benchmark import _train
+    from benchmarks.closed_loop.metaworld_benchmark import probe
 
     out = {}
     for arm in CAMERA_SETS:
-        probe = work / arm / "probe_rates"
-        seconds = _train(work / arm, probe, ["--max_steps", str(steps), "--save_strategy", "no",
-                                             "--validation_ratio", "0.05", "--eval_strategy", "no"])
-        loop = load_json(probe / "train_results.json")
-        out[arm] = {"steps": steps, "wall_seconds": round(seconds, 1),
-                    "steps_per_s_with_start_up": round(steps / seconds, 2),
-                    "loop_steps_per_s": round(loop["train_steps_per_second"], 2),
-                    "start_up_seconds": round(seconds - loop["train_runtime"], 1),
+        measured = probe(work / arm, work / arm / "probe_rates", steps)
+        out[arm] = {"steps": steps, "wall_seconds": round(measured["seconds"], 1),
+                    "steps_per_s_with_start_up": round(measured["steps_per_s"], 2),
+                    "loop_steps_per_s": round(measured["loop_steps_per_s"], 2),
+                    "start_up_seconds": round(measured["start_up_seconds"], 1),
                     # the recording it trains on, as this machine made it (the record stage, or metaworld_benchmark's)
                     "recording_seconds": load_json(work / arm / "results.json").get("record", {}).get("seconds")}
         print(json.dumps({arm: out[arm]}), flush=True)
