@@ -10,7 +10,9 @@ against `hf_vla.evaluate`, the five-task Meta-World checkpoint of the 20-minute 
         --arms lerobot_eval --first_episode 10 --episodes 40 --jobs 2     # 10 episodes done: seeds 10010..10049 added
 
 Arms (each writes its JSON under `--work` and the result is merged into `--output` as it completes, so a killed run
-keeps what finished):
+keeps what finished). `--output` records the checkpoint's weights (`weights_sha256`) and refuses to merge another
+checkpoint's arms into it (`--replace` starts it anew); the training's steps and seconds come from the benchmark's
+`results.json` beside the checkpoint:
 - `hf_vla`: `python -m hf_vla.evaluate` with every setting from the checkpoint's contract (episode limit, fast render);
 - `lerobot_eval`: `lerobot-eval --policy.path=<plugin dir> --env.type=metaworld --env.task=<task> --seed=10000`, one
   task per call: lerobot's env (480 px frames with shadows, reflections and multisampling, 500-step episodes), its
@@ -24,6 +26,7 @@ Both harnesses seed episode i of a task with 10,000 + i, so episodes are paired 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -128,6 +131,27 @@ def paired(first: dict, second: dict) -> dict:
     return out
 
 
+def fingerprint(checkpoint: Path) -> str:
+    """The weights' sha256 (first 16 hex digits): a retraining at the same path is another checkpoint."""
+    digest = hashlib.sha256()
+    with (checkpoint / "model.safetensors").open("rb") as weights:
+        for block in iter(lambda: weights.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def training(checkpoint: Path) -> dict | None:
+    """How the checkpoint was made, from the benchmark's results.json beside it (`metaworld_benchmark --work`)."""
+    results = load_json(checkpoint.parent / "results.json")
+    run = results.get(checkpoint.name)
+    if not run:
+        return None
+    return {"recipe": "python -m benchmarks.closed_loop.metaworld_benchmark --stage hf_vla --budget_min "
+                      f"{run['budget_min']:g} --steps_per_s {run['probe_steps_per_s']} --checkpoints 1",
+            "max_steps": run["max_steps"], "train_seconds": run["train_seconds"],
+            "recorded_frames": results.get("record", {}).get("frames")}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True)
@@ -142,10 +166,20 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, default=1, help="lerobot_eval: tasks run at once, one thread each")
     parser.add_argument("--work", default=str(REPO / "data_cache" / "lerobot_crosscheck"))
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "lerobot_eval_crosscheck_cpu.json"))
+    parser.add_argument("--replace", action="store_true", help="start --output anew when it holds another "
+                        "checkpoint's results (refused otherwise: arms of two checkpoints are not one comparison)")
     args = parser.parse_args(argv)
     checkpoint, work, output = Path(args.checkpoint), Path(args.work), Path(args.output)
     work.mkdir(parents=True, exist_ok=True)
-    results = load_json(output)
+    results, weights = load_json(output), fingerprint(checkpoint)
+    if results and results.get("weights_sha256") != weights:
+        if not args.replace:
+            parser.error(f"{output} holds results of checkpoint weights {results.get('weights_sha256')}, not "
+                         f"{checkpoint}'s {weights}: pass --replace to start it anew, or another --output")
+        results = {}
+    results["weights_sha256"] = weights
+    if made := training(checkpoint):
+        results["training"] = made
     tasks = [t for t in args.tasks.split(",") if t]
     results |= {"checkpoint": str(checkpoint), "seeds": "10000 + i for episode i of each task, in every arm"}
     if not isinstance(results.get("episodes_per_task"), dict):
