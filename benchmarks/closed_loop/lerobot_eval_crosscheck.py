@@ -152,6 +152,30 @@ def training(checkpoint: Path) -> dict | None:
             "recorded_frames": results.get("record", {}).get("frames")}
 
 
+def adoptable(results: dict, earlier: dict) -> dict:
+    """What an earlier output of a checkpoint this one reproduces lends: its arms' tasks this output lacks. The gate is
+    the hf_vla arm: every task, every seed, the same outcome in both (a retraining on the same recording with the same
+    seed and steps reproduces the weights on CPU; the earlier weights may be gone, so their sha256 cannot be compared).
+    Tasks both ran are kept as here, their agreement on the seeds both ran reported."""
+    ours, theirs = results.get("hf_vla", {}).get("tasks", {}), earlier.get("hf_vla", {}).get("tasks", {})
+    differ = sorted(t for t in set(ours) | set(theirs)
+                    if ours.get(t, {}).get("per_seed") != theirs.get(t, {}).get("per_seed"))
+    if not ours or differ:
+        raise SystemExit(f"the earlier output's hf_vla arm differs from this one's on {differ or 'every task'}: "
+                         "another checkpoint, nothing adopted (run the hf_vla arm here first)")
+    lent, agreement = {}, {}
+    for arm in ("lerobot_eval", "hf_vla_as_lerobot"):
+        here, there = results.get(arm, {}).get("tasks", {}), earlier.get(arm, {}).get("tasks", {})
+        lent[arm] = {t: there[t] for t in TASKS if t in there and t not in here}
+        for task in set(here) & set(there):
+            common = set(here[task]["per_seed"]) & set(there[task]["per_seed"])
+            same = sum(here[task]["per_seed"][s] == there[task]["per_seed"][s] for s in common)
+            agreement.setdefault(arm, {})[task] = f"{same}/{len(common)}"
+    hf_vla_episodes = sum(t["episodes"] for t in ours.values())
+    return {"tasks": {arm: tasks for arm, tasks in lent.items() if tasks}, "agreement": agreement,
+            "hf_vla_same_outcome": f"{hf_vla_episodes}/{hf_vla_episodes}"}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True)
@@ -166,6 +190,9 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, default=1, help="lerobot_eval: tasks run at once, one thread each")
     parser.add_argument("--work", default=str(REPO / "data_cache" / "lerobot_crosscheck"))
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "lerobot_eval_crosscheck_cpu.json"))
+    parser.add_argument("--adopt", default=None, help="an earlier output (e.g. `git show REV:PATH > F`) whose "
+                        "hf_vla arm this checkpoint reproduces seed for seed: its arms' tasks this output lacks are "
+                        "added, with where they came from (`adopted`)")
     parser.add_argument("--replace", action="store_true", help="start --output anew when it holds another "
                         "checkpoint's results (refused otherwise: arms of two checkpoints are not one comparison)")
     args = parser.parse_args(argv)
@@ -207,7 +234,16 @@ def main(argv=None):
                 "seconds": round(result["seconds"] + (kept.get(task, {}).get("seconds", 0) if earlier else 0), 1)}
         save("lerobot_eval", merged, sum(r["seconds"] for r in new.values()))  # each task on its own core
 
-    for arm in args.arms.split(","):
+    if args.adopt:
+        lent = adoptable(results, load_json(Path(args.adopt)))
+        for arm, new_tasks in lent["tasks"].items():
+            save(arm, new_tasks, sum(t.get("seconds", 0) for t in new_tasks.values()))
+        results["adopted"] = {"from": args.adopt, "earlier_weights_sha256": load_json(Path(args.adopt)).get(
+            "weights_sha256"), **{k: v for k, v in lent.items() if k != "tasks"},
+            **{arm: sorted(tasks) for arm, tasks in lent["tasks"].items()}}
+        output.write_text(json.dumps(results, indent=2) + "\n")
+        print(json.dumps(results["adopted"]), flush=True)
+    for arm in filter(None, args.arms.split(",")):
         episodes = args.hf_vla_episodes or args.episodes if arm == "hf_vla" else args.episodes
         if arm == "lerobot_eval":
             new = lerobot_arm(checkpoint, episodes, work / arm, tasks, args.first_episode, args.jobs, lerobot_done)
