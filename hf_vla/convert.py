@@ -11,12 +11,16 @@ reads `config.json` + `model.safetensors` (+ lerobot's normalizer state, when pr
 merges the LoRA adapters of a checkpoint of a LoRA run with their base model (the run's output directory already holds
 the merged model). A Hub id needs no conversion (train / evaluate / serve convert lerobot checkpoints on load).
 
-    python -m hf_vla.convert --input outputs/mw --to lerobot_plugin --output outputs/mw/lerobot [--head HEAD]
+    python -m hf_vla.convert --input outputs/mw --to lerobot_plugin --output outputs/mw_lerobot [--head HEAD]
 
 writes the lerobot-side directory of an hf_vla checkpoint (`config.json` of the policy type `hf_vla`, which the
 `lerobot_policy_hf_vla` plugin installed with hf_vla registers, and lerobot's processor files), so lerobot's own tools
-run it: `lerobot-eval --policy.path=outputs/mw/lerobot --env.type=metaworld ...`, `lerobot-record --policy.path=...`.
+run it: `lerobot-eval --policy.path=outputs/mw_lerobot --env.type=metaworld ...`, `lerobot-record --policy.path=...`.
 The checkpoint is referenced, not copied (by its path relative to `--output`: keep them side by side).
+
+Every route follows one output rule (`hf_vla.storage.check_output`): `--output` is never an input, above one or in one;
+an existing one is replaced only with `--overwrite`, and only when hf_vla wrote an output of that kind there (its
+`.hf_vla_output.json`); the new output is staged beside it and renamed into place.
 
     python -m hf_vla.convert --input outputs/pi05_droid --to lerobot --output exported [--head HEAD]
 
@@ -91,12 +95,8 @@ def main(argv=None):
         return export_lerobot(source, Path(args.output), head=args.head, overwrite=args.overwrite)
     if (source / "adapter_config.json").is_file() and not (source / "config.json").is_file():
         return _merge_adapter(source, Path(args.output), args.overwrite)
-    config_file = source / "config.json"
-    if config_file.is_file():
-        try:
-            model_type = json.loads(config_file.read_text()).get("model_type")
-        except (json.JSONDecodeError, AttributeError):
-            model_type = None
+    if (source / "config.json").is_file():
+        model_type = _model_type(source)
         if model_type:
             raise ConfigError(f"--input {args.input!r}: already a transformers checkpoint (model_type {model_type!r}), "
                               "nothing to convert: load it with AutoModel.from_pretrained, or pass it to evaluate / "
@@ -114,16 +114,24 @@ def main(argv=None):
                               overwrite=args.overwrite)
 
 
+def _model_type(source: Path) -> str | None:
+    """config.json's model_type (None when there is none), or one line naming the file when it is not JSON."""
+    config = source / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        content = json.loads(config.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--input {str(source)!r}: {config} is not valid JSON ({error})") from None
+    return content.get("model_type") if isinstance(content, dict) else None
+
+
 def _plugin_dir(source: Path, output: Path, args) -> Path:
     """`--to lerobot_plugin`: the lerobot-side directory of the hf_vla checkpoint `source`."""
-    config = source / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    model_type = _model_type(source)
     if model_type not in ("pi05", "pi0"):
         raise ConfigError(f"--input {str(source)!r}: not an hf_vla checkpoint (config.json model_type "
                           f"{model_type!r}; expected 'pi05' or 'pi0'); convert a lerobot checkpoint first (--to hf_vla)")
-    if output.resolve() == source.resolve():
-        raise ConfigError(f"--output {str(output)!r} is the input checkpoint: write the lerobot-side directory beside "
-                          "or inside it (e.g. CKPT/lerobot)")
     try:
         from lerobot_policy_hf_vla import write_policy_dir
     except ImportError as error:
@@ -137,15 +145,21 @@ def _plugin_dir(source: Path, output: Path, args) -> Path:
 
 def _merge_adapter(source: Path, output: Path, overwrite: bool) -> Path:
     """`--input` holds LoRA adapters (a checkpoint of a LoRA run): write the merged model to `--output`."""
+    from hf_vla.hub.convert import _check_paths
     from hf_vla.hub.resolve import merged_adapter
+    from hf_vla.storage import replace_dir, staging_dir, write_marker
 
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise ConfigError(f"--output {str(output)!r} exists: choose a new directory, or pass --overwrite")
-    from hf_vla.storage import replace_dir, staging_dir
-
+    adapter_config = source / "adapter_config.json"
+    try:
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    except (ValueError, AttributeError) as error:
+        raise ConfigError(f"--input {str(source)!r}: {adapter_config.name} is not a JSON object ({error})") from None
+    base_dir = Path(base).expanduser() if isinstance(base, str) and Path(base).expanduser().is_dir() else None
+    _check_paths(source, output, overwrite, inputs={"the adapters' base model": base_dir})
     merged = Path(merged_adapter(source, label="--input"))
     staging = staging_dir(output, "merging")
     shutil.copytree(merged, staging)
+    write_marker(staging, "hf_vla_checkpoint", source=str(source))
     replace_dir(staging, output)  # an existing output goes only once the merged one is in place
     logger.info("merged the LoRA adapters of %s with their base into %s", source, output)
     return output

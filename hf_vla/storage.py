@@ -219,17 +219,44 @@ def replace_dir(staging: str | os.PathLike, target: str | os.PathLike) -> Path:
 
 
 # ---- never destroy an input or what hf_vla did not write ----------------------------------------------------------
+OUTPUT_MARKER = ".hf_vla_output.json"  # {"kind": ..., "command": ...}: hf_vla wrote this directory, and what it is
+
+
+def write_marker(directory: str | os.PathLike, kind: str, **info) -> Path:
+    """Mark `directory` (a staged output, before its rename) as an output of `kind` hf_vla wrote, so a later
+    `--overwrite` may replace it (and only an output of the same kind: `check_output`)."""
+    path = Path(directory) / OUTPUT_MARKER
+    path.write_text(json.dumps({"kind": kind, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300],
+                                "written": datetime.now(UTC).isoformat(timespec="seconds"), **info}, indent=1))
+    return path
+
+
+def marker_kind(directory: str | os.PathLike) -> str | None:
+    """The kind in `directory`'s output marker, or None (no marker, or an unreadable one)."""
+    try:
+        return json.loads((Path(directory) / OUTPUT_MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _overlaps(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
 
 
 def check_output(flag: str, output: str | os.PathLike, overwrite: bool, inputs: dict | None = None,
-                 marker: str | None = None, what: str = "directory") -> Path:
-    """Refuse, in one line, an output that would destroy something: `output` equal to, containing or inside one of
-    `inputs` (flag -> path: the command's inputs, e.g. `{"--add_locations": SRC}`); an existing non-empty `output`
-    without `overwrite`; and with `overwrite`, one that is not what this command writes (`marker`: a file, relative to
-    `output`, that the command's own output has: e.g. `meta/hf_vla_record.json`). Paths are compared resolved (a
-    relative and an absolute spelling, a symlink, are one path). Returns `output` as a Path."""
+                 marker: str | None = None, what: str = "directory", kind: str | None = None,
+                 legacy=None) -> Path:
+    """Refuse, in one line, an output that would destroy something, before anything is read or written:
+
+    - `output` equal to, containing or inside one of `inputs` (flag -> path: the command's inputs, e.g.
+      `{"--add_locations": SRC}`; None values are skipped);
+    - an existing non-empty `output` without `overwrite`;
+    - with `overwrite`, one this command did not write: `kind` (an output kind, e.g. "lerobot_export") needs
+      `OUTPUT_MARKER` naming that kind (`legacy(path) -> bool` may recognise an older output of the kind written
+      before markers); `marker` (a file relative to `output`, e.g. `meta/hf_vla_record.json`) needs that file.
+
+    Paths are compared resolved (a relative and an absolute spelling, a symlink, are one path). Returns `output` as a
+    Path; the caller then stages the new output and renames it into place (`staging_dir`, `replace_dir`)."""
     output = Path(output)
     resolved = output.expanduser().resolve()
     for input_flag, value in (inputs or {}).items():
@@ -246,9 +273,16 @@ def check_output(flag: str, output: str | os.PathLike, overwrite: bool, inputs: 
         if not overwrite:
             raise ConfigError(f"{flag} {str(output)!r} exists and is not empty: choose a new directory, or pass "
                               "--overwrite to replace it")
+        shown = sorted(p.name for p in resolved.iterdir())
+        listing = ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else "")
+        if kind is not None:
+            found = marker_kind(resolved)
+            if found != kind and not (found is None and legacy is not None and legacy(resolved)):
+                held = (f"an hf_vla {found} output, not a {what}" if found else
+                        f"files hf_vla did not write ({listing}; no {OUTPUT_MARKER})")
+                raise ConfigError(f"{flag} {str(output)!r} holds {held}: --overwrite replaces only a {what} hf_vla "
+                                  "wrote, never another folder; choose a new directory (nothing was written)")
         if marker is not None and not (resolved / marker).is_file():
-            shown = sorted(p.name for p in resolved.iterdir())
-            listing = ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else "")
             raise ConfigError(f"{flag} {str(output)!r} holds files this command did not write ({listing}; no "
                               f"{marker}): --overwrite replaces only a {what} it wrote, never another folder; choose "
                               "a new directory")
@@ -308,6 +342,6 @@ def weights_fingerprint(checkpoint: str | os.PathLike) -> str | None:
     return digest.hexdigest()[:16]
 
 
-__all__ = ["DirectoryLock", "HEARTBEAT_S", "LOCK_NAME", "STALE_AFTER_S", "cache_root", "check_creatable", "check_output",
-           "make_dir",
+__all__ = ["DirectoryLock", "HEARTBEAT_S", "LOCK_NAME", "OUTPUT_MARKER", "STALE_AFTER_S", "cache_root", "check_creatable",
+           "check_output", "make_dir", "marker_kind", "write_marker",
            "replace_dir", "staging_dir", "weights_fingerprint"]

@@ -178,7 +178,7 @@ def test_what_lerobot_cannot_hold_is_refused_or_dropped_in_one_line(checkpoints,
     assert "\n" not in str(refused.value) and not (tmp_path / "no_head").exists()
     with pytest.raises(ConfigError, match="--head 'nope'"):
         export(built, tmp_path / "bad_head", "--head", "nope")
-    with pytest.raises(ConfigError, match="is the input"):
+    with pytest.raises(ConfigError, match="is --input"):
         export(built, built, "--head", "arm::joint")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")

@@ -64,9 +64,9 @@ def test_convert_never_writes_into_or_around_its_input(source, tmp_path, capsys,
     path, before = source
     tok = ["--tokenizer", str(tiny_tokenizer_dir)]
     cases = [
-        (path, "is the input"),
-        (path / "converted", "is inside the input"),
-        (tmp_path, "contains the input"),
+        (path, "is --input"),
+        (path / "converted", "is inside --input"),
+        (tmp_path, "contains --input"),
     ]
     with _tiny_variants():
         for output, culprit in cases:
@@ -112,7 +112,13 @@ def test_convert_replaces_an_existing_output_only_when_asked(source, tmp_path, c
         line = fails(capsys, convert.cli, ["--input", str(path), "--output", str(out), *tok])
         assert "exists and is not empty" in line and "--overwrite" in line
         assert (out / "keep.txt").read_text() == "mine"
-        convert.cli(["--input", str(path), "--output", str(out), *tok, "--overwrite"])
+        line = fails(capsys, convert.cli, ["--input", str(path), "--output", str(out), *tok, "--overwrite"])
+        assert "holds files hf_vla did not write (keep.txt" in line  # a folder convert did not write: never replaced
+        assert (out / "keep.txt").read_text() == "mine"
+        (out / "keep.txt").unlink()
+        convert.cli(["--input", str(path), "--output", str(out), *tok])
+        (out / "keep.txt").write_text("stale")
+        convert.cli(["--input", str(path), "--output", str(out), *tok, "--overwrite"])  # its own output: replaced
     assert not (out / "keep.txt").exists() and AutoModel.from_pretrained(out) is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lerobot", "out"]  # no staging left
     assert tree_hash(path) == before

@@ -325,21 +325,15 @@ def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> di
     return stats
 
 
-def _check_paths(input_dir: Path, output_dir: Path, overwrite: bool):
-    """The output never overlaps the input (a conversion must not be able to destroy its source), and an existing
-    output is replaced only when asked."""
-    source, target = input_dir.resolve(), output_dir.resolve()
-    if target == source or source in target.parents:
-        raise ConfigError(f"--output {str(output_dir)!r} is {'the input' if target == source else 'inside the input'} "
-                          f"{str(input_dir)!r}: write the converted checkpoint to a new directory")
-    if target in source.parents:
-        raise ConfigError(f"--output {str(output_dir)!r} contains the input {str(input_dir)!r}: replacing it would "
-                          "delete the source; write to a new directory")
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"--output {str(output_dir)!r} is a file")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise ConfigError(f"--output {str(output_dir)!r} exists and is not empty: choose a new directory, or pass "
-                          "--overwrite to replace it")
+def _check_paths(input_dir: Path, output_dir: Path, overwrite: bool, kind: str = "hf_vla_checkpoint",
+                 inputs: dict | None = None, legacy=None, what: str = "checkpoint"):
+    """convert's outputs follow the one output rule (`hf_vla.storage.check_output`): never the input, above it or in
+    it (nor any other input: a local tokenizer, a LoRA base), replaced only with `overwrite` and only when hf_vla
+    wrote an output of the same `kind` there; the output's place must be writable."""
+    from hf_vla.storage import check_output
+
+    check_output("--output", output_dir, overwrite, inputs={"--input": input_dir, **(inputs or {})}, kind=kind,
+                 legacy=legacy, what=what)
     check_writable_dir("--output", output_dir.parent if not output_dir.exists() else output_dir)
 
 
@@ -362,7 +356,8 @@ def convert_checkpoint(
         if not path.is_file():
             raise MissingFileError(f"{path}: missing; a lerobot checkpoint directory holds config.json and "
                                    "model.safetensors")
-    _check_paths(input_dir, output_dir, overwrite)
+    local_tokenizer = tokenizer if isinstance(tokenizer, str | os.PathLike) and Path(tokenizer).is_dir() else None
+    _check_paths(input_dir, output_dir, overwrite, inputs={"--tokenizer": local_tokenizer})
     try:
         lerobot_config = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
@@ -412,7 +407,9 @@ def convert_checkpoint(
 
         contract.from_lerobot(lerobot_config, head, image_size=getattr(processor, "image_size", None) or 224,
                                 chunk_size=config.chunk_size, source=str(input_dir), norm_stats=stats).save(result)
-        from hf_vla.storage import replace_dir
+        from hf_vla.storage import replace_dir, write_marker
+
+        write_marker(result, "hf_vla_checkpoint", source=str(input_dir))
 
         replace_dir(result, output_dir)  # --overwrite: the old output goes only once the new one is complete
     finally:

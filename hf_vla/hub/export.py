@@ -170,7 +170,7 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
     from hf_vla.hub.convert import _check_paths
     from hf_vla.serving import contract as contracts
     from hf_vla.serving.policy import load_pretrained
-    from hf_vla.storage import replace_dir, staging_dir
+    from hf_vla.storage import replace_dir, staging_dir, write_marker
 
     checkpoint, output = Path(checkpoint), Path(output)
     where = f"--input {str(checkpoint)!r}"
@@ -178,11 +178,15 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
         raise ConfigError(f"{where}: LoRA adapters; export the run's merged output (its output directory, or "
                           "python -m hf_vla.convert --input ADAPTERS --output MERGED first)")
     config_file = checkpoint / "config.json"
-    model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+    try:
+        content = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{where}: {config_file} is not valid JSON ({error})") from None
+    model_type = content.get("model_type") if isinstance(content, dict) else None
     if model_type != "pi05":
         raise ConfigError(f"{where}: model_type {model_type!r}; --to lerobot exports hf_vla pi0.5 checkpoints "
                           "(for pi0 or any other, run it in lerobot through the plugin: --to lerobot_plugin)")
-    _check_paths(checkpoint, output, overwrite)
+    _check_paths(checkpoint, output, overwrite, kind="lerobot_export", what="lerobot export")
     deployment = contracts.read(checkpoint)
     if deployment is None:
         raise ConfigError(f"{where}: no deployment_config.json (its cameras and features); write it with hf_vla.train")
@@ -243,6 +247,7 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
     pre, post = lerobot_processors(lerobot_config, _lerobot_stats(stats), processor.tokenizer)
     pre.save_pretrained(staging)
     post.save_pretrained(staging)
+    write_marker(staging, "lerobot_export", source=str(checkpoint), head=head)
     written = replace_dir(staging, output)
     logger.info("wrote %s: lerobot's PI05Policy.from_pretrained(%r) loads it (head %s)", written, str(written), head)
     return written

@@ -36,10 +36,11 @@ def write_policy_dir(checkpoint: str | os.PathLike, output: str | os.PathLike, h
     `lerobot-eval / lerobot-record / lerobot-rollout --policy.path=output` load it. Staged, then renamed into place."""
     from hf_vla.errors import ConfigError
     from hf_vla.hub.resolve import resolve_contract
-    from hf_vla.storage import check_output, replace_dir, staging_dir
+    from hf_vla.storage import check_output, replace_dir, staging_dir, write_marker
 
-    output = check_output("--output", output, overwrite)  # inside the checkpoint is allowed: it is not replaced
     source = Path(checkpoint)
+    output = check_output("--output", output, overwrite, inputs={"--input": source if source.exists() else None},
+                          kind="lerobot_plugin", legacy=_plugin_config, what="lerobot plugin directory")
     contract = resolve_contract(checkpoint)
     if contract is None:
         raise ConfigError(f"--input {str(checkpoint)!r}: no deployment_config.json (the contract an hf_vla checkpoint "
@@ -60,7 +61,19 @@ def write_policy_dir(checkpoint: str | os.PathLike, output: str | os.PathLike, h
     preprocessor, postprocessor = make_hf_vla_pre_post_processors(config)
     preprocessor.save_pretrained(staging)
     postprocessor.save_pretrained(staging)
+    write_marker(staging, "lerobot_plugin", source=str(checkpoint))
     return replace_dir(staging, output)
+
+
+def _plugin_config(directory: Path) -> bool:
+    """A plugin directory written before output markers: its config.json names the policy type `hf_vla`, which only
+    this plugin writes."""
+    import json
+
+    try:
+        return json.loads((directory / "config.json").read_text()).get("type") == "hf_vla"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 __all__ = ["make_hf_vla_pre_post_processors", "write_policy_dir"]
