@@ -39,8 +39,9 @@ def _stats(seed: int, mode: str | None = None) -> dict:
     return out
 
 
-def hf_vla_checkpoint(path, tokenizer, heads=("arm::joint",), value_head=False):
-    """A tiny pi0.5 built by hf_vla at the reference dims, random weights, its processor and deployment contract."""
+def hf_vla_checkpoint(path, tokenizer, heads=("arm::joint",), value_head=False, relative_mask=None):
+    """A tiny pi0.5 built by hf_vla at the reference dims, random weights, its processor and deployment contract
+    (`relative_mask`: every head's relative actions)."""
     from hf_vla.models.pi05 import PI05ForConditionalGeneration, PI05Processor
     from hf_vla.models.reference import Dims, _randomize, hf_pi05_config
     from hf_vla.serving.contract import DeploymentConfig
@@ -50,6 +51,9 @@ def hf_vla_checkpoint(path, tokenizer, heads=("arm::joint",), value_head=False):
     model = PI05ForConditionalGeneration(config)
     _randomize(model, 5)
     stats = {head: _stats(i, "MEAN_STD" if i else None) for i, head in enumerate(heads)}
+    if relative_mask is not None:
+        for head_stats in stats.values():
+            head_stats["actions"]["relative_mask"] = list(relative_mask)
     processor = PI05Processor.from_config(config, tokenizer, norm_stats=stats)
     model.save_pretrained(path)
     processor.save_pretrained(path)
@@ -123,11 +127,13 @@ def checkpoints(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
     built = hf_vla_checkpoint(base / "built", tiny_tokenizer, heads=("arm::joint", "other::joint"))
     _lerobot_checkpoint(base / "lerobot_relative", tiny_tokenizer, "MEAN_STD", True)
     imported = _convert(base / "lerobot_relative", base / "imported", tiny_tokenizer_dir)
+    # a relative mask shorter than the actions: hf_vla keeps the dims past it absolute, and so must lerobot
+    short = hf_vla_checkpoint(base / "short_mask", tiny_tokenizer, relative_mask=[True])
     return {"built": (built, "arm::joint"), "built_second_head": (built, "other::joint"),
-            "imported_relative": (imported, "arm::joint"), "base": base}
+            "imported_relative": (imported, "arm::joint"), "short_mask": (short, "arm::joint"), "base": base}
 
 
-@pytest.mark.parametrize("name", ["built", "built_second_head", "imported_relative"])
+@pytest.mark.parametrize("name", ["built", "built_second_head", "imported_relative", "short_mask"])
 def test_lerobot_runs_the_export_as_hf_vla_runs_the_checkpoint(checkpoints, name, tiny_tokenizer):
     from hf_vla.serving.policy import ObservationMap, load_policy
 
@@ -137,9 +143,9 @@ def test_lerobot_runs_the_export_as_hf_vla_runs_the_checkpoint(checkpoints, name
     assert config["type"] == "pi05" and config["chunk_size"] == 5 and list(config["input_features"]) == [
         CAMERA, "observation.state"]
     assert config["output_features"]["action"]["shape"] == [ACTION_DIM]
-    mode = "QUANTILES" if name == "built" else "MEAN_STD"
+    mode = "QUANTILES" if name in ("built", "short_mask") else "MEAN_STD"
     assert config["normalization_mapping"] == {"VISUAL": "IDENTITY", "STATE": mode, "ACTION": mode}
-    assert config["use_relative_actions"] == (name == "imported_relative")
+    assert config["use_relative_actions"] == (name in ("imported_relative", "short_mask"))
     assert config["n_action_steps"] == json.loads((checkpoint / "deployment_config.json").read_text())[
         "n_action_steps"]
     policy, pre, post = lerobot_load(out, checkpoint, tiny_tokenizer)
@@ -169,6 +175,10 @@ def test_the_round_trip_is_bitwise(checkpoints, tiny_tokenizer_dir):
                     assert returned[key][stat] == values, (key, stat)
         assert set(returned["actions"]) == set(stats["actions"]) and returned.get("state", {}).get(
             "mode") == stats["state"].get("mode")
+    checkpoint, head = checkpoints["short_mask"]  # [True] for 2 dims comes back as the same mask, spelled in full
+    back = _convert(export(checkpoint, base / "round_short"), base / "back_short", tiny_tokenizer_dir)
+    assert json.loads((back / "processor_config.json").read_text())["norm_stats"]["arm::joint"]["actions"][
+        "relative_mask"] == [True, False]
 
 
 def test_what_lerobot_cannot_hold_is_refused_or_dropped_in_one_line(checkpoints, tiny_tokenizer, tmp_path, caplog):

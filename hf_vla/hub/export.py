@@ -138,9 +138,12 @@ def _relative_names(mask: list[bool] | None, dim: int) -> dict:
     token only their names hold."""
     if not mask or not any(mask):
         return {"use_relative_actions": False}
-    names = [f"joint_{i}" if relative else f"absolute_{i}" for i, relative in enumerate(mask[:dim])]
+    # hf_vla keeps the dims past a shorter mask absolute; lerobot's mask covers every named dim, so they are named
+    # absolute here (before, a mask [True] for 2 dims came back from lerobot as [True, True])
+    mask = [bool(m) for m in mask[:dim]] + [False] * max(0, dim - len(mask))
+    names = [f"joint_{i}" if relative else f"absolute_{i}" for i, relative in enumerate(mask)]
     return {"use_relative_actions": True, "action_feature_names": names,
-            "relative_exclude_joints": ["absolute_"] if not all(mask[:dim]) else []}
+            "relative_exclude_joints": ["absolute_"] if not all(mask) else []}
 
 
 def _lerobot_stats(stats: dict, state_key: str = "observation.state") -> dict:
