@@ -69,8 +69,8 @@ class ConvertArguments:
     head: str | None = field(default=None, metadata={"help": "normalization head: the name given to a lerobot "
                              "checkpoint's stats (default 'default'), or the head a lerobot_plugin directory runs "
                              "or a lerobot export holds (default: the checkpoint's only or default head)"})
-    n_action_steps: int | None = field(default=None, metadata={"help": "lerobot_plugin: actions executed per chunk "
-                                       "(default: the checkpoint's contract)", "min": 1})
+    n_action_steps: int | None = field(default=None, metadata={"help": "lerobot_plugin and lerobot: actions executed "
+                                       "per chunk, 1..chunk_size (default: the checkpoint's contract)", "min": 1})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing --output (after the new one is "
                             "complete)"})
 
@@ -85,6 +85,9 @@ def main(argv=None):
                           "convert a lerobot checkpoint on load, or call hf_vla.resolve_pretrained(id) for the path")
     if not source.is_dir():
         raise ConfigError(f"--input {args.input!r}: {'is a file, not' if source.exists() else 'no such'} directory")
+    if args.n_action_steps is not None and args.to == "hf_vla":
+        raise ConfigError(f"--n_action_steps {args.n_action_steps}: taken with --to lerobot_plugin or --to lerobot; "
+                          "a converted or merged checkpoint keeps its source's (change it at evaluate / serve time)")
     if args.to == "lerobot_plugin":
         return _plugin_dir(source, Path(args.output), args)
     if args.to == "lerobot":
@@ -92,7 +95,8 @@ def main(argv=None):
         from hf_vla.hub.export import export_lerobot
 
         setup_logging()
-        return export_lerobot(source, Path(args.output), head=args.head, overwrite=args.overwrite)
+        return export_lerobot(source, Path(args.output), head=args.head, overwrite=args.overwrite,
+                              n_action_steps=args.n_action_steps)
     if (source / "adapter_config.json").is_file() and not (source / "config.json").is_file():
         return _merge_adapter(source, Path(args.output), args.overwrite)
     if (source / "config.json").is_file():
@@ -126,12 +130,28 @@ def _model_type(source: Path) -> str | None:
     return content.get("model_type") if isinstance(content, dict) else None
 
 
+def _check_action_steps(source: Path, n_action_steps: int) -> None:
+    """`--n_action_steps` within 1..the checkpoint's chunk size, or one line (lerobot refuses the result later)."""
+    from hf_vla.serving import contract as contracts
+
+    deployment = contracts.read(source)
+    chunk = deployment.chunk_size if deployment is not None else None
+    if chunk is not None and not 1 <= n_action_steps <= chunk:
+        raise ConfigError(f"--n_action_steps {n_action_steps}: must be 1..{chunk} (the checkpoint's chunk_size; "
+                          "actions executed from each chunk)")
+
+
 def _plugin_dir(source: Path, output: Path, args) -> Path:
     """`--to lerobot_plugin`: the lerobot-side directory of the hf_vla checkpoint `source`."""
     model_type = _model_type(source)
+    if model_type is None and (source / "adapter_config.json").is_file():
+        raise ConfigError(f"--input {str(source)!r}: LoRA adapters; pass the run's output directory (the merged "
+                          "model), or merge them first: python -m hf_vla.convert --input ADAPTERS --output MERGED")
     if model_type not in ("pi05", "pi0"):
         raise ConfigError(f"--input {str(source)!r}: not an hf_vla checkpoint (config.json model_type "
                           f"{model_type!r}; expected 'pi05' or 'pi0'); convert a lerobot checkpoint first (--to hf_vla)")
+    if args.n_action_steps is not None:
+        _check_action_steps(source, args.n_action_steps)
     try:
         from lerobot_policy_hf_vla import write_policy_dir
     except ImportError as error:

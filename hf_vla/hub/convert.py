@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -287,6 +288,11 @@ def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> di
     if int(lerobot_config.get("n_obs_steps") or 1) != 1:
         raise ConfigError(f"{where}: n_obs_steps={lerobot_config['n_obs_steps']}: pi0/pi0.5 read one observation "
                           "step; hf_vla cannot run a policy trained on more")
+    steps, chunk = lerobot_config.get("n_action_steps"), lerobot_config.get("chunk_size")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= int(chunk or
+                                                                                                          steps)):
+        raise ConfigError(f"{where}: n_action_steps={steps!r} must be 1..{chunk} (chunk_size: actions executed from "
+                          "each chunk); lerobot refuses it too")
     unknown = sorted(set(lerobot_config) - HONOURED - IGNORED - set(REFUSED))
     if unknown:
         raise ConfigError(f"{where}: field(s) {unknown} are unknown to this hf_vla, so what they change cannot be "
@@ -304,6 +310,19 @@ def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> di
                           "pi0 normalises state and actions with mean/std, absolute: not converted")
     if stats is None:
         return None
+    file = "the normaliser file (*normalizer_processor*.safetensors)"
+    widths = {"state": _feature_width(lerobot_config.get("input_features"), "observation.state"),
+              "actions": _feature_width(lerobot_config.get("output_features"), "action")}
+    for key, values in stats.items():
+        lerobot_key = {"state": "observation.state", "actions": "action"}[key]
+        for stat, value in values.items():
+            array = np.asarray(value, dtype=np.float64)
+            if not np.isfinite(array).all():
+                raise ConfigError(f"{where}: {file} has non-finite {lerobot_key}.{stat} ({array.tolist()}): the "
+                                  "policy would act on NaN or a garbage state; fix or recompute the statistics")
+            if widths[key] is not None and array.ndim == 1 and array.shape[0] != widths[key]:
+                raise ConfigError(f"{where}: {file} has {lerobot_key}.{stat} {array.shape[0]} wide, but the config's "
+                                  f"feature {lerobot_key} has {widths[key]} dims: statistics of another robot?")
     for key, mode in modes.items():
         if key not in stats:
             continue
@@ -325,6 +344,15 @@ def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> di
     return stats
 
 
+def _feature_width(features, key: str) -> int | None:
+    """The width of lerobot feature `key` in a config's input/output features (None where it does not say)."""
+    try:
+        shape = (features or {})[key]["shape"]
+        return int(shape[-1]) if shape else None
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+
+
 def _check_paths(input_dir: Path, output_dir: Path, overwrite: bool, kind: str = "hf_vla_checkpoint",
                  inputs: dict | None = None, legacy=None, what: str = "checkpoint"):
     """convert's outputs follow the one output rule (`hf_vla.storage.check_output`): never the input, above it or in
@@ -339,14 +367,16 @@ def _check_paths(input_dir: Path, output_dir: Path, overwrite: bool, kind: str =
 
 def convert_checkpoint(
     input_dir: str | Path, output_dir: str | Path, tokenizer="google/paligemma-3b-pt-224", head: str = "default",
-    overwrite: bool = False,
+    overwrite: bool = False, require_stats: bool = True,
 ) -> Path:
     """Convert a lerobot checkpoint directory and write model + processor to `output_dir`.
 
     Everything (config, weights, tokenizer, normalisation stats) is read and converted before anything is written;
     the result is written into a temporary directory beside `output_dir` and renamed into place at the end, so a
     failure leaves no output and never touches the input. `output_dir` must not be, contain or lie inside the input,
-    and an existing non-empty one is replaced only with `overwrite`.
+    and an existing non-empty one is replaced only with `overwrite`. `require_stats`: refuse a checkpoint without
+    the normaliser statistics its modes need (the command's conversion: the result must act); a base checkpoint
+    converted on load for fine-tuning gets its statistics from the data.
     """
     from transformers import AutoTokenizer
 
@@ -372,6 +402,13 @@ def convert_checkpoint(
     else:  # a tokenizer object (hf_vla.train passes the one it trains with)
         tok = tokenizer
     stats = lerobot_pipeline(lerobot_config, read_lerobot_norm_stats(input_dir), str(config_file))
+    if stats is None and require_stats:
+        modes = {k: v for k, v in (lerobot_config.get("normalization_mapping") or {}).items() if k != "VISUAL"}
+        if not modes or any(str(mode).upper() != "IDENTITY" for mode in modes.values()):
+            raise ConfigError(f"{input_dir}: no normaliser statistics (no *normalizer_processor*.safetensors beside "
+                              f"config.json), while its normalization_mapping {modes or 'default'} needs them to act; "
+                              "copy the checkpoint with its processor files (a base checkpoint to fine-tune needs no "
+                              "conversion: pass it to train --model_name_or_path)")
     state_dict = convert_lerobot_state_dict(read_weights(weights_file), config)
     if config.model_type == "pi05":
         from hf_vla.models.pi05 import PI05ForConditionalGeneration as model_class

@@ -157,7 +157,7 @@ def _lerobot_stats(stats: dict, state_key: str = "observation.state") -> dict:
 
 
 def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None = None,
-                   overwrite: bool = False) -> Path:
+                   overwrite: bool = False, n_action_steps: int | None = None) -> Path:
     """Write hf_vla pi0.5 `checkpoint` as a lerobot `pi05` directory at `output`; returns it.
 
     Refused, in one line each: LoRA adapters (export the run's merged output), pi0 (transformers' pi0 layout is not
@@ -201,6 +201,9 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
     except KeyError:
         raise ConfigError(f"--head {head!r}: the checkpoint has the heads {sorted(deployment.heads)}") from None
     head = head or deployment.default_head or next(iter(deployment.heads))
+    if n_action_steps is not None and not 1 <= n_action_steps <= deployment.chunk_size:
+        raise ConfigError(f"--n_action_steps {n_action_steps}: must be 1..{deployment.chunk_size} (the checkpoint's "
+                          "chunk_size; actions executed from each chunk)")
     model, processor = load_pretrained(checkpoint)
     config = model.config
     _refusals(config, where)
@@ -221,7 +224,7 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
     modes = {"VISUAL": "IDENTITY", "STATE": mode_of(stats["state"]), "ACTION": mode_of(stats["actions"])}
     lerobot_config = PI05Config(
         paligemma_variant="gemma_2b", action_expert_variant="gemma_300m", dtype="float32", device="cpu", push_to_hub=False,
-        chunk_size=config.chunk_size, n_action_steps=deployment.n_action_steps, max_state_dim=config.max_state_dim,
+        chunk_size=config.chunk_size, n_action_steps=n_action_steps or deployment.n_action_steps, max_state_dim=config.max_state_dim,
         max_action_dim=config.max_action_dim, num_inference_steps=config.num_inference_steps,
         time_sampling_beta_alpha=config.time_sampling_beta_alpha, time_sampling_beta_beta=config.time_sampling_beta_beta,
         time_sampling_scale=config.time_sampling_scale, time_sampling_offset=config.time_sampling_offset,

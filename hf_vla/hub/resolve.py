@@ -269,7 +269,11 @@ def _converted(directory: Path, key: str, tokenizer, source: str) -> str:
         return str(target)
     tokenizer = tokenizer or _preprocessor_tokenizer(directory) or DEFAULT_TOKENIZER
     logger.info("%s: a lerobot checkpoint; converting it once into %s", source, target)
-    convert_checkpoint(directory, target, tokenizer=tokenizer, overwrite=True)  # staged, renamed into place
+    import shutil
+
+    shutil.rmtree(target, ignore_errors=True)  # hf_vla's own cache: an incomplete earlier conversion
+    # staged, renamed into place; a base checkpoint without statistics converts (fine-tuning computes them)
+    convert_checkpoint(directory, target, tokenizer=tokenizer, overwrite=True, require_stats=False)
     return str(target)
 
 

@@ -159,3 +159,80 @@ def test_a_config_that_is_not_json_is_one_line(built, tmp_path, capsys):
         line = fails(capsys, convert.cli, ["--input", str(source), *route, "--output", str(tmp_path / "out")])
         assert f"{source / 'config.json'} is not valid JSON" in line, line
     assert not (tmp_path / "out").exists()
+
+
+# ---- a checkpoint that would act otherwise is refused -------------------------------------------------------------
+def _normaliser(path: Path) -> Path:
+    return next(path.glob("*normalizer_processor*.safetensors"))
+
+
+def _edit_stats(path: Path, **changes):
+    from safetensors.torch import load_file, save_file
+
+    file = _normaliser(path)
+    tensors = load_file(file)
+    for key, value in changes.items():
+        tensors[key.replace("__", ".")] = value
+    save_file(tensors, file)
+
+
+@pytest.mark.parametrize("case", ["nan_action_mean", "inf_state_std", "wide_action_q99", "no_normaliser"])
+def test_the_import_refuses_statistics_it_cannot_act_on(case, built, tmp_path, capsys, tiny_tokenizer_dir):
+    import torch
+
+    source = _copy(built["lerobot"], tmp_path / "in")
+    if case == "nan_action_mean":
+        _edit_stats(source, action__mean=torch.tensor([0.0, float("nan")]))
+        expected = "non-finite action.mean ([0.0, nan])"
+    elif case == "inf_state_std":
+        _edit_stats(source, observation__state__std=torch.tensor([1.0, float("inf"), 1.0]))
+        expected = "non-finite observation.state.std"
+    elif case == "wide_action_q99":
+        _edit_stats(source, action__q99=torch.ones(5))
+        expected = "action.q99 5 wide, but the config's feature action has 2 dims"
+    else:
+        _normaliser(source).unlink()
+        expected = "no normaliser statistics (no *normalizer_processor*.safetensors beside config.json)"
+    before = tree_hash(source)
+    with _tiny_variants():
+        line = fails(capsys, convert.cli, ["--input", str(source), "--output", str(tmp_path / "out"),
+                                           "--tokenizer", str(tiny_tokenizer_dir)])
+    assert expected in line, line
+    assert tree_hash(source) == before and sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+@pytest.mark.parametrize("steps", [50, 0, -3])
+def test_the_import_refuses_n_action_steps_outside_the_chunk(steps, built, tmp_path, capsys, tiny_tokenizer_dir):
+    """lerobot's config with n_action_steps 50 for chunk 5 was clamped to 5, 0 became 2, -3 was a traceback."""
+    source = _copy(built["lerobot"], tmp_path / "in")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"n_action_steps": steps}))
+    with _tiny_variants():
+        line = fails(capsys, convert.cli, ["--input", str(source), "--output", str(tmp_path / "out"),
+                                           "--tokenizer", str(tiny_tokenizer_dir)])
+    assert f"n_action_steps={steps} must be 1..5 (chunk_size" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_n_action_steps_is_checked_and_honoured_by_every_route(built, tmp_path, capsys, tiny_tokenizer_dir):
+    checkpoint = built["hf_vla"]
+    for route in (["--to", "lerobot_plugin"], ["--to", "lerobot"]):
+        line = fails(capsys, convert.cli, ["--input", str(checkpoint), *route, "--output", str(tmp_path / "out"),
+                                           "--n_action_steps", "999"])
+        assert "--n_action_steps 999: must be 1..5 (the checkpoint's chunk_size" in line, line
+        assert not (tmp_path / "out").exists()
+    # the import and the merge keep their source's: the flag is refused, not ignored
+    line = fails(capsys, convert.cli, ["--input", str(built["lerobot"]), "--output", str(tmp_path / "out"),
+                                       "--n_action_steps", "2"])
+    assert "--n_action_steps 2: taken with --to lerobot_plugin or --to lerobot" in line, line
+    # the export writes the steps asked for (it wrote the contract's in silence)
+    exported = convert.main(["--input", str(checkpoint), "--to", "lerobot", "--output", str(tmp_path / "exported"),
+                             "--n_action_steps", "1"])
+    assert json.loads((exported / "config.json").read_text())["n_action_steps"] == 1
+
+
+def test_the_plugin_route_on_lora_adapters_says_what_to_pass(tmp_path, capsys):
+    checkpoint = _adapters(tmp_path / "RUN")
+    line = fails(capsys, convert.cli, ["--input", str(checkpoint), "--to", "lerobot_plugin", "--output",
+                                       str(tmp_path / "out")])
+    assert "LoRA adapters; pass the run's output directory (the merged model), or merge them first" in line, line
