@@ -271,9 +271,12 @@ def read_config_file(path: Path) -> dict:
     if not path.is_file():
         raise MissingFileError(f"config file {path} not found")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:  # (not storage.read_json: a config's messages name the file first)
         raise ConfigError(f"{path}: not valid JSON ({error})") from error
+    except UnicodeDecodeError as error:  # a binary file (a checkpoint, an image) given as the config
+        raise ConfigError(f"{path}: not a JSON config file (not UTF-8 text: byte {error.start} is "
+                          f"{error.object[error.start:error.start + 1]!r})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the configuration must be a JSON object, got {type(config).__name__}")
     config.pop("//", None)  # free-form comment key

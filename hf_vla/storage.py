@@ -166,17 +166,23 @@ class DirectoryLock:
 
 
 
-def read_json(path: Path, label: str, missing: str = "not found", error=None):
+def read_json(path: Path, label: str, missing: str = "not found", error=None, kind: type | None = None):
     """The JSON in `path`, or one line: `<label> <path> not found` (MissingFileError, `missing` says how) or `<label>
-    <path> is not valid JSON (...)` (`error`, DataError by default)."""
+    <path> is not valid JSON (...)` (`error`, DataError by default), or, with `kind` (dict, list), `<label> <path> is
+    a JSON list, not an object` where its top level is of another type."""
     from hf_vla.errors import DataError, MissingFileError
 
     if not path.is_file():
         raise MissingFileError(f"{label} {path} {missing}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as failure:
-        raise (error or DataError)(f"{label} {path} is not valid JSON ({failure})") from failure
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as failure:
+        raise (error or DataError)(f"{label} {path} is not valid JSON ({failure})") from None
+    if kind is not None and not isinstance(content, kind):
+        names = {dict: "an object", list: "a list"}
+        found = {dict: "object", list: "list", str: "string"}.get(type(content), type(content).__name__)
+        raise (error or DataError)(f"{label} {path} is a JSON {found}, not {names.get(kind, kind.__name__)}")
+    return content
 
 
 def cache_root() -> Path:

@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None):
         from hf_vla.training.engines import allow_sharding_on_cpu
 
         allow_sharding_on_cpu()
+    if argv[0].startswith("--"):
+        raise ConfigError(f"the first argument must be a config file (a .json path), got {argv[0]!r}: e.g. python -m "
+                          f"hf_vla.train configs/demo.json {' '.join(argv[:2])}")
     model_args, data_args, training_args = parse_config(argv[0], argv[1:])
     return run_checked(training_args, lambda: _train(model_args, data_args, training_args))
 

@@ -236,3 +236,36 @@ def test_the_plugin_route_on_lora_adapters_says_what_to_pass(tmp_path, capsys):
     line = fails(capsys, convert.cli, ["--input", str(checkpoint), "--to", "lerobot_plugin", "--output",
                                        str(tmp_path / "out")])
     assert "LoRA adapters; pass the run's output directory (the merged model), or merge them first" in line, line
+
+
+@pytest.mark.parametrize("case", ["no_weights", "truncated_weights", "contract_not_json", "proc_output"])
+def test_the_export_of_a_damaged_checkpoint_is_one_line(case, built, tmp_path, capsys):
+    source = _copy(built["hf_vla"], tmp_path / "in")
+    output = tmp_path / "out"
+    weights = source / "model.safetensors"
+    if case == "no_weights":
+        weights.unlink()
+        expected, code = f"{source}: no model.safetensors (the weights)", 1
+    elif case == "truncated_weights":
+        weights.write_bytes(weights.read_bytes()[:4000])
+        expected, code = f"{weights}: not a complete safetensors file", 1
+    elif case == "contract_not_json":
+        (source / "deployment_config.json").write_bytes(b"{\"policy\": \xff")
+        expected, code = f"{source / 'deployment_config.json'}: not a deployment contract", 1
+    else:
+        output = Path("/proc/hf_vla_x")
+        expected, code = "--output '/proc/hf_vla_x' cannot be created", 2
+    line = fails(capsys, convert.cli, ["--input", str(source), "--to", "lerobot", "--output", str(output)], code=code)
+    assert expected in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_truncated_weights_through_the_runner_name_the_file(built, tmp_path):
+    """What evaluate, serve and lerobot's loader (through the plugin) load with: one line naming the file."""
+    from hf_vla.errors import ConfigError
+    from hf_vla.serving.policy import load_policy
+
+    source = _copy(built["hf_vla"], tmp_path / "in")
+    (source / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes()[:-100])
+    with pytest.raises(ConfigError, match=r"model.safetensors: not a complete safetensors file \(its tensors end at"):
+        load_policy(source)

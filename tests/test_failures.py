@@ -238,6 +238,14 @@ def test_local_root_without_episode_metadata(data, tmp_path, capsys):
     _expect_data_error(capsys, data, tmp_path, str(data / "meta" / "episodes"), "not a complete LeRobot v3.0 dataset")
 
 
+@pytest.mark.parametrize("name", ["info.json", "stats.json"])
+def test_metadata_that_is_a_json_list_is_one_line(data, tmp_path, capsys, name):
+    """meta/info.json or meta/stats.json holding a JSON list (was an AttributeError traceback)."""
+    path = data / "meta" / name
+    path.write_text(json.dumps([json.loads(path.read_text())]))
+    _expect_data_error(capsys, data, tmp_path, f"{path} is a JSON list, not an object", "dataset 'toy'")
+
+
 def test_state_key_naming_a_scalar_column(data, tmp_path, capsys):
     datasets = [{"root": str(data), "name": "toy", "cameras": [CAM], "control_mode": "joint", "state_key": "timestamp"}]
     _expect_data_error(capsys, data, tmp_path, "'timestamp' is a scalar column", datasets=datasets)

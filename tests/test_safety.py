@@ -367,8 +367,29 @@ def test_record_argument_errors(tmp_path, capsys):
         (["--env", "color_reach", "--episodes", "2", "--task", "reach", "--output", str(tmp_path / "b")],
          "ColorReach draws its instruction per episode"),
         (["--env", "atari", "--episodes", "2", "--output", str(tmp_path / "c")], "argument --env: invalid choice"),
+        (["--env", "metaworld", "--episodes", "2", "--cameras", "", "--output", str(tmp_path / "d")],
+         "--cameras '': empty"),  # recorded the default camera in silence
     ]
     for argv, culprit in cases:
         line = fails(capsys, cli, argv)
         assert line.startswith("hf_vla.record: error: ") and culprit in line, line
     assert (taken / "x").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate", "serve", "record", "convert", "rl.__main__"])
+def test_a_binary_config_file_is_one_line(command, tmp_path, capsys):
+    """Each command reads its config file through the one parser: a binary file (an image, a checkpoint) given as the
+    config is one line naming it (was a UnicodeDecodeError traceback)."""
+    import importlib
+
+    config = tmp_path / "config.json"
+    config.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    line = fails(capsys, importlib.import_module(f"hf_vla.{command}").cli, [str(config)])
+    assert f"{config}: not a JSON config file (not UTF-8 text" in line, line
+
+
+def test_train_without_a_config_file_says_so(capsys):
+    from hf_vla.train import cli
+
+    line = fails(capsys, cli, ["--max_steps", "1"])
+    assert "the first argument must be a config file (a .json path), got '--max_steps'" in line, line

@@ -175,7 +175,9 @@ class LeRobotSource:
         from hf_vla.storage import read_json
 
         info_file = root / "meta" / "info.json"
-        info = read_json(info_file, f"dataset {name!r}:", missing="not found (is root a LeRobot dataset?)")
+        info = read_json(info_file, f"dataset {name!r}:", missing="not found (is root a LeRobot dataset?)", kind=dict)
+        if (root / "meta" / "stats.json").is_file():  # lerobot's metadata reads it next, and fails on a list
+            read_json(root / "meta" / "stats.json", f"dataset {name!r}:", kind=dict)
         version = info.get("codebase_version")
         if version != "v3.0":
             raise DataError(

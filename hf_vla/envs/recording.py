@@ -578,6 +578,10 @@ class RecordArguments:
             raise ConfigError("--add_locations: locations are Meta-World's (--env metaworld)")
         if self.add_locations is None and self.episodes is None:
             raise ConfigError("--episodes is required to record")
+        for flag in ("cameras", "crop", "action_mode"):
+            if getattr(self, flag) is not None and not str(getattr(self, flag)).strip(" ,"):
+                raise ConfigError(f"--{flag} {getattr(self, flag)!r}: empty; name a value, or leave the flag out for "
+                                  "the default")
         dagger_flags = [f"--{name}" for name in ("round", "beta", "takeover_threshold", "takeover_steps",
                                                  "stall_steps") if getattr(self, name) is not None]
         if self.strategy != "dagger" and dagger_flags:

@@ -165,6 +165,35 @@ def _unreadable(path, error) -> DataError:
     return DataError(f"{path}: not a complete safetensors file ({first}); a download or copy cut off? fetch it again")
 
 
+def check_weight_files(directory: str | Path) -> None:
+    """A local checkpoint's weights are there and whole, read from the safetensors headers and file sizes (nothing is
+    loaded): `MissingFileError` naming the directory when there are none, `DataError` naming a file cut off (a
+    download or copy that stopped); a Hub id or a `.bin` checkpoint passes unchecked."""
+    directory = Path(directory).expanduser()
+    if not directory.is_dir() or (directory / "adapter_config.json").is_file():
+        return
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        if not any(directory.glob("*.bin")):
+            raise MissingFileError(f"{directory}: no model.safetensors (the weights) in the checkpoint directory; a "
+                                   "copy or download left them out?")
+        return
+    for path in files:
+        size = path.stat().st_size
+        try:
+            with path.open("rb") as handle:
+                header_size = int.from_bytes(handle.read(8), "little")
+                if size < 8 or header_size > size - 8:
+                    raise ValueError(f"the header claims {header_size} bytes, the file has {size}")
+                header = json.loads(handle.read(header_size))
+            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+                      default=0)
+        except (ValueError, KeyError, TypeError, IndexError) as error:
+            raise _unreadable(path, error) from None
+        if 8 + header_size + end > size:
+            raise _unreadable(path, f"its tensors end at byte {8 + header_size + end}, the file has {size}")
+
+
 def weight_shapes(path: str | Path) -> dict[str, tuple]:
     """Tensor shapes of a safetensors file, read from its header (no tensor is loaded)."""
     from safetensors import SafetensorError, safe_open
@@ -358,11 +387,12 @@ def _check_paths(input_dir: Path, output_dir: Path, overwrite: bool, kind: str =
     """convert's outputs follow the one output rule (`hf_vla.storage.check_output`): never the input, above it or in
     it (nor any other input: a local tokenizer, a LoRA base), replaced only with `overwrite` and only when hf_vla
     wrote an output of the same `kind` there; the output's place must be writable."""
-    from hf_vla.storage import check_output
+    from hf_vla.storage import check_creatable, check_output
 
     check_output("--output", output_dir, overwrite, inputs={"--input": input_dir, **(inputs or {})}, kind=kind,
                  legacy=legacy, what=what)
     check_writable_dir("--output", output_dir.parent if not output_dir.exists() else output_dir)
+    check_creatable("--output", output_dir)  # /proc/x passes every permission check and fails only at mkdir
 
 
 def convert_checkpoint(

@@ -117,8 +117,10 @@ def read(checkpoint: str | os.PathLike, revision: str | None = None) -> Deployme
             return None
     try:
         return DeploymentConfig.from_dict(json.loads(path.read_text()), str(path))
-    except (json.JSONDecodeError, TypeError) as error:
-        raise ValueError(f"{path}: not a deployment contract ({error})") from error
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError) as error:
+        from hf_vla.errors import DataError
+
+        raise DataError(f"{path}: not a deployment contract ({error})") from None
 
 
 # ---- from what a run knows -------------------------------------------------------------------------------------------

@@ -421,11 +421,14 @@ def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=N
     transformers raises them."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
+    from hf_vla.hub.convert import check_weight_files
+
     # (pi05 is registered with the Auto classes: importing any hf_vla module runs hf_vla/__init__ first)
     from hf_vla.models.pi0_adapter import PI0HeadProcessor
     from hf_vla.models.pi05 import PI05Processor
 
     config = AutoConfig.from_pretrained(checkpoint, revision=revision)
+    check_weight_files(checkpoint)  # missing or cut-off weights: one line naming the file, not safetensors' error
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, revision=revision, dtype=dtype)
     processor_class = PI0HeadProcessor if config.model_type == "pi0" else PI05Processor
     return model, processor_class.from_pretrained(checkpoint, revision=revision)
