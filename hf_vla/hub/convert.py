@@ -349,7 +349,8 @@ def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> di
             if not np.isfinite(array).all():
                 raise ConfigError(f"{where}: {file} has non-finite {lerobot_key}.{stat} ({array.tolist()}): the "
                                   "policy would act on NaN or a garbage state; fix or recompute the statistics")
-            if widths[key] is not None and array.ndim == 1 and array.shape[0] != widths[key]:
+            per_dim = stat in ("mean", "std", "min", "max") or (stat[:1] == "q" and stat[1:].isdigit())
+            if per_dim and widths[key] is not None and array.ndim == 1 and array.shape[0] != widths[key]:
                 raise ConfigError(f"{where}: {file} has {lerobot_key}.{stat} {array.shape[0]} wide, but the config's "
                                   f"feature {lerobot_key} has {widths[key]} dims: statistics of another robot?")
     for key, mode in modes.items():
