@@ -126,6 +126,9 @@ def _train(model_args, data_args, training_args):
             fit_fast(mixture, processor, model.config, path=fast_path,
                      vocab_size=model_args.fast_vocab_size, scale=model_args.fast_scale,
                      max_chunks=model_args.fast_fit_chunks, seed=training_args.seed)
+        # RECAP (docs/recap.md): datasets with an advantage indicator make the policy advantage-conditioned; it then
+        # asks for "Advantage: positive" at inference (the processor and the contract say so)
+        processor.advantage_conditioned = any(d.get("advantage") for d in data_args.datasets)
         collator = PI05Collator(processor)
     else:  # transformers' pi0: its prompt layout (image placeholder tokens), mean/std normalization per head
         from hf_vla.models.pi0_adapter import PI0HeadProcessor

@@ -27,6 +27,9 @@ class VLACollator:
             state=[s["state"] for s in samples], actions=[s["actions"] for s in samples],
             head=[int(s["dataset_index"]) for s in samples],
             camera_mask=torch.stack([s["camera_mask"] for s in samples]),
+            # RECAP's indicator per row (None: none in the prompt), never the processor's inference default
+            **({"advantage": [s.get("advantage") for s in samples]} if hasattr(self.processor, "advantage_conditioned")
+               else {}),
         )
         batch = dict(inputs)
         batch["action_is_pad"] = torch.stack([s["action_is_pad"] for s in samples])

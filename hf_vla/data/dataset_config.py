@@ -63,6 +63,12 @@ class DatasetConfig:
     relative_exclude_joints: with `relative_actions: true`, action names kept absolute (default `["gripper"]`; a dim
         is excluded when a name equals its action name or is a substring of it, case-insensitively). A name given
         here that matches no action name is refused.
+    advantage: RECAP's advantage indicator in the prompt (pi*0.6; docs/recap.md): `{"key": COLUMN, "dropout": 0.3}`
+        reads each frame's indicator from a bool column (`advantage_positive`, written by `python -m hf_vla.recap
+        annotate`); `{"value": true}` gives every frame of the dataset one indicator (demonstrations taken as
+        positive). "Advantage: positive" or "Advantage: negative" then follows the task in the prompt, left out with
+        probability `dropout` (default 0.3, the paper's), seeded per sample, so the policy also acts unconditioned
+        (what classifier-free guidance needs). The checkpoint then asks for "positive" at inference.
     outlier_widths: the start-up scan refuses a state/action value farther than this many q01..q99 widths outside
         that range (per dim; the width is at least 1e-3 of the dim's magnitude, so a constant dim tolerates its own
         scale): bit rot in a parquet page body decodes to values like 1e38 that pass every format check. `null`
@@ -91,6 +97,7 @@ class DatasetConfig:
     normalization: dict | None = None
     relative_actions: bool | list[bool] | None = None
     relative_exclude_joints: list[str] | None = None
+    advantage: dict | None = None
 
     def __post_init__(self):
         if self.quantile_stats not in ("exact", "metadata"):
@@ -123,6 +130,8 @@ class DatasetConfig:
         elif relative is not None and not isinstance(relative, bool):
             raise ConfigError(f"dataset {self.name!r}: relative_actions must be true/false or a list of true/false "
                               f"(a mask), got {relative!r}")
+        if self.advantage is not None:
+            self.advantage = _advantage_settings(self.advantage, f"dataset {self.name!r}: advantage")
         if self.relative_exclude_joints is not None:
             if self.relative_actions is not True:
                 raise ConfigError(f"dataset {self.name!r}: relative_exclude_joints names action dims kept absolute "
@@ -131,6 +140,26 @@ class DatasetConfig:
                     isinstance(n, str) for n in self.relative_exclude_joints):
                 raise ConfigError(f"dataset {self.name!r}: relative_exclude_joints must be a list of action names, got "
                                   f"{self.relative_exclude_joints!r}")
+
+
+def _advantage_settings(value, where: str) -> dict:
+    """`{"key": COLUMN}` or `{"value": BOOL}`, with `dropout` in [0, 1) (default 0.3), or one line naming the key."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected {{\"key\": COLUMN, \"dropout\": 0.3}} or {{\"value\": true}}, got "
+                          f"{value!r}")
+    unknown = sorted(set(value) - {"key", "value", "dropout"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; it takes key or value, and dropout")
+    if ("key" in value) == ("value" in value):
+        raise ConfigError(f"{where}: give one of key (a bool column per frame) or value (true/false for every frame)")
+    if "key" in value and not (isinstance(value["key"], str) and value["key"]):
+        raise ConfigError(f"{where}.key: a column name, got {value['key']!r}")
+    if "value" in value and not isinstance(value["value"], bool):
+        raise ConfigError(f"{where}.value: true or false, got {value['value']!r}")
+    dropout = value.get("dropout", 0.3)
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise ConfigError(f"{where}.dropout: a probability in [0, 1), got {dropout!r}")
+    return {**value, "dropout": float(dropout)}
 
 
 __all__ = ["NUMERIC_DTYPES", "DatasetConfig"]

@@ -101,6 +101,17 @@ class LeRobotSource:
             if features[config.target_text_key]["dtype"] != "string":
                 raise ConfigError(f"dataset {self.name!r}: target_text_key {config.target_text_key!r} is "
                                   f"{features[config.target_text_key]['dtype']}; target text must be a string column")
+        self.advantage_key = (config.advantage or {}).get("key")
+        if self.advantage_key is not None:
+            feature = features.get(self.advantage_key)
+            where = f"dataset {self.name!r} ({self.root / 'meta/info.json'}): advantage key {self.advantage_key!r}"
+            if feature is None:
+                raise ConfigError(f"{where} is not a feature; available: {sorted(features)} (write it with python -m "
+                                  "hf_vla.recap annotate)")
+            if feature["dtype"] not in ("bool", "int8", "int16", "int32", "int64", "uint8") or int(
+                    np.prod(feature.get("shape") or [1])) != 1:
+                raise DataError(f"{where} is {feature['dtype']} of shape {feature.get('shape')}: the indicator is one "
+                                "bool (or 0/1) per frame")
         self.chunk_steps = None  # steps per frame of the action_chunk_key column
         if config.action_chunk_key is not None:
             feature = features.get(config.action_chunk_key)
@@ -453,11 +464,14 @@ class LeRobotSource:
                 raise DataError(f"dataset {self.name!r}: cannot read episode {episode} from the scan cache "
                                 f"{self.episode_rows.directory}: {error}") from error
             # strings and per-frame chunks are not in the cache: from the parquet rows, in one read
-            extra = [key for key in (self.config.target_text_key, self.config.action_chunk_key) if key is not None]
+            extra = [key for key in (self.config.target_text_key, self.config.action_chunk_key, self.advantage_key)
+                     if key is not None]
             if extra:
                 rows = self._episode_rows(episode, row, length, [*extra, "episode_index"])
                 if self.config.target_text_key is not None:
                     table["target_text"] = rows[self.config.target_text_key].to_pylist()
+                if self.advantage_key is not None:
+                    table["advantage"] = _indicator_column(rows[self.advantage_key])
                 if self.config.action_chunk_key is not None:
                     table["action_chunks"] = self._action_chunks(rows, episode, row)
             return table
@@ -466,6 +480,8 @@ class LeRobotSource:
             columns.append(self.config.target_text_key)
         if self.config.action_chunk_key is not None:
             columns.append(self.config.action_chunk_key)
+        if self.advantage_key is not None:
+            columns.append(self.advantage_key)
         table = self._episode_rows(episode, row, length, columns)
         where = f"dataset {self.name!r}: {self._data_path_of_row(row)} episode {episode}"
         out = {
@@ -479,6 +495,8 @@ class LeRobotSource:
             out["target_text"] = table[self.config.target_text_key].to_pylist()
         if self.config.action_chunk_key is not None:
             out["action_chunks"] = self._action_chunks(table, episode, row)
+        if self.advantage_key is not None:
+            out["advantage"] = _indicator_column(table[self.advantage_key])
         return out
 
     def _action_chunks(self, table: pa.Table, episode: int, row: int) -> np.ndarray:
@@ -540,3 +558,9 @@ class LeRobotSource:
         """state / actions of (a seeded subsample of) the used frames, read from parquet only (see `scan`)."""
         result = self.scan(max_frames=max_frames, seed=seed)
         return {"state": result.state, "actions": result.actions, "frames": result.frames}
+
+
+def _indicator_column(column) -> np.ndarray:
+    """A per-frame bool indicator column (bool or 0/1, scalar or a 1-element list per frame) as bool `[n]`."""
+    values = column.to_pylist()
+    return np.asarray([bool(v[0] if isinstance(v, list | tuple) else v) for v in values], dtype=bool)

@@ -234,6 +234,7 @@ class FrameReader:
             "action_is_pad": torch.from_numpy(is_pad),
             "task": source.task(table["task_index"][frame], block.episode),
             **({"target_text": table["target_text"][frame]} if "target_text" in table else {}),
+            **_advantage(source.config.advantage, table, frame),
             "dataset_index": self.head_of_source[source_index],
             "source_index": source_index,
             "episode_index": source.episode_offset + block.episode,
@@ -446,10 +447,15 @@ class EpisodeShuffleStream(IterableDataset):
             next(samples)
         reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size,
                              self.decoder_threads, open_blocks=self.open_blocks)
+        dropouts = [float((source.config.advantage or {}).get("dropout", 0.0)) for source in self.sources]
+        shard = self.rank * num_workers + logical
         try:
             batch = []
             for source, block, frame, token in samples:
-                batch.append(reader.sample(source, block, frame, token))
+                sample = reader.sample(source, block, frame, token)
+                if dropouts[source] and "advantage" in sample and self._drops(shard, token, frame, dropouts[source]):
+                    sample["advantage"] = None  # RECAP's indicator dropout: this sample trains unconditioned
+                batch.append(sample)
                 if frame + 1 >= block.end:
                     reader.release(source, block, token)
                 if self.batch_size is None:
@@ -459,6 +465,23 @@ class EpisodeShuffleStream(IterableDataset):
                     batch = []
         finally:
             reader.close()
+
+
+    def _drops(self, shard: int, token: int, frame: int, probability: float) -> bool:
+        """Whether a sample's advantage indicator is dropped: seeded by the sample's place in its shard's schedule
+        (the block opening's token and the frame), so a resumed run drops the same samples as an uninterrupted one."""
+        segment = int((self.segment or {}).get("index", -1))
+        return bool(np.random.default_rng([self.seed, self.epoch, segment + 1, shard, token, frame, 13]).random()
+                    < probability)
+
+
+def _advantage(settings: dict | None, table: dict, frame: int) -> dict:
+    """The sample's RECAP indicator: the frame's column value, or the dataset's constant (nothing without one)."""
+    if not settings:
+        return {}
+    if "value" in settings:
+        return {"advantage": bool(settings["value"])}
+    return {"advantage": bool(table["advantage"][frame])}
 
 
 class ValidationStream(IterableDataset):

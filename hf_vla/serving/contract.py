@@ -33,6 +33,9 @@ The file is plain JSON, versioned (`version`), readable without torch or hf_vla 
     with), `data_seeds` ([lowest, highest] env seed the recording tried: evaluation seeds must avoid them) and
     `fast_render`. None for other data.
 - `source`: what wrote it (`hf_vla.train`, `hf_vla.convert`, ...) and from what.
+- `advantage`: for a policy trained with RECAP's advantage indicator (docs/recap.md), `{"conditioned": true,
+  "cfg_beta": 1.0}`: every prompt asks for "Advantage: positive" (appended to the task on its own line), and with
+  `cfg_beta` != 1 the velocity is guided, `v_u + beta (v_c - v_u)`. None (absent) otherwise.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class DeploymentConfig:
     default_head: str | None = None
     source: dict = field(default_factory=dict)
     version: int = VERSION
+    advantage: dict | None = None  # RECAP: {"conditioned": true, "cfg_beta": 1.0}; the runner asks for "positive"
 
     def __post_init__(self):
         if not 1 <= int(self.n_action_steps) <= int(self.chunk_size):
@@ -77,7 +81,8 @@ class DeploymentConfig:
         return self.heads[name]
 
     def to_dict(self) -> dict:
-        return {"version": self.version, **{k: v for k, v in asdict(self).items() if k != "version"}}
+        return {"version": self.version, **{k: v for k, v in asdict(self).items() if k != "version" and not (
+            k == "advantage" and v is None)}}  # (no advantage field for the policies trained without it)
 
     @classmethod
     def from_dict(cls, data: dict, where: str = FILE_NAME) -> DeploymentConfig:
@@ -85,7 +90,8 @@ class DeploymentConfig:
         if version != VERSION:
             raise ValueError(f"{where}: deployment contract version {version!r}; this hf_vla reads version {VERSION} "
                              "(upgrade hf_vla, or rewrite the file)")
-        known = {"policy", "chunk_size", "n_action_steps", "image_size", "heads", "default_head", "source", "version"}
+        known = {"policy", "chunk_size", "n_action_steps", "image_size", "heads", "default_head", "source", "version",
+                 "advantage"}
         unknown = sorted(set(data) - known)
         if unknown:  # fields a later hf_vla added within this version: read what this one knows
             logging.getLogger("hf_vla.serving.contract").warning("%s: ignoring field(s) %s that this hf_vla does not know",
@@ -215,7 +221,9 @@ def from_training(mixture, processor, config, policy: str, n_action_steps: int |
         policy=policy, chunk_size=chunk, n_action_steps=int(n_action_steps or max(1, chunk // 2)),
         image_size=int(processor.image_size), heads=heads,
         default_head=mixture.head_names[0] if len(mixture.head_names) == 1 else None,
-        source=dict(source or {"made_by": "hf_vla.train"}))
+        source=dict(source or {"made_by": "hf_vla.train"}),
+        advantage={"conditioned": True, "cfg_beta": float(getattr(processor, "cfg_beta", 1.0))} if getattr(
+            processor, "advantage_conditioned", False) else None)
 
 
 def pipeline_fields(stats: dict | None) -> dict:

@@ -139,6 +139,8 @@ def check_task(task, key: str = "prompt", limits: InputLimits = InputLimits()) -
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
+# classifier-free guidance of an advantage-conditioned pi0.5 (RECAP): the processor adds them where cfg_beta != 1
+GUIDANCE_INPUTS = ("uncond_input_ids", "uncond_attention_mask", "cfg_beta")
 PI0_INPUTS = MODEL_INPUTS + ("state",)  # transformers' pi0 takes the state as a tensor (pi0.5 reads it as tokens)
 
 
@@ -219,6 +221,7 @@ class PolicyRunner:
     rtc: RTCConfig = field(default_factory=RTCConfig)
     num_camera_slots: int | None = None
     limits: InputLimits = field(default_factory=InputLimits)
+    cfg_beta: float | None = None  # an advantage-conditioned policy's guidance (None: the checkpoint's, its processor's)
 
     def __post_init__(self):
         self.model = self.model.eval().to(self.device)
@@ -396,12 +399,15 @@ class PolicyRunner:
 
     def _inputs(self, images, states, tasks, camera_mask, head) -> tuple[dict, torch.Tensor]:
         try:
-            inputs = self.processor(images=images, text=tasks, state=states, head=head, camera_mask=camera_mask)
+            guidance = {} if self.cfg_beta is None else {"cfg_beta": self.cfg_beta}  # else the processor's own
+            inputs = self.processor(images=images, text=tasks, state=states, head=head, camera_mask=camera_mask,
+                                    **guidance)
         except ValueError as error:
             raise RequestError(str(error)) from error
         config = self.model.config
         noise = torch.randn(len(tasks), config.chunk_size, config.max_action_dim, generator=self.generator)
-        return {key: inputs[key] for key in model_input_keys(self.model)}, noise
+        keys = model_input_keys(self.model) + tuple(key for key in GUIDANCE_INPUTS if key in inputs)
+        return {key: inputs[key] for key in keys}, noise
 
     def predict(self, images: torch.Tensor, states: np.ndarray, tasks: list[str], camera_mask: torch.Tensor) -> np.ndarray:
         """A batch: uint8 images [B, cams, 3, H, W], raw states [B, d], tasks, camera_mask [B, cams] -> chunks

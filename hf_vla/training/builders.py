@@ -196,6 +196,10 @@ def check_data_for_policy(config, model_args: ModelArguments, data_args) -> None
     if texts and not getattr(config, "token_loss", False):
         raise ConfigError(f"datasets {texts}: target_text_key is a target of the token objective; set token_loss "
                           "true (or leave target_text_key out)")
+    conditioned = [d.get("name") or d.get("repo_id") or d.get("root") for d in data_args.datasets if d.get("advantage")]
+    if conditioned and model_args.policy != "pi05":
+        raise ConfigError(f"datasets {conditioned}: an advantage indicator (RECAP) goes into pi0.5's prompt; policy "
+                          f"{model_args.policy!r} has no such prompt: use policy pi05, or leave advantage out")
     if model_args.policy == "pi0":  # hf_vla's pi0 processor normalises with mean/std, absolute: say so, never ignore
         for dataset in data_args.datasets:
             modes = {str(m).upper() for m in (dataset.get("normalization") or {}).values()} - {"MEAN_STD"}

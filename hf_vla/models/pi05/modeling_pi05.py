@@ -568,9 +568,17 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         inference_delay: int = 0,
         execution_horizon: int | None = None,
         rtc_config: RTCConfig | None = None,
+        uncond_input_ids: torch.LongTensor | None = None,
+        uncond_attention_mask: torch.Tensor | None = None,
+        cfg_beta: torch.FloatTensor | float | None = None,
         **kwargs,
     ) -> torch.FloatTensor:
         """Integrate the velocity from t=1 (noise) to t=0 with `num_inference_steps` Euler steps; prefix run once.
+
+        Classifier-free guidance (RECAP, pi*0.6): with `uncond_input_ids` / `uncond_attention_mask` (the prompt without
+        the advantage indicator; `PI05Processor` adds them where `cfg_beta` is not 1) the velocity is
+        `v_u + cfg_beta * (v_c - v_u)`, both from one forward over the conditioned and unconditioned rows stacked (one
+        prefix cache of 2B rows, one expert call per step).
 
         Real-time chunking (`rtc.py`): with `prev_chunk_left_over` (`[B, T, d]` or `[T, d]`, normalised, the
         previous chunk's actions not executed when this observation was taken; T <= chunk, d <= max_action_dim), the
@@ -587,6 +595,10 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         )
         if noise is None:
             noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
+        if uncond_input_ids is not None:
+            return self._sample_guided(input_ids, pixel_values, pixel_attention_mask, attention_mask, uncond_input_ids,
+                                       uncond_attention_mask, cfg_beta, noise, num_steps,
+                                       (prev_chunk_left_over, inference_delay, execution_horizon, rtc_config))
         cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask)
 
         def velocity(x, timestep):
@@ -595,6 +607,38 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
 
         return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, prev_chunk_left_over,
                                inference_delay, execution_horizon, rtc_config)
+
+    def _sample_guided(self, input_ids, pixel_values, pixel_attention_mask, attention_mask, uncond_input_ids,
+                       uncond_attention_mask, cfg_beta, noise, num_steps, rtc) -> torch.FloatTensor:
+        """`sample_actions` with classifier-free guidance: rows [0, B) conditioned, [B, 2B) unconditioned."""
+        batch_size = input_ids.shape[0]
+        if uncond_input_ids.shape[0] != batch_size:
+            raise ValueError(f"uncond_input_ids has {uncond_input_ids.shape[0]} rows for {batch_size} prompts")
+        if uncond_attention_mask is None:
+            uncond_attention_mask = torch.ones_like(uncond_input_ids, dtype=torch.bool)
+        length = max(input_ids.shape[1], uncond_input_ids.shape[1])
+
+        def right_pad(ids, mask):
+            extra = length - ids.shape[1]
+            return torch.nn.functional.pad(ids, (0, extra)), torch.nn.functional.pad(mask.bool(), (0, extra))
+
+        ids_c, mask_c = right_pad(input_ids, attention_mask)
+        ids_u, mask_u = right_pad(uncond_input_ids, uncond_attention_mask)
+        both_ids, both_mask = torch.cat([ids_c, ids_u]), torch.cat([mask_c, mask_u])
+        both_pixels = torch.cat([pixel_values, pixel_values])
+        both_cameras = torch.cat([pixel_attention_mask, pixel_attention_mask])
+        cache = self.prefix_cache(both_ids, both_pixels, both_cameras, both_mask)
+        beta = torch.as_tensor(1.0 if cfg_beta is None else cfg_beta, dtype=torch.float32, device=noise.device)
+        beta = beta.expand(batch_size) if beta.ndim == 0 else beta
+        beta = beta.view(batch_size, *([1] * (noise.ndim - 1)))
+
+        def velocity(x, timestep):
+            v = self(noise=torch.cat([x, x]), timestep=torch.cat([timestep, timestep]), input_ids=both_ids,
+                     pixel_attention_mask=both_cameras, attention_mask=both_mask, past_key_values=cache).logits
+            conditioned, unconditioned = v[:batch_size].float(), v[batch_size:].float()
+            return unconditioned + beta * (conditioned - unconditioned)
+
+        return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, *rtc)
 
 
 __all__ = ["PI05PreTrainedModel", "PI05Model", "PI05ForConditionalGeneration", "PI05Output", "PI05ValueHead"]

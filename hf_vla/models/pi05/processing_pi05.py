@@ -3,6 +3,7 @@ and relative actions of `normalization.py` beside it), un-normalization."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -159,6 +160,20 @@ def _as_tensor(value, dtype=torch.float32) -> torch.Tensor:
 DEPLOYMENT_FILE = "deployment_config.json"
 
 
+# RECAP's advantage indicator (pi*0.6, arXiv 2511.14759, Sec. V-B: "Advantage: positive" / "Advantage: negative"),
+# appended to the task on a line of its own as lerobot's `feat/add-recap` branch (`lerobot.rl.acp_tags`), Evo-RL and
+# RLinf's openpi CFG prompts do; pi0.5's prompt then cleans the newline to a space, as lerobot's pi0.5 processor does.
+ADVANTAGE_TAGS = {True: "Advantage: positive", False: "Advantage: negative"}
+
+
+def advantage_task(task: str, advantage: bool | None) -> str:
+    """`task` with the advantage indicator appended (None: the unconditioned prompt, the task alone)."""
+    if advantage is None:
+        return task
+    tag = ADVANTAGE_TAGS[bool(advantage)]
+    return f"{task}\n{tag}" if task else tag
+
+
 class DeploymentContractMixin:
     """A processor that carries its checkpoint's deployment contract (`hf_vla.serving.contract`: camera keys and recorded
     sizes, actions executed per chunk, heads, benchmark settings) as the dict `deployment`: `save_pretrained` writes it
@@ -208,6 +223,11 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         `to_dict()`; `PI05Config.token_loss`), saved in `processor_config.json`. Training batches then carry `labels`
         (`target_labels`); inference never uses it.
     fast_token_offset (`int`, *optional*): the language-model id of FAST id 0 (`set_fast_tokenizer` chooses it).
+    advantage_conditioned (`bool`): the policy was trained with RECAP's advantage indicator in its prompt
+        (`advantage_task`); at inference every prompt asks for "Advantage: positive" unless a call says otherwise.
+    cfg_beta (`float`): classifier-free guidance of an advantage-conditioned policy, v = v_u + beta (v_c - v_u)
+        (1: plain conditioning on "positive", one forward; other values add the unconditioned prompt to the inputs
+        and `sample_actions` runs both in one batched forward per denoising step).
 
     No image processor (transformers' `PI0Processor(image_processor, tokenizer)` has one), on purpose: the image path is
     one fused step, openpi's aspect-preserving resize with black padding and SigLIP's [-1, 1] scaling
@@ -235,6 +255,8 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         discrete_state_input: bool = True,
         fast_config: dict | None = None,
         fast_token_offset: int | None = None,
+        advantage_conditioned: bool = False,
+        cfg_beta: float = 1.0,
         **kwargs,
     ):
         self.norm_stats = norm_stats or {}
@@ -248,6 +270,8 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         self.discrete_state_input = discrete_state_input
         self.fast_config = fast_config
         self.fast_token_offset = fast_token_offset
+        self.advantage_conditioned = bool(advantage_conditioned)
+        self.cfg_beta = float(cfg_beta)
         self._last_state = None  # the raw states of the last call (relative actions are offsets from them)
         super().__init__(tokenizer, **kwargs)
 
@@ -332,6 +356,42 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         state = " ".join(map(str, self.discretize_state(normalized_state).tolist()))
         return f"Task: {cleaned}, State: {state};\nAction: "
 
+    def _prompt_tokens(self, texts: list[str], padded_state: torch.Tensor, states: list[torch.Tensor]) -> dict:
+        if not self.discrete_state_input:
+            return self._task_only_tokens(texts)
+        prompts = [self.build_prompt(t, padded_state[i, : states[i].shape[-1]]) for i, t in enumerate(texts)]
+        # plain lists, then one tensor: about twice as fast as the tokenizer's own tensor conversion
+        return self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.prompt_max_length,
+                              padding_side="right")
+
+    def _advantages(self, advantage, cfg_beta, rows: int) -> tuple[list, list[float] | None]:
+        """Each row's advantage indicator, and the rows' guidance betas when any is not 1 (else None)."""
+        if isinstance(advantage, str):
+            if advantage != "auto":
+                raise ValueError(f"advantage={advantage!r}: True, False, None, one per row, or 'auto'")
+            advantage = True if self.advantage_conditioned else None
+        values = list(advantage) if isinstance(advantage, list | tuple) else [advantage] * rows
+        if len(values) != rows:
+            raise ValueError(f"got {len(values)} advantage values for {rows} rows")
+        values = [None if a is None else bool(a) for a in values]
+        if cfg_beta is None:
+            cfg_beta = self.cfg_beta
+        betas = [float(b) for b in cfg_beta] if isinstance(cfg_beta, list | tuple | torch.Tensor) else (
+            [float(cfg_beta)] * rows)
+        if len(betas) != rows or not all(math.isfinite(b) and b >= 0 for b in betas):
+            raise ValueError(f"cfg_beta={cfg_beta!r}: a finite beta >= 0 per row (1: plain conditioning)")
+        guided = [b != 1.0 for b in betas]
+        if not any(guided):
+            return values, None
+        if all(b == 0.0 for b in betas):  # v_u + 0 (v_c - v_u): the unconditioned prompt alone, one forward
+            return [None] * rows, None
+        if not self.advantage_conditioned:
+            raise ValueError(f"cfg_beta={cfg_beta!r}: guidance needs an advantage-conditioned policy (trained with "
+                             "RECAP's advantage indicator); this one is not")
+        if any(g and a is not True for g, a in zip(guided, values)):
+            raise ValueError("cfg_beta != 1 guides towards 'Advantage: positive': those rows must ask for it")
+        return values, betas
+
     def _task_only_tokens(self, texts: list[str]) -> dict:
         """Prompts without the state (`discrete_state_input=False`), as openpi's tokenizer builds them: the cleaned
         task with BOS, then "\n" tokenized on its own (its start-of-answer token), right-padded to the prompt
@@ -389,6 +449,8 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         head: str | int | Sequence | torch.Tensor | None = None,
         camera_mask=None,
         normalized: bool = False,
+        advantage="auto",
+        cfg_beta: float | Sequence[float] | None = None,
         **kwargs,
     ) -> BatchFeature:
         """Build model inputs for a batch: the one path for training (the collator) and inference.
@@ -400,6 +462,11 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         actions: optional raw targets, `[B, chunk, action_dim]` or one `[chunk, dim]` per row.
         head: normalization head (name or index) of every row, or one per row.
         camera_mask: optional `[B, n_cams]` presence (default: all present).
+        advantage: RECAP's indicator per row (True, False, or None for no indicator), one value for every row, or
+            "auto" (inference): "positive" for an advantage-conditioned processor, none otherwise.
+        cfg_beta: the guidance of an advantage-conditioned policy at inference (one value, or one per row; default
+            the processor's `cfg_beta`). Where a row's beta is not 1 the unconditioned prompt is added to the inputs
+            (`uncond_input_ids`, `uncond_attention_mask`, `cfg_beta` `[B]`), which `sample_actions` guides with.
         """
         if text is None:
             raise ValueError("PI05Processor needs the task text.")
@@ -417,15 +484,15 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         if not normalized and len({s.shape[-1] for s in states}) == 1:  # raw states: the reference of relative actions
             self._last_state = torch.stack(states)
         padded_state, _ = self._normalize_rows(states, "state", rows_by_head, self.max_state_dim, normalized)
-        if self.discrete_state_input:
-            prompts = [self.build_prompt(t, padded_state[i, : states[i].shape[-1]]) for i, t in enumerate(texts)]
-            # plain lists, then one tensor: about twice as fast as the tokenizer's own tensor conversion
-            tokens = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.prompt_max_length,
-                                    padding_side="right")
-        else:
-            tokens = self._task_only_tokens(texts)
+        advantages, betas = self._advantages(advantage, cfg_beta, len(texts))
+        tokens = self._prompt_tokens([advantage_task(t, a) for t, a in zip(texts, advantages)], padded_state, states)
         data = {"input_ids": torch.tensor(tokens["input_ids"], dtype=torch.long),
                 "attention_mask": torch.tensor(tokens["attention_mask"], dtype=torch.bool), "state": padded_state}
+        if betas is not None:  # classifier-free guidance: the unconditioned prompt beside the conditioned one
+            uncond = self._prompt_tokens(texts, padded_state, states)
+            data["uncond_input_ids"] = torch.tensor(uncond["input_ids"], dtype=torch.long)
+            data["uncond_attention_mask"] = torch.tensor(uncond["attention_mask"], dtype=torch.bool)
+            data["cfg_beta"] = torch.tensor(betas, dtype=torch.float32)
         if images is not None:
             images = as_image_batch(images, len(texts))
             data["pixel_values"] = resize_with_pad(images, self.image_size)
