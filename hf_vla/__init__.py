@@ -11,6 +11,7 @@ from hf_vla.models.pi05 import (
     PI05Processor,
     RTCConfig,
 )
+from hf_vla.models.value import PI05ValueConfig, PI05ValueModel
 from hf_vla.training.losses import PerSampleLoss
 from hf_vla.training.optim import MasterWeightOptimizer
 
@@ -26,6 +27,10 @@ AutoProcessor.register(PI05Config, PI05Processor, exist_ok=True)
 PI05Config.register_for_auto_class()
 PI05ForConditionalGeneration.register_for_auto_class("AutoModel")
 PI05Processor.register_for_auto_class("AutoProcessor")  # processor_config.json gets its auto_map too
+# RECAP's value model (docs/recap.md): its own model type, pi0.5's processor
+AutoConfig.register("pi05_value", PI05ValueConfig, exist_ok=True)
+AutoModel.register(PI05ValueConfig, PI05ValueModel, exist_ok=True)
+AutoProcessor.register(PI05ValueConfig, PI05Processor, exist_ok=True)
 
 __all__ = [
     "MasterWeightOptimizer",
@@ -37,6 +42,8 @@ __all__ = [
     "PI05Model",
     "PI05PreTrainedModel",
     "PI05Processor",
+    "PI05ValueConfig",
+    "PI05ValueModel",
     "RTCConfig",
     "__version__",
     "resolve_pretrained",

@@ -149,17 +149,30 @@ def websocket_uri(flag: str, value: str) -> str:
     return value
 
 
+PROGRESS_EVERY_S = 30.0  # a non-terminal log hears from a long phase at least this often
+
+
 class _PhaseLine:
-    """A progress bar's interface for output that is not a terminal (a log file, a pipe, a batch system): nothing while
-    the phase runs, one INFO line when it ends (live bars there become one line per refresh, and nested ones leave
-    cursor-movement codes)."""
+    """A progress bar's interface for output that is not a terminal (a log file, a pipe, a batch system): one INFO
+    line every `PROGRESS_EVERY_S` seconds while the phase runs (done/total, rate, time left) and one when it ends
+    (live bars there become one line per refresh, and nested ones leave cursor-movement codes)."""
 
     def __init__(self, total: int | None, desc: str, unit: str, initial: int = 0):
         self.total, self.desc, self.unit, self.n, self.postfix = total, desc, unit, initial, ""
         self._started, self._closed = time.perf_counter(), False
+        self._initial, self._last_line = initial, self._started
 
     def update(self, n: int = 1) -> None:
         self.n += n
+        now = time.perf_counter()
+        if now - self._last_line >= PROGRESS_EVERY_S:
+            self._last_line = now
+            rate = (self.n - self._initial) / max(now - self._started, 1e-9)
+            left = (f", about {(self.total - self.n) / rate:.0f} s left" if self.total is not None and rate > 0
+                    else "")
+            done = f"{self.n:,}" + (f"/{self.total:,}" if self.total is not None else "")
+            logging.getLogger("hf_vla").info("%s: %s %s, %.2f %s/s%s%s", self.desc, done, self.unit, rate, self.unit,
+                                             left, f" ({self.postfix})" if self.postfix else "")
 
     def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
         items = {**(ordered_dict or {}), **kwargs}

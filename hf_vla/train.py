@@ -112,7 +112,12 @@ def _train(model_args, data_args, training_args):
     model = build_model(model_args, config, seed=training_args.seed, full_determinism=training_args.full_determinism)
     if source and model_args.model_name_or_path != source:
         model.config._name_or_path = source  # the model card names the Hub id it was fine-tuned from
-    if model_args.policy == "pi05":
+    if model_args.policy == "pi05_value":  # RECAP's value model: pi0.5's processor, returns as targets
+        processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
+                                              head_names=mixture.head_names)
+        mixture.use_returns(failure_cost=data_args.failure_cost, allow_unlabelled=data_args.allow_unlabelled)
+        collator = PI05Collator(processor)
+    elif model_args.policy == "pi05":
         processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
                                               head_names=mixture.head_names)
         if getattr(model.config, "token_loss", False):  # the FAST targets: loaded, or fitted on the training chunks
@@ -178,7 +183,11 @@ def _train(model_args, data_args, training_args):
         trainer.push_to_hub()  # writes the model card too
     elif training_args.should_save:  # the model card (data, evaluation, closed-loop figures) beside the weights
         trainer.create_model_card()
-    if training_args.should_save:
+    if training_args.should_save and model_args.policy == "pi05_value":
+        print(f"saved the trained value model to {training_args.output_dir}: annotate advantages with python -m "
+              f"hf_vla.recap annotate --value {training_args.output_dir} --datasets ... --output DIR "
+              "(docs/recap.md)", flush=True)
+    elif training_args.should_save:
         print(f"saved the trained model to {training_args.output_dir}: load it with "
               f"AutoModel.from_pretrained({training_args.output_dir!r}), or run python -m hf_vla.evaluate --checkpoint "
               f"{training_args.output_dir}", flush=True)

@@ -33,6 +33,8 @@ class VLACollator:
         )
         batch = dict(inputs)
         batch["action_is_pad"] = torch.stack([s["action_is_pad"] for s in samples])
+        if "value_return" in samples[0]:  # a value model's targets (RECAP): each frame's normalised return
+            batch["value_targets"] = torch.tensor([float(s["value_return"]) for s in samples], dtype=torch.float32)
         if self.targets and getattr(self.processor, "fast_config", None):  # the token objective: FAST targets of each chunk
             texts = [s.get("target_text") for s in samples]
             batch["labels"] = self.processor.target_labels(batch["actions"], batch["action_is_pad"],

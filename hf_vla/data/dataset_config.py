@@ -69,6 +69,12 @@ class DatasetConfig:
         positive). "Advantage: positive" or "Advantage: negative" then follows the task in the prompt, left out with
         probability `dropout` (default 0.3, the paper's), seeded per sample, so the policy also acts unconditioned
         (what classifier-free guidance needs). The checkpoint then asks for "positive" at inference.
+    success: every episode's outcome, for a value model's returns (RECAP, docs/recap.md): `true` for demonstrations
+        (each succeeded). Without it the outcome is read from the data: lerobot's per-frame `next.success` (DAgger and
+        policy recordings, `serve --record` with success), else an `hf_vla.record` expert recording (successful by
+        construction); an episode with no outcome is refused, naming it.
+    max_episode_steps: the task's episode limit the returns are normalised by (a success k steps away has return
+        -k / limit); default the recording's (`hf_vla.record`), else the dataset's longest episode.
     outlier_widths: the start-up scan refuses a state/action value farther than this many q01..q99 widths outside
         that range (per dim; the width is at least 1e-3 of the dim's magnitude, so a constant dim tolerates its own
         scale): bit rot in a parquet page body decodes to values like 1e38 that pass every format check. `null`
@@ -98,6 +104,8 @@ class DatasetConfig:
     relative_actions: bool | list[bool] | None = None
     relative_exclude_joints: list[str] | None = None
     advantage: dict | None = None
+    success: bool | None = None
+    max_episode_steps: int | None = None
 
     def __post_init__(self):
         if self.quantile_stats not in ("exact", "metadata"):
@@ -130,6 +138,13 @@ class DatasetConfig:
         elif relative is not None and not isinstance(relative, bool):
             raise ConfigError(f"dataset {self.name!r}: relative_actions must be true/false or a list of true/false "
                               f"(a mask), got {relative!r}")
+        if self.success is not None and not isinstance(self.success, bool):
+            raise ConfigError(f"dataset {self.name!r}: success must be true or false (every episode's outcome), got "
+                              f"{self.success!r}")
+        if self.max_episode_steps is not None and (isinstance(self.max_episode_steps, bool) or not isinstance(
+                self.max_episode_steps, int) or self.max_episode_steps < 1):
+            raise ConfigError(f"dataset {self.name!r}: max_episode_steps must be a positive integer, got "
+                              f"{self.max_episode_steps!r}")
         if self.advantage is not None:
             self.advantage = _advantage_settings(self.advantage, f"dataset {self.name!r}: advantage")
         if self.relative_exclude_joints is not None:

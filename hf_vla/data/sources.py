@@ -11,6 +11,7 @@ Every error names the dataset and the file, episode or key at fault.
 
 from __future__ import annotations
 
+import json
 import logging
 import string
 from collections import OrderedDict
@@ -530,6 +531,64 @@ class LeRobotSource:
             raise DataError(f"dataset {self.name!r}: {path} rows {first}..{first + length - 1} do not hold episode "
                             f"{episode} as meta/episodes says")
         return table
+
+    # ---- outcomes and returns (RECAP's value model) ----------------------------------------------------------------
+    def episode_outcomes(self, allow_unlabelled: bool = False) -> np.ndarray:
+        """Each episode's success as float (1 success, 0 failure, NaN unknown), in episode-table order: the dataset
+        field `success`, else lerobot's per-frame `next.success` (any frame), else an `hf_vla.record` expert recording
+        (kept only when successful). An unknown outcome is refused naming the episode, unless `allow_unlabelled`."""
+        cached = getattr(self, "_outcomes", None)
+        if cached is not None:
+            return cached
+        outcomes = np.full(self.num_episodes, np.nan)
+        features = self.meta.features
+        if self.config.success is not None:
+            outcomes[:] = float(self.config.success)
+        elif "next.success" in features:
+            for row, episode in enumerate(self.episodes["episode_index"]):
+                table = self._episode_rows(int(episode), row, int(self.episodes["length"][row]),
+                                           ["next.success", "episode_index"])
+                outcomes[row] = float(_indicator_column(table["next.success"]).any())
+        else:
+            from hf_vla.serving.contract import RECORD_MARKER
+
+            marker = self.root / "meta" / RECORD_MARKER
+            try:
+                record = json.loads(marker.read_text()) if marker.is_file() else {}
+            except (OSError, ValueError):
+                record = {}
+            if record and record.get("strategy", "expert") == "expert":
+                outcomes[:] = 1.0
+        unknown = np.flatnonzero(np.isnan(outcomes))
+        if len(unknown) and not allow_unlabelled:
+            examples = [int(self.episodes["episode_index"][r]) for r in unknown[:5]]
+            raise DataError(f"dataset {self.name!r}: episode(s) {examples}{' ...' if len(unknown) > 5 else ''} "
+                            f"({len(unknown)} of {self.num_episodes}) have no outcome (no next.success column, no "
+                            "hf_vla.record marker): set the dataset field success (true for demonstrations), or skip "
+                            "them with allow_unlabelled")
+        self._outcomes = outcomes
+        return outcomes
+
+    def episode_limit(self) -> int:
+        """The episode limit returns are normalised by: the field `max_episode_steps`, the recording's, else the
+        longest episode."""
+        if self.config.max_episode_steps is not None:
+            return int(self.config.max_episode_steps)
+        from hf_vla.serving.contract import benchmark_of
+
+        recorded = (benchmark_of(self.root) or {}).get("max_episode_steps")
+        longest = int(self.episodes["length"].max()) if self.num_episodes else 1
+        return max(int(recorded), longest) if recorded else longest
+
+    def frame_returns(self, episode: int, failure_cost: float = 1000.0) -> np.ndarray | None:
+        """The normalised returns of an episode's frames (`hf_vla.recap.returns`), None for an unknown outcome."""
+        from hf_vla.recap.returns import episode_returns
+
+        row = self.row(episode)
+        outcome = self.episode_outcomes(allow_unlabelled=True)[row]
+        if np.isnan(outcome):
+            return None
+        return episode_returns(int(self.episodes["length"][row]), bool(outcome), self.episode_limit(), failure_cost)
 
     def task(self, task_index: int, episode: int | None = None) -> str:
         if self.config.task is not None:

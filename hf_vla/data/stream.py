@@ -235,6 +235,7 @@ class FrameReader:
             "task": source.task(table["task_index"][frame], block.episode),
             **({"target_text": table["target_text"][frame]} if "target_text" in table else {}),
             **_advantage(source.config.advantage, table, frame),
+            **_value_return(source, block, table, frame),
             "dataset_index": self.head_of_source[source_index],
             "source_index": source_index,
             "episode_index": source.episode_offset + block.episode,
@@ -473,6 +474,16 @@ class EpisodeShuffleStream(IterableDataset):
         segment = int((self.segment or {}).get("index", -1))
         return bool(np.random.default_rng([self.seed, self.epoch, segment + 1, shard, token, frame, 13]).random()
                     < probability)
+
+
+def _value_return(source, block: Block, table: dict, frame: int) -> dict:
+    """The frame's normalised return when the mixture gives returns (`use_returns`: a value model's target)."""
+    cost = getattr(source, "returns_cost", None)
+    if cost is None:
+        return {}
+    if "returns" not in table:
+        table["returns"] = source.frame_returns(block.episode, cost)
+    return {"value_return": float(table["returns"][frame])}
 
 
 def _advantage(settings: dict | None, table: dict, frame: int) -> dict:

@@ -17,7 +17,7 @@ from hf_vla.parser import CommandParser
 from hf_vla.training.config_checks import check_dataset_specs, check_model_config
 from hf_vla.training.trainer import VLATrainingArguments
 
-POLICIES = ("pi05", "pi0")
+POLICIES = ("pi05", "pi0", "pi05_value")
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
@@ -26,7 +26,9 @@ ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_atte
 class ModelArguments:
     """Which policy to train and from where.
 
-    policy: `pi05` (hf_vla) or `pi0` (transformers' own model).
+    policy: `pi05` (hf_vla), `pi0` (transformers' own model), or `pi05_value`: RECAP's value model (pi0.5's backbone
+        and a distribution over the normalised return, trained on episode outcomes; docs/recap.md). A pi05_value
+        run may start from a pi0.5 checkpoint: its vision-language weights are read, the value readout is new.
     model_name_or_path: a checkpoint (local dir or Hub id) to start from: hf_vla / transformers, or lerobot's pi0 /
         pi0.5 (e.g. `lerobot/pi05_base`), converted on load and cached (`hf_vla.hub.resolve.resolve_pretrained`); without it
         the policy is built from `model_config` with fresh weights (seeded with `seed`).
@@ -116,7 +118,7 @@ class ModelArguments:
         if self.rtc_prefix_noise is not None and not (math.isfinite(self.rtc_prefix_noise)
                                                       and self.rtc_prefix_noise >= 0):
             raise ConfigError(f"rtc_prefix_noise={self.rtc_prefix_noise}: must be a finite number >= 0")
-        if self.model_name_or_path is None and self.model_config is None and self.policy != "pi05":
+        if self.model_name_or_path is None and self.model_config is None and self.policy == "pi0":
             raise ConfigError("set model_name_or_path (a checkpoint) or model_config (dims to build from scratch)")
         if self.model_config is not None and self.model_name_or_path is None:
             config_class = policy_config_class(self.policy)
@@ -138,6 +140,10 @@ FINE_TUNE_OVERRIDES = {"chunk_size", "num_inference_steps", "tokenizer_max_lengt
 
 
 def policy_config_class(policy: str):
+    if policy == "pi05_value":
+        from hf_vla.models.value import PI05ValueConfig
+
+        return PI05ValueConfig
     if policy == "pi05":
         from hf_vla.models.pi05 import PI05Config
 
@@ -165,6 +171,10 @@ class DataArguments:
     demo_episodes: int = field(default=200, metadata={"help": "episodes of the generated demo dataset"})
     norm_stats_from: str | None = field(default=None, metadata={
         "help": "checkpoint dir or norm_stats.json whose normalisation replaces the mixture's"})
+    failure_cost: float = field(default=1000.0, metadata={
+        "help": "policy pi05_value: the reward of a failed episode's last step, in steps (RECAP; docs/recap.md)"})
+    allow_unlabelled: bool = field(default=False, metadata={
+        "help": "policy pi05_value: leave out episodes with no outcome (counted in the log) instead of refusing them"})
 
     def __post_init__(self):
         if not self.datasets:
@@ -174,6 +184,8 @@ class DataArguments:
             raise ConfigError(f"validation_ratio={self.validation_ratio}: must be in [0, 1)")
         if self.demo_episodes <= 0:
             raise ConfigError(f"demo_episodes={self.demo_episodes}: must be positive")
+        if not (math.isfinite(self.failure_cost) and self.failure_cost > 0):
+            raise ConfigError(f"failure_cost={self.failure_cost}: must be a finite number > 0 (steps)")
 
 
 def _sections(parser: CommandParser):

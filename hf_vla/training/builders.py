@@ -133,6 +133,12 @@ def _base_model_config(model_args: ModelArguments):
         except (OSError, ValueError) as error:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: no loadable config ({error})") \
                 from error
+        if config_class.model_type == "pi05_value" and config.model_type == "pi05":
+            # a value model from a pi0.5 checkpoint: its backbone's config (the weights follow in build_model)
+            fields = {k: v for k, v in config.to_dict().items() if k in config_class.__dataclass_fields__ and k not in (
+                "model_type", "transformers_version", "architectures", "auto_map", "discrete_state_input")}
+            config = config_class(**fields, **{k: v for k, v in (model_args.model_config or {}).items()})
+            return config
         if config.model_type != config_class.model_type:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r} is a {config.model_type!r} "
                               f"checkpoint but policy={model_args.policy!r}")
@@ -162,6 +168,22 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
         enable_full_determinism(seed) if full_determinism else set_seed(seed)
     dtype = getattr(torch, model_args.dtype)
     config = config if config is not None else model_config(model_args)
+    if model_args.policy == "pi05_value":
+        from hf_vla.models.value import PI05ValueModel
+
+        if model_args.model_name_or_path:  # a value model's checkpoint, or a pi0.5 one whose backbone it starts from
+            try:
+                model = PI05ValueModel.from_pretrained(model_args.model_name_or_path, config=config, dtype=dtype,
+                                                       revision=model_args.model_revision,
+                                                       attn_implementation=model_args.attn_implementation)
+            except OSError as error:
+                raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: {error}") from error
+            return model
+        config._attn_implementation = model_args.attn_implementation
+        with built_without_zero3_init():
+            model = PI05ValueModel(config)
+        model.set_attn_implementation(model_args.attn_implementation)
+        return model.to(dtype)
     if model_args.model_name_or_path:
         try:  # the checkpoint's weights with its config as model_config() read it (rtc_max_delay applied)
             return AutoModelForImageTextToText.from_pretrained(

@@ -141,6 +141,22 @@ def policy_per_sample_loss(model, inputs: dict, seed: int, step: int) -> tuple[P
     return loss, outputs
 
 
+def value_per_sample_loss(model, inputs: dict) -> tuple[PerSampleLoss, object]:
+    """A value model's objective (RECAP): the cross-entropy of each sample's predicted return distribution against
+    its target (`value_targets`: the normalised return, binned by the model's config), one element per sample."""
+    keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
+    outputs = model(**{k: inputs[k] for k in keys if k in inputs}, value_targets=inputs["value_targets"])
+    per_sample = outputs.per_sample_loss
+    return PerSampleLoss(per_sample, torch.ones_like(per_sample)), outputs
+
+
+def is_value_model(model) -> bool:
+    """A value model (RECAP) trains on returns, not on action chunks."""
+    unwrapped = getattr(model, "module", model)
+    unwrapped = getattr(unwrapped, "base_model", unwrapped)  # peft
+    return getattr(getattr(unwrapped, "config", None), "model_type", None) == "pi05_value"
+
+
 @dataclass
 class StepTotals:
     """Denominators spanning one optimizer step, after a gather over ranks."""

@@ -42,6 +42,8 @@ class ProvenanceEvaluation:
                 per_sample, outputs = self.per_sample_loss(model, inputs, EVAL_NOISE_STEP)
             values = {"sum": per_sample.sum, "count": per_sample.count,
                       **{k: inputs[k] for k in ("dataset_index", "source_index", "episode_index")}}
+            if "value_targets" in inputs:  # a value model: the expected value's absolute error beside the CE
+                values["value_abs_sum"] = (outputs.value.float() - inputs["value_targets"].float()).abs()
             if "labels" in inputs:  # the token objective: CE per sample and component, beside the MSE
                 from hf_vla.training.cotraining import token_per_sample_loss
 
@@ -94,6 +96,8 @@ class ProvenanceEvaluation:
                         metrics[f"{prefix}_{name}/{component}"] = value
                     for name, value in bucket_mse(part, data["source_index"], names).items():
                         metrics[f"{prefix}_by_dataset/{name}/{component}"] = value
+        if "value_abs_sum" in data:  # a value model: its loss is a cross-entropy, named so; and the value's error
+            return self._value_metrics(data, per_sample, metrics, prefix, heads, names)
         for name, mse in bucket_mse(per_sample, data["dataset_index"], heads).items():
             metrics[f"{prefix}_{name}/mse"] = mse
         by_dataset = bucket_mse(per_sample, data["source_index"], names)
@@ -102,6 +106,20 @@ class ProvenanceEvaluation:
             metrics[f"{prefix}_by_dataset/{name}/mse"] = mse
         total = sum(weights.get(name, 1.0) for name in by_dataset)
         metrics[f"{prefix}_mixture_mse"] = sum(weights.get(name, 1.0) * mse for name, mse in by_dataset.items()) / total
+        return metrics
+
+    @staticmethod
+    def _value_metrics(data: dict, per_sample: PerSampleLoss, metrics: dict, prefix: str, heads, names) -> dict:
+        """A value model's pass: `ce` (the mean cross-entropy) and `value_mae` (the expected value's mean absolute
+        error against the normalised return), overall, per head and per dataset; `eval_loss` as trained."""
+        metrics[f"{prefix}_ce"] = metrics.pop(f"{prefix}_mse")
+        absolute = PerSampleLoss(data["value_abs_sum"].double(), per_sample.count)
+        metrics[f"{prefix}_value_mae"] = float(absolute.sum.sum() / absolute.count.sum())
+        for part, label in ((per_sample, "ce"), (absolute, "value_mae")):
+            for name, value in bucket_mse(part, data["dataset_index"], heads).items():
+                metrics[f"{prefix}_{name}/{label}"] = value
+            for name, value in bucket_mse(part, data["source_index"], names).items():
+                metrics[f"{prefix}_by_dataset/{name}/{label}"] = value
         return metrics
 
     @torch.no_grad()

@@ -59,7 +59,7 @@ class StepMetrics:
         for head, (total, count) in enumerate(zip(sums.tolist(), counts.tolist())):
             if count > 0:
                 name = provenance.head_names[head] if provenance is not None else str(head)
-                logs[f"{name}/mse"] = total / count
+                logs[f"{name}/{metrics.get('head_label', 'mse')}"] = total / count
         metrics["head_sum"], metrics["head_count"] = None, None
 
     def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):

@@ -106,6 +106,32 @@ class PI0Structure(_Structure):
         return ["embed_action_time", "action_out_proj"]
 
 
+class ValueStructure:
+    """RECAP's value model: pi0.5's backbone and a value readout. `vision_tower` / `vlm` freeze what pi0.5's modes
+    freeze (the readout and the query token always train); `expert_only` has no expert to train and is refused.
+    LoRA (`all_linear`; `expert` has no expert) adapts the language model's linears, the readout trains in full."""
+
+    freeze_modes = ("none", "vision_tower", "vlm")
+    lora_presets = ("all_linear",)
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def freeze(self, mode: str = "none") -> None:
+        if mode not in self.freeze_modes:
+            raise ValueError(f"freeze={mode!r}: a value model takes one of {self.freeze_modes}")
+        apply_freeze(mode, self.freeze_modes, self.model, self.model.model.vlm, nn.ModuleList())
+
+    def lora_target_modules(self, preset: str) -> list[str]:
+        if preset not in self.lora_presets:
+            raise ValueError(f"LoRA preset {preset!r}: a value model takes one of {self.lora_presets}")
+        return [name for name, module in self.model.named_modules()
+                if isinstance(module, nn.Linear) and name.startswith("model.vlm.language_model.layers.")]
+
+    def trained_heads(self) -> list[str]:
+        return ["value_readout"]
+
+
 def policy_structure(model: nn.Module):
     """The structure of a policy (`freeze`, `lora_target_modules`, `trained_heads`): pi0.5's, transformers' pi0's, or
     the model itself when it answers them."""
@@ -114,10 +140,13 @@ def policy_structure(model: nn.Module):
         return PI0Structure(core)
     if type(core).__name__ == "PI05ForConditionalGeneration":  # by name: a trust_remote_code copy is another class
         return PI05Structure(core)
+    if type(core).__name__ == "PI05ValueModel":
+        return ValueStructure(core)
     if all(hasattr(core, name) for name in ("freeze", "lora_target_modules", "trained_heads")):
         return core
     raise TypeError(f"{type(core).__name__} does not describe its structure (freeze, lora_target_modules, "
                     "trained_heads)")
 
 
-__all__ = ["FREEZE_MODES", "LORA_PRESETS", "PI05Structure", "PI0Structure", "apply_freeze", "policy_structure"]
+__all__ = ["FREEZE_MODES", "LORA_PRESETS", "PI05Structure", "PI0Structure", "ValueStructure", "apply_freeze",
+           "policy_structure"]

@@ -231,6 +231,10 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         """Seeded t and noise, x_t = t*noise + (1-t)*actions, velocity from the policy, masked per-sample sums."""
         if model.training and self.args.image_augmentation != "none" and "pixel_values" in inputs:
             inputs = self._augmented(inputs, step)
+        if "value_targets" in inputs:  # a value model (RECAP): cross-entropy on the return's bins
+            from hf_vla.training.losses import value_per_sample_loss
+
+            return value_per_sample_loss(model, inputs)
         return policy_per_sample_loss(model, inputs, self.args.seed, step)
 
     def _augmented(self, inputs: dict, step: int) -> dict:
@@ -260,6 +264,10 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         tokens = []  # target tokens per sample (the token objective's own denominators)
         for batch in batch_samples:
+            if "value_targets" in batch:  # a value model: one cross-entropy per sample
+                counts += [1.0] * len(batch["value_targets"])
+                groups += batch[group_key].tolist()
+                continue
             padding, _ = loss_padding(batch, self.args.seed, self.state.global_step, config)
             counts += valid_elements(padding, batch["action_dim_mask"]).sum(dim=(1, 2)).tolist()
             groups += batch[group_key].tolist()
@@ -303,6 +311,7 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
             self._on_nonfinite_loss(loss, per_sample, inputs)
         if model.training and "dataset_index" in inputs:
             self._record_head_errors(per_sample, inputs["dataset_index"])
+            self._metrics["train"]["head_label"] = "ce" if "value_targets" in inputs else "mse"
         if model.training and self.accelerator.num_processes > 1:
             loss = loss * self.accelerator.num_processes  # DDP/FSDP/DeepSpeed average gradients over ranks
         return (loss, outputs) if return_outputs else loss

@@ -1,0 +1,40 @@
+"""RECAP's value model (pi*0.6) configuration: pi0.5's vision-language backbone with a distributional value readout."""
+
+from huggingface_hub.dataclasses import strict
+
+from hf_vla.models.pi05.configuration_pi05 import PI05Config
+
+
+@strict
+class PI05ValueConfig(PI05Config):
+    r"""
+    Configuration for [`PI05ValueModel`]: the fields of [`PI05Config`] (its `vlm_config` is the backbone, so a
+    pi0.5 checkpoint's VLM weights load into it; the action fields are kept so one processor serves both), plus:
+
+    num_bins (`int`, defaults to 201): bins of the value distribution on [-1, 0] (a bin every 0.005 at 201), the
+        normalised return (`hf_vla.recap.returns`).
+    value_targets (`str`, defaults to `"dirac"`): the cross-entropy's target distribution, the return's nearest bin
+        (`"dirac"`, C51-style) or a Gaussian of `hl_gauss_sigma` bin widths over the bins (`"hl_gauss"`).
+    hl_gauss_sigma (`float`, defaults to 0.75): the HL-Gauss target's std, in bins.
+    discrete_state_input (`bool`, defaults to `False` here): the value prompt is "Task: {task}." as pi*0.6's value
+        model card gives it; True adds pi0.5's discretised state.
+    """
+
+    model_type = "pi05_value"
+
+    num_bins: int = 201
+    value_targets: str = "dirac"
+    hl_gauss_sigma: float = 0.75
+    discrete_state_input: bool = False
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        if self.num_bins < 2:
+            raise ValueError(f"PI05ValueConfig: num_bins={self.num_bins} must be at least 2")
+        if self.value_targets not in ("dirac", "hl_gauss"):
+            raise ValueError(f"PI05ValueConfig: value_targets={self.value_targets!r}: 'dirac' or 'hl_gauss'")
+        if not self.hl_gauss_sigma > 0:
+            raise ValueError(f"PI05ValueConfig: hl_gauss_sigma={self.hl_gauss_sigma} must be positive")
+
+
+__all__ = ["PI05ValueConfig"]

@@ -1,0 +1,145 @@
+"""RECAP's value model (pi*0.6, arXiv 2511.14759, Sec. IV-A; its model card as lerobot's `feat/add-recap` branch
+documents it): a vision-language backbone reads the cameras and the task, a learned value-query token after the prompt
+attends to all of it, and a 2-layer MLP on the query's last hidden state predicts a distribution over `num_bins` bins
+of the normalised return on [-1, 0]; `value()` is its expectation.
+
+The backbone is pi0.5's (`model.vlm`, the same module names as `PI05ForConditionalGeneration`), so
+`PI05ValueModel.from_pretrained(pi05_checkpoint, config=PI05ValueConfig(...))` starts from a pi0.5 checkpoint's
+vision-language weights (its action expert is not read). The image and prompt tokens attend to each other
+bidirectionally (PaliGemma's prefix), the query token to everything and nothing to the query."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModel, PreTrainedModel
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.utils import ModelOutput
+
+from .configuration_value import PI05ValueConfig
+
+
+@dataclass
+class PI05ValueOutput(ModelOutput):
+    """logits: `[B, num_bins]`; value: the expected normalised return `[B]`; loss: the mean cross-entropy when targets
+    are given; per_sample_loss: `[B]` cross-entropies (what the trainer aggregates)."""
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    value: torch.FloatTensor | None = None
+    per_sample_loss: torch.FloatTensor | None = None
+
+
+class PI05ValueBackbone(nn.Module):
+    def __init__(self, config: PI05ValueConfig):
+        super().__init__()
+        self.vlm = AutoModel.from_config(config.vlm_config)
+
+
+class PI05ValueModel(PreTrainedModel):
+    """The value model; `forward(..., value_targets=...)` returns the cross-entropy too. `value_targets`: the
+    normalised returns `[B]` (turned into bins by `config.value_targets`) or target distributions `[B, num_bins]`."""
+
+    config_class = PI05ValueConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _no_split_modules = ["GemmaDecoderLayer", "SiglipEncoderLayer"]
+    input_modalities = ("image", "text")
+    _keep_in_fp32_modules_strict = ["vision_tower", "multi_modal_projector", "layernorm", "norm.", "value_readout",
+                                    "value_query"]
+    _keys_to_ignore_on_load_unexpected = [r"^model\.expert\.", r"^action_", r"^time_mlp", r"^value_head\."]
+
+    def __init__(self, config: PI05ValueConfig):
+        super().__init__(config)
+        self.model = PI05ValueBackbone(config)
+        width = config.vlm_config.text_config.hidden_size
+        self.value_query = nn.Parameter(torch.zeros(width))
+        self.value_readout = nn.Sequential(nn.Linear(width, width), nn.GELU(approximate="tanh"),
+                                           nn.Linear(width, config.num_bins))
+        self.register_buffer("bin_values", torch.linspace(-1.0, 0.0, config.num_bins), persistent=False)
+        self.post_init()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is self:
+            nn.init.normal_(self.value_query, std=0.02)
+        if isinstance(module, PI05ValueModel):
+            with torch.no_grad():
+                module.bin_values.copy_(torch.linspace(-1.0, 0.0, module.config.num_bins))
+
+    def get_input_embeddings(self):
+        return self.model.vlm.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.model.vlm.set_input_embeddings(value)
+
+    def _embed(self, input_ids, pixel_values, pixel_attention_mask, attention_mask):
+        """[image tokens of every camera slot, prompt tokens, the value query] and which of them are real."""
+        vlm = self.model.vlm
+        batch_size, num_cameras = pixel_values.shape[:2]
+        vision_dtype = vlm.vision_tower.get_input_embeddings().weight.dtype
+        features = vlm.get_image_features(pixel_values.flatten(0, 1).to(vision_dtype)).pooler_output
+        text = vlm.get_input_embeddings()(input_ids)  # Gemma scales by sqrt(width) here
+        features = features.to(text.dtype).reshape(batch_size, num_cameras * features.shape[1], -1)
+        query = self.value_query.to(text.dtype).expand(batch_size, 1, -1)
+        image_valid = pixel_attention_mask.bool().repeat_interleave(features.shape[1] // num_cameras, dim=1)
+        valid = torch.cat([image_valid, attention_mask.bool(), attention_mask.new_ones(batch_size, 1).bool()], dim=1)
+        return torch.cat([features, text, query], dim=1), valid
+
+    def forward(self, input_ids: torch.LongTensor, pixel_values: torch.FloatTensor,
+                attention_mask: torch.Tensor | None = None, pixel_attention_mask: torch.Tensor | None = None,
+                value_targets: torch.Tensor | None = None, **kwargs) -> PI05ValueOutput:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        if pixel_attention_mask is None:
+            pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=pixel_values.device)
+        embeds, valid = self._embed(input_ids, pixel_values, pixel_attention_mask, attention_mask)
+        # the prefix is one bidirectional block, the query a block of its own after it (big_vision's ar rule)
+        blocks = torch.zeros_like(valid, dtype=torch.long)
+        blocks[:, -1] = 1
+
+        def query_last(batch_idx, head_idx, q_idx, kv_idx):
+            return blocks[batch_idx, kv_idx] <= blocks[batch_idx, q_idx]
+
+        text_model = self.model.vlm.language_model
+        mask = create_bidirectional_mask(config=text_model.config, inputs_embeds=embeds, attention_mask=valid,
+                                         and_mask_function=query_last)
+        positions = valid.long().cumsum(-1) - 1  # the query right after the last real prompt token
+        hidden = text_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).last_hidden_state
+        logits = self.value_readout(hidden[:, -1].float())
+        value = logits.softmax(-1) @ self.bin_values
+        loss = per_sample = None
+        if value_targets is not None:
+            target = self.target_distribution(value_targets)
+            per_sample = -(target * logits.log_softmax(-1)).sum(-1)
+            loss = per_sample.mean()
+        return PI05ValueOutput(loss=loss, logits=logits, value=value, per_sample_loss=per_sample)
+
+    def target_distribution(self, targets: torch.Tensor) -> torch.Tensor:
+        """Returns `[B]` -> target distributions `[B, num_bins]` (`config.value_targets`); distributions pass as they
+        are."""
+        if targets.ndim == 2:
+            return targets.float()
+        from hf_vla.recap.returns import hl_gauss_targets, value_to_bin
+
+        returns = targets.detach().double().cpu().numpy()
+        if self.config.value_targets == "hl_gauss":
+            dist = hl_gauss_targets(returns, self.config.num_bins, self.config.hl_gauss_sigma)
+            return torch.from_numpy(dist).float().to(targets.device)
+        bins = torch.from_numpy(value_to_bin(returns, self.config.num_bins)).to(targets.device)
+        return nn.functional.one_hot(bins, self.config.num_bins).float()
+
+    @torch.no_grad()
+    def value(self, **inputs) -> torch.FloatTensor:
+        """The expected normalised return `[B]` of processor outputs (the action keys are ignored)."""
+        keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
+        return self(**{k: inputs[k] for k in keys if k in inputs}).value
+
+
+__all__ = ["PI05ValueModel", "PI05ValueOutput"]
