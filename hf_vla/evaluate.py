@@ -47,7 +47,8 @@ def main(argv=None):
                                  args.cameras, args.save_videos, args.output_dir, args.device, server=args.server,
                                  inference_delay=args.inference_delay, rtc=args.rtc, rtc_config=rtc.rtc_config(),
                                  task=args.task, env_kwargs=env_kwargs or None, revision=args.revision,
-                                 num_envs=args.num_envs, overrides=args.override, tasks_at_once=args.tasks_at_once)
+                                 num_envs=args.num_envs, overrides=args.override, tasks_at_once=args.tasks_at_once,
+                                 cfg_beta=args.cfg_beta)
     if isinstance(result, BenchmarkResult):
         print(result.table())
     print(json.dumps(_summary(result), indent=2))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 
@@ -99,11 +100,25 @@ def main(argv=None):
             record_lock.release()
 
 
+def _check_guidance(runner, cfg_beta, max_cfg_beta) -> None:
+    """`--cfg_beta` within [0, --max_cfg_beta], and only for an advantage-conditioned policy (before listening)."""
+    if not (math.isfinite(max_cfg_beta) and max_cfg_beta >= 0):
+        raise ConfigError(f"--max_cfg_beta {max_cfg_beta}: a finite number >= 0")
+    if cfg_beta is None:
+        return
+    if not (math.isfinite(cfg_beta) and 0 <= cfg_beta <= max_cfg_beta):
+        raise ConfigError(f"--cfg_beta {cfg_beta}: a number in [0, {max_cfg_beta:g}] (--max_cfg_beta)")
+    if cfg_beta != 1.0 and not getattr(runner.processor, "advantage_conditioned", False):
+        raise ConfigError(f"--cfg_beta {cfg_beta}: guidance needs an advantage-conditioned policy (RECAP); "
+                          f"{runner.model.config.model_type} checkpoint {type(runner.processor).__name__} is not one")
+
+
 def _serve(args, rtc, obs_map, contract, slots, record_lock):
     """Load the policy and serve it until stopped (the recording, if any, joined at the end)."""
     runner = load_policy(args.checkpoint, device=args.device, revision=args.revision, obs_map=obs_map, seed=args.seed,
-                         rtc=rtc.rtc_config(), num_camera_slots=slots,
+                         rtc=rtc.rtc_config(), num_camera_slots=slots, cfg_beta=args.cfg_beta,
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
+    _check_guidance(runner, args.cfg_beta, args.max_cfg_beta)
     heads = runner.processor.head_names
     if args.head is not None or len(heads) == 1:
         try:  # an unknown head fails here, before listening
@@ -116,7 +131,7 @@ def _serve(args, rtc, obs_map, contract, slots, record_lock):
     recorder = _recorder(args, contract, runner, record_lock) if args.record else None
     server = PolicyServer(runner, metadata=metadata, max_message_mb=args.max_message_mb,
                           api_key=args.api_key or os.environ.get(API_KEY_ENV), max_batch=args.max_batch,
-                          max_connections=args.max_connections, recorder=recorder)
+                          max_connections=args.max_connections, recorder=recorder, max_cfg_beta=args.max_cfg_beta)
     logger.info("metadata %s", json.dumps(server.metadata))
     import signal
 

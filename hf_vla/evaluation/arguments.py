@@ -4,9 +4,11 @@ env is built."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from hf_vla.cli import model_source, output_dir, websocket_uri
+from hf_vla.errors import ConfigError
 from hf_vla.evaluation.envs import check_cameras, check_env, env_camera_keys
 from hf_vla.evaluation.runner import MAX_ENVS_AT_ONCE
 from hf_vla.evaluation.settings import DEFAULT_ENV, DEFAULT_SEED, OVERRIDABLE
@@ -60,11 +62,19 @@ class EvaluateArguments:
                       "in-process settings below; a server uses its own)"})
     head: str | None = field(default=None, metadata={"help": "normalization head (default: the processor's only "
                              "one)"})
+    cfg_beta: float | None = field(default=None, metadata={"help": "classifier-free guidance of an "
+                                   "advantage-conditioned (RECAP) policy, v_u + beta (v_c - v_u) (default: the "
+                                   "checkpoint's; 1: plain conditioning on 'Advantage: positive')"})
     save_videos: int = field(default=3, metadata={"min": 0, "help": "rollouts saved as animated GIFs per task"})
     output_dir: str | None = field(default=None, metadata={"help": "where eval_result.json and the GIFs go"})
     device: str = field(default=DEFAULT_DEVICE, metadata={"help": "where the policy runs (in-process)"})
 
     def __post_init__(self):
+        if self.cfg_beta is not None and not (math.isfinite(self.cfg_beta) and self.cfg_beta >= 0):
+            raise ConfigError(f"--cfg_beta {self.cfg_beta}: a finite number >= 0 (1: plain conditioning)")
+        if self.cfg_beta is not None and self.server is not None:
+            raise ConfigError("--cfg_beta: an in-process setting; a server's policy is guided by the server "
+                              "(serve --cfg_beta, or each request's cfg_beta)")
         if self.checkpoint is not None:
             self.checkpoint = model_source("--checkpoint", self.checkpoint)
         if self.server is not None:

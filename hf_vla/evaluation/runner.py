@@ -147,7 +147,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
                         env_kwargs: dict | None = None, progress: bool = True, server: str | None = None,
                         inference_delay: int = 0, rtc: bool = False, rtc_config: RTCConfig | None = None,
                         task: str | None = None, revision: str | None = None, num_envs: int | None = None,
-                        overrides=(), tasks_at_once: int | None = None):
+                        overrides=(), tasks_at_once: int | None = None, cfg_beta: float | None = None):
     """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client.
 
     Every setting the checkpoint's deployment contract knows (env and tasks of the recorded benchmark, image size,
@@ -206,7 +206,10 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
     else:
         policy = load_policy(checkpoint, device=device, revision=revision, head=head, seed=int(settings["seed"].value),
                              rtc=rtc_config or RTCConfig(), obs_map=ObservationMap(cameras=chosen or None),
-                             num_camera_slots=len(spec["cameras"]) if spec else None)
+                             num_camera_slots=len(spec["cameras"]) if spec else None, cfg_beta=cfg_beta)
+        if cfg_beta is not None and cfg_beta != 1.0 and not getattr(policy.processor, "advantage_conditioned", False):
+            raise ConfigError(f"--cfg_beta {cfg_beta}: guidance needs an advantage-conditioned policy (RECAP); this "
+                              "checkpoint is not one")
         try:
             settings["head"].value = policy.head_name()
         except RequestError as error:

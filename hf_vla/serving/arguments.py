@@ -72,6 +72,11 @@ class ServeArguments:
     override: list[str] = field(default_factory=list, metadata={
         "choices": ("cameras", "num_camera_slots"),
         "help": "accept --cameras / --num_camera_slots against the checkpoint's deployment contract"})
+    cfg_beta: float | None = field(default=None, metadata={"help": "classifier-free guidance of an "
+                                   "advantage-conditioned (RECAP) policy, v_u + beta (v_c - v_u) (default: the "
+                                   "checkpoint's, 1: plain conditioning); a request may send its own `cfg_beta`"})
+    max_cfg_beta: float = field(default=3.0, metadata={"group": LIMITS, "help": "largest `cfg_beta` a request may "
+                                "ask for"})
     max_message_mb: float | None = field(default=None, metadata={
         "group": LIMITS, "help": "largest request read, in MiB (default: every camera at 1920x1080 float32 + "
         "1, e.g. 73 for 3 cameras)"})

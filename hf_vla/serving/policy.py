@@ -261,9 +261,10 @@ class PolicyRunner:
 
     def prepare(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
                 executed_steps: int | None = None, prev_chunk_left_over=None,
-                execution_horizon: int | None = None) -> PreparedRequest:
+                execution_horizon: int | None = None, cfg_beta: float | None = None) -> PreparedRequest:
         """Validate an observation and build its model inputs and noise (no model call): `RequestError` for anything
-        the policy must not act on."""
+        the policy must not act on. `cfg_beta`: this request's guidance of an advantage-conditioned policy (default
+        the runner's)."""
         head = self.head_name(head)
         task = check_task(task, "task", self.limits) if task is not None else self.obs_map.task(observation, self.limits)
         images = self.obs_map.images(observation, self.limits)
@@ -292,7 +293,7 @@ class PolicyRunner:
                 method = self.rtc.resolve_method(inference_delay, getattr(self.model.config, "rtc_max_delay", 0))
             except ValueError as error:
                 raise RequestError(str(error)) from error
-        inputs, noise = self._inputs(images[None], state[None], [task], mask[None], head)
+        inputs, noise = self._inputs(images[None], state[None], [task], mask[None], head, cfg_beta)
         rtc = None
         if leftover is not None:
             rtc = {"prev_chunk_left_over": leftover[None], "inference_delay": int(inference_delay),
@@ -397,9 +398,10 @@ class PolicyRunner:
             return self.processor.normalize(self._relative(absolute, head, state), "actions", head)
         return left
 
-    def _inputs(self, images, states, tasks, camera_mask, head) -> tuple[dict, torch.Tensor]:
+    def _inputs(self, images, states, tasks, camera_mask, head, cfg_beta=None) -> tuple[dict, torch.Tensor]:
         try:
-            guidance = {} if self.cfg_beta is None else {"cfg_beta": self.cfg_beta}  # else the processor's own
+            cfg_beta = self.cfg_beta if cfg_beta is None else cfg_beta
+            guidance = {} if cfg_beta is None else {"cfg_beta": cfg_beta}  # else the processor's own
             inputs = self.processor(images=images, text=tasks, state=states, head=head, camera_mask=camera_mask,
                                     **guidance)
         except ValueError as error:

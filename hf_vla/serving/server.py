@@ -64,8 +64,9 @@ class PolicyServer:
 
     def __init__(self, runner: PolicyRunner, metadata: dict | None = None, max_message_mb: float | None = None,
                  api_key: str | None = None, max_batch: int = 8, max_connections: int | None = None,
-                 recorder=None):
+                 recorder=None, max_cfg_beta: float = 3.0):
         self.runner = runner
+        self.max_cfg_beta = float(max_cfg_beta)  # the largest guidance a request may ask of a RECAP policy
         self.recorder = recorder  # a `hf_vla.serving.recorder.ServeRecorder`: what clients sent and got, as episodes
         self.batcher = Batcher(runner.model, runner.device, max_batch)
         cameras = len(runner.obs_map.cameras) if runner.obs_map.cameras else runner.num_camera_slots
@@ -94,7 +95,21 @@ class PolicyServer:
                        **dataclasses.asdict(runner.limits)},
             "max_batch": self.batcher.max_batch,
             "record": self.recorder is not None,
+            "advantage": {"conditioned": bool(getattr(runner.processor, "advantage_conditioned", False)),
+                          "cfg_beta": runner.cfg_beta if runner.cfg_beta is not None else getattr(
+                              runner.processor, "cfg_beta", 1.0), "max_cfg_beta": self.max_cfg_beta},
         }
+
+    def _cfg_beta(self, value) -> float | None:
+        """A request's `cfg_beta` (guidance of an advantage-conditioned policy, RECAP): a number in
+        [0, max_cfg_beta], or None (the checkpoint's)."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) or not (
+                math.isfinite(float(value)) and 0 <= float(value) <= self.max_cfg_beta):
+            raise RequestError(f"cfg_beta={value!r}: a number in [0, {self.max_cfg_beta:g}] (the server's "
+                               "--max_cfg_beta); 1 is plain conditioning on 'Advantage: positive'")
+        return float(value)
 
     def connection_runner(self) -> PolicyRunner:
         return dataclasses.replace(self.runner)  # the same settings; a fresh generator and no last chunk
@@ -133,8 +148,9 @@ class PolicyServer:
                 self._end_episode(session, success, "episode_end")
             return {"episode_end": bool(episode_end), "recorded_episode": episode}
         delay = _optional_int(request.get("rtc/inference_delay", 0), "rtc/inference_delay")
+        cfg_beta = self._cfg_beta(request.get("cfg_beta"))
         start = time.monotonic()
-        prepared = runner.prepare(request, head=head, inference_delay=delay,
+        prepared = runner.prepare(request, head=head, inference_delay=delay, cfg_beta=cfg_beta,
                                   executed_steps=_optional_int(request.get("rtc/executed_steps"), "rtc/executed_steps"),
                                   prev_chunk_left_over=request.get("rtc/prev_chunk_left_over"),
                                   execution_horizon=_optional_int(request.get("rtc/execution_horizon"),
