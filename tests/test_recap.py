@@ -5,6 +5,7 @@ forwards; the indicator's dropout in the episode-shuffle stream."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,3 +169,223 @@ def test_the_batched_guided_velocity_equals_two_separate_forwards(policy, beta):
              for i, c in zip((cond, uncond), caches)]
         x = x + dt * (v[1] + betas * (v[0] - v[1]))
     torch.testing.assert_close(got.double(), x, rtol=0, atol=1e-6)
+
+
+# ---- the indicator's dropout in the stream -----------------------------------------------------------------------
+def test_the_indicator_dropout_is_seeded_and_within_binomial_bounds(tmp_path):
+    from test_data import CAM, make_dataset
+
+    from hf_vla.data import WeightedDatasetMixture
+
+    root = make_dataset(tmp_path / "demos", 6)
+    spec = dict(root=str(root), name="demos", cameras=[CAM], control_mode="joint",
+                advantage={"value": True, "dropout": 0.3})
+    draws = []
+    for _ in range(2):
+        stream = WeightedDatasetMixture([spec]).train_stream(image_size=16, chunk_size=2, open_blocks=3)
+        draws.append([sample["advantage"] for sample, _ in zip(stream, range(2000))])
+    assert draws[0] == draws[1]  # seeded: the same samples drop in a rerun
+    dropped = sum(a is None for a in draws[0])
+    assert set(draws[0]) == {True, None}  # dropped, never flipped
+    mean, sd = 0.3 * 2000, math.sqrt(2000 * 0.3 * 0.7)
+    assert abs(dropped - mean) < 4 * sd, dropped
+
+
+def test_the_dataset_field_is_checked(tmp_path):
+    from hf_vla.data.dataset_config import DatasetConfig
+    from hf_vla.errors import ConfigError
+
+    for value, culprit in (({"key": "a", "value": True}, "give one of key"), ({"key": "a", "dropout": 1.0},
+                           "dropout: a probability in [0, 1)"), ({"value": "yes"}, "value: true or false"),
+                           ({"column": "a"}, "unknown field(s) ['column']")):
+        with pytest.raises(ConfigError, match=culprit.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            DatasetConfig(root=str(tmp_path), cameras=["c"], advantage=value)
+
+
+# ---- the value model, annotate and a policy trained on it (ColorReach) ---------------------------------------------
+@pytest.fixture(scope="module")
+def round_data(tmp_path_factory):
+    """A 2-step demo policy on 4 expert episodes, 6 of its own episodes with the expert taking some steps (DAgger,
+    beta 0.3: `intervention` and `next.success`), a value model trained on both for a few steps."""
+    import json
+
+    from conftest import REPO, colorreach_run
+
+    from hf_vla.record import record
+    from hf_vla.train import main as train_main
+
+    base = tmp_path_factory.mktemp("recap")
+    run, datasets = colorreach_run(base, 20)
+    record("color_reach", base / "rollouts", episodes=6, image_size=24, max_episode_steps=20, strategy="dagger",
+           policy=str(run), progress=False,
+           dagger=__import__("hf_vla.envs.dagger", fromlist=["DaggerSettings"]).DaggerSettings(0.3, None, 10, None))
+    config = json.loads((REPO / "configs/demo.json").read_text())
+    demos = dict(datasets[0], name="demos")
+    rollouts = dict(datasets[0], root=str(base / "rollouts"), name="rollouts")
+    train_main([str(REPO / "configs/demo.json"), "--policy", "pi05_value", "--datasets", json.dumps([demos, rollouts]),
+                "--output_dir", str(base / "value"), "--generate_demo_data", "false", "--validation_ratio", "0.3",
+                "--per_device_train_batch_size", "4", "--stream_open_blocks", "2", "--max_steps", "4",
+                "--warmup_steps", "0", "--eval_strategy", "no", "--disable_tqdm", "true",
+                "--dataloader_num_workers", "0"])
+    assert config["policy"] == "pi05"
+    return {"base": base, "run": run, "demos": demos, "rollouts": rollouts, "value": base / "value"}
+
+
+def test_a_value_model_round_trips_save_pretrained_and_automodel(round_data):
+    from transformers import AutoModel, AutoProcessor
+
+    from hf_vla.models.value import PI05ValueModel
+
+    model = AutoModel.from_pretrained(round_data["value"])
+    assert isinstance(model, PI05ValueModel) and model.config.num_bins == 201
+    processor = AutoProcessor.from_pretrained(round_data["value"])
+    inputs = _inputs_for(processor)
+    value = model.eval().value(**inputs)
+    again = round_data["base"] / "value_again"
+    model.save_pretrained(again)
+    reloaded = AutoModel.from_pretrained(again).eval()
+    assert torch.equal(reloaded.value(**inputs), value) and ((value >= -1) & (value <= 0)).all()
+
+
+def _inputs_for(processor):
+    generator = torch.Generator().manual_seed(1)
+    return processor(images=torch.randint(0, 255, (3, 1, 3, 24, 24), generator=generator, dtype=torch.uint8),
+                     text=["move to the red target"] * 3, state=torch.zeros(3, 2), advantage=None)
+
+
+def test_a_value_model_starts_from_a_pi05_checkpoints_backbone(round_data):
+    from hf_vla.models.value import PI05ValueModel
+    from hf_vla.training.arguments import ModelArguments
+    from hf_vla.training.builders import build_model
+
+    args = ModelArguments(policy="pi05_value", model_name_or_path=str(round_data["run"]))
+    model = build_model(args, seed=0)
+    assert isinstance(model, PI05ValueModel)
+    from transformers import AutoModel
+
+    policy = AutoModel.from_pretrained(round_data["run"]).state_dict()
+    ours = model.state_dict()
+    backbone = [k for k in policy if k.startswith("model.vlm.")]
+    assert backbone and all(torch.equal(ours[k], policy[k]) for k in backbone)
+
+
+def test_outcomes_are_read_or_refused_naming_the_episode(tmp_path):
+    from test_data import CAM, make_dataset
+
+    from hf_vla.data.dataset_config import DatasetConfig
+    from hf_vla.data.sources import LeRobotSource
+    from hf_vla.errors import DataError
+
+    root = make_dataset(tmp_path / "plain", 3)
+    source = LeRobotSource(DatasetConfig(root=str(root), name="plain", cameras=[CAM]), 0)
+    with pytest.raises(DataError, match=r"dataset 'plain': episode\(s\) \[0, 1, 2\] \(3 of 3\) have no outcome"):
+        source.episode_outcomes()
+    assert np.isnan(source.episode_outcomes(allow_unlabelled=True)).all()
+    demos = LeRobotSource(DatasetConfig(root=str(root), name="plain", cameras=[CAM], success=True), 0)
+    assert demos.episode_outcomes().tolist() == [1.0, 1.0, 1.0]
+    np.testing.assert_array_equal(demos.frame_returns(1), episode_returns(13, True, 14))  # limit: the longest
+
+
+def _annotate(round_data, output, *extra):
+    import json
+
+    from hf_vla.recap.__main__ import main
+
+    main(["annotate", "--value", str(round_data["value"]), "--datasets", json.dumps([round_data["rollouts"]]),
+          "--output", str(output), "--lookahead", "5", *extra])
+    return output
+
+
+def test_annotate_writes_the_indicator_and_leaves_the_source_byte_identical(round_data):
+    import json
+
+    import pyarrow.parquet as pq
+    from test_safety import tree_hash
+
+    source = Path(round_data["rollouts"]["root"])
+    before = tree_hash(source)
+    out = _annotate(round_data, round_data["base"] / "annotated")
+    assert tree_hash(source) == before
+    summary = json.loads((out / "meta" / "hf_vla_recap.json").read_text())
+    table = pq.read_table(sorted((out / "data").rglob("*.parquet"))[0]).to_pandas()
+    positive, intervention = table["advantage_positive"].to_numpy(), table["intervention"].to_numpy() > 0
+    assert intervention.any() and positive[intervention].all()  # the expert's steps are positive
+    # per task, the frames above the threshold are the requested share (to one frame), interventions added
+    for task, entry in summary["tasks"].items():
+        rows = table["task_index"].to_numpy() == _task_index(source, task)
+        advantage = table["recap.advantage"].to_numpy()[rows]
+        assert abs(int((advantage > entry["threshold"]).sum()) - 0.3 * rows.sum()) <= 0.5
+    # returns as the float64 computation gives them (stored as float32)
+    for _, frames in table.groupby("episode_index"):
+        success = bool(frames["next.success"].any())
+        expected = episode_returns(len(frames), success, summary["max_episode_steps"])
+        np.testing.assert_allclose(frames["recap.return"].to_numpy(), expected.astype(np.float32), rtol=0, atol=0)
+    info = json.loads((out / "meta" / "info.json").read_text())
+    assert info["features"]["advantage_positive"]["dtype"] == "bool"
+
+
+def _task_index(root, task):
+    import pandas as pd
+
+    tasks = pd.read_parquet(root / "meta" / "tasks.parquet")
+    return int(tasks.loc[task, "task_index"]) if task in tasks.index else int(
+        tasks[tasks.iloc[:, 0] == task]["task_index"].iloc[0])
+
+
+def test_a_killed_annotate_leaves_no_output_and_a_rerun_reuses_its_values(round_data, monkeypatch):
+    import hf_vla.recap.annotate as module
+
+    out = round_data["base"] / "killed"
+    real_write, calls = module._write, []
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt  # a kill after the values, before the rename
+
+    monkeypatch.setattr(module, "_write", dies)
+    with pytest.raises(KeyboardInterrupt):
+        _annotate(round_data, out)
+    assert not out.exists() and list((out.parent / f".{out.name}.annotating-values").rglob("episode_*.npy"))
+    monkeypatch.setattr(module, "_write", real_write)
+    real_value = module.PI05ValueModel.value if hasattr(module, "PI05ValueModel") else None
+    from hf_vla.models.value import PI05ValueModel
+
+    original = PI05ValueModel.value
+    monkeypatch.setattr(PI05ValueModel, "value", lambda self, **kw: calls.append(1) or original(self, **kw))
+    _annotate(round_data, out)
+    assert out.is_dir() and not calls and real_value is None  # every episode's values came from the cache
+    assert not (out.parent / f".{out.name}.annotating-values").exists()
+
+
+def test_a_policy_trained_on_the_annotation_asks_for_positive(round_data):
+    import json
+
+    from conftest import REPO
+
+    from hf_vla.serving.policy import load_policy
+    from hf_vla.train import main as train_main
+
+    annotated = round_data["base"] / "annotated"
+    if not annotated.exists():
+        _annotate(round_data, annotated)
+    rollouts = dict(round_data["rollouts"], root=str(annotated), advantage={"key": "advantage_positive"})
+    demos = dict(round_data["demos"], advantage={"value": True})
+    out = round_data["base"] / "policy"
+    common = [str(REPO / "configs/demo.json"), "--datasets", json.dumps([rollouts, demos]), "--output_dir", str(out),
+              "--generate_demo_data", "false", "--validation_ratio", "0", "--per_device_train_batch_size", "4",
+              "--stream_open_blocks", "2", "--max_steps", "2", "--warmup_steps", "0", "--disable_tqdm", "true",
+              "--dataloader_num_workers", "0"]
+    # the demo's 16-token prompts would cut the indicator off: refused, never trained on in silence
+    with pytest.raises(Exception, match="cuts the indicator off; raise the model's tokenizer_max_length"):
+        train_main(common)
+    train_main([*common, "--model_config.tokenizer_max_length", "32"])
+    contract = json.loads((out / "deployment_config.json").read_text())
+    assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0}
+    runner = load_policy(out)
+    inputs, _ = runner._inputs(torch.zeros(1, 1, 3, 24, 24, dtype=torch.uint8), np.zeros((1, 2), np.float32),
+                               ["move to the red target"], torch.ones(1, 1, dtype=torch.bool), runner.head_name())
+    text = runner.processor.tokenizer.decode(inputs["input_ids"][0], skip_special_tokens=True)
+    assert "Advantage: positive" in text and "uncond_input_ids" not in inputs
+    guided, _ = runner._inputs(torch.zeros(1, 1, 3, 24, 24, dtype=torch.uint8), np.zeros((1, 2), np.float32),
+                               ["move to the red target"], torch.ones(1, 1, dtype=torch.bool), runner.head_name(), 2.0)
+    assert guided["cfg_beta"].tolist() == [2.0] and "Advantage" not in runner.processor.tokenizer.decode(
+        guided["uncond_input_ids"][0], skip_special_tokens=True)
