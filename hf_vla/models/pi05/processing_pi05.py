@@ -364,21 +364,24 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         return self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.prompt_max_length,
                               padding_side="right")
 
-    def _check_indicator_fits(self, tokens: dict, advantages: list) -> None:
+    def _check_indicator_fits(self, texts: list[str], advantages: list, padded_state, states) -> None:
         """The advantage indicator must survive the prompt's truncation to `prompt_max_length` tokens: a cut one
         would train (and run) a policy that never reads it."""
-        marker = self.tokenizer(" positive", add_special_tokens=False)["input_ids"][-1:]
-        marker_negative = self.tokenizer(" negative", add_special_tokens=False)["input_ids"][-1:]
-        for row, advantage in enumerate(advantages):
+        for row, (text, advantage) in enumerate(zip(texts, advantages)):
             if advantage is None:
                 continue
-            ids = tokens["input_ids"][row][: sum(tokens["attention_mask"][row])]
-            wanted = marker if advantage else marker_negative
-            if not any(ids[i:i + len(wanted)] == wanted for i in range(len(ids) - len(wanted) + 1)):
-                raise ValueError(f"the prompt with its advantage indicator is longer than tokenizer_max_length="
-                                 f"{self.prompt_max_length} tokens, which cuts the indicator off; raise the model's "
-                                 "tokenizer_max_length (e.g. --model_config.tokenizer_max_length 48 for a model built "
-                                 "from a config)")
+            tagged = advantage_task(text, advantage)
+            if self.discrete_state_input:
+                prompt = self.build_prompt(tagged, padded_state[row, : states[row].shape[-1]])
+                length = len(self.tokenizer(prompt)["input_ids"])
+            else:
+                cleaned = tagged.strip().replace("_", " ").replace("\n", " ")
+                length = len(self.tokenizer(cleaned)["input_ids"]) + 1
+            if length > self.prompt_max_length:
+                raise ValueError(f"the prompt with its advantage indicator is {length} tokens, longer than "
+                                 f"tokenizer_max_length={self.prompt_max_length}, which cuts the indicator off; raise "
+                                 "the model's tokenizer_max_length (e.g. --model_config.tokenizer_max_length "
+                                 f"{length + 8} for a model built from a config, or a fine-tune of one)")
 
     def _advantages(self, advantage, cfg_beta, rows: int) -> tuple[list, list[float] | None]:
         """Each row's advantage indicator, and the rows' guidance betas when any is not 1 (else None)."""
@@ -503,7 +506,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         advantages, betas = self._advantages(advantage, cfg_beta, len(texts))
         tokens = self._prompt_tokens([advantage_task(t, a) for t, a in zip(texts, advantages)], padded_state, states)
         if any(a is not None for a in advantages):
-            self._check_indicator_fits(tokens, advantages)
+            self._check_indicator_fits(texts, advantages, padded_state, states)
         data = {"input_ids": torch.tensor(tokens["input_ids"], dtype=torch.long),
                 "attention_mask": torch.tensor(tokens["attention_mask"], dtype=torch.bool), "state": padded_state}
         if betas is not None:  # classifier-free guidance: the unconditioned prompt beside the conditioned one
