@@ -284,6 +284,16 @@ def test_outcomes_are_read_or_refused_naming_the_episode(tmp_path):
     demos = LeRobotSource(DatasetConfig(root=str(root), name="plain", cameras=[CAM], success=True), 0)
     assert demos.episode_outcomes().tolist() == [1.0, 1.0, 1.0]
     np.testing.assert_array_equal(demos.frame_returns(1), episode_returns(13, True, 14))  # limit: the longest
+    # a joined serve --record dataset: its run summary's per-episode success (None where the client sent none)
+    import json
+
+    summary = {"episodes": [{"episode": 5, "success": True}, {"episode": 9, "success": None},
+                            {"episode": 7, "success": False}]}
+    (root / "meta" / "hf_vla_serve_record.json").write_text(json.dumps(summary))
+    served = LeRobotSource(DatasetConfig(root=str(root), name="served", cameras=[CAM]), 0)
+    with pytest.raises(DataError, match=r"episode\(s\) \[2\] \(1 of 3\) have no outcome"):
+        served.episode_outcomes()
+    assert served.episode_outcomes(allow_unlabelled=True)[:2].tolist() == [1.0, 0.0]
 
 
 def _annotate(round_data, output, *extra):

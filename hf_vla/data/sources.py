@@ -535,8 +535,8 @@ class LeRobotSource:
     # ---- outcomes and returns (RECAP's value model) ----------------------------------------------------------------
     def episode_outcomes(self, allow_unlabelled: bool = False) -> np.ndarray:
         """Each episode's success as float (1 success, 0 failure, NaN unknown), in episode-table order: the dataset
-        field `success`, else lerobot's per-frame `next.success` (any frame), else an `hf_vla.record` expert recording
-        (kept only when successful). An unknown outcome is refused naming the episode, unless `allow_unlabelled`."""
+        field `success`, else lerobot's per-frame `next.success` (any frame), else a `serve --record` run summary's
+        per-episode `success`, else an `hf_vla.record` expert recording (kept only when successful). An unknown outcome is refused naming the episode, unless `allow_unlabelled`."""
         cached = getattr(self, "_outcomes", None)
         if cached is not None:
             return cached
@@ -549,6 +549,8 @@ class LeRobotSource:
                 table = self._episode_rows(int(episode), row, int(self.episodes["length"][row]),
                                            ["next.success", "episode_index"])
                 outcomes[row] = float(_indicator_column(table["next.success"]).any())
+        elif (self.root / "meta" / "hf_vla_serve_record.json").is_file():  # serve --record: success per episode
+            outcomes = self._served_outcomes(outcomes)
         else:
             from hf_vla.serving.contract import RECORD_MARKER
 
@@ -567,6 +569,23 @@ class LeRobotSource:
                             "hf_vla.record marker): set the dataset field success (true for demonstrations), or skip "
                             "them with allow_unlabelled")
         self._outcomes = outcomes
+        return outcomes
+
+    def _served_outcomes(self, outcomes: np.ndarray) -> np.ndarray:
+        """A joined `serve --record` dataset: its run summary lists the finished episodes in the order the join
+        wrote them, each with the `success` its client sent (None where none was sent)."""
+        path = self.root / "meta" / "hf_vla_serve_record.json"
+        try:
+            episodes = sorted(json.loads(path.read_text()).get("episodes") or [], key=lambda e: e["episode"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise DataError(f"dataset {self.name!r}: {path} is not a serve recording's summary ({error})") from None
+        if len(episodes) != self.num_episodes:
+            raise DataError(f"dataset {self.name!r}: {path} lists {len(episodes)} episodes for the dataset's "
+                            f"{self.num_episodes} (a recording joined into one dataset per camera shape?); set the "
+                            "dataset field success, or add next.success")
+        for row, entry in enumerate(episodes):
+            if entry.get("success") is not None:
+                outcomes[row] = float(bool(entry["success"]))
         return outcomes
 
     def episode_limit(self) -> int:
