@@ -174,9 +174,9 @@ def value_auc(work: Path, results: dict) -> dict:
     mean predicted value for its success."""
     import torch
 
-    from hf_vla.recap.annotate import AnnotateArguments, _load_value_model, _values
     from hf_vla.data.dataset_config import DatasetConfig
     from hf_vla.data.sources import LeRobotSource
+    from hf_vla.recap.annotate import AnnotateArguments, _load_value_model, _values
 
     model, processor = _load_value_model(str(work / "recap_round1" / "value"), "cpu")
     spec = _collected(work / "recap_round2" / "rollouts", "round2")
