@@ -399,3 +399,23 @@ def test_a_policy_trained_on_the_annotation_asks_for_positive(round_data):
                                ["move to the red target"], torch.ones(1, 1, dtype=torch.bool), runner.head_name(), 2.0)
     assert guided["cfg_beta"].tolist() == [2.0] and "Advantage" not in runner.processor.tokenizer.decode(
         guided["uncond_input_ids"][0], skip_special_tokens=True)
+
+
+def test_record_strategy_policy_keeps_every_episode_with_the_policys_own_actions(round_data, monkeypatch):
+    """`--strategy policy`: the policy alone (the expert is never asked: an env without one records), its executed
+    action is each frame's `action`, every episode kept with `next.success`."""
+    import pyarrow.parquet as pq
+
+    import hf_vla.envs.reach as reach
+    from hf_vla.record import record
+
+    def no_expert(*args, **kwargs):
+        raise AssertionError("the expert was consulted")
+
+    monkeypatch.setattr(reach, "expert_action", no_expert)
+    out = round_data["base"] / "own"
+    record("color_reach", out, episodes=5, strategy="policy", policy=str(round_data["run"]), progress=False)
+    table = pq.read_table(sorted((out / "data").rglob("*.parquet"))[0]).to_pandas()
+    assert table["episode_index"].nunique() == 5 and "next.success" in table
+    assert all(list(a) == list(b) for a, b in zip(table["action"], table["policy_action"]))
+    assert (table["intervention"] == 0).all()

@@ -48,6 +48,9 @@ class DaggerSettings:
     takeover_threshold: float | None = None  # the expert takes over where |policy - expert| exceeds this
     takeover_steps: int = 10  # steps the expert keeps control once a gate handed it over
     stall_steps: int | None = None  # the expert takes over after this many steps without a new best reward
+    # False: `hf_vla.record --strategy policy`, the policy alone; no expert is consulted (an env without one works)
+    # and each frame's `action` is the one the policy executed (RECAP learns from these; docs/recap.md)
+    expert_labels: bool = True
 
     def __post_init__(self):
         if not 0.0 <= self.beta <= 1.0:  # NaN fails this too
@@ -122,6 +125,8 @@ class DaggerActor:
 
     def __call__(self, observation, task):
         settings = self.settings
+        if not settings.expert_labels:
+            return self._policy_alone(observation, task)
         expert = np.asarray(self.env.expert_action(), dtype=np.float32)
         if not self.queue and not self.takeover:
             chunk = np.asarray(self.policy(observation, task))[:self.n_action_steps]
@@ -152,6 +157,20 @@ class DaggerActor:
             frame["extra"][ACTION_PLAN] = np.asarray(self.env.expert_plan(self.plan_steps), np.float32).reshape(-1)
         self.frames.append(frame)
         return (expert if by_expert else proposed)[None]
+
+    def _policy_alone(self, observation, task):
+        """The policy acts at every step and its action is the frame's label (`--strategy policy`)."""
+        if not self.queue:
+            chunk = np.asarray(self.policy(observation, task))[:self.n_action_steps]
+            self.queue = [np.asarray(a, dtype=np.float32) for a in chunk]
+        action = self.queue.pop(0)
+        frame = {"images": {key: observation[key] for key in self.cameras}, "state": observation[self.state],
+                 "action": action, "task": task,
+                 "extra": {INTERVENTION: np.array([0], np.int64), POLICY_ACTION: action.astype(np.float32)}}
+        if self.text is not None:
+            frame["text"] = self.text(self.env)
+        self.frames.append(frame)
+        return action[None]
 
     def after_step(self, action, outcome) -> None:
         _, reward, _, _, info = outcome

@@ -24,7 +24,8 @@ from hf_vla.storage import DirectoryLock
 
 logger = logging.getLogger("hf_vla.record")
 ENVS = ("metaworld", "color_reach")
-STRATEGIES = ("expert", "dagger")
+STRATEGIES = ("expert", "dagger", "policy")
+ACTING = ("dagger", "policy")  # strategies where a policy acts
 EVAL_ENV = {"metaworld": "metaworld", "color_reach": "hf_vla/ColorReach-v0"}  # the env id a checkpoint's contract names
 PART_MARKER = "hf_vla_record_part.json"  # a recorded task in the staging directory: done
 LOCK_NAME = "_hf_vla_record.lock"  # one recording at a time into a staging directory
@@ -146,9 +147,10 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         raise ConfigError(f"env {env!r}: choose one of {list(ENVS)}")
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy {strategy!r}: choose one of {list(STRATEGIES)}")
-    if (strategy == "dagger") != (policy is not None):
-        raise ConfigError("--strategy dagger needs --policy CHECKPOINT (the policy that acts)" if policy is None else
-                          f"--policy {policy}: only --strategy dagger runs a policy (the expert records alone)")
+    if (strategy in ACTING) != (policy is not None):
+        raise ConfigError(f"--strategy {strategy} needs --policy CHECKPOINT (the policy that acts)" if policy is None
+                          else f"--policy {policy}: only --strategy dagger or policy runs a policy (the expert records "
+                          "alone)")
     positive("episodes", episodes)
     positive("round", round_index)
     positive("image_size", image_size)
@@ -159,16 +161,20 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         raise ConfigError(f"--max_tries {max_tries} is below --episodes {episodes}: a task could never be complete")
     from hf_vla.storage import check_output, make_dir
 
-    output = check_output("--output", output, overwrite, inputs={"--policy": policy if strategy == "dagger" else None},
+    output = check_output("--output", output, overwrite, inputs={"--policy": policy if strategy in ACTING else None},
                           marker=f"meta/{RECORD_MARKER}", what="recording")
     make_dir("--output", output.parent)
     runner = None
-    if strategy == "dagger":
+    if strategy in ACTING:
         dagger = dagger or DaggerSettings()
+        if strategy == "policy":
+            dagger = DaggerSettings(expert_labels=False)
         runner, resolved = _dagger_policy(env, policy, tasks, image_size, max_episode_steps, env_kwargs, episodes,
                                           device)
         tasks, image_size, max_episode_steps, env_kwargs = (resolved["task"], resolved["image_size"],
                                                             resolved["max_episode_steps"], resolved["env_kwargs"])
+        if strategy == "policy":
+            resolved["plan_steps"] = None  # no expert consulted: no expert plan either
         seed = 1000 * round_index if seed is None else seed
     seed = 0 if seed is None else seed
     if env == "metaworld":
@@ -557,7 +563,8 @@ class RecordArguments:
         "departs from the recording"})
     strategy: str = field(default="expert", metadata={
         "group": DAGGER, "choices": STRATEGIES, "help": "expert: the scripted expert acts (successful episodes only); "
-        "dagger: --policy acts and the expert labels every state"})
+        "dagger: --policy acts and the expert labels every state; policy: --policy alone, its own actions recorded, "
+        "every episode kept with next.success (RECAP's collection: docs/recap.md)"})
     policy: str | None = field(default=None, metadata={"group": DAGGER, "help": "dagger: the checkpoint (directory or "
                                "Hub id) that acts"})
     round: int | None = field(default=None, metadata={"group": DAGGER, "help": "dagger: the round's number, kept in "
@@ -584,6 +591,8 @@ class RecordArguments:
                                   "the default")
         dagger_flags = [f"--{name}" for name in ("round", "beta", "takeover_threshold", "takeover_steps",
                                                  "stall_steps") if getattr(self, name) is not None]
+        if self.strategy == "policy":
+            dagger_flags = [flag for flag in dagger_flags if flag != "--round"]
         if self.strategy != "dagger" and dagger_flags:
             raise ConfigError(f"{', '.join(dagger_flags)}: DAgger settings, taken with --strategy dagger only (the "
                               "expert records alone)")
