@@ -179,6 +179,9 @@ def _recorder(args, contract, runner: PolicyRunner, lock=None):
                            "contract's actions per chunk, and a LeRobot dataset's fps is whole (--record_fps sets it)",
                            fps, 1 / rate, rate)
     run = _record_run(args) | {"head": runner.head, "robot_type": spec.get("robot_type")}
+    if getattr(runner.processor, "advantage_conditioned", False):  # RECAP: what the policy was asked for
+        run["advantage"] = {"indicator": "positive", "cfg_beta": runner.cfg_beta if runner.cfg_beta is not None
+                            else runner.processor.cfg_beta, "max_cfg_beta": args.max_cfg_beta}
     return ServeRecorder(args.record, run, fps, lock=lock)
 
 

@@ -235,6 +235,8 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
         plan |= {"strategy": strategy, "policy": checkpoint_identity(str(policy)),
                  "weights": weights_fingerprint(policy), "round": round_index, "dagger": dagger.to_dict(),
                  "n_action_steps": resolved["n_action_steps"], "plan_steps": resolved["plan_steps"]}
+        if getattr(runner.processor, "advantage_conditioned", False):  # RECAP: what the policy was asked for
+            plan["advantage"] = {"indicator": "positive", "cfg_beta": runner.processor.cfg_beta}
 
     staging = output.parent / f".{output.name}.recording"
     lock = DirectoryLock(staging, label="--output", lock_name=LOCK_NAME,
@@ -441,7 +443,7 @@ def _join(job: _Job, parts: Path, done: dict, started: float, resumed: list[str]
                           "max_episode_steps": plan["max_episode_steps"], "max_tries": job.max_tries,
                           "fast_render": job.env == "metaworld", "env_kwargs": plan["env_kwargs"],
                           **{key: plan[key] for key in ("strategy", "policy", "weights", "round", "dagger",
-                                                        "n_action_steps", "plan_steps") if key in plan},
+                                                        "n_action_steps", "plan_steps", "advantage") if key in plan},
                           "shortfall": shortfall,
                           "data_seeds": [min(s[0] for s in all_seeds), max(s[1] for s in all_seeds)]},
         indent=2))
