@@ -366,12 +366,13 @@ def test_a_killed_annotate_leaves_no_output_and_a_rerun_reuses_its_values(round_
     assert not (out.parent / f".{out.name}.annotating-values").exists()
 
 
-def test_a_policy_trained_on_the_annotation_asks_for_positive(round_data):
+@pytest.fixture(scope="module")
+def recap_policy(round_data):
+    """The demo policy trained 2 steps on the demonstrations (positive) and the annotated episodes."""
     import json
 
     from conftest import REPO
 
-    from hf_vla.serving.policy import load_policy
     from hf_vla.train import main as train_main
 
     annotated = round_data["base"] / "annotated"
@@ -388,6 +389,15 @@ def test_a_policy_trained_on_the_annotation_asks_for_positive(round_data):
     with pytest.raises(Exception, match="cuts the indicator off; raise the model's tokenizer_max_length"):
         train_main(common)
     train_main([*common, "--model_config.tokenizer_max_length", "32"])
+    return out
+
+
+def test_a_policy_trained_on_the_annotation_asks_for_positive(recap_policy):
+    import json
+
+    from hf_vla.serving.policy import load_policy
+
+    out = recap_policy
     contract = json.loads((out / "deployment_config.json").read_text())
     assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0}
     runner = load_policy(out)
@@ -419,3 +429,35 @@ def test_record_strategy_policy_keeps_every_episode_with_the_policys_own_actions
     assert table["episode_index"].nunique() == 5 and "next.success" in table
     assert all(list(a) == list(b) for a, b in zip(table["action"], table["policy_action"]))
     assert (table["intervention"] == 0).all()
+
+
+def test_the_server_guides_per_request_as_the_runner_does(recap_policy):
+    """openpi's client against `hf_vla.serve`: a request's `cfg_beta` gives the runner's guided chunk for the same
+    seed; one beyond `--max_cfg_beta` is refused in one line and the connection serves on."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+    from test_serve import Server
+
+    from hf_vla.serving.policy import load_policy
+
+    server = Server("--checkpoint", str(recap_policy), "--seed", "5", "--max_cfg_beta", "2.5")
+    try:
+        client = WebsocketClientPolicy(server.uri)
+        assert client.get_server_metadata()["advantage"] == {"conditioned": True, "cfg_beta": 1.0,
+                                                             "max_cfg_beta": 2.5}
+        image = np.random.default_rng(0).integers(0, 255, (24, 24, 3), dtype=np.uint8)
+        request = {"observation.image": image, "observation.state": np.array([0.1, -0.2], np.float32),
+                   "prompt": "move to the red target"}
+        runner = load_policy(recap_policy, seed=5)
+        for beta in (2.0, None):
+            reply = client.infer({**request, **({"cfg_beta": beta} if beta is not None else {})})
+            runner.reset(seed=5)
+            prepared = runner.prepare(dict(request), task=request["prompt"], cfg_beta=beta)
+            assert ("uncond_input_ids" in prepared.inputs) == (beta is not None)
+            expected = runner.finish(prepared, runner.sample_batch([prepared])[0])
+            np.testing.assert_allclose(reply["actions"], expected, rtol=0, atol=1e-5)
+            client = WebsocketClientPolicy(server.uri)  # a fresh connection: its noise from --seed again
+        with pytest.raises(RuntimeError, match=r"cfg_beta=9.0: a number in \[0, 2.5\]"):
+            client.infer({**request, "cfg_beta": 9.0})
+        assert client.infer(request)["actions"].shape == (8, 2)
+    finally:
+        server.stop()
