@@ -61,7 +61,8 @@ class ConvertArguments:
                               "merged with their base"})
     output: str | None = field(default=None, metadata={"required": True, "help": "directory to write (new, or "
                                "replaced with --overwrite); never the input or a directory inside or around it"})
-    tokenizer: str = field(default="google/paligemma-3b-pt-224", metadata={"help": "tokenizer id or local path"})
+    tokenizer: str | None = field(default=None, metadata={"help": "--to hf_vla from a lerobot checkpoint: the tokenizer "
+                                  "id or local path (default google/paligemma-3b-pt-224, pi0.5's)"})
     to: str = field(default="hf_vla", metadata={"help": "hf_vla: a lerobot checkpoint (or LoRA adapters) to an hf_vla "
                     "checkpoint; lerobot_plugin: an hf_vla checkpoint's lerobot-side directory (lerobot's tools run "
                     "it through the hf_vla plugin); lerobot: an hf_vla pi0.5 checkpoint in lerobot's native pi05 "
@@ -88,6 +89,9 @@ def main(argv=None):
     if args.n_action_steps is not None and args.to == "hf_vla":
         raise ConfigError(f"--n_action_steps {args.n_action_steps}: taken with --to lerobot_plugin or --to lerobot; "
                           "a converted or merged checkpoint keeps its source's (change it at evaluate / serve time)")
+    if args.tokenizer is not None and args.to != "hf_vla":
+        raise ConfigError(f"--tokenizer {args.tokenizer}: taken when converting a lerobot checkpoint (--to hf_vla); "
+                          f"--to {args.to} uses the checkpoint's own tokenizer")
     if args.to == "lerobot_plugin":
         return _plugin_dir(source, Path(args.output), args)
     if args.to == "lerobot":
@@ -98,6 +102,10 @@ def main(argv=None):
         return export_lerobot(source, Path(args.output), head=args.head, overwrite=args.overwrite,
                               n_action_steps=args.n_action_steps)
     if (source / "adapter_config.json").is_file() and not (source / "config.json").is_file():
+        unused = [flag for flag, value in (("--head", args.head), ("--tokenizer", args.tokenizer)) if value is not None]
+        if unused:
+            raise ConfigError(f"{', '.join(unused)}: merging LoRA adapters keeps their base's heads and tokenizer; "
+                              "leave the flag out")
         return _merge_adapter(source, Path(args.output), args.overwrite)
     if (source / "config.json").is_file():
         model_type = _model_type(source)
@@ -114,8 +122,8 @@ def main(argv=None):
     from hf_vla.cli import setup_logging
 
     setup_logging()
-    return convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer, head=head,
-                              overwrite=args.overwrite)
+    return convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer or "google/paligemma-3b-pt-224",
+                              head=head, overwrite=args.overwrite)
 
 
 def _model_type(source: Path) -> str | None:

@@ -269,3 +269,14 @@ def test_truncated_weights_through_the_runner_name_the_file(built, tmp_path):
     (source / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes()[:-100])
     with pytest.raises(ConfigError, match=r"model.safetensors: not a complete safetensors file \(its tensors end at"):
         load_policy(source)
+
+
+def test_a_flag_a_route_does_not_honour_is_refused(built, tmp_path, capsys, tiny_tokenizer_dir):
+    for route in (["--to", "lerobot_plugin"], ["--to", "lerobot"]):
+        line = fails(capsys, convert.cli, ["--input", str(built["hf_vla"]), *route, "--output", str(tmp_path / "o"),
+                                           "--tokenizer", str(tiny_tokenizer_dir)])
+        assert "--tokenizer" in line and "uses the checkpoint's own tokenizer" in line, line
+    checkpoint = _adapters(tmp_path / "RUN")
+    line = fails(capsys, convert.cli, ["--input", str(checkpoint), "--output", str(tmp_path / "o"), "--head", "x"])
+    assert "--head: merging LoRA adapters keeps their base's heads" in line, line
+    assert not (tmp_path / "o").exists()
