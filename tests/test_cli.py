@@ -291,3 +291,21 @@ def test_hub_lines_are_printed_once():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stderr.count("Retrying in 1s [Retry 1/5].") == 1, result.stderr
+
+
+def test_a_long_phase_writes_progress_to_a_log_that_is_not_a_terminal(monkeypatch, caplog):
+    """Recording, evaluation, replay, annotation: a log file or pipe hears from a phase every PROGRESS_EVERY_S seconds
+    (done/total, rate, time left), not only at its end."""
+    import logging
+
+    import hf_vla.cli as cli
+
+    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.0)
+    bar = cli._PhaseLine(10, "recording color_reach", "episodes")
+    with caplog.at_level(logging.INFO, logger="hf_vla"):
+        for _ in range(3):
+            bar.update(1)
+        bar.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4 and lines[0].startswith("recording color_reach: 1/10 episodes, ") and "s left" in lines[0]
+    assert lines[-1].startswith("recording color_reach: 3/10 episodes in ")
