@@ -195,6 +195,43 @@ def value_auc(work: Path, results: dict) -> dict:
             "mean_value_success": float(positive.mean()), "mean_value_failure": float(negative.mean())}
 
 
+def value_judge(work: Path, results: dict, episodes: int) -> dict:
+    """The last round's value model as an offline judge of checkpoints: each arm's policy (and the start) records
+    `episodes` episodes of its own (`--strategy policy`, seeds from 20,000); the rank correlation of their mean
+    predicted value with the arms' held-out success."""
+    import torch
+
+    from hf_vla.data.dataset_config import DatasetConfig
+    from hf_vla.data.sources import LeRobotSource
+    from hf_vla.recap.annotate import AnnotateArguments, _load_value_model, _values
+
+    value = Path(results["recap"]["value"])
+    model, processor = _load_value_model(str(value), "cpu")
+    torch.set_num_threads(1)
+    means, successes, names = [], [], []
+    for name in ("start", "recap", "continued_bc", "bc_with_collected"):
+        if "mean_success" not in results.get(name, {}):
+            continue
+        weights = work / "start" if name == "start" else (Path(results["recap"]["weights"]) if name == "recap"
+                                                           else _weights(work / name))
+        own = work / f"judge_{name}"
+        if not (own / "meta" / "info.json").exists():
+            _run([sys.executable, "-m", "hf_vla.record", "--env", "color_reach", "--strategy", "policy", "--policy",
+                  str(weights), "--episodes", str(episodes), "--seed", "20000", "--output", str(own), "--overwrite",
+                  "true"], work / f"judge_{name}.log")
+        spec = {"root": str(own), "name": name, "cameras": ["observation.image"], "control_mode": "delta_xy"}
+        args = AnnotateArguments(value=str(value), datasets=[spec], output=str(work / "x"))
+        source = LeRobotSource(DatasetConfig(**spec), 0)
+        values = _values(source, model, processor, args, work / f"judge_values_{name}", str(value))
+        means.append(float(np.mean(np.concatenate(list(values.values())))))
+        successes.append(results[name]["mean_success"])
+        names.append(name)
+    ranks = [np.argsort(np.argsort(x)) for x in (means, successes)]
+    spearman = float(np.corrcoef(*ranks)[0, 1]) if len(names) >= 3 else None
+    return {"checkpoints": names, "mean_predicted_value": means, "held_out_success": successes,
+            "spearman": spearman, "episodes_each": episodes}
+
+
 def evaluate(weights: Path, name: str, work: Path, episodes: int) -> dict:
     out = work / f"eval_{name}"
     _run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(weights), "--episodes", str(episodes),
@@ -207,7 +244,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default=str(REPO / "data_cache" / "recap_colorreach"))
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "recap_cpu.json"))
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default=",".join(ARMS) + ",judge", help=f"comma list of {', '.join(ARMS)} and "
+                        "judge (the value model as a judge of the arms' checkpoints)")
     parser.add_argument("--episodes", type=int, default=500, help="held-out episodes per evaluation")
     parser.add_argument("--collect", type=int, default=200, help="episodes RECAP collects per round")
     parser.add_argument("--rounds", type=int, default=2)
@@ -229,7 +267,7 @@ def main():
         if args.rounds >= 2:
             everything["value_model"] = value_auc(work, results)
         output.write_text(json.dumps(everything, indent=1) + "\n")
-    budget = results["recap"]["minutes"] * 60
+    budget = results["recap"]["minutes"] * 60 if "recap" in results else None
     if "continued_bc" in arms:
         seconds, _ = _train_policy(work, work / "start", [_demos(work)], work / "continued_bc",
                                    work / "continued_bc.log", budget_s=budget)
@@ -247,6 +285,10 @@ def main():
             "minutes": round(seconds / 60 + results["recap"]["collection_minutes"], 2),
             "episodes_collected": results["recap"]["episodes_collected"]}
         output.write_text(json.dumps(everything, indent=1) + "\n")
+    if "judge" in arms:
+        judged = value_judge(work, results, 100)
+        everything.setdefault("value_model", {}).update({"spearman_checkpoints": judged["spearman"],
+                                                         "checkpoints": judged})
     output.write_text(json.dumps(everything, indent=1) + "\n")
     print(json.dumps(everything, indent=1))
 
