@@ -461,3 +461,23 @@ def test_the_server_guides_per_request_as_the_runner_does(recap_policy):
         assert client.infer(request)["actions"].shape == (8, 2)
     finally:
         server.stop()
+
+
+def test_recap_refusals_are_one_line(round_data, capsys):
+    import json
+
+    from conftest import refused
+
+    from hf_vla.evaluate import cli as evaluate_cli
+    from hf_vla.recap.__main__ import cli as recap_cli
+
+    line = refused(recap_cli, ["annotate", "--value", str(round_data["run"]), "--datasets",
+                               json.dumps([round_data["rollouts"]]), "--output", str(round_data["base"] / "no")],
+                   capsys)
+    assert "a 'pi05' checkpoint, not a value model" in line, line
+    line = refused(evaluate_cli, ["--checkpoint", str(round_data["run"]), "--episodes", "2", "--cfg_beta", "1.5",
+                                  "--output_dir", str(round_data["base"] / "no_eval")], capsys)
+    assert "--cfg_beta 1.5: guidance needs an advantage-conditioned policy" in line, line
+    line = refused(recap_cli, ["nope"], capsys)
+    assert "a subcommand of python -m hf_vla.recap, one of ['annotate']" in line, line
+    assert not (round_data["base"] / "no").exists()
