@@ -382,14 +382,14 @@ def recap_policy(round_data):
     demos = dict(round_data["demos"], advantage={"value": True})
     out = round_data["base"] / "policy"
     common = [str(REPO / "configs/demo.json"), "--datasets", json.dumps([rollouts, demos]), "--output_dir", str(out),
-              "--generate_demo_data", "false", "--validation_ratio", "0", "--per_device_train_batch_size", "4",
+              "--generate_demo_data", "false", "--per_device_train_batch_size", "4",
               "--stream_open_blocks", "2", "--max_steps", "2", "--warmup_steps", "0", "--disable_tqdm", "true",
               "--dataloader_num_workers", "0"]
     # the demo's 16-token prompts would cut the indicator off: refused, never trained on in silence
     with pytest.raises(Exception, match="cuts the indicator off; raise the model's tokenizer_max_length"):
         train_main(common)
-    train_main([*common, "--model_config.tokenizer_max_length", "32"])
-    return out
+    trainer = train_main([*common, "--model_config.tokenizer_max_length", "32", "--validation_ratio", "0.3"])
+    return out, trainer.evaluate()  # the provenance evaluation, per indicator value too
 
 
 def test_a_policy_trained_on_the_annotation_asks_for_positive(recap_policy):
@@ -397,7 +397,8 @@ def test_a_policy_trained_on_the_annotation_asks_for_positive(recap_policy):
 
     from hf_vla.serving.policy import load_policy
 
-    out = recap_policy
+    out, metrics = recap_policy  # metrics: validation episodes of the demonstrations and the annotated rollouts
+    assert {"eval_by_advantage/positive/mse", "eval_by_advantage/negative/mse"} <= set(metrics), sorted(metrics)
     contract = json.loads((out / "deployment_config.json").read_text())
     assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0}
     runner = load_policy(out)
@@ -432,6 +433,7 @@ def test_record_strategy_policy_keeps_every_episode_with_the_policys_own_actions
 
 
 def test_the_server_guides_per_request_as_the_runner_does(recap_policy):
+    recap_policy, _ = recap_policy
     """openpi's client against `hf_vla.serve`: a request's `cfg_beta` gives the runner's guided chunk for the same
     seed; one beyond `--max_cfg_beta` is refused in one line and the connection serves on."""
     from openpi_client.websocket_client_policy import WebsocketClientPolicy

@@ -33,6 +33,10 @@ class VLACollator:
         )
         batch = dict(inputs)
         batch["action_is_pad"] = torch.stack([s["action_is_pad"] for s in samples])
+        if getattr(self.processor, "advantage_conditioned", False):  # RECAP's indicator per row (-1: none), for the
+            # evaluation's buckets; in every batch of such a run, so the gathered columns line up
+            batch["advantage"] = torch.tensor([-1 if s.get("advantage") is None else int(bool(s["advantage"]))
+                                               for s in samples], dtype=torch.long)
         if "value_return" in samples[0]:  # a value model's targets (RECAP): each frame's normalised return
             batch["value_targets"] = torch.tensor([float(s["value_return"]) for s in samples], dtype=torch.float32)
         if self.targets and getattr(self.processor, "fast_config", None):  # the token objective: FAST targets of each chunk

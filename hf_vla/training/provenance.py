@@ -42,6 +42,8 @@ class ProvenanceEvaluation:
                 per_sample, outputs = self.per_sample_loss(model, inputs, EVAL_NOISE_STEP)
             values = {"sum": per_sample.sum, "count": per_sample.count,
                       **{k: inputs[k] for k in ("dataset_index", "source_index", "episode_index")}}
+            if "advantage" in inputs:  # RECAP: the loss per indicator value too
+                values["advantage"] = inputs["advantage"]
             if "value_targets" in inputs:  # a value model: the expected value's absolute error beside the CE
                 values["value_abs_sum"] = (outputs.value.float() - inputs["value_targets"].float()).abs()
             if "labels" in inputs:  # the token objective: CE per sample and component, beside the MSE
@@ -98,6 +100,9 @@ class ProvenanceEvaluation:
                         metrics[f"{prefix}_by_dataset/{name}/{component}"] = value
         if "value_abs_sum" in data:  # a value model: its loss is a cross-entropy, named so; and the value's error
             return self._value_metrics(data, per_sample, metrics, prefix, heads, names)
+        if "advantage" in data:  # RECAP: the flow MSE of the frames marked positive, negative, or without indicator
+            for name, mse in bucket_mse(per_sample, data["advantage"] + 1, ["none", "negative", "positive"]).items():
+                metrics[f"{prefix}_by_advantage/{name}/mse"] = mse
         for name, mse in bucket_mse(per_sample, data["dataset_index"], heads).items():
             metrics[f"{prefix}_{name}/mse"] = mse
         by_dataset = bucket_mse(per_sample, data["source_index"], names)
