@@ -320,8 +320,8 @@ def test_dataset_mapping_faults(data, tmp_path, capsys):
     _expect_data_error(capsys, data, tmp_path, "cameras 'observation.images.top' is not a feature",
                        datasets=spec(cameras=["observation.images.top"]))
     model_config = base_config(data, tmp_path)["model_config"] | {"max_state_dim": 2}
-    _expect_data_error(capsys, data, tmp_path, "state has 3 dims, more than the model's max_state_dim=2",
-                       model_config=model_config)
+    _expect_data_error(capsys, data, tmp_path, "state has 3 dims, more than the model's max_state_dim=2; build it "
+                       "wider: --model_config.max_state_dim 3", model_config=model_config)
     video = next((data / "videos").rglob("*.mp4"))
     video.unlink()
     _expect_data_error(capsys, data, tmp_path, "data/video files are missing", video.name)

@@ -235,9 +235,12 @@ def check_data_for_policy(config, model_args: ModelArguments, data_args) -> None
 def check_dims(config, mixture, from_scratch: bool):
     for head in mixture.head_names:
         for key, dim in (("state", config.max_state_dim), ("actions", config.max_action_dim)):
-            if len(mixture.norm_stats[head][key]["q01"]) > dim:
-                raise ConfigError(f"head {head!r}: {key} has {len(mixture.norm_stats[head][key]['q01'])} dims, more "
-                                  f"than the model's max_{'state' if key == 'state' else 'action'}_dim={dim}")
+            width = len(mixture.norm_stats[head][key]["q01"])
+            if width > dim:
+                name = f"max_{'state' if key == 'state' else 'action'}_dim"
+                fix = (f"build it wider: --model_config.{name} {width}" if from_scratch else
+                       "a pretrained model's width is fixed: choose a checkpoint with room for it, or fewer dims")
+                raise ConfigError(f"head {head!r}: {key} has {width} dims, more than the model's {name}={dim}; {fix}")
     widest = max(len(mixture.norm_stats[head]["actions"]["q01"]) for head in mixture.head_names)
     if from_scratch and widest < config.max_action_dim:
         # Measured on the demo: with 6 padded dims 93% of first moves chose the named target after 5,000 steps, 45%
