@@ -129,7 +129,7 @@ class ValueStructure:
                 if isinstance(module, nn.Linear) and name.startswith("model.vlm.language_model.layers.")]
 
     def trained_heads(self) -> list[str]:
-        return ["value_readout"]
+        return ["value_readout", "value_query"]
 
 
 def policy_structure(model: nn.Module):

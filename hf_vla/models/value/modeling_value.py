@@ -59,7 +59,7 @@ class PI05ValueModel(PreTrainedModel):
         super().__init__(config)
         self.model = PI05ValueBackbone(config)
         width = config.vlm_config.text_config.hidden_size
-        self.value_query = nn.Parameter(torch.zeros(width))
+        self.value_query = nn.Embedding(1, width)  # a module: LoRA's modules_to_save trains it in full
         self.value_readout = nn.Sequential(nn.Linear(width, width), nn.GELU(approximate="tanh"),
                                            nn.Linear(width, config.num_bins))
         self.register_buffer("bin_values", torch.linspace(-1.0, 0.0, config.num_bins), persistent=False)
@@ -67,8 +67,8 @@ class PI05ValueModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if module is self:
-            nn.init.normal_(self.value_query, std=0.02)
+        if module is getattr(self, "value_query", None):
+            nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, PI05ValueModel):
             with torch.no_grad():
                 module.bin_values.copy_(torch.linspace(-1.0, 0.0, module.config.num_bins))
@@ -87,7 +87,7 @@ class PI05ValueModel(PreTrainedModel):
         features = vlm.get_image_features(pixel_values.flatten(0, 1).to(vision_dtype)).pooler_output
         text = vlm.get_input_embeddings()(input_ids)  # Gemma scales by sqrt(width) here
         features = features.to(text.dtype).reshape(batch_size, num_cameras * features.shape[1], -1)
-        query = self.value_query.to(text.dtype).expand(batch_size, 1, -1)
+        query = self.value_query.weight.to(text.dtype).expand(batch_size, 1, -1)
         image_valid = pixel_attention_mask.bool().repeat_interleave(features.shape[1] // num_cameras, dim=1)
         valid = torch.cat([image_valid, attention_mask.bool(), attention_mask.new_ones(batch_size, 1).bool()], dim=1)
         return torch.cat([features, text, query], dim=1), valid
