@@ -194,7 +194,10 @@ def _merge_adapter(source: Path, output: Path, overwrite: bool) -> Path:
 
 
 def cli(argv=None):
-    return run("hf_vla.convert", main, argv)
+    written = run("hf_vla.convert", main, argv)
+    if written is not None:  # the one line a successful conversion says (its library logs are hidden by default)
+        print(f"wrote {written}", flush=True)
+    return written
 
 
 if __name__ == "__main__":

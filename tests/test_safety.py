@@ -117,6 +117,7 @@ def test_convert_replaces_an_existing_output_only_when_asked(source, tmp_path, c
         assert (out / "keep.txt").read_text() == "mine"
         (out / "keep.txt").unlink()
         convert.cli(["--input", str(path), "--output", str(out), *tok])
+        assert capsys.readouterr().out.strip().endswith(f"wrote {out}")  # success says where, in one line
         (out / "keep.txt").write_text("stale")
         convert.cli(["--input", str(path), "--output", str(out), *tok, "--overwrite"])  # its own output: replaced
     assert not (out / "keep.txt").exists() and AutoModel.from_pretrained(out) is not None
