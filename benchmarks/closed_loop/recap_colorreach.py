@@ -232,10 +232,10 @@ def value_judge(work: Path, results: dict, episodes: int) -> dict:
             "spearman": spearman, "episodes_each": episodes}
 
 
-def evaluate(weights: Path, name: str, work: Path, episodes: int) -> dict:
+def evaluate(weights: Path, name: str, work: Path, episodes: int, *flags: str) -> dict:
     out = work / f"eval_{name}"
     _run([sys.executable, "-m", "hf_vla.evaluate", "--checkpoint", str(weights), "--episodes", str(episodes),
-          "--num_envs", "4", "--output_dir", str(out)], work / f"eval_{name}.log")
+          "--num_envs", "4", "--output_dir", str(out), *flags], work / f"eval_{name}.log")
     found = json.loads((out / "eval_result.json").read_text())
     return {"mean_success": found["success_rate"], "episodes": episodes, "seeds": f"{SEED}..{SEED + episodes - 1}"}
 
@@ -244,8 +244,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default=str(REPO / "data_cache" / "recap_colorreach"))
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "recap_cpu.json"))
-    parser.add_argument("--arms", default=",".join(ARMS) + ",judge", help=f"comma list of {', '.join(ARMS)} and "
-                        "judge (the value model as a judge of the arms' checkpoints)")
+    parser.add_argument("--arms", default=",".join(ARMS) + ",guidance,judge", help=f"comma list of {', '.join(ARMS)}, "
+                        "guidance (the RECAP policy evaluated with cfg_beta 1.5 and 2.5) and judge (the value model "
+                        "as a judge of the arms' checkpoints)")
     parser.add_argument("--episodes", type=int, default=500, help="held-out episodes per evaluation")
     parser.add_argument("--collect", type=int, default=200, help="episodes RECAP collects per round")
     parser.add_argument("--rounds", type=int, default=2)
@@ -285,6 +286,11 @@ def main():
             "minutes": round(seconds / 60 + results["recap"]["collection_minutes"], 2),
             "episodes_collected": results["recap"]["episodes_collected"]}
         output.write_text(json.dumps(everything, indent=1) + "\n")
+    if "guidance" in arms:  # the RECAP policy with classifier-free guidance towards "positive"
+        for beta in (1.5, 2.5):
+            results[f"recap_cfg_beta_{beta}"] = evaluate(Path(results["recap"]["weights"]), f"recap_cfg{beta}", work,
+                                                         args.episodes, "--cfg_beta", str(beta))
+            output.write_text(json.dumps(everything, indent=1) + "\n")
     if "judge" in arms:
         judged = value_judge(work, results, 100)
         everything.setdefault("value_model", {}).update({"spearman_checkpoints": judged["spearman"],
