@@ -104,6 +104,11 @@ def _weights(out: Path) -> Path:
     return folder
 
 
+def _steps(weights: Path) -> int | None:
+    """The training steps of a checkpoint SIGTERM left (`checkpoint-N`)."""
+    return int(weights.name.split("-")[1]) if weights.name.startswith("checkpoint-") else None
+
+
 def stage_start(work: Path, results: dict) -> None:
     if not (work / "data" / "meta" / "info.json").exists():
         _run([sys.executable, "-m", "hf_vla.record", "--env", "color_reach", "--episodes", "100", "--output",
@@ -272,8 +277,9 @@ def main():
     if "continued_bc" in arms:
         seconds, _ = _train_policy(work, work / "start", [_demos(work)], work / "continued_bc",
                                    work / "continued_bc.log", budget_s=budget)
-        results["continued_bc"] = {**evaluate(_weights(work / "continued_bc"), "continued_bc", work, args.episodes),
-                                   "minutes": round(seconds / 60, 2), "episodes_collected": 0}
+        weights = _weights(work / "continued_bc")
+        results["continued_bc"] = {**evaluate(weights, "continued_bc", work, args.episodes),
+                                   "minutes": round(seconds / 60, 2), "episodes_collected": 0, "steps": _steps(weights)}
         output.write_text(json.dumps(everything, indent=1) + "\n")
     if "bc_with_collected" in arms:
         rounds = sorted(work.glob("recap_round*/rollouts"))
@@ -281,10 +287,11 @@ def main():
         seconds, _ = _train_policy(work, work / "start", datasets, work / "bc_with_collected",
                                    work / "bc_with_collected.log",
                                    budget_s=budget - results["recap"]["collection_minutes"] * 60)
+        weights = _weights(work / "bc_with_collected")
         results["bc_with_collected"] = {
-            **evaluate(_weights(work / "bc_with_collected"), "bc_with_collected", work, args.episodes),
+            **evaluate(weights, "bc_with_collected", work, args.episodes),
             "minutes": round(seconds / 60 + results["recap"]["collection_minutes"], 2),
-            "episodes_collected": results["recap"]["episodes_collected"]}
+            "episodes_collected": results["recap"]["episodes_collected"], "steps": _steps(weights)}
         output.write_text(json.dumps(everything, indent=1) + "\n")
     if "guidance" in arms:  # the RECAP policy with classifier-free guidance towards "positive"
         for beta in (1.5, 2.5):
