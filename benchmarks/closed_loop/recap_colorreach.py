@@ -122,13 +122,14 @@ def stage_start(work: Path, results: dict) -> None:
         results["start_run"] = {"recorded_episodes": 100, "steps": 5000, "wall_seconds": round(seconds, 1)}
 
 
-def arm_recap(work: Path, collect: int, value_steps: int, policy_steps: int, rounds: int, results: dict) -> dict:
+def arm_recap(work: Path, collect: int, value_steps: int, policy_steps: int, rounds: int, results: dict,
+              name: str = "recap", demo_weight: float = 1.0) -> dict:
     """RECAP's rounds; returns the arm's record (minutes, episodes, per-round figures)."""
     policy, value, collected, record = work / "start", None, [], {"rounds": []}
     started = time.perf_counter()
     collection_s = 0.0
     for index in range(1, rounds + 1):
-        round_dir = work / f"recap_round{index}"
+        round_dir = work / f"{name}_round{index}"
         round_dir.mkdir(parents=True, exist_ok=True)
         rollouts = round_dir / "rollouts"
         seconds, _ = _run([sys.executable, "-m", "hf_vla.record", "--env", "color_reach", "--strategy", "dagger",
@@ -152,7 +153,7 @@ def arm_recap(work: Path, collect: int, value_steps: int, policy_steps: int, rou
         _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", str(value), "--datasets",
               json.dumps([_collected(root, f"round{i + 1}") for i, root in enumerate(collected)]),
               "--output", str(annotated), "--overwrite", "true"], round_dir / "annotate.log")
-        conditioned = [_demos(work, advantage={"value": True})] + [
+        conditioned = [_demos(work, advantage={"value": True}, weight=demo_weight)] + [
             _collected(annotated / f"round{i + 1}" if len(collected) > 1 else annotated, f"round{i + 1}",
                        advantage={"key": "advantage_positive"}) for i in range(len(collected))]
         _train_policy(work, policy, conditioned, round_dir / "policy", round_dir / "policy.log", steps=policy_steps)
@@ -256,6 +257,8 @@ def main():
     parser.add_argument("--collect", type=int, default=200, help="episodes RECAP collects per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--value_steps", type=int, default=600)
+    parser.add_argument("--demo_weight", type=float, default=4.0, help="recap_weighted: the demonstrations' mixture "
+                        "weight against 1 for each round's collected episodes")
     parser.add_argument("--policy_steps", type=int, default=2000)
     args = parser.parse_args()
     work, output = Path(args.work), Path(args.output)
@@ -267,6 +270,12 @@ def main():
     if results.get("start", {}).get("episodes") != args.episodes:
         results["start"] = evaluate(work / "start", "start", work, args.episodes)
     arms = [a for a in args.arms.split(",") if a]
+    if "recap_weighted" in arms:  # RECAP with the demonstrations weighted up in the policy's mixture
+        record = arm_recap(work, args.collect, args.value_steps, args.policy_steps, args.rounds, results,
+                           name="recap_weighted", demo_weight=args.demo_weight)
+        results["recap_weighted"] = {**evaluate(Path(record["weights"]), "recap_weighted", work, args.episodes),
+                                     **record, "demo_weight": args.demo_weight}
+        output.write_text(json.dumps(everything, indent=1) + "\n")
     if "recap" in arms:
         record = arm_recap(work, args.collect, args.value_steps, args.policy_steps, args.rounds, results)
         results["recap"] = {**evaluate(Path(record["weights"]), "recap", work, args.episodes), **record}
@@ -274,14 +283,14 @@ def main():
             everything["value_model"] = value_auc(work, results)
         output.write_text(json.dumps(everything, indent=1) + "\n")
     budget = results["recap"]["minutes"] * 60 if "recap" in results else None
-    if "continued_bc" in arms:
+    if "continued_bc" in arms and budget is not None:
         seconds, _ = _train_policy(work, work / "start", [_demos(work)], work / "continued_bc",
                                    work / "continued_bc.log", budget_s=budget)
         weights = _weights(work / "continued_bc")
         results["continued_bc"] = {**evaluate(weights, "continued_bc", work, args.episodes),
                                    "minutes": round(seconds / 60, 2), "episodes_collected": 0, "steps": _steps(weights)}
         output.write_text(json.dumps(everything, indent=1) + "\n")
-    if "bc_with_collected" in arms:
+    if "bc_with_collected" in arms and budget is not None:
         rounds = sorted(work.glob("recap_round*/rollouts"))
         datasets = [_demos(work)] + [_collected(root, f"round{i + 1}") for i, root in enumerate(rounds)]
         seconds, _ = _train_policy(work, work / "start", datasets, work / "bc_with_collected",
