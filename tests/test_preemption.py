@@ -143,18 +143,23 @@ def test_sigterm_during_a_save_lets_it_finish_and_stops_there(setup, monkeypatch
             return original_train(self, *args, **kwargs)
         finally:
             stopped["step"] = self.state.global_step
+            stopped["summary"] = next(e for e in reversed(self.state.log_history) if "train_runtime" in e)
 
     monkeypatch.setattr(VLATrainer, "train", train)
     before = {number: signal.getsignal(number) for number in SIGNALS}
     with pytest.raises(Preempted, match="stopped by SIGTERM at step 4"):
         main([str(path)])
     assert sent and stopped["step"] == 4  # no step after the interrupted save
+    summary = stopped["summary"]  # the rate of the 4 steps that ran, not of max_steps over their runtime
+    assert abs(summary["train_steps_per_second"] * summary["train_runtime"] - 4) < 0.1, summary
     complete, skipped = checkpoints.last_complete_checkpoint(out)
     assert complete == out / "checkpoint-4" and not skipped
     assert {number: signal.getsignal(number) for number in SIGNALS} == before  # the handlers are given back
     monkeypatch.undo()
     trainer = main([str(path), "--resume_from_checkpoint", "true"])
     assert trainer.state.global_step == STEPS
+    summary = next(e for e in reversed(trainer.state.log_history) if "train_runtime" in e)
+    assert abs(summary["train_steps_per_second"] * summary["train_runtime"] - (STEPS - 4)) < 0.1, summary
     assert_equal(load_file(out / "model.safetensors"), expected)
 
 

@@ -6,8 +6,20 @@ from __future__ import annotations
 
 import torch
 from accelerate.utils import gather_object
+from transformers import TrainerCallback
 
 from hf_vla.training.losses import PerSampleLoss
+
+
+class TrainBegin(TrainerCallback):
+    """Notes the step a session starts at (a resumed one at its checkpoint's), so the summary's rates count the steps
+    this session ran."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._step_at_train_begin = state.global_step
 
 
 class StepMetrics:
@@ -73,6 +85,11 @@ class StepMetrics:
             self.state.epoch = self.state.global_step / self.state.max_steps
         if "train_loss" in logs:
             logs["train_loss"] = self._run_train_loss()
+        if logs.get("train_runtime"):  # the Trainer rates max_steps over the runtime, also for a run stopped early
+            done = self.state.global_step - getattr(self, "_step_at_train_begin", 0)
+            per_step = self.args.train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+            logs["train_steps_per_second"] = round(done / logs["train_runtime"], 3)
+            logs["train_samples_per_second"] = round(done * per_step / logs["train_runtime"], 3)
         # The Trainer divides the window's loss by all its steps; skipped steps contributed nothing to it.
         if "loss" in logs and self._skipped_since_log:
             window = self.state.global_step - getattr(self, "_window_start", 0)

@@ -114,6 +114,9 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         # SIGTERM / SIGINT / SIGUSR1: a checkpoint at the end of the current step, then a clean stop (hf_vla.training.preemption)
         self._preemption = PreemptionCallback(self)
         self.add_callback(self._preemption)
+        from hf_vla.training.step_metrics import TrainBegin
+
+        self.add_callback(TrainBegin(self))  # the summary's rates count this session's steps
         self._ema = None
         if args.ema_decay is not None:  # before the rollouts: a rollout of step N sees the average of step N
             from hf_vla.training.ema import WeightEMA
