@@ -483,3 +483,17 @@ def test_recap_refusals_are_one_line(round_data, capsys):
     line = refused(recap_cli, ["nope"], capsys)
     assert "a subcommand of python -m hf_vla.recap, one of ['annotate']" in line, line
     assert not (round_data["base"] / "no").exists()
+
+
+@pytest.mark.parametrize("name", ["value", "policy"])
+def test_the_recap_configs_parse(name, tmp_path):
+    """configs/recap/*.json as docs/recap.md runs them (the datasets and checkpoint come from the command line)."""
+    from conftest import REPO
+
+    from hf_vla.training.arguments import parse_config
+
+    model_args, data_args, _ = parse_config(REPO / "configs" / "recap" / f"{name}.json",
+                                            ["--output_dir", str(tmp_path / "out")])
+    assert model_args.policy == {"value": "pi05_value", "policy": "pi05"}[name]
+    assert (data_args.datasets[0].get("success") is True) == (name == "value")
+    assert ((data_args.datasets[0].get("advantage") or {}).get("value") is True) == (name == "policy")
