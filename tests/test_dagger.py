@@ -189,7 +189,7 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(start, tmp_path, ca
     out = tmp_path / "out"
     cases = [
         (["--env", "color_reach", "--strategy", "dagger", "--episodes", "1"], "--strategy dagger needs --policy"),
-        (["--env", "color_reach", "--policy", policy, "--episodes", "1"], "only --strategy dagger runs a policy"),
+        (["--env", "color_reach", "--policy", policy, "--episodes", "1"], "only --strategy dagger or policy runs a policy"),
         # the checkpoint's contract: ColorReach at 24 px
         (["--env", "metaworld", "--strategy", "dagger", "--policy", policy, "--episodes", "1"],
          "its data was recorded in 'hf_vla/ColorReach-v0', not 'metaworld'"),
