@@ -19,7 +19,11 @@ continued SFT 20.4% in 60 minutes with 24,480 rollout episodes). Arms:
 - `continued_bc`: behaviour cloning on the demonstrations from the start, for RECAP's total minutes;
 - `bc_with_collected`: behaviour cloning from the start on the demonstrations and RECAP's collected episodes (their
   executed actions, failures included, no indicator) for RECAP's minutes less its collection (the episodes are
-  RECAP's).
+  RECAP's);
+- `recap_weighted`: RECAP with the demonstrations' mixture weight `--demo_weight` (4: two thirds of each batch);
+- `guidance`: the RECAP policy evaluated with `--cfg_beta` 1.5 and 2.5;
+- `judge`: the last value model's mean predicted value over 100 episodes of each arm's policy, ranked against the
+  arms' held-out success (Spearman).
 
 Every policy keeps the start's normalisation (`norm_stats_from`), trains at the start's last rate (1e-4, constant) and
 is evaluated by `python -m hf_vla.evaluate` on `--episodes` held-out seeds from 10,000. The value model is also judged
