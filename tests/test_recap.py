@@ -497,3 +497,26 @@ def test_the_recap_configs_parse(name, tmp_path):
     assert model_args.policy == {"value": "pi05_value", "policy": "pi05"}[name]
     assert (data_args.datasets[0].get("success") is True) == (name == "value")
     assert ((data_args.datasets[0].get("advantage") or {}).get("value") is True) == (name == "policy")
+
+
+@pytest.mark.parametrize("jacobian", [False, True])
+def test_guidance_composes_with_real_time_chunking(policy, jacobian):
+    """Guided sampling continues a previous chunk as plain sampling does (RTC's guidance through the guided
+    velocity, the Jacobian through both halves of the batch): a finite chunk of the same shape, other than the
+    unguided one."""
+    from hf_vla.models.pi05.rtc import RTCConfig
+
+    model, processor = policy
+    noise = _noise(model)
+    leftover = torch.randn(2, 4, model.config.max_action_dim, generator=torch.Generator().manual_seed(2))
+    rtc = {"prev_chunk_left_over": leftover, "inference_delay": 2,
+           "rtc_config": RTCConfig(method="guidance", jacobian=jacobian)}
+    keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "uncond_input_ids",
+            "uncond_attention_mask", "cfg_beta")
+    guided_inputs = _inputs(processor, cfg_beta=2.0)
+    with torch.enable_grad() if jacobian else torch.no_grad():
+        guided = model.sample_actions(**{k: guided_inputs[k] for k in keys if k in guided_inputs},
+                                      noise=noise.clone(), **rtc)
+    plain_inputs = _inputs(processor)
+    plain = model.sample_actions(**{k: plain_inputs[k] for k in keys if k in plain_inputs}, noise=noise.clone(), **rtc)
+    assert torch.isfinite(guided).all() and guided.shape == plain.shape and not torch.equal(guided, plain)
