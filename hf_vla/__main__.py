@@ -8,6 +8,7 @@ COMMANDS = {
     "serve": "serve a checkpoint to robots over websocket (openpi's protocol)",
     "record": "record a simulator's scripted expert as a LeRobot dataset (Meta-World, ColorReach)",
     "convert": "lerobot pi0 / pi0.5 checkpoints to hf_vla and back (--to lerobot, lerobot_plugin), or merge a LoRA run",
+    "recap": "learn from collected episodes (RECAP): annotate advantages with a value model (annotate --value ...)",
 }
 
 

@@ -262,7 +262,7 @@ def test_help_lists_every_field_with_its_default_and_the_commands(capsys):
     assert exited.value.code == 0 and "(default: 10)" in shown and "--verbose" in shown
     hf_vla.__main__.main()
     listed = capsys.readouterr().out
-    for command in ("demo", "train", "evaluate", "serve", "record", "convert"):
+    for command in ("demo", "train", "evaluate", "serve", "record", "convert", "recap"):
         assert f"python -m hf_vla.{command} " in listed
 
 

@@ -44,7 +44,7 @@ class AnnotateArguments:
                               "checkpoint: python -m hf_vla.train with policy pi05_value)"})
     datasets: list[dict] = field(default_factory=list, metadata={"help": "the LeRobot datasets to annotate, as "
                                  "train's `datasets` entries (root or repo_id, cameras, keys; success for "
-                                 "demonstrations); docs/datasets.md"})
+                                 "demonstrations); the fields: hf_vla/data/dataset_config.py"})
     output: str | None = field(default=None, metadata={"required": True, "help": "the annotated dataset (one "
                                "dataset), or a directory of one per dataset named by its name (several)"})
     lookahead: int | None = field(default=50, metadata={"help": "N of the N-step advantage (pi*0.6's post-training "
