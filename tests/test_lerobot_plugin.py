@@ -181,7 +181,9 @@ def test_lerobot_eval_scores_an_hf_vla_metaworld_checkpoint(tmp_path):
     directory = plugin_dir(run, tmp_path / "lerobot")
     lerobot_eval = Path(sys.executable).with_name("lerobot-eval")
     out = tmp_path / "eval"
-    env = dict(os.environ, OMP_NUM_THREADS="2", MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"), HF_HUB_OFFLINE="1")
+    # as on a headless machine with nothing set: the plugin chooses EGL (the README's command carries no MUJOCO_GL)
+    env = {k: v for k, v in os.environ.items() if k not in ("MUJOCO_GL", "PYOPENGL_PLATFORM", "DISPLAY")}
+    env |= {"OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([str(lerobot_eval), f"--policy.path={directory}", "--env.type=metaworld",
                              "--env.task=reach-v3", "--eval.n_episodes=1", "--eval.batch_size=1",
                              f"--output_dir={out}", "--policy.device=cpu"],
