@@ -317,3 +317,24 @@ def test_a_prompt_without_the_state_is_openpis(tiny_tokenizer, tmp_path):
                            with_state(text="pick up the bowl", state=[0.7, 0.2])["input_ids"])
     processor.save_pretrained(tmp_path)
     assert PI05Processor.from_pretrained(tmp_path).discrete_state_input is False
+
+
+def test_a_read_only_state_is_taken_without_a_warning(tiny_tokenizer):
+    """A state read with pandas (a read-only NumPy view) made PyTorch warn "The given NumPy array is not writable"
+    from inside the processor."""
+    import warnings
+
+    import numpy as np
+
+    from hf_vla.models.pi05 import PI05Processor
+    from hf_vla.tiny import tiny_pi05_config
+
+    config = tiny_pi05_config()
+    processor = PI05Processor.from_config(config, tiny_tokenizer, norm_stats={"arm": {
+        "state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0]}, "actions": {"q01": [-1.0] * 2, "q99": [1.0] * 2}}})
+    state = np.array([[0.25, -0.5]], dtype=np.float32)
+    state.setflags(write=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inputs = processor(images=np.zeros((1, 1, 32, 32, 3), np.uint8), text=["reach"], state=state)
+    assert inputs["state"][0, :2].tolist() == pytest.approx([0.25, -0.5])

@@ -154,7 +154,10 @@ def stat_width(stats: dict) -> int:
 def _as_tensor(value, dtype=torch.float32) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
-    return torch.as_tensor(np.asarray(value), dtype=dtype)
+    array = np.asarray(value)
+    if not array.flags.writeable:  # a pandas or memory-mapped read-only view: torch warns on sharing it, so copy
+        array = array.copy()
+    return torch.as_tensor(array, dtype=dtype)
 
 
 DEPLOYMENT_FILE = "deployment_config.json"
