@@ -698,6 +698,10 @@ def test_scheduler_kwargs_typo_gated_tokenizer_and_no_empty_output(tmp_path, cap
     _, message = run_fails(capsys, path, code=2)
     assert ("lr_scheduler_kwargs: unknown key(s) ['num_decay_step'] for lr_scheduler_type 'warmup_stable_decay' "
             "(did you mean 'num_decay_step' -> 'num_decay_steps'?)") in message
+    path = write_config(tmp_path, base_config(tmp_path / "x", tmp_path / "out", lr_scheduler_type="cosinee"),
+                        "typo.json")
+    _, message = run_fails(capsys, path, code=2)
+    assert "lr_scheduler_type='cosinee': did you mean 'cosine'? one of ['linear', 'cosine'," in message, message
     # another schedule without kwargs: hf_vla's default min_lr (for its default schedule) does not break it
     assert parse_config(write_config(tmp_path, base_config(tmp_path / "x", tmp_path / "out", lr_scheduler_type="linear"),
                                      "linear.json"))[2].lr_scheduler_kwargs == {}

@@ -133,6 +133,16 @@ class VLATrainingArguments(TrainingArguments):
             # Output to a log file or a pipe: the logs as lines (transformers' PrinterCallback), not a live bar that
             # writes a line per refresh and, nested under evaluation's, cursor-movement codes. On a terminal: bars.
             self.disable_tqdm = True
+        from transformers.trainer_utils import SchedulerType
+
+        names = [kind.value for kind in SchedulerType]
+        given = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
+        if given not in names:  # before super(), whose message names no key
+            import difflib
+
+            close = difflib.get_close_matches(given, names, n=1)
+            raise ConfigError(f"lr_scheduler_type={self.lr_scheduler_type!r}: "
+                              + (f"did you mean {close[0]!r}? " if close else "") + f"one of {names}")
         if self.max_steps is None or self.max_steps <= 0:  # before super(), which reads it
             raise ConfigError(f"max_steps={self.max_steps}: must be positive (the training stream is infinite)")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
