@@ -150,13 +150,6 @@ def value_per_sample_loss(model, inputs: dict) -> tuple[PerSampleLoss, object]:
     return PerSampleLoss(per_sample, torch.ones_like(per_sample)), outputs
 
 
-def is_value_model(model) -> bool:
-    """A value model (RECAP) trains on returns, not on action chunks."""
-    unwrapped = getattr(model, "module", model)
-    unwrapped = getattr(unwrapped, "base_model", unwrapped)  # peft
-    return getattr(getattr(unwrapped, "config", None), "model_type", None) == "pi05_value"
-
-
 @dataclass
 class StepTotals:
     """Denominators spanning one optimizer step, after a gather over ranks."""

@@ -367,11 +367,12 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         return self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.prompt_max_length,
                               padding_side="right")
 
-    def _check_indicator_fits(self, texts: list[str], advantages: list, padded_state, states) -> None:
+    def _check_indicator_fits(self, texts: list[str], advantages: list, padded_state, states, tokens: dict) -> None:
         """The advantage indicator must survive the prompt's truncation to `prompt_max_length` tokens: a cut one
-        would train (and run) a policy that never reads it."""
+        would train (and run) a policy that never reads it. Only a row that fills the length can have been cut, so
+        only such a row is tokenized again, whole, to say how long it is."""
         for row, (text, advantage) in enumerate(zip(texts, advantages)):
-            if advantage is None:
+            if advantage is None or sum(tokens["attention_mask"][row]) < self.prompt_max_length:
                 continue
             tagged = advantage_task(text, advantage)
             if self.discrete_state_input:
@@ -509,7 +510,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         advantages, betas = self._advantages(advantage, cfg_beta, len(texts))
         tokens = self._prompt_tokens([advantage_task(t, a) for t, a in zip(texts, advantages)], padded_state, states)
         if any(a is not None for a in advantages):
-            self._check_indicator_fits(texts, advantages, padded_state, states)
+            self._check_indicator_fits(texts, advantages, padded_state, states, tokens)
         data = {"input_ids": torch.tensor(tokens["input_ids"], dtype=torch.long),
                 "attention_mask": torch.tensor(tokens["attention_mask"], dtype=torch.bool), "state": padded_state}
         if betas is not None:  # classifier-free guidance: the unconditioned prompt beside the conditioned one

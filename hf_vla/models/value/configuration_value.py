@@ -16,8 +16,9 @@ class PI05ValueConfig(PI05Config):
     value_targets (`str`, defaults to `"dirac"`): the cross-entropy's target distribution, the return's nearest bin
         (`"dirac"`, C51-style) or a Gaussian of `hl_gauss_sigma` bin widths over the bins (`"hl_gauss"`).
     hl_gauss_sigma (`float`, defaults to 0.75): the HL-Gauss target's std, in bins.
-    discrete_state_input (`bool`, defaults to `False` here): the value prompt is "Task: {task}." as pi*0.6's value
-        model card gives it; True adds pi0.5's discretised state.
+    discrete_state_input (`bool`, defaults to `False` here): the value prompt is pi0.5's state-free one (the task,
+        then a newline token; lerobot's branch documents "Task: {task}." for its value model); True adds pi0.5's
+        discretised state.
     """
 
     model_type = "pi05_value"
