@@ -39,6 +39,7 @@ from pathlib import Path
 from hf_vla.cli import HUB_ID, run
 from hf_vla.errors import ConfigError
 from hf_vla.hub.convert import (  # noqa: F401  (public here: hf_vla.convert.convert_lerobot_state_dict)
+    checkpoint_model_type,
     config_from_lerobot,
     convert_checkpoint,
     convert_lerobot_state_dict,
@@ -108,7 +109,7 @@ def main(argv=None):
                               "leave the flag out")
         return _merge_adapter(source, Path(args.output), args.overwrite)
     if (source / "config.json").is_file():
-        model_type = _model_type(source)
+        model_type = checkpoint_model_type(source, f"--input {str(source)!r}")
         if model_type:
             raise ConfigError(f"--input {args.input!r}: already a transformers checkpoint (model_type {model_type!r}), "
                               "nothing to convert: load it with AutoModel.from_pretrained, or pass it to evaluate / "
@@ -126,18 +127,6 @@ def main(argv=None):
                               head=head, overwrite=args.overwrite)
 
 
-def _model_type(source: Path) -> str | None:
-    """config.json's model_type (None when there is none), or one line naming the file when it is not JSON."""
-    config = source / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        content = json.loads(config.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ConfigError(f"--input {str(source)!r}: {config} is not valid JSON ({error})") from None
-    return content.get("model_type") if isinstance(content, dict) else None
-
-
 def _check_action_steps(source: Path, n_action_steps: int) -> None:
     """`--n_action_steps` within 1..the checkpoint's chunk size, or one line (lerobot refuses the result later)."""
     from hf_vla.serving import contract as contracts
@@ -151,7 +140,7 @@ def _check_action_steps(source: Path, n_action_steps: int) -> None:
 
 def _plugin_dir(source: Path, output: Path, args) -> Path:
     """`--to lerobot_plugin`: the lerobot-side directory of the hf_vla checkpoint `source`."""
-    model_type = _model_type(source)
+    model_type = checkpoint_model_type(source, f"--input {str(source)!r}")
     if model_type is None and (source / "adapter_config.json").is_file():
         raise ConfigError(f"--input {str(source)!r}: LoRA adapters; pass the run's output directory (the merged "
                           "model), or merge them first: python -m hf_vla.convert --input ADAPTERS --output MERGED")

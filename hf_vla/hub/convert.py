@@ -374,6 +374,19 @@ def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> di
     return stats
 
 
+def checkpoint_model_type(directory: Path, where: str) -> str | None:
+    """`directory/config.json`'s model_type (None without a config or a model_type), or one line naming the file
+    when it is not JSON (`where`: how the message names the checkpoint, e.g. `--input '...'`)."""
+    config = Path(directory) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        content = json.loads(config.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{where}: {config} is not valid JSON ({error})") from None
+    return content.get("model_type") if isinstance(content, dict) else None
+
+
 def _feature_width(features, key: str) -> int | None:
     """The width of lerobot feature `key` in a config's input/output features (None where it does not say)."""
     try:

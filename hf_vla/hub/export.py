@@ -12,7 +12,6 @@ What lerobot's format cannot hold is refused or dropped in one line each (`expor
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 from pathlib import Path
@@ -170,7 +169,7 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
 
-    from hf_vla.hub.convert import _check_paths
+    from hf_vla.hub.convert import _check_paths, checkpoint_model_type
     from hf_vla.serving import contract as contracts
     from hf_vla.serving.policy import load_pretrained
     from hf_vla.storage import replace_dir, staging_dir, write_marker
@@ -180,12 +179,7 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
     if (checkpoint / "adapter_config.json").is_file():
         raise ConfigError(f"{where}: LoRA adapters; export the run's merged output (its output directory, or "
                           "python -m hf_vla.convert --input ADAPTERS --output MERGED first)")
-    config_file = checkpoint / "config.json"
-    try:
-        content = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{where}: {config_file} is not valid JSON ({error})") from None
-    model_type = content.get("model_type") if isinstance(content, dict) else None
+    model_type = checkpoint_model_type(checkpoint, where)
     if model_type != "pi05":
         raise ConfigError(f"{where}: model_type {model_type!r}; --to lerobot exports hf_vla pi0.5 checkpoints "
                           "(for pi0 or any other, run it in lerobot through the plugin: --to lerobot_plugin)")

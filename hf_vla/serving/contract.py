@@ -254,12 +254,8 @@ def from_lerobot(lerobot_config: dict, head: str, image_size: int, chunk_size: i
     state_dim = ((features.get(state_key) or {}).get("shape") or [None])[-1]
     action_dim = ((outputs.get(action_key) or {}).get("shape") or [None])[-1]
     robot_type, _, control_mode = head.partition("::")
-    steps = lerobot_config.get("n_action_steps")
-    if steps is None:
-        steps = max(1, int(chunk_size) // 2)
-    elif isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= int(chunk_size):
-        raise ConfigError(f"{source or 'the lerobot config'}: config.json n_action_steps={steps!r} must be 1.."
-                          f"{chunk_size} (the chunk size: actions executed from each chunk); lerobot refuses it too")
+    steps = lerobot_config.get("n_action_steps")  # checked against the chunk by the conversion (lerobot_pipeline)
+    steps = max(1, int(chunk_size) // 2) if steps is None else int(steps)
     return DeploymentConfig(
         policy=str(lerobot_config.get("type", "pi05")), chunk_size=int(chunk_size),
         n_action_steps=steps, image_size=int(image_size),
