@@ -55,6 +55,7 @@ from hf_vla.serving.policy import (
     ObservationMap,
     PolicyRunner,
     RequestError,
+    check_cfg_beta,
     load_policy,
 )
 from hf_vla.serving.server import (  # noqa: F401
@@ -108,9 +109,7 @@ def _check_guidance(runner, cfg_beta, max_cfg_beta) -> None:
         return
     if not (math.isfinite(cfg_beta) and 0 <= cfg_beta <= max_cfg_beta):
         raise ConfigError(f"--cfg_beta {cfg_beta}: a number in [0, {max_cfg_beta:g}] (--max_cfg_beta)")
-    if cfg_beta != 1.0 and not getattr(runner.processor, "advantage_conditioned", False):
-        raise ConfigError(f"--cfg_beta {cfg_beta}: guidance needs an advantage-conditioned policy (RECAP); "
-                          f"{runner.model.config.model_type} checkpoint {type(runner.processor).__name__} is not one")
+    check_cfg_beta("--cfg_beta", cfg_beta, runner)
 
 
 def _serve(args, rtc, obs_map, contract, slots, record_lock):

@@ -593,11 +593,13 @@ class LeRobotSource:
         longest episode."""
         if self.config.max_episode_steps is not None:
             return int(self.config.max_episode_steps)
-        from hf_vla.serving.contract import benchmark_of
+        if getattr(self, "_episode_limit", None) is None:  # the recording's marker, read once (frame_returns asks per
+            from hf_vla.serving.contract import benchmark_of  # episode)
 
-        recorded = (benchmark_of(self.root) or {}).get("max_episode_steps")
-        longest = int(self.episodes["length"].max()) if self.num_episodes else 1
-        return max(int(recorded), longest) if recorded else longest
+            recorded = (benchmark_of(self.root) or {}).get("max_episode_steps")
+            longest = int(self.episodes["length"].max()) if self.num_episodes else 1
+            self._episode_limit = max(int(recorded), longest) if recorded else longest
+        return self._episode_limit
 
     def frame_returns(self, episode: int, failure_cost: float = 1000.0) -> np.ndarray | None:
         """The normalised returns of an episode's frames (`hf_vla.recap.returns`), None for an unknown outcome."""

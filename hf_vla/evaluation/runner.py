@@ -27,7 +27,7 @@ from hf_vla.evaluation.envs import (
 from hf_vla.evaluation.settings import env_arguments, evaluation_settings, head_spec
 from hf_vla.hub.resolve import resolve_contract
 from hf_vla.models.pi05.rtc import RTCConfig
-from hf_vla.serving.policy import ObservationMap, RequestError, load_policy
+from hf_vla.serving.policy import ObservationMap, RequestError, check_cfg_beta, load_policy
 
 logger = logging.getLogger("hf_vla.evaluate")
 
@@ -207,9 +207,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
         policy = load_policy(checkpoint, device=device, revision=revision, head=head, seed=int(settings["seed"].value),
                              rtc=rtc_config or RTCConfig(), obs_map=ObservationMap(cameras=chosen or None),
                              num_camera_slots=len(spec["cameras"]) if spec else None, cfg_beta=cfg_beta)
-        if cfg_beta is not None and cfg_beta != 1.0 and not getattr(policy.processor, "advantage_conditioned", False):
-            raise ConfigError(f"--cfg_beta {cfg_beta}: guidance needs an advantage-conditioned policy (RECAP); this "
-                              "checkpoint is not one")
+        check_cfg_beta("--cfg_beta", cfg_beta, policy)
         try:
             settings["head"].value = policy.head_name()
         except RequestError as error:

@@ -459,6 +459,16 @@ def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | Non
     return PolicyRunner(model.requires_grad_(False), processor, device=device, **kwargs)  # for inference only
 
 
+def check_cfg_beta(flag: str, cfg_beta: float | None, runner: PolicyRunner) -> None:
+    """A guidance flag (`--cfg_beta`) other than 1 only for an advantage-conditioned (RECAP) policy: one line before
+    anything runs (the processor refuses it too, but at the first inference)."""
+    from hf_vla.errors import ConfigError
+
+    if cfg_beta is not None and cfg_beta != 1.0 and not getattr(runner.processor, "advantage_conditioned", False):
+        raise ConfigError(f"{flag} {cfg_beta}: guidance needs an advantage-conditioned policy (RECAP); this checkpoint "
+                          "is not one")
+
+
 def rtc_config_from_args(args) -> RTCConfig:
     """The `RTCConfig` of parsed options with `hf_vla.serving.arguments.RTCArguments`' fields."""
     return RTCConfig(execution_horizon=args.execution_horizon, max_guidance_weight=args.max_guidance_weight,
