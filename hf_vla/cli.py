@@ -62,6 +62,16 @@ def quiet_libraries() -> None:
         pass
 
 
+def resolve_device(device: str) -> str:
+    """`auto` (the commands' default): cuda where torch sees one, else cpu; any other name as given. Resolved once the
+    options parse, so `--help` and option errors answer without importing torch."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def take_verbose(argv: list[str] | None) -> list[str] | None:
     """Remove `--verbose` from the arguments (every command takes it) and let library logs through."""
     given = sys.argv[1:] if argv is None else list(argv)

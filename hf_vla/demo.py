@@ -19,6 +19,7 @@ CONFIG = Path(__file__).resolve().parent / "configs" / "demo.json"  # inside the
 def run(config: Path, overrides: list[str], episodes: int, tag: str, n_action_steps: int | None = None) -> dict:
     from transformers import AutoModel
 
+    import hf_vla.models.auto  # noqa: F401  (registers pi05 with AutoModel)
     from hf_vla.evaluation.runner import evaluate_checkpoint
     from hf_vla.train import main as train_main
 

@@ -15,12 +15,9 @@ from __future__ import annotations
 import json
 import os
 
-import torch
-
-from hf_vla.cli import run
+from hf_vla.cli import resolve_device, run
 from hf_vla.evaluation.arguments import EvaluateArguments
 from hf_vla.evaluation.envs import BENCHMARKS
-from hf_vla.evaluation.runner import BenchmarkResult, _summary, evaluate_checkpoint
 from hf_vla.evaluation.settings import head_spec
 from hf_vla.hub.resolve import resolve_contract
 from hf_vla.parser import CommandParser
@@ -36,6 +33,10 @@ def main(argv=None):
     if env is None and args.checkpoint is not None:
         env = (head_spec(resolve_contract(args.checkpoint, args.revision), args.head) or {}).get("benchmark", {}) or {}
         env = env.get("env") if isinstance(env, dict) else None
+    import torch
+
+    from hf_vla.evaluation.runner import BenchmarkResult, _summary, evaluate_checkpoint
+
     if "OMP_NUM_THREADS" not in os.environ and (env in BENCHMARKS or (args.num_envs or 1) > 1):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # leave a core to the env workers
     env_kwargs = {k: v for k, v in (("image_size", args.image_size), ("max_episode_steps", args.max_episode_steps))
@@ -44,7 +45,7 @@ def main(argv=None):
 
     setup_logging()
     result = evaluate_checkpoint(args.checkpoint, args.env, args.episodes, args.n_action_steps, args.seed, args.head,
-                                 args.cameras, args.save_videos, args.output_dir, args.device, server=args.server,
+                                 args.cameras, args.save_videos, args.output_dir, resolve_device(args.device), server=args.server,
                                  inference_delay=args.inference_delay, rtc=args.rtc, rtc_config=rtc.rtc_config(),
                                  task=args.task, env_kwargs=env_kwargs or None, revision=args.revision,
                                  num_envs=args.num_envs, overrides=args.override, tasks_at_once=args.tasks_at_once,

@@ -82,10 +82,7 @@ class CommandParser:
         """The config file's keys (none without a file), each a field of the dataclasses, with the overrides applied
         on top: not yet type-checked (`build` does)."""
         config = read_config_file(path) if path is not None else {}
-        unknown = sorted(set(config) - set(self.annotations))
-        if unknown:
-            raise ConfigError(f"{path}: unknown key(s) {unknown}{_suggest(unknown, self.annotations)} (not "
-                              f"{self.what})")
+        _refuse_unknown(path, config, self.annotations, self.what)
         self.apply_overrides(config, overrides)
         return config
 
@@ -139,8 +136,7 @@ class CommandParser:
             key = key.replace("-", "_")
             target, *path = key.split(".")
             if target not in self.annotations:  # a typo on the command line is the command line's
-                raise ConfigError(f"command line: --{key}: unknown argument{_suggest([target], self.annotations)} "
-                                  f"(not {self.what}; {self.prog} --help lists them)")
+                raise _unknown_flag(key, target, self.annotations, self.what, self.prog)
             annotation = self.annotations[target]
             item = None if path else _list_item(annotation)  # a list field given whole takes several values
             if value is None:
@@ -205,6 +201,81 @@ class CommandParser:
                 if item.init and not item.name.startswith("_"):
                     sections.setdefault(item.metadata.get("group") or "options", []).append(item)
         return [(title, items, None) for title, items in sections.items()]
+
+
+def _refuse_unknown(path, config: dict, names, what: str) -> None:
+    unknown = sorted(set(config) - set(names))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {unknown}{_suggest(unknown, names)} (not {what})")
+
+
+def _unknown_flag(key: str, target: str, names, what: str, prog: str) -> ConfigError:
+    return ConfigError(f"command line: --{key}: unknown argument{_suggest([target], names)} (not {what}; {prog} "
+                       "--help lists them)")
+
+
+# ---------------------------------------------------------------- answers before the heavy imports
+# A command whose options include transformers' `TrainingArguments` (train, rl) cannot build its parser without
+# importing transformers and torch (seconds of CPU). Its `--help` text and its key names are kept in
+# hf_vla/templates/commands/<command>.json, written from the live parser (`python -m hf_vla.training.command_cache`;
+# a test keeps them equal): `--help` and unknown keys answer from there, before anything heavy loads. Another
+# transformers version than the one the file was written with uses the live parser.
+CACHE_DIR = Path(__file__).parent / "templates" / "commands"
+
+
+def _transformers_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
+def command_cache(command: str) -> dict | None:
+    """The cached `--help` and key names of `command`, when written for the installed transformers."""
+    path = CACHE_DIR / f"{command}.json"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return cache if cache.get("transformers") == _transformers_version() else None
+
+
+def command_cache_of(command: str, parser: CommandParser) -> dict:
+    """What `write_command_cache` writes for `parser` (the live one)."""
+    return {"command": command, "transformers": _transformers_version(), "prog": parser.prog, "what": parser.what,
+            "keys": sorted(parser.annotations), "help": parser.help_text()}
+
+
+def write_command_cache(command: str, parser: CommandParser) -> Path:
+    path = CACHE_DIR / f"{command}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(command_cache_of(command, parser), indent=1) + "\n")
+    return path
+
+
+def answer_early(command: str, argv: list[str]) -> bool:
+    """From the cache of `command` (a config file first, then `--key value` overrides): print `--help` (True), or
+    raise the `ConfigError` the live parser would raise for a missing or unreadable config file or an unknown key;
+    False when the live parser must look (or there is no usable cache)."""
+    cache = command_cache(command)
+    if cache is None:
+        return False
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        print(cache["help"])
+        return True
+    if argv[0].startswith("--"):  # no config file: the command says so itself
+        return False
+    names = set(cache["keys"])
+    _refuse_unknown(argv[0], read_config_file(Path(argv[0])), names, cache["what"])
+    for token in argv[1:]:
+        if token.startswith("--"):
+            key = token[2:].split("=", 1)[0].replace("-", "_")
+            target = key.split(".", 1)[0]
+            if target not in names:
+                raise _unknown_flag(key, target, names, cache["what"], cache["prog"])
+    return False
 
 
 def field_default(item: dataclasses.Field):
@@ -284,3 +355,4 @@ def read_config_file(path: Path) -> dict:
 
 
 __all__ = ["CommandParser", "field_default", "read_config_file"]
+

@@ -43,39 +43,41 @@ import logging
 import math
 import os
 import threading
+from typing import TYPE_CHECKING
 
-from hf_vla.cli import run
+from hf_vla.cli import resolve_device, run
 from hf_vla.errors import ConfigError, ConnectionFailedError
 from hf_vla.parser import CommandParser
 from hf_vla.serving.arguments import RTCArguments, ServeArguments
-from hf_vla.serving.batcher import Batcher  # noqa: F401  (the layers, importable from here as before)
-from hf_vla.serving.codec import RefusedArray, packb, refused_arrays, unpackb  # noqa: F401
-from hf_vla.serving.policy import (
-    InputLimits,
-    ObservationMap,
-    PolicyRunner,
-    RequestError,
-    check_cfg_beta,
-    load_policy,
-)
-from hf_vla.serving.server import (  # noqa: F401
-    API_KEY_ENV,
-    CONNECTION_MEMORY_FACTOR,
-    CONTROL_KEYS,
-    MAX_CONNECTIONS_CAP,
-    PolicyServer,
-    _Session,
-    default_max_connections,
-    default_max_message_mb,
-    quiet_keepalive_failures,
-)
+from hf_vla.serving.limits import API_KEY_ENV
+
+if TYPE_CHECKING:
+    from hf_vla.serving.policy import ObservationMap, PolicyRunner
 
 logger = logging.getLogger("hf_vla.serve")
+
+# the serving layers, importable from here as before; loaded on first use so --help answers without torch
+_LAYERS = {
+    "Batcher": "batcher", "RefusedArray": "codec", "packb": "codec", "refused_arrays": "codec", "unpackb": "codec",
+    "InputLimits": "policy", "ObservationMap": "policy", "PolicyRunner": "policy", "RequestError": "policy",
+    "check_cfg_beta": "policy", "load_policy": "policy", "CONNECTION_MEMORY_FACTOR": "limits", "CONTROL_KEYS": "server",
+    "MAX_CONNECTIONS_CAP": "limits", "PolicyServer": "server", "_Session": "server",
+    "default_max_connections": "limits", "default_max_message_mb": "limits", "quiet_keepalive_failures": "server",
+}
+
+
+def __getattr__(name):
+    if name in _LAYERS:
+        import importlib
+
+        return getattr(importlib.import_module(f"hf_vla.serving.{_LAYERS[name]}"), name)
+    raise AttributeError(f"module 'hf_vla.serve' has no attribute {name!r}")
 
 
 def main(argv=None):
     """The command; raises `hf_vla.errors.VLAError` for bad arguments (`cli` prints them as one line)."""
     args, rtc = CommandParser("python -m hf_vla.serve", (ServeArguments, RTCArguments), __doc__).parse(argv)
+    from hf_vla.serving.policy import ObservationMap
     try:
         obs_map = ObservationMap.from_json(args.obs_map) if args.obs_map else ObservationMap()
     except ValueError as error:
@@ -109,12 +111,17 @@ def _check_guidance(runner, cfg_beta, max_cfg_beta) -> None:
         return
     if not (math.isfinite(cfg_beta) and 0 <= cfg_beta <= max_cfg_beta):
         raise ConfigError(f"--cfg_beta {cfg_beta}: a number in [0, {max_cfg_beta:g}] (--max_cfg_beta)")
+    from hf_vla.serving.policy import check_cfg_beta
+
     check_cfg_beta("--cfg_beta", cfg_beta, runner)
 
 
 def _serve(args, rtc, obs_map, contract, slots, record_lock):
     """Load the policy and serve it until stopped (the recording, if any, joined at the end)."""
-    runner = load_policy(args.checkpoint, device=args.device, revision=args.revision, obs_map=obs_map, seed=args.seed,
+    from hf_vla.serving.policy import InputLimits, RequestError, load_policy
+    from hf_vla.serving.server import PolicyServer
+
+    runner = load_policy(args.checkpoint, device=resolve_device(args.device), revision=args.revision, obs_map=obs_map, seed=args.seed,
                          rtc=rtc.rtc_config(), num_camera_slots=slots, cfg_beta=args.cfg_beta,
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
     _check_guidance(runner, args.cfg_beta, args.max_cfg_beta)
@@ -203,5 +210,5 @@ if __name__ == "__main__":
     cli()
 
 
-__all__ = ["Batcher", "PolicyServer", "RefusedArray", "refused_arrays", "default_max_connections", "default_max_message_mb", "packb", "unpackb", "main"]
+__all__ = ["Batcher", "PolicyServer", "RefusedArray", "refused_arrays", "default_max_connections", "default_max_message_mb", "packb", "unpackb", "main"]  # noqa: F822  (lazy: __getattr__)
 

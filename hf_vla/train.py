@@ -23,41 +23,44 @@ import sys
 from pathlib import Path
 
 from hf_vla.errors import ConfigError
-from hf_vla.training.arguments import (  # noqa: F401  (public here, as before)
-    ATTENTION,
-    DTYPES,
-    FINE_TUNE_OVERRIDES,
-    POLICIES,
-    DataArguments,
-    ModelArguments,
-    parse_config,
-    policy_config_class,
-    training_parser,
-)
-from hf_vla.training.builders import (  # noqa: F401
-    TINY_LOC_TOKENIZER,
-    TINY_TOKENIZER,
-    build_model,
-    build_tokenizer,
-    check_data_for_policy,
-    check_dims,
-    check_token_objective,
-    model_config,
-    saved_norm_stats,
-)
-from hf_vla.training.launch import launched_cli, run_checked  # noqa: F401
-from hf_vla.training.trainer import VLATrainingArguments  # noqa: F401
+from hf_vla.parser import answer_early
+from hf_vla.training.launch import launched_cli
+
+# public here, as before; loaded on first use, so --help and unknown keys answer before torch is imported
+_PUBLIC = {name: "hf_vla.training.arguments" for name in (
+    "ATTENTION", "DTYPES", "FINE_TUNE_OVERRIDES", "POLICIES", "DataArguments", "ModelArguments", "parse_config",
+    "policy_config_class", "training_parser")} | {name: "hf_vla.training.builders" for name in (
+    "TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_tokenizer", "check_data_for_policy", "check_dims",
+    "check_token_objective", "model_config", "saved_norm_stats")} | {
+    "run_checked": "hf_vla.training.launch", "VLATrainingArguments": "hf_vla.training.trainer"}
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'hf_vla.train' has no attribute {name!r}")
+
+
+def parser():
+    """The live parser of this command (model, data and training arguments), `--help`'s source."""
+    from hf_vla.training.arguments import training_parser
+
+    return training_parser(__doc__)
 
 
 def help_text() -> str:
     """`--help`: this module's text, then every field with its type, default and help, grouped: model, data, hf_vla
     training, transformers' TrainingArguments."""
-    return training_parser(__doc__).help_text()
+    return parser().help_text()
 
 
 def main(argv: list[str] | None = None):
     """Train from a config; raises `hf_vla.errors.VLAError` subclasses for bad input (see `cli`)."""
     argv = sys.argv[1:] if argv is None else argv
+    if answer_early("train", argv):  # --help from the cached text; an unknown key refused before torch loads
+        return None
     if not argv or argv[0] in ("-h", "--help"):
         print(help_text())
         return None
@@ -68,12 +71,25 @@ def main(argv: list[str] | None = None):
     if argv[0].startswith("--"):
         raise ConfigError(f"the first argument must be a config file (a .json path), got {argv[0]!r}: e.g. python -m "
                           f"hf_vla.train configs/demo.json {' '.join(argv[:2])}")
+    from hf_vla.training.arguments import parse_config
+    from hf_vla.training.launch import run_checked
+
     model_args, data_args, training_args = parse_config(argv[0], argv[1:])
     return run_checked(training_args, lambda: _train(model_args, data_args, training_args))
 
 
 def _train(model_args, data_args, training_args):
     # Cheapest first: tokenizer and config, then the data checks and statistics, the weights last.
+    from hf_vla.training.builders import (
+        build_model,
+        build_tokenizer,
+        check_data_for_policy,
+        check_dims,
+        check_token_objective,
+        model_config,
+        saved_norm_stats,
+    )
+
     tokenizer = build_tokenizer(model_args.tokenizer)
     source = model_args.model_name_or_path
     if source:  # a lerobot checkpoint (Hub id or directory) is converted once per node, then read from the cache

@@ -81,6 +81,7 @@ class Bench:
     cpu_budget: bool  # arms budgeted in CPU minutes of their process tree (else wall minutes)
     tasks: list[str] = field(default_factory=list)
     start_steps: int | None = None  # the start recipe's steps (default: the recipe's)
+    prompt_tokens: int = 40  # the fine-tunes' tokenizer_max_length: room for the task, the state and the indicator
 
 
 BENCHES = {
@@ -88,7 +89,7 @@ BENCHES = {
                         REPO / "data_cache" / "recap_colorreach", 500, 200, 600, 2000, 0.3, 100, False),
     "metaworld": Bench("metaworld", "metaworld_five_task", "metaworld", REPO / "configs" / "pi05_metaworld.json",
                        "delta_xyz_gripper", REPO / "data_cache" / "recap_metaworld", 50, 20, 600, 1000, 0.4, 10, True,
-                       MW_TASKS),
+                       MW_TASKS, prompt_tokens=56),
 }
 
 
@@ -161,7 +162,7 @@ def _train_policy(bench: Bench, start: Path, datasets: list[dict], out: Path, lo
     """Behaviour cloning (or advantage-conditioned training) from `start` at 1e-4 constant, the start's
     normalisation; `steps`, or SIGTERM after `budget_s` (its last complete checkpoint is the result)."""
     command = [sys.executable, "-m", "hf_vla.train", str(bench.config), "--model_name_or_path", str(start),
-               "--model_config", json.dumps({"tokenizer_max_length": 40}), "--datasets", json.dumps(datasets),
+               "--model_config", json.dumps({"tokenizer_max_length": bench.prompt_tokens}), "--datasets", json.dumps(datasets),
                "--norm_stats_from", str(bench.work / "start"), "--generate_demo_data", "false",
                "--validation_ratio", "0", "--max_steps", str(steps or 10_000_000), "--learning_rate", "1e-4",
                "--lr_scheduler_type", "constant", "--lr_scheduler_kwargs", "{}", "--warmup_steps", "0",

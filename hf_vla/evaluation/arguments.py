@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from hf_vla.cli import model_source, output_dir, websocket_uri
 from hf_vla.errors import ConfigError
 from hf_vla.evaluation.envs import check_cameras, check_env, env_camera_keys
-from hf_vla.evaluation.runner import MAX_ENVS_AT_ONCE
-from hf_vla.evaluation.settings import DEFAULT_ENV, DEFAULT_SEED, OVERRIDABLE
+from hf_vla.evaluation.settings import DEFAULT_ENV, DEFAULT_SEED, MAX_ENVS_AT_ONCE, OVERRIDABLE
 from hf_vla.serving.arguments import DEFAULT_DEVICE
 
 CONTRACT = ("settings the checkpoint's deployment contract (deployment_config.json) provides; a flag that contradicts "
@@ -67,7 +66,8 @@ class EvaluateArguments:
                                    "checkpoint's; 1: plain conditioning on 'Advantage: positive')"})
     save_videos: int = field(default=3, metadata={"min": 0, "help": "rollouts saved as animated GIFs per task"})
     output_dir: str | None = field(default=None, metadata={"help": "where eval_result.json and the GIFs go"})
-    device: str = field(default=DEFAULT_DEVICE, metadata={"help": "where the policy runs (in-process)"})
+    device: str = field(default=DEFAULT_DEVICE, metadata={"help": "where the policy runs (in-process): cpu, "
+                        "cuda, cuda:N, mps; auto: cuda where available, else cpu"})
 
     def __post_init__(self):
         if self.cfg_beta is not None and not (math.isfinite(self.cfg_beta) and self.cfg_beta >= 0):

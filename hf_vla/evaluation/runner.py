@@ -24,9 +24,9 @@ from hf_vla.evaluation.envs import (
     check_env,
     env_camera_keys,
 )
-from hf_vla.evaluation.settings import env_arguments, evaluation_settings, head_spec
+from hf_vla.evaluation.settings import MAX_ENVS_AT_ONCE, env_arguments, evaluation_settings, head_spec
 from hf_vla.hub.resolve import resolve_contract
-from hf_vla.models.pi05.rtc import RTCConfig
+from hf_vla.models.rtc_config import RTCConfig
 from hf_vla.serving.policy import ObservationMap, RequestError, check_cfg_beta, load_policy
 
 logger = logging.getLogger("hf_vla.evaluate")
@@ -135,10 +135,6 @@ def run_episodes(env, policy, episodes: int, n_action_steps: int, seed: int = 0,
                       save_videos=save_videos, output_dir=output_dir, progress=progress)
     return EvalResult.from_episodes(done, inference_delay, rtc, runner.rtc_methods, num_envs=len(envs))
 
-
-# env workers a benchmark evaluation keeps at once across its tasks (MT50 with 2 envs per task: 8 tasks side by side);
-# a Meta-World worker holds about 0.4 GB (proportional set size, 160 px)
-MAX_ENVS_AT_ONCE = 16
 
 
 def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None = None, episodes: int = 50,

@@ -11,6 +11,10 @@ from hf_vla.errors import ConfigError
 from hf_vla.evaluation.envs import _env_takes
 from hf_vla.serving.contract import ContractError, refuse_repeated_cameras
 
+# env workers a benchmark evaluation keeps at once across its tasks (MT50 with 2 envs per task: 8 tasks side by side);
+# a Meta-World worker holds about 0.4 GB (proportional set size, 160 px)
+MAX_ENVS_AT_ONCE = 16
+
 logger = logging.getLogger("hf_vla.serve")
 DEFAULT_ENV = "hf_vla/ColorReach-v0"
 DEFAULT_SEED = 10_000

@@ -238,7 +238,8 @@ def merged_adapter(directory: str | os.PathLike, revision: str | None = None, la
     from peft import PeftModel
     from transformers import AutoModel
 
-    # (pi05 is registered with the Auto classes: importing any hf_vla module runs hf_vla/__init__ first)
+    import hf_vla.models.auto  # noqa: F401  (registers pi05 with the Auto classes)
+
     try:
         model = AutoModel.from_pretrained(resolved)
     except (OSError, ValueError) as error:

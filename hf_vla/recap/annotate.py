@@ -108,6 +108,7 @@ def annotate(args: AnnotateArguments) -> list[Path]:
 def _load_value_model(checkpoint: str, device: str):
     from transformers import AutoConfig
 
+    import hf_vla.models.auto  # noqa: F401  (registers pi05_value with AutoConfig)
     from hf_vla.models.pi05 import PI05Processor
     from hf_vla.models.value import PI05ValueModel
 

@@ -8,8 +8,15 @@
   (`collection`) and reporting (`reporting`).
 """
 
-from hf_vla.rl.flow import FlowSDE
-from hf_vla.rl.rollout import RolloutEngine, StochasticPolicy, Transition
-from hf_vla.rl.trainer import RLConfig, RLTrainer
+_PUBLIC = {"FlowSDE": "flow", "RolloutEngine": "rollout", "StochasticPolicy": "rollout", "Transition": "rollout",
+           "RLConfig": "trainer", "RLTrainer": "trainer"}
+__all__ = sorted(_PUBLIC)
 
-__all__ = ["FlowSDE", "RLConfig", "RLTrainer", "RolloutEngine", "StochasticPolicy", "Transition"]
+
+def __getattr__(name):
+    # loaded on first use: `python -m hf_vla.rl --help` runs this package first and answers before torch is imported
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(f"hf_vla.rl.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module 'hf_vla.rl' has no attribute {name!r}")

@@ -82,8 +82,9 @@ def parse_rl_config(path: str | Path, overrides: list[str] | None = None):
 def load_start(args):
     """The start policy and its processor (a lerobot checkpoint converted, a LoRA adapter merged, on load)."""
     import torch
-    from transformers import AutoConfig  # knows pi05: this module's package, hf_vla, registered it on import
+    from transformers import AutoConfig
 
+    import hf_vla.models.auto  # noqa: F401  (registers pi05 with AutoConfig)
     from hf_vla.hub.resolve import load_error, resolve_pretrained
     from hf_vla.rl.trainer import check_model_type
     from hf_vla.serving.policy import load_pretrained
@@ -103,6 +104,10 @@ def load_start(args):
 
 def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
+    from hf_vla.parser import answer_early
+
+    if answer_early("rl", argv):  # --help from the cached text; an unknown key refused before torch loads
+        return None
     if not argv or argv[0] in ("-h", "--help"):
         print(help_text())
         return None

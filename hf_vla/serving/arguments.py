@@ -7,14 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from hf_vla.cli import model_source
 from hf_vla.errors import ConfigError
-from hf_vla.models.pi05.rtc import METHODS, SCHEDULES, RTCConfig
-from hf_vla.serving.server import API_KEY_ENV, CONNECTION_MEMORY_FACTOR, MAX_CONNECTIONS_CAP
+from hf_vla.models.rtc_config import METHODS, SCHEDULES, RTCConfig
+from hf_vla.serving.limits import API_KEY_ENV, CONNECTION_MEMORY_FACTOR, MAX_CONNECTIONS_CAP
 
-DEFAULT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEFAULT_DEVICE = "auto"  # cuda where torch sees one, else cpu (`hf_vla.cli.resolve_device`, once the options parse)
 RTC_GROUP = "real-time chunking (RTC)"
 
 
@@ -101,7 +99,8 @@ class ServeArguments:
     record_fps: float | None = field(default=None, metadata={
         "group": RECORDING, "help": "frames per second of the recording (one frame a request; default: the data's "
         "fps / the contract's actions per chunk)"})
-    device: str = field(default=DEFAULT_DEVICE, metadata={"help": "where the policy runs"})
+    device: str = field(default=DEFAULT_DEVICE, metadata={"help": "where the policy runs: cpu, cuda, "
+                        "cuda:N, mps; auto: cuda where available, else cpu"})
     seed: int = field(default=0, metadata={"help": "noise seed of every connection"})
 
     def __post_init__(self):

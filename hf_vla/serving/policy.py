@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hf_vla.models.pi05.rtc import RTCConfig
+from hf_vla.models.rtc_config import RTCConfig
 
 STATE_KEYS = ("observation/state", "observation.state", "state")
 
@@ -429,9 +429,8 @@ def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=N
     transformers raises them."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
+    import hf_vla.models.auto  # noqa: F401  (registers pi05 with the Auto classes)
     from hf_vla.hub.convert import check_weight_files
-
-    # (pi05 is registered with the Auto classes: importing any hf_vla module runs hf_vla/__init__ first)
     from hf_vla.models.pi0_adapter import PI0HeadProcessor
     from hf_vla.models.pi05 import PI05Processor
 

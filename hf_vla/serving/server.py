@@ -17,40 +17,20 @@ import numpy as np
 
 from hf_vla.serving.batcher import Batcher
 from hf_vla.serving.codec import packb, refused_arrays, unpackb
+from hf_vla.serving.limits import (  # noqa: F401  (importable from here, as before)
+    API_KEY_ENV,
+    CONNECTION_MEMORY_FACTOR,
+    DEFAULT_CAMERA_BYTES,
+    DEFAULT_CAMERAS,
+    MAX_CONNECTIONS_CAP,
+    default_max_connections,
+    default_max_message_mb,
+)
 from hf_vla.serving.policy import PolicyRunner, RequestError
 
 logger = logging.getLogger("hf_vla.serve")
 
 RTC_KEYS = ("rtc/inference_delay", "rtc/executed_steps", "rtc/prev_chunk_left_over", "rtc/execution_horizon")
-API_KEY_ENV = "HF_VLA_API_KEY"
-# The default message bound: room for every camera's image at 1920x1080 in float32 (uint8 needs a quarter), plus 1 MiB
-# for the state, prompt and RTC fields. pi0.5 is published with 3 camera slots.
-DEFAULT_CAMERA_BYTES = 1920 * 1080 * 3 * 4
-DEFAULT_CAMERAS = 3
-
-
-# What one connection can hold at its worst, in multiples of the message bound: the frame websockets is receiving, the
-# assembled message, the decoded copy of its images and the pre-processing's temporaries. Measured peak growth per
-# connection (benchmarks/speed/serve_load.py --memory, 48 MiB float32 images): 5.0x for 1 client, 4.3x for 4, 3.3x for 8.
-CONNECTION_MEMORY_FACTOR = 6
-MAX_CONNECTIONS_CAP = 256
-
-
-def default_max_message_mb(num_cameras: int | None) -> float:
-    return math.ceil((num_cameras or DEFAULT_CAMERAS) * DEFAULT_CAMERA_BYTES / 2**20) + 1
-
-
-def default_max_connections(max_message_mb: float, available_bytes: int | None = None) -> int:
-    """As many connections as half the memory available now holds when every one of them sends a message of
-    `max_message_mb` at once (`CONNECTION_MEMORY_FACTOR` x the bound each); at least 1, at most 256."""
-    if available_bytes is None:
-        import psutil
-
-        available_bytes = psutil.virtual_memory().available
-    per_connection = CONNECTION_MEMORY_FACTOR * max_message_mb * 2**20
-    return int(min(MAX_CONNECTIONS_CAP, max(1, available_bytes // 2 // per_connection)))
-
-
 class PolicyServer:
     """One model shared by all connections, run by a `Batcher` thread; a `PolicyRunner` (noise generator and last chunk
     for real-time chunking) per connection, which validates and pre-processes its requests on the connection's thread.

@@ -128,6 +128,8 @@ def _base_model_config(model_args: ModelArguments):
     if model_args.model_name_or_path:
         from transformers import AutoConfig
 
+        import hf_vla.models.auto  # noqa: F401  (registers pi05 / pi05_value with AutoConfig)
+
         try:
             config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
         except (OSError, ValueError) as error:
