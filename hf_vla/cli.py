@@ -89,12 +89,42 @@ def run(prog: str, main: Callable, argv=None):
     try:
         return main(argv)
     except VLAError as error:
+        release_frames(error)
         if os.environ.get("HF_VLA_TRACEBACK"):
             raise
-        message = " ".join(str(error).split())  # one line, whatever the message's own layout
+        message = " ".join(worker_message(str(error)).split())  # one line, whatever the message's own layout
         label = "stopped" if error.exit_code == 75 else "error"  # hf_vla.errors.Preempted: not a fault
         print(f"{prog}: {label}: {message}", file=sys.stderr, flush=True)
         raise SystemExit(error.exit_code) from None
+    except BaseException as error:
+        release_frames(error)
+        raise
+
+
+def worker_message(text: str) -> str:
+    """An error a DataLoader worker raised reaches the main process as the same type with the worker's whole
+    traceback as its text (`Caught DataError in DataLoader worker process 0. Original Traceback ...`): its own message
+    (the traceback's last line, less the type's name), said to come from a worker."""
+    if "\nOriginal Traceback" not in text:
+        return text
+    last = text.strip().splitlines()[-1]
+    return f"{last.split(': ', 1)[-1]} (in a DataLoader worker)"
+
+
+def release_frames(error: BaseException) -> None:
+    """Free what the failed command's frames held, now. A training that fails mid-epoch leaves its DataLoader iterator
+    in the traceback's frames; kept until the interpreter exits, its worker processes and queue threads are still
+    there when multiprocessing's exit handler joins them, and the process hangs after printing the error. The
+    traceback itself (file, line, code) is kept."""
+    import gc
+    import traceback
+
+    seen = set()
+    while error is not None and id(error) not in seen:  # the error and the ones it was raised from
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
 
 
 def setup_logging(level: int = logging.INFO) -> None:

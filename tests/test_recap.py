@@ -392,6 +392,38 @@ def recap_policy(round_data):
     return out, trainer.evaluate()  # the provenance evaluation, per indicator value too
 
 
+def test_a_data_error_in_a_dataloader_worker_ends_the_command_in_one_line_without_hanging(round_data, tmp_path):
+    """The indicator check fails inside a DataLoader worker mid-run: the command exits 1 with the worker's own message
+    on one line. Before, the failed run's frames kept the worker and its queue threads alive until multiprocessing's
+    exit handler joined them, and the process hung after the traceback."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    demos = dict(round_data["demos"], advantage={"value": True})
+    command = [sys.executable, "-m", "hf_vla.train", str(REPO / "configs/demo.json"), "--datasets", json.dumps([demos]),
+               "--output_dir", str(tmp_path / "out"), "--generate_demo_data", "false",
+               "--per_device_train_batch_size", "4", "--stream_open_blocks", "2", "--max_steps", "2",
+               "--warmup_steps", "0", "--disable_tqdm", "true", "--dataloader_num_workers", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=dict(__import__("os").environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("hf_vla.train: error: the prompt with its advantage indicator is") and last.endswith(
+        "(in a DataLoader worker)") and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_worker_message_keeps_the_workers_own_line():
+    from hf_vla.cli import worker_message
+
+    wrapped = ("Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+               '  File "x.py", line 1, in f\n    raise DataError(...)\nhf_vla.errors.DataError: the prompt is long')
+    assert worker_message(wrapped) == "the prompt is long (in a DataLoader worker)"
+    assert worker_message("plain: message") == "plain: message"
+
+
 def test_a_policy_trained_on_the_annotation_asks_for_positive(recap_policy):
     import json
 

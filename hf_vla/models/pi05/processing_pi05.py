@@ -382,7 +382,9 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
                 cleaned = tagged.strip().replace("_", " ").replace("\n", " ")
                 length = len(self.tokenizer(cleaned)["input_ids"]) + 1
             if length > self.prompt_max_length:
-                raise ValueError(f"the prompt with its advantage indicator is {length} tokens, longer than "
+                from hf_vla.errors import DataError
+
+                raise DataError(f"the prompt with its advantage indicator is {length} tokens, longer than "
                                  f"tokenizer_max_length={self.prompt_max_length}, which cuts the indicator off; raise "
                                  "the model's tokenizer_max_length (e.g. --model_config.tokenizer_max_length "
                                  f"{length + 8} for a model built from a config, or a fine-tune of one)")
