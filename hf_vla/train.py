@@ -123,7 +123,7 @@ def _train(model_args, data_args, training_args):
                                          split_seed=data_args.split_seed, chunk_size=config.chunk_size)
     if data_args.norm_stats_from:
         mixture.norm_stats = saved_norm_stats(data_args.norm_stats_from, mixture.norm_stats)
-    check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None)
+    check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None, given=model_args.model_config)
     mixture.check_chunks(config.chunk_size)  # before anything reads chunks (the FAST fit, the streams)
     model = build_model(model_args, config, seed=training_args.seed, full_determinism=training_args.full_determinism)
     if source and model_args.model_name_or_path != source:
@@ -204,12 +204,26 @@ def _train(model_args, data_args, training_args):
               f"hf_vla.recap annotate --value {training_args.output_dir} --datasets ... --output DIR "
               "(docs/recap.md)", flush=True)
     elif training_args.should_save:
-        print(f"saved the trained model to {training_args.output_dir}: load it with "
-              f"AutoModel.from_pretrained({training_args.output_dir!r}), or run python -m hf_vla.evaluate --checkpoint "
-              f"{training_args.output_dir}", flush=True)
+        print(f"saved the trained model to {training_args.output_dir}: {next_step(training_args.output_dir, data_args)}",
+              flush=True)
     # every rank leaves together: a rank that exited while the main one still saved was seen to abort in gloo
     trainer.accelerator.wait_for_everyone()
     return trainer
+
+
+def next_step(output_dir: str, data_args) -> str:
+    """What to do with the trained model: evaluate it in the simulator its data came from (a recording of
+    `hf_vla.record`, the demo's), else serve it to the robot whose data it learned."""
+    from hf_vla.serving.contract import benchmark_of
+
+    roots = [Path(spec["root"]) for spec in data_args.datasets if spec.get("root")]
+    simulated = data_args.generate_demo_data or any(
+        benchmark_of(root) or (root / "meta" / "hf_vla_demo.json").is_file() for root in roots)
+    load = f"load it with AutoModel.from_pretrained({output_dir!r})"
+    if simulated:
+        return f"{load}, or run python -m hf_vla.evaluate --checkpoint {output_dir}"
+    return (f"{load}, or serve it to your robot with python -m hf_vla.serve --checkpoint {output_dir} (README: "
+            "'On a lerobot robot')")
 
 
 def cli(argv: list[str] | None = None):

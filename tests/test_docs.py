@@ -151,3 +151,17 @@ def test_config_comments_are_short():
     for path in sorted((REPO / "configs").rglob("*.json")):
         comment = json.loads(path.read_text()).get("//", "")
         assert len(comment) <= 300, f"{path.relative_to(REPO)}: a {len(comment)}-character comment; move it to docs"
+
+
+def test_dataset_fields_doc_is_generated_from_the_dataclass():
+    """docs/dataset_fields.md lists every field of a `datasets` entry with its docstring text; a field added or
+    re-documented without regenerating the page fails here (the command is in the page)."""
+    import dataclasses
+
+    from hf_vla.data.dataset_config import DatasetConfig, field_docs, fields_markdown
+
+    assert (REPO / "docs" / "dataset_fields.md").read_text() == fields_markdown()
+    docs = field_docs()
+    assert all(docs.get(f.name, "").strip() for f in dataclasses.fields(DatasetConfig)), \
+        sorted({f.name for f in dataclasses.fields(DatasetConfig)} - set(docs))
+    assert "docs/dataset_fields.md" in __import__("hf_vla.train", fromlist=["help_text"]).help_text()

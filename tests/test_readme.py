@@ -118,3 +118,33 @@ def _free_port() -> int:
 
 if not (REPO / "README.md").exists():  # pragma: no cover
     pytest.skip("no README", allow_module_level=True)
+
+
+def test_your_own_data_on_cpu_runs_as_written_on_the_real_teleop_dataset(tmp_path, humanoid):
+    """The README's "Your own data on CPU" command on a real 34-dim dataset (its keys put in): the model is built as
+    wide as the data, the epoch counts passes over its frames, and the last line says to serve the model (the data
+    comes from no simulator hf_vla runs)."""
+    import json
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("**Your own data on CPU**"):]
+    script = section[section.index("```bash\n") + 8: section.index("\n```", section.index("```bash\n"))]
+    (argv,) = commands(script)
+    spec = {"root": str(humanoid), "cameras": ["image"], "state_key": "state", "action_key": "actions"}
+    argv = shlex.split(argv.replace("path/to/dataset", str(humanoid)).replace("observation.images.top", "image")
+                       .replace('"observation.state"', '"state"').replace('"action"}', '"actions"}'))
+    assert argv[:3] == ["python", "-m", "hf_vla.train"] and json.loads(argv[-1]) == [spec], argv
+    out = tmp_path / "own"
+    argv = [sys.executable, *argv[1:], "--output_dir", str(out), "--max_steps", "4", "--logging_steps", "2"]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "max_state_dim=34: the widest state of the data" in done.stderr
+    assert "max_action_dim=34: the widest actions of the data" in done.stderr
+    assert done.stdout.strip().splitlines()[-1].endswith(
+        f"or serve it to your robot with python -m hf_vla.serve --checkpoint {out} (README: 'On a lerobot robot')")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["max_state_dim"], config["max_action_dim"]) == (34, 34)
+    # 2 steps x 16 samples over the 95% of 10,002 frames left for training: 0.0034 of a pass (the Trainer said 0.5)
+    epochs = [float(e) for e in re.findall(r"'loss': '[^']+'.*?'epoch': '([^']+)'", done.stdout)]
+    assert epochs and abs(epochs[0] - 32 / 9500) < 5e-4, epochs

@@ -15,7 +15,7 @@ NUMERIC_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "in
 class DatasetConfig:
     """How one LeRobot dataset feeds the model (its feature mapping). Everything is configuration, no code.
 
-    repo_id: Hub id (e.g. `lerobot/droid_1.0.1`); root: local dataset directory (either or both). With a repo_id
+    repo_id / root: the dataset's Hub id (e.g. `lerobot/droid_1.0.1`) and its local directory (either or both). With a repo_id
         and no root the dataset lives in lerobot's cache (`$HF_LEROBOT_HOME/<repo_id>`): its metadata is fetched
         first, then only the data and video files of the episodes and cameras the run uses (resumable, with a
         progress bar; with `HF_HUB_OFFLINE=1` a dataset already there trains offline).
@@ -177,4 +177,49 @@ def _advantage_settings(value, where: str) -> dict:
     return {**value, "dropout": float(dropout)}
 
 
-__all__ = ["NUMERIC_DTYPES", "DatasetConfig"]
+def field_docs() -> dict[str, str]:
+    """Each field's text in `DatasetConfig`'s docstring (an entry `name: text`, or `a / b: text` for two fields)."""
+    import dataclasses
+    import inspect
+
+    names = {f.name for f in dataclasses.fields(DatasetConfig)}
+    docs, current = {}, []
+    for line in inspect.cleandoc(DatasetConfig.__doc__).splitlines()[1:]:
+        head = line.split(":", 1)[0]
+        keys = [k.strip() for k in head.split("/")] if not line.startswith(" ") and ":" in line else []
+        if keys and all(k in names for k in keys):
+            current = keys
+            for key in keys:
+                docs[key] = line.split(":", 1)[1].strip()
+        elif current and line.startswith(" "):
+            for key in current:
+                docs[key] += " " + line.strip()
+        elif line.strip():  # each entry's sentence may hold colons; an unindented line that names no field ends it
+            current = []
+    return docs
+
+
+def fields_markdown() -> str:
+    """docs/dataset_fields.md: every field of a `datasets` entry with its type, default and docstring text (a test
+    keeps the file equal to this)."""
+    import dataclasses
+    import json
+
+    docs = field_docs()
+    lines = ["# Dataset fields", "",
+             "Every field of an entry of a config's `datasets` list (`hf_vla.data.DatasetConfig`), generated from its",
+             "docstring (`python -c \"from hf_vla.data.dataset_config import fields_markdown; print(fields_markdown())\"",
+             "> docs/dataset_fields.md`). Only `root` or `repo_id`, and `cameras`, are needed; the rest has defaults.",
+             "", "| field | type | default | what it is |", "|---|---|---|---|"]
+    for item in dataclasses.fields(DatasetConfig):
+        if item.default is not dataclasses.MISSING:
+            default = item.default
+        else:
+            default = item.default_factory()
+        kind = str(item.type).replace("|", "or")
+        text = docs.get(item.name, "").replace("|", "\\|")
+        lines.append(f"| `{item.name}` | {kind} | `{json.dumps(default)}` | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["NUMERIC_DTYPES", "DatasetConfig", "field_docs", "fields_markdown"]

@@ -300,6 +300,12 @@ class EpisodeShuffleStream(IterableDataset):
         self.segment: dict | None = None  # after a re-shard: the pieces left by the earlier layout (load_state_dict)
 
     # ---- position ------------------------------------------------------------------------------------------------
+
+    @property
+    def frames(self) -> int:
+        """The training frames the stream draws from (all ranks): what one pass over the data is."""
+        return sum(blocks.frames if hasattr(blocks, "frames") else sum(len(block) for block in blocks)
+                   for blocks in self.blocks)
     def set_epoch(self, epoch: int):
         self.epoch = int(epoch)
 

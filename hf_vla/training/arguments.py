@@ -164,7 +164,8 @@ class DataArguments:
         keeps the normalisation it learned with, instead of one re-computed over the new mixture.
     """
 
-    datasets: list[dict] = field(default_factory=list, metadata={"help": "list of DatasetConfig dicts"})
+    datasets: list[dict] = field(default_factory=list, metadata={"help": "the LeRobot datasets, each an object "
+                                 "{\"root\" or \"repo_id\", \"cameras\": [...], ...}; every field: docs/dataset_fields.md"})
     validation_ratio: float = field(default=0.0, metadata={"help": "held-out share of episodes"})
     split_seed: int = field(default=0, metadata={"help": "seed of the episode split"})
     generate_demo_data: bool = field(default=False, metadata={"help": "write the demo dataset when missing"})

@@ -234,7 +234,17 @@ def check_data_for_policy(config, model_args: ModelArguments, data_args) -> None
                                   "policy 'pi05' for other modes and relative actions")
 
 
-def check_dims(config, mixture, from_scratch: bool):
+def check_dims(config, mixture, from_scratch: bool, given: dict | None = None):
+    """The data's widths against the model's `max_state_dim` / `max_action_dim`. A model built from a config whose
+    `model_config` leaves one of them out (`given`) is built as wide as the data's widest head, said in one line."""
+    if from_scratch:
+        for key, name in (("state", "max_state_dim"), ("actions", "max_action_dim")):
+            if name in (given or {}) or not hasattr(config, name):
+                continue
+            widest = max(len(mixture.norm_stats[head][key]["q01"]) for head in mixture.head_names)
+            if widest != getattr(config, name):
+                logger.info("%s=%d: the widest %s of the data (model_config does not set it)", name, widest, key)
+                setattr(config, name, widest)
     for head in mixture.head_names:
         for key, dim in (("state", config.max_state_dim), ("actions", config.max_action_dim)):
             width = len(mixture.norm_stats[head][key]["q01"])

@@ -79,9 +79,14 @@ class StepMetrics:
         return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # The stream is infinite: an "epoch" is the share of max_steps done, which also survives a resume (the
-        # Trainer counts it from the micro-batches of the current session and restarts it at 0 after a resume).
-        if self.state.max_steps:
+        # The stream is infinite, and the Trainer counts its "epoch" from the micro-batches of the current session
+        # (restarting at 0 after a resume, 1.0 at max_steps whatever the data's size): here it is the passes over the
+        # training frames the samples so far amount to (all ranks, from the step count, so a resume keeps it).
+        frames = getattr(self.train_dataset, "frames", None)
+        if frames:
+            per_step = self.args.train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+            self.state.epoch = self.state.global_step * per_step / frames
+        elif self.state.max_steps:
             self.state.epoch = self.state.global_step / self.state.max_steps
         if "train_loss" in logs:
             logs["train_loss"] = self._run_train_loss()
