@@ -43,7 +43,9 @@ def build_tiny_tokenizer(save_dir: str | os.PathLike | None = None, locations: b
     tokenizer.decoder = decoders.Metaspace()
     specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
     numbers = [f"▁{i}" for i in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB_SIZE, special_tokens=specials, initial_alphabet=list("0123456789"))
+    # show_progress=False: its bars print a blank line each on a log that is not a terminal
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB_SIZE, special_tokens=specials, initial_alphabet=list("0123456789"),
+                                  show_progress=False)
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
     tokenizer.add_tokens(numbers)
     if locations:

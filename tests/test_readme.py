@@ -139,6 +139,7 @@ def test_your_own_data_on_cpu_runs_as_written_on_the_real_teleop_dataset(tmp_pat
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
+    assert all(line.strip() for line in done.stdout.splitlines()[:4]), done.stdout[:300]  # no blank lines open the log
     assert "max_state_dim=34: the widest state of the data" in done.stderr
     assert "max_action_dim=34: the widest actions of the data" in done.stderr
     assert done.stdout.strip().splitlines()[-1].endswith(
