@@ -721,3 +721,26 @@ def test_scheduler_kwargs_typo_gated_tokenizer_and_no_empty_output(tmp_path, cap
     assert ("'google/paligemma-3b-pt-224' is a gated repository: accept its license at "
             "https://huggingface.co/google/paligemma-3b-pt-224, then log in (`hf auth login`") in message
     assert not out.exists()  # the run failed before writing anything: no empty output directory
+
+
+def test_a_run_into_another_runs_output_dir_says_so_once(tmp_path, caplog):
+    """A rerun into an output_dir holding checkpoints or a saved model, without resuming, warns in one line naming
+    what is there and how to continue it instead; a resume or an empty directory says nothing."""
+    import logging
+
+    from hf_vla.training.launch import warn_previous_run
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with caplog.at_level(logging.WARNING, logger="hf_vla"):
+        warn_previous_run(out, None)
+        assert not caplog.records
+        for step in (500, 1500, 1000):
+            (out / f"checkpoint-{step}").mkdir()
+        (out / "model.safetensors").write_bytes(b"")
+        warn_previous_run(out, "true")
+        assert not caplog.records
+        warn_previous_run(out, None)
+    (record,) = caplog.records
+    assert "holds a previous run (checkpoint-1500 and a saved model)" in record.getMessage()
+    assert "--resume_from_checkpoint true" in record.getMessage()

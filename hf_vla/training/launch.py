@@ -23,6 +23,8 @@ def run_checked(args, run):
 
     setup_logging(logging.INFO if args.should_log else logging.WARNING)
     output = Path(args.output_dir)
+    if args.process_index == 0:
+        warn_previous_run(output, args.resume_from_checkpoint)
     created = not output.exists()
     try:
         with RunLock(args.output_dir) if args.process_index == 0 else contextlib.nullcontext():
@@ -31,6 +33,21 @@ def run_checked(args, run):
         if created and args.process_index == 0 and output.is_dir() and not any(output.iterdir()):
             output.rmdir()
         raise
+
+
+def warn_previous_run(output: Path, resume) -> None:
+    """One line when `output` holds another run's checkpoints or model and this run does not resume it: it starts
+    from scratch and its saves replace what is there."""
+    if resume or not output.is_dir():
+        return
+    checkpoints = sorted(output.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1])
+                         if p.name.split("-")[1].isdigit() else -1)
+    held = ([checkpoints[-1].name] if checkpoints else []) + (["a saved model"] if (output / "model.safetensors")
+                                                              .is_file() else [])
+    if held:
+        logging.getLogger("hf_vla").warning(
+            "output_dir %s holds a previous run (%s): this run starts from scratch and replaces it as it saves; "
+            "--resume_from_checkpoint true continues that run instead", output, " and ".join(held))
 
 
 def launched_cli(prog: str, main, argv: list[str] | None = None):
