@@ -552,3 +552,63 @@ def test_guidance_composes_with_real_time_chunking(policy, jacobian):
     plain_inputs = _inputs(processor)
     plain = model.sample_actions(**{k: plain_inputs[k] for k in keys if k in plain_inputs}, noise=noise.clone(), **rtc)
     assert torch.isfinite(guided).all() and guided.shape == plain.shape and not torch.equal(guided, plain)
+
+
+@pytest.mark.parametrize("combo", ["token_loss", "relative_actions", "lora"])
+def test_advantage_conditioning_trains_with_the_token_objective_relative_actions_and_lora(tmp_path, combo):
+    """The indicator composes with pi0.5's token objective (FAST targets after the prompt), relative actions and a
+    LoRA run: each trains, reports the provenance loss per indicator value, and saves a checkpoint whose contract and
+    processor ask for "positive"."""
+    import json
+
+    from test_data import make_dataset
+    from test_failures import base_config, write_config
+
+    from hf_vla.serving.policy import load_policy
+    from hf_vla.train import main
+
+    data = make_dataset(tmp_path / "toy", 6)
+    out = tmp_path / "out"
+    spec = {"root": str(data), "name": "toy", "cameras": ["observation.images.cam"], "control_mode": "joint",
+            "advantage": {"value": True, "dropout": 0.5}}
+    extra = {"token_loss": dict(token_loss=True, fast_vocab_size=256),
+             "relative_actions": {}, "lora": dict(lora_preset="expert", lora_r=4)}[combo]
+    if combo == "relative_actions":
+        spec["relative_actions"] = [True, False]
+    config = base_config(data, out, max_steps=2, datasets=[spec], validation_ratio=0.34, eval_strategy="steps",
+                         eval_steps=2, **extra)
+    config["model_config"]["tokenizer_max_length"] = 64
+    trainer = main([str(write_config(tmp_path, config))])
+    metrics = trainer.evaluate()
+    assert "eval_by_advantage/positive/mse" in metrics, sorted(metrics)
+    if combo == "token_loss":
+        assert "eval_fast_ce" in metrics and trainer.model.config.token_loss
+    contract = json.loads((out / "deployment_config.json").read_text())
+    assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0}
+    runner = load_policy(out)
+    inputs, _ = runner._inputs(torch.zeros(1, 1, 3, 48, 64, dtype=torch.uint8), np.zeros((1, 3), np.float32),
+                               ["reach target 0"], torch.ones(1, 1, dtype=torch.bool), runner.head_name())
+    assert "Advantage: positive" in runner.processor.tokenizer.decode(inputs["input_ids"][0], skip_special_tokens=True)
+    chunk = runner.model.sample_actions(**inputs)
+    assert torch.isfinite(chunk).all()
+
+
+def test_rl_rollouts_act_on_positive_unguided_without_a_flag(recap_policy):
+    """RL's stochastic policy is a `PolicyRunner`: an advantage-conditioned checkpoint's rollouts ask for "positive",
+    unguided (Flow-SDE's likelihood is that of the one velocity sampled), even where the runner's default guides."""
+    from hf_vla.rl import StochasticPolicy
+    from hf_vla.rl.flow import FlowSDE
+    from hf_vla.serving.policy import load_policy
+
+    out, _ = recap_policy
+    runner = load_policy(out)
+    runner.cfg_beta = 2.0
+    policy = StochasticPolicy(model=runner.model, processor=runner.processor, head=runner.head, sde=FlowSDE(4, 0.5),
+                              n_action_steps=2, action_dims=2, cfg_beta=2.0)
+    observation = {"observation.image": np.zeros((24, 24, 3), np.uint8),
+                   "observation.state": np.zeros(2, np.float32)}
+    request = policy.prepare(observation, "move to the red target")
+    text = runner.processor.tokenizer.decode(request.inputs["input_ids"][0], skip_special_tokens=True)
+    assert "Advantage: positive" in text and "uncond_input_ids" not in request.inputs
+    chunk = policy.sample_batch([request])
+    assert torch.isfinite(chunk).all() and len(policy.transitions) == 0  # recorded in finish(), not here

@@ -86,7 +86,9 @@ class StochasticPolicy(PolicyRunner):
                 execution_horizon: int | None = None) -> PreparedRequest:
         if inference_delay or executed_steps is not None or prev_chunk_left_over is not None:
             raise RequestError("RL rollouts sample independent chunks (no real-time chunking)")
-        request = super().prepare(observation, task, head)
+        # an advantage-conditioned policy (RECAP) acts on "positive" as everywhere; without guidance (cfg_beta 1):
+        # the chain's likelihood is that of the one velocity it sampled with
+        request = super().prepare(observation, task, head, cfg_beta=1.0)
         config = self.model.config
         # the Gaussian steps' normals, from this slot's generator: the episode does not depend on its batch-mates
         request.step_noise = torch.randn(1, self.sde.num_steps, config.chunk_size, config.max_action_dim,
