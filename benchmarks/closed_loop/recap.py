@@ -283,7 +283,8 @@ def _successes(root: Path) -> float:
 
 
 def _episode_means(bench: Bench, value: Path, spec: dict, cache: Path):
-    """Each episode's mean predicted value under `value`, its outcome and its task."""
+    """Each episode's mean predicted value under `value`, its outcome, its index, and every frame's value with its
+    return (`{episode: (values, returns)}`)."""
     import torch
 
     from hf_vla.data.dataset_config import DatasetConfig
@@ -297,7 +298,8 @@ def _episode_means(bench: Bench, value: Path, spec: dict, cache: Path):
     values = _values(source, model, processor, args, cache, str(value))
     episodes = [int(e) for e in source.episodes["episode_index"]]
     means = np.asarray([values[e].mean() for e in episodes])
-    return means, np.asarray(source.episode_outcomes()), episodes, values
+    frames = {e: (np.asarray(values[e]), source.frame_returns(e)) for e in episodes}
+    return means, np.asarray(source.episode_outcomes()), episodes, frames
 
 
 def _auc(positive: np.ndarray, negative: np.ndarray) -> float | None:
@@ -312,7 +314,8 @@ def value_auc(bench: Bench) -> dict:
     mean predicted value for its success (per task too on Meta-World)."""
     work = bench.work
     spec = _collected(bench, work / "recap_round2" / "rollouts", "round2")
-    means, outcomes, episodes, _ = _episode_means(bench, work / "recap_round1" / "value", spec, work / "auc_values")
+    means, outcomes, episodes, frames = _episode_means(bench, work / "recap_round1" / "value", spec,
+                                                       work / "auc_values")
     positive, negative = means[outcomes == 1], means[outcomes == 0]
     found = {"auc": _auc(positive, negative), "episodes": len(means), "successes": int(len(positive)),
              "failures": int(len(negative))}
@@ -330,10 +333,18 @@ def value_auc(bench: Bench) -> dict:
         per_task = {}
         for index, task in enumerate(order):
             mask = np.asarray([tasks.get(e) == index for e in episodes])
-            per_task[task] = {"auc": _auc(means[mask & (outcomes == 1)], means[mask & (outcomes == 0)]),
-                              "successes": int((mask & (outcomes == 1)).sum()),
-                              "failures": int((mask & (outcomes == 0)).sum()),
-                              "mean_value": float(means[mask].mean()) if mask.any() else None}
+            chosen = [e for e, keep in zip(episodes, mask) if keep and frames[e][1] is not None]
+            predicted = np.concatenate([frames[e][0] for e in chosen]) if chosen else np.zeros(0)
+            actual = np.concatenate([frames[e][1] for e in chosen]) if chosen else np.zeros(0)
+            per_task[task] = {  # calibration: every frame's predicted value against its return
+                "frames": int(len(actual)), "mean_predicted": float(predicted.mean()) if len(actual) else None,
+                "mean_return": float(actual.mean()) if len(actual) else None,
+                "mae": float(np.abs(predicted - actual).mean()) if len(actual) else None,
+                "correlation": float(np.corrcoef(predicted, actual)[0, 1]) if len(actual) > 2 and actual.std() > 0
+                else None,
+                "auc": _auc(means[mask & (outcomes == 1)], means[mask & (outcomes == 0)]),
+                "successes": int((mask & (outcomes == 1)).sum()), "failures": int((mask & (outcomes == 0)).sum()),
+                "mean_value": float(means[mask].mean()) if mask.any() else None}
         found["tasks"] = per_task
     return found
 
@@ -463,7 +474,10 @@ def main():
 
             jobs.append(pool.submit(recap_eval))
             if args.rounds >= 2:
-                everything[value_key] = value_auc(bench)
+                try:  # an analysis: its failure must not cost the arms' runs
+                    everything[value_key] = value_auc(bench)
+                except Exception as error:  # noqa: BLE001
+                    everything[value_key] = {"error": repr(error)}
                 save()
         for name in ("continued_bc", "bc_with_collected"):
             if name in arms and "recap" in results:
