@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import get_worker_info
 
+from hf_vla.errors import DataError
+
 # provenance of the batch contract, plus frame_index (the trainer seeds each sample's t and noise by identity)
 PROVENANCE = ("dataset_index", "source_index", "episode_index", "frame_index")
 
@@ -22,7 +24,16 @@ class VLACollator:
         self.processor, self.targets = processor, targets
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        inputs = self.processor(
+        try:
+            inputs = self._inputs(samples)
+        except ValueError as error:
+            if type(error).__name__ != "IndicatorCutError":  # pi0.5's processor (also its remote-code copy)
+                raise
+            raise DataError(str(error)) from None
+        return self._batch(samples, inputs)
+
+    def _inputs(self, samples: list[dict]) -> dict:
+        return self.processor(
             images=torch.stack([s["images"] for s in samples]), text=[s["task"] for s in samples],
             state=[s["state"] for s in samples], actions=[s["actions"] for s in samples],
             head=[int(s["dataset_index"]) for s in samples],
@@ -31,6 +42,8 @@ class VLACollator:
             **({"advantage": [s.get("advantage") for s in samples]} if hasattr(self.processor, "advantage_conditioned")
                else {}),
         )
+
+    def _batch(self, samples: list[dict], inputs) -> dict[str, torch.Tensor]:
         batch = dict(inputs)
         batch["action_is_pad"] = torch.stack([s["action_is_pad"] for s in samples])
         if getattr(self.processor, "advantage_conditioned", False):  # RECAP's indicator per row (-1: none), for the

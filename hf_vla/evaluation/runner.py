@@ -26,7 +26,7 @@ from hf_vla.evaluation.envs import (
 )
 from hf_vla.evaluation.settings import MAX_ENVS_AT_ONCE, env_arguments, evaluation_settings, head_spec
 from hf_vla.hub.resolve import resolve_contract
-from hf_vla.models.rtc_config import RTCConfig
+from hf_vla.models.pi05.rtc_config import RTCConfig
 from hf_vla.serving.policy import ObservationMap, RequestError, check_cfg_beta, load_policy
 
 logger = logging.getLogger("hf_vla.evaluate")

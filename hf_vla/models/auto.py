@@ -11,10 +11,8 @@ AutoModel.register(PI05Config, PI05ForConditionalGeneration, exist_ok=True)
 # transformers maps pi0's policy to AutoModelForImageTextToText (AutoModel gives the headless PI0Model): same for pi05.
 AutoModelForImageTextToText.register(PI05Config, PI05ForConditionalGeneration, exist_ok=True)
 AutoProcessor.register(PI05Config, PI05Processor, exist_ok=True)
-# save_pretrained writes an auto_map, so a checkpoint also loads with trust_remote_code=True without hf_vla.
-PI05Config.register_for_auto_class()
-PI05ForConditionalGeneration.register_for_auto_class("AutoModel")
-PI05Processor.register_for_auto_class("AutoProcessor")  # processor_config.json gets its auto_map too
+# (the classes set their own auto_map for save_pretrained where they are defined: trust_remote_code=True loads a
+# checkpoint without hf_vla)
 # RECAP's value model (docs/recap.md): its own model type, pi0.5's processor
 AutoConfig.register("pi05_value", PI05ValueConfig, exist_ok=True)
 AutoModel.register(PI05ValueConfig, PI05ValueModel, exist_ok=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hf_vla.models.rtc_config import RTCConfig
+from hf_vla.models.pi05.rtc_config import RTCConfig
 
 STATE_KEYS = ("observation/state", "observation.state", "state")
 

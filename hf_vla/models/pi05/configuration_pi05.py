@@ -162,4 +162,8 @@ class PI05Config(PreTrainedConfig):
             raise ValueError(f"PI05Config: dit_config.hidden_size={expert.hidden_size} must be even (sin/cos time embedding).")
 
 
+# save_pretrained writes an auto_map (and copies this file), so a checkpoint loads with trust_remote_code=True where
+# hf_vla is not installed; set where the class is defined, so every path that saves one writes it
+PI05Config.register_for_auto_class()
+
 __all__ = ["PI05Config"]

@@ -45,7 +45,8 @@ from transformers.models.pi0.modeling_pi0 import PI0TimestepEmbeddings
 
 from .configuration_pi05 import PI05Config
 from .losses import chunked_token_losses
-from .rtc import RTCConfig, euler_integrate
+from .rtc import euler_integrate
+from .rtc_config import RTCConfig  # direct: a remote module gets only its direct relative imports
 from .value_head import PI05ValueHead
 
 # Backends whose attention call accepts an arbitrary key-padding mask, which is all pi0.5 needs per call.
@@ -640,5 +641,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
 
         return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, *rtc)
 
+
+PI05ForConditionalGeneration.register_for_auto_class("AutoModel")  # the auto_map of a saved checkpoint (trust_remote_code)
 
 __all__ = ["PI05PreTrainedModel", "PI05Model", "PI05ForConditionalGeneration", "PI05Output", "PI05ValueHead"]

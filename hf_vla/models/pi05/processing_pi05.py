@@ -208,6 +208,11 @@ class DeploymentContractMixin:
         return processor
 
 
+class IndicatorCutError(ValueError):
+    """A prompt too long for `tokenizer_max_length` once RECAP's advantage indicator is in it (the indicator would be
+    cut off). Its own type, so a trainer can report it as a data error (this file also runs without hf_vla)."""
+
+
 class PI05Processor(DeploymentContractMixin, ProcessorMixin):
     r"""
     Turns raw robot observations into pi0.5 inputs and predicted chunks back into robot actions.
@@ -382,9 +387,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
                 cleaned = tagged.strip().replace("_", " ").replace("\n", " ")
                 length = len(self.tokenizer(cleaned)["input_ids"]) + 1
             if length > self.prompt_max_length:
-                from hf_vla.errors import DataError
-
-                raise DataError(f"the prompt with its advantage indicator is {length} tokens, longer than "
+                raise IndicatorCutError(f"the prompt with its advantage indicator is {length} tokens, longer than "
                                  f"tokenizer_max_length={self.prompt_max_length}, which cuts the indicator off; raise "
                                  "the model's tokenizer_max_length (e.g. --model_config.tokenizer_max_length "
                                  f"{length + 8} for a model built from a config, or a fine-tune of one)")
@@ -615,4 +618,6 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
 
 _FAST_CACHE: dict = {}  # id(processor) -> (its fast_config dict, the tokenizer built from it)
 
-__all__ = ["PI05Processor", "as_image_batch", "resize_with_pad"]
+PI05Processor.register_for_auto_class("AutoProcessor")  # processor_config.json gets its auto_map (trust_remote_code)
+
+__all__ = ["IndicatorCutError", "PI05Processor", "as_image_batch", "resize_with_pad"]
