@@ -81,7 +81,8 @@ class StepMetrics:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # The stream is infinite, and the Trainer counts its "epoch" from the micro-batches of the current session
         # (restarting at 0 after a resume, 1.0 at max_steps whatever the data's size): here it is the passes over the
-        # training frames the samples so far amount to (all ranks, from the step count, so a resume keeps it).
+        # training frames the samples so far amount to (all ranks, from the step count, so a resume keeps it; after
+        # a resume on another number of processes, the earlier steps are counted at the new batch).
         frames = getattr(self.train_dataset, "frames", None)
         if frames:
             per_step = self.args.train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
