@@ -197,8 +197,9 @@ class _PhaseLine:
     line every `PROGRESS_EVERY_S` seconds while the phase runs (done/total, rate, time left) and one when it ends
     (live bars there become one line per refresh, and nested ones leave cursor-movement codes)."""
 
-    def __init__(self, total: int | None, desc: str, unit: str, initial: int = 0):
+    def __init__(self, total: int | None, desc: str, unit: str, initial: int = 0, final_line: bool = True):
         self.total, self.desc, self.unit, self.n, self.postfix = total, desc, unit, initial, ""
+        self.final_line = final_line  # False where the caller logs the phase's end itself
         self._started, self._closed = time.perf_counter(), False
         self._initial, self._last_line = initial, self._started
 
@@ -228,6 +229,8 @@ class _PhaseLine:
         if self._closed:
             return
         self._closed = True
+        if not self.final_line:
+            return
         done = f"{self.n:,}" + (f"/{self.total:,}" if self.total is not None else "")
         logging.getLogger("hf_vla").info("%s: %s %s in %.1f s%s", self.desc, done, self.unit,
                                          time.perf_counter() - self._started, f" ({self.postfix})" if self.postfix else "")
@@ -239,16 +242,17 @@ class _PhaseLine:
         self.close()
 
 
-def progress_bar(total: int | None, desc: str, unit: str, enabled: bool = True, **kwargs):
-    """tqdm's live bar on a terminal; elsewhere one log line when the phase ends (`_PhaseLine`); nothing if not
-    `enabled`."""
+def progress_bar(total: int | None, desc: str, unit: str, enabled: bool = True, final_line: bool = True, **kwargs):
+    """tqdm's live bar on a terminal; elsewhere a log line every `PROGRESS_EVERY_S` and one when the phase ends
+    (`_PhaseLine`; `final_line=False`: the caller logs the end itself, and a terminal's bar is not left behind);
+    nothing if not `enabled`."""
     from tqdm.auto import tqdm
 
     if not enabled:
         return tqdm(total=total, disable=True)
     if not sys.stderr.isatty():
-        return _PhaseLine(total, desc, unit, initial=kwargs.get("initial", 0))
-    return tqdm(total=total, desc=desc, unit=unit, **kwargs)
+        return _PhaseLine(total, desc, unit, initial=kwargs.get("initial", 0), final_line=final_line)
+    return tqdm(total=total, desc=desc, unit=unit, **({"leave": False} if not final_line else {}), **kwargs)
 
 
 def check_writable_dir(key: str, path: str | os.PathLike):

@@ -77,3 +77,24 @@ def test_cache_of_another_transformers_version_is_not_used(monkeypatch, capsys):
     monkeypatch.undo()
     assert parser_module.answer_early("train", ["--help"]) is True
     assert "usage: python -m hf_vla.train" in capsys.readouterr().out
+
+
+def test_a_long_phase_writes_a_line_every_30_seconds_to_a_log(monkeypatch, caplog):
+    """Off a terminal, a phase's progress is a log line every PROGRESS_EVERY_S (done/total, rate, time left) and, unless
+    the caller logs the end itself (the dataset scan), one when it ends."""
+    import logging
+
+    from hf_vla import cli
+
+    clock = iter(float(t) for t in range(0, 1000, 10))
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(cli.sys.stderr, "isatty", lambda: False, raising=False)
+    with caplog.at_level(logging.INFO, logger="hf_vla"):
+        for final in (True, False):
+            bar = cli.progress_bar(9, "scanning x", "files", final_line=final)
+            for _ in range(9):
+                bar.update(1)
+            bar.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("scanning x: 3/9 files" in line for line in lines) == 2  # 30 s in: 3 files done, both bars
+    assert sum(" in " in line and "9/9" in line for line in lines) == 1  # the end line: the first bar only

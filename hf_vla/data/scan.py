@@ -383,7 +383,12 @@ def _scan(source, max_frames: int, seed: int, rows_dir: Path | None = None) -> S
     # every episode of a file (also the unused ones) is checked against the file's layout
     order = np.argsort(source.file_of_row, kind="stable")
     bounds = np.searchsorted(source.file_of_row[order], np.arange(source.file_of_row.max() + 2))
+    from hf_vla.cli import progress_bar
+
+    # a DROID-size scan reads thousands of files for minutes: a live bar, or a line every 30 s in a log
+    bar = progress_bar(len(used_files), f"scanning {source.name}", "files", final_line=False)
     for path in sorted(used_files):
+        bar.update(1)
         file_id = source.file_of_row[used_files[path][0]]
         file_rows = order[bounds[file_id] : bounds[file_id + 1]]
         table = _read_file(source, path)
@@ -441,6 +446,7 @@ def _scan(source, max_frames: int, seed: int, rows_dir: Path | None = None) -> S
             actions.append(action[picked])
         offset += count
         del table
+    bar.close()
     if writers is not None:
         for writer in writers.values():
             writer.close()
