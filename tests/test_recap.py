@@ -612,3 +612,37 @@ def test_rl_rollouts_act_on_positive_unguided_without_a_flag(recap_policy):
     assert "Advantage: positive" in text and "uncond_input_ids" not in request.inputs
     chunk = policy.sample_batch([request])
     assert torch.isfinite(chunk).all() and len(policy.transitions) == 0  # recorded in finish(), not here
+
+
+@pytest.mark.slow
+def test_advantage_conditioning_trains_under_ddp_with_the_per_indicator_evaluation(tmp_path):
+    """Two processes (gloo, torchrun): the indicator's column travels with every rank's batches, and the provenance
+    evaluation gathers the loss per indicator value over both ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_data import make_dataset
+    from test_failures import base_config, write_config
+
+    data = make_dataset(tmp_path / "toy", 8)
+    out = tmp_path / "out"
+    specs = [{"root": str(data), "name": "demos", "cameras": ["observation.images.cam"], "control_mode": "joint",
+              "advantage": {"value": True, "dropout": 0.3}},
+             {"root": str(data), "name": "collected", "cameras": ["observation.images.cam"], "control_mode": "joint",
+              "advantage": {"value": False, "dropout": 0.3}}]
+    config = base_config(data, out, max_steps=2, datasets=specs, validation_ratio=0.25, eval_strategy="steps",
+                         eval_steps=2, dataloader_num_workers=0)
+    config["model_config"]["tokenizer_max_length"] = 64
+    path = write_config(tmp_path, config)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MASTER_PORT="29543")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29543", "-m", "hf_vla.train", str(path)], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    metrics = json.loads((out / "eval_results.json").read_text())
+    for value in ("positive", "negative"):
+        assert math.isfinite(metrics[f"eval_by_advantage/{value}/mse"]), sorted(metrics)
+    assert json.loads((out / "deployment_config.json").read_text())["advantage"]["conditioned"] is True
