@@ -615,8 +615,10 @@ def test_rl_rollouts_act_on_positive_unguided_without_a_flag(recap_policy):
 
 
 @pytest.mark.slow
-def test_advantage_conditioning_trains_under_ddp_with_the_per_indicator_evaluation(tmp_path):
-    """Two processes (gloo, torchrun): the indicator's column travels with every rank's batches, and the provenance
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero2"])
+def test_advantage_conditioning_trains_under_every_engine_with_the_per_indicator_evaluation(tmp_path, engine):
+    """Two processes (gloo; DDP under torchrun, FSDP2 and DeepSpeed ZeRO-2 through their launch configs with the CPU
+    dry run `HF_VLA_CPU_SHARDING=1`): the indicator's column travels with every rank's batches, and the provenance
     evaluation gathers the loss per indicator value over both ranks."""
     import json
     import os
@@ -637,9 +639,14 @@ def test_advantage_conditioning_trains_under_ddp_with_the_per_indicator_evaluati
                          eval_steps=2, dataloader_num_workers=0)
     config["model_config"]["tokenizer_max_length"] = 64
     path = write_config(tmp_path, config)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MASTER_PORT="29543")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29543", "-m", "hf_vla.train", str(path)], capture_output=True, text=True, env=env,
+    port = {"ddp": "29543", "fsdp2": "29544", "zero2": "29545"}[engine]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MASTER_PORT=port, HF_VLA_CPU_SHARDING="1")
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+              if engine == "ddp" else
+              [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "configs" / "accelerate" / f"{engine}.yaml"), "--num_processes", "2", "--main_process_port",
+               port])
+    done = subprocess.run([*launch, "-m", "hf_vla.train", str(path)], capture_output=True, text=True, env=env,
                           timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     metrics = json.loads((out / "eval_results.json").read_text())
