@@ -1,7 +1,8 @@
 """hf_vla: train and serve vision-language-action robot policies (pi0, pi0.5) the Hugging Face way."""
 
-import importlib
 import sys
+
+from hf_vla.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -22,12 +23,7 @@ _PUBLIC = {
     "resolve_pretrained": "hf_vla.hub.resolve",
 }
 __all__ = [*_PUBLIC, "__version__"]
-
-
-def __getattr__(name):
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'hf_vla' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _PUBLIC)
 
 
 # `import hf_vla` makes "pi05" and "pi05_value" first-class transformers model types (hf_vla.models.auto registers them).

@@ -4,6 +4,7 @@ option dataclasses, with `--help` generated from their fields (see `CommandParse
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import sys
 import types
@@ -11,7 +12,15 @@ import typing
 from pathlib import Path
 
 from hf_vla.errors import ConfigError
-from hf_vla.training.config_checks import _suggest, check_fields, check_value, field_annotations, is_bool_field
+from hf_vla.training.config_checks import (
+    _suggest,
+    check_dataset_specs,
+    check_fields,
+    check_value,
+    field_annotations,
+    is_bool_field,
+    normalize_training_config,
+)
 
 
 class CommandParser:
@@ -88,19 +97,11 @@ class CommandParser:
 
     def build(self, config: dict, source: str = "command line"):
         """`config` (field -> value) checked and turned into the dataclasses."""
-        for group in self.exclusive:
-            named = [name for name in group if config.get(name) is not None]
-            if len(named) > 1:
-                raise ConfigError(f"argument --{named[1]}: not allowed with argument --{named[0]}")
-            if not named and self.required_one:
-                raise ConfigError(f"one of the arguments {' '.join('--' + n for n in group)} is required")
-        missing = [name for name, item in self.fields.items() if item.metadata.get("required")
-                   and config.get(name) is None]
-        if missing:
-            raise ConfigError(f"the following arguments are required: {', '.join('--' + n for n in missing)}")
+        check_groups(config, [name for name, item in self.fields.items() if item.metadata.get("required")],
+                     self.exclusive, self.required_one)
         config = check_fields(config, self.types)
         for name, value in config.items():
-            self._check_metadata(name, value)
+            check_metadata(name, value, self.fields[name].metadata)
         built = []
         for kind in self.types:
             names = {f.name for f in dataclasses.fields(kind)}
@@ -112,56 +113,9 @@ class CommandParser:
                 raise ConfigError(f"{source}: {error}") from error
         return built[0] if len(built) == 1 else tuple(built)
 
-    def _check_metadata(self, name: str, value) -> None:
-        metadata = self.fields[name].metadata
-        choices = metadata.get("choices")
-        for item in (value if isinstance(value, list) else [value]) if choices else ():
-            if item is not None and item not in choices:
-                raise ConfigError(f"argument --{name}: invalid choice: {item!r} (choose from "
-                                  f"{', '.join(map(repr, choices))})")
-        low = metadata.get("min")
-        if low is not None and value is not None and not (value >= low if low == 0 else value > 0):
-            raise ConfigError(f"--{name}={value}: must be {'>= 0' if low == 0 else 'positive'}")
-
     def apply_overrides(self, config: dict, overrides: list[str]) -> None:
         """`--key value ...` into `config` (see the class's rules)."""
-        overrides = list(overrides)
-        while overrides:
-            flag = overrides.pop(0)
-            if not flag.startswith("--"):
-                raise ConfigError(f"override {flag!r}: expected --key value")
-            key, value = flag[2:], None
-            if "=" in key:
-                key, value = key.split("=", 1)
-            key = key.replace("-", "_")
-            target, *path = key.split(".")
-            if target not in self.annotations:  # a typo on the command line is the command line's
-                raise _unknown_flag(key, target, self.annotations, self.what, self.prog)
-            annotation = self.annotations[target]
-            item = None if path else _list_item(annotation)  # a list field given whole takes several values
-            if value is None:
-                values = []
-                while overrides and not overrides[0].startswith("--"):
-                    values.append(overrides.pop(0))
-                    if item is None:
-                        break
-                if item is not None:
-                    if len(values) == 1 and values[0].lstrip().startswith("["):
-                        config[target] = _decode(values[0])
-                    else:  # none (a bare list flag) is the empty list
-                        config[target] = [check_value(target, v, item) for v in values]
-                    continue
-                if not values:
-                    if not is_bool_field(annotation):
-                        raise ConfigError(f"--{key} needs a value (only boolean fields may be given as a bare flag)")
-                    values = ["true"]
-                value = values[0]
-            if path:
-                _set_path(config, target, path, key, _decode(value))
-            elif value == "null" or value.lstrip().startswith(("{", "[")):  # JSON null, objects and lists
-                config[target] = _decode(value)
-            else:  # converted for the field's type when checked (a string field keeps "5" a string)
-                config[target] = value
+        apply_overrides(config, overrides, self.annotations, self.what, self.prog)
 
     # ------------------------------------------------------------------ help
     def help_text(self, width: int = 110) -> str:
@@ -201,6 +155,72 @@ class CommandParser:
                 if item.init and not item.name.startswith("_"):
                     sections.setdefault(item.metadata.get("group") or "options", []).append(item)
         return [(title, items, None) for title, items in sections.items()]
+
+
+def apply_overrides(config: dict, overrides: list[str], annotations: dict, what: str, prog: str) -> None:
+    """`--key value ...` into `config` by the fields' `annotations` (see `CommandParser`'s rules)."""
+    overrides = list(overrides)
+    while overrides:
+        flag = overrides.pop(0)
+        if not flag.startswith("--"):
+            raise ConfigError(f"override {flag!r}: expected --key value")
+        key, value = flag[2:], None
+        if "=" in key:
+            key, value = key.split("=", 1)
+        key = key.replace("-", "_")
+        target, *path = key.split(".")
+        if target not in annotations:  # a typo on the command line is the command line's
+            raise _unknown_flag(key, target, annotations, what, prog)
+        annotation = annotations[target]
+        item = None if path else _list_item(annotation)  # a list field given whole takes several values
+        if value is None:
+            values = []
+            while overrides and not overrides[0].startswith("--"):
+                values.append(overrides.pop(0))
+                if item is None:
+                    break
+            if item is not None:
+                if len(values) == 1 and values[0].lstrip().startswith("["):
+                    config[target] = _decode(values[0])
+                else:  # none (a bare list flag) is the empty list
+                    config[target] = [check_value(target, v, item) for v in values]
+                continue
+            if not values:
+                if not is_bool_field(annotation):
+                    raise ConfigError(f"--{key} needs a value (only boolean fields may be given as a bare flag)")
+                values = ["true"]
+            value = values[0]
+        if path:
+            _set_path(config, target, path, key, _decode(value))
+        elif value == "null" or value.lstrip().startswith(("{", "[")):  # JSON null, objects and lists
+            config[target] = _decode(value)
+        else:  # converted for the field's type when checked (a string field keeps "5" a string)
+            config[target] = value
+
+
+def check_groups(config: dict, required: list[str], exclusive, required_one: bool) -> None:
+    """The fields that must be set, and the groups of which at most (with `required_one`: exactly) one may be."""
+    for group in exclusive:
+        named = [name for name in group if config.get(name) is not None]
+        if len(named) > 1:
+            raise ConfigError(f"argument --{named[1]}: not allowed with argument --{named[0]}")
+        if not named and required_one:
+            raise ConfigError(f"one of the arguments {' '.join('--' + n for n in group)} is required")
+    missing = [name for name in required if config.get(name) is None]
+    if missing:
+        raise ConfigError(f"the following arguments are required: {', '.join('--' + n for n in missing)}")
+
+
+def check_metadata(name: str, value, metadata) -> None:
+    """A checked value against its field's `choices` and `min`."""
+    choices = metadata.get("choices")
+    for item in (value if isinstance(value, list) else [value]) if choices else ():
+        if item is not None and item not in choices:
+            raise ConfigError(f"argument --{name}: invalid choice: {item!r} (choose from "
+                              f"{', '.join(map(repr, choices))})")
+    low = metadata.get("min")
+    if low is not None and value is not None and not (value >= low if low == 0 else value > 0):
+        raise ConfigError(f"--{name}={value}: must be {'>= 0' if low == 0 else 'positive'}")
 
 
 def _refuse_unknown(path, config: dict, names, what: str) -> None:
@@ -243,9 +263,23 @@ def command_cache(command: str) -> dict | None:
 
 
 def command_cache_of(command: str, parser: CommandParser) -> dict:
-    """What `write_command_cache` writes for `parser` (the live one)."""
+    """What `write_command_cache` writes for `parser` (the live one): its `--help`, and every field's type (as
+    `encode_annotation` writes it), choices, bound and whether it is required, so that a wrong type or value is
+    refused from the cache too."""
+    fields = {}
+    for name in sorted(parser.annotations):
+        metadata = parser.fields[name].metadata
+        entry = {"type": encode_annotation(parser.annotations[name])}
+        if metadata.get("choices"):
+            entry["choices"] = list(metadata["choices"])
+        if metadata.get("min") is not None:
+            entry["min"] = metadata["min"]
+        if metadata.get("required"):
+            entry["required"] = True
+        fields[name] = entry
     return {"command": command, "transformers": _transformers_version(), "prog": parser.prog, "what": parser.what,
-            "keys": sorted(parser.annotations), "help": parser.help_text()}
+            "exclusive": [list(group) for group in parser.exclusive], "required_one": parser.required_one,
+            "fields": fields, "help": parser.help_text()}
 
 
 def write_command_cache(command: str, parser: CommandParser) -> Path:
@@ -255,10 +289,49 @@ def write_command_cache(command: str, parser: CommandParser) -> Path:
     return path
 
 
+_SCALARS = {bool: "bool", int: "int", float: "float", str: "str", dict: "dict", list: "list", type(None): "null"}
+
+
+def encode_annotation(annotation):
+    """A field's annotation as JSON, for the types the checks model (scalars, lists, unions, literals, enums,
+    objects); "any" for the rest, which only the live parser checks."""
+    if annotation in _SCALARS:
+        return _SCALARS[annotation]
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return {"enum": [member.value for member in annotation]}
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is dict:
+        return "dict"
+    if origin is list:
+        return {"list": encode_annotation(args[0]) if args else "any"}
+    if origin is typing.Literal:
+        return {"literal": list(args)}
+    if origin in (typing.Union, types.UnionType):
+        options = [encode_annotation(a) for a in args]
+        return "any" if "any" in options else {"union": options}
+    return "any"
+
+
+def decode_annotation(encoded):
+    """`encode_annotation`'s inverse: an annotation `check_value` treats as it treats the original (an enum comes
+    back as an enum of the same values)."""
+    if isinstance(encoded, str):
+        return {value: kind for kind, value in _SCALARS.items()}.get(encoded, typing.Any)
+    (kind, value), = encoded.items()
+    if kind == "enum":
+        return enum.Enum("Choice", {f"m{i}": v for i, v in enumerate(value)})
+    if kind == "list":
+        return list[decode_annotation(value)]
+    if kind == "literal":
+        return typing.Literal[tuple(value)]
+    return typing.Union[tuple(decode_annotation(v) for v in value)]  # noqa: UP007 (built from a list)
+
+
 def answer_early(command: str, argv: list[str]) -> bool:
     """From the cache of `command` (a config file first, then `--key value` overrides): print `--help` (True), or
-    raise the `ConfigError` the live parser would raise for a missing or unreadable config file or an unknown key;
-    False when the live parser must look (or there is no usable cache)."""
+    raise the `ConfigError` the live parser would raise for a missing or unreadable config file, an unknown key, a
+    missing required one, a wrong type, choice or bound, or a bad `datasets` entry; False when the live parser must
+    look (the dataclasses' own checks, `model_config`), or there is no usable cache."""
     cache = command_cache(command)
     if cache is None:
         return False
@@ -267,14 +340,20 @@ def answer_early(command: str, argv: list[str]) -> bool:
         return True
     if argv[0].startswith("--"):  # no config file: the command says so itself
         return False
-    names = set(cache["keys"])
-    _refuse_unknown(argv[0], read_config_file(Path(argv[0])), names, cache["what"])
-    for token in argv[1:]:
-        if token.startswith("--"):
-            key = token[2:].split("=", 1)[0].replace("-", "_")
-            target = key.split(".", 1)[0]
-            if target not in names:
-                raise _unknown_flag(key, target, names, cache["what"], cache["prog"])
+    fields = cache["fields"]
+    config = read_config_file(Path(argv[0]))
+    _refuse_unknown(argv[0], config, fields, cache["what"])
+    annotations = {name: decode_annotation(entry["type"]) for name, entry in fields.items()}
+    apply_overrides(config, argv[1:], annotations, cache["what"], cache["prog"])
+    normalize_training_config(config)
+    check_groups(config, [name for name, entry in fields.items() if entry.get("required")],
+                 [tuple(group) for group in cache["exclusive"]], cache["required_one"])
+    for name, value in config.items():
+        if annotations[name] is not typing.Any:
+            check_metadata(name, check_value(name, value, annotations[name]), fields[name])
+    for key in ("datasets", "bc_datasets"):
+        if isinstance(config.get(key), list):
+            check_dataset_specs(config[key], key)
     return False
 
 

@@ -98,3 +98,49 @@ def test_a_long_phase_writes_a_line_every_30_seconds_to_a_log(monkeypatch, caplo
     lines = [r.getMessage() for r in caplog.records]
     assert sum("scanning x: 3/9 files" in line for line in lines) == 2  # 30 s in: 3 files done, both bars
     assert sum(" in " in line and "9/9" in line for line in lines) == 1  # the end line: the first bar only
+
+
+# A wrong type, choice or bound, a missing required key, a bad `datasets` entry: the same line from the cache
+# (before torch is imported) as from the live parser, whose checks run after it.
+BAD = [
+    ({"max_steps": "abc"}, []),
+    ({}, ["--max_steps", "2.5"]),
+    ({}, ["--log_level", "loud"]),
+    ({}, ["--per_device_train_batch_size", "true"]),
+    ({}, ["--datasets.0.weight", "x"]),
+    ({"datasets": [{"root": "x", "cameras": ["a"], "wieght": 2}]}, []),
+    ({"datasets": [{"root": "x", "cameras": "a"}]}, []),
+    ({"datasets": ["x"]}, []),
+    ({"model_config": 3}, []),
+    ({"lora_target_modules": [1, 2]}, []),
+]
+
+
+@pytest.mark.parametrize("extra,overrides", BAD)
+def test_a_wrong_type_or_value_is_refused_from_the_cache_as_the_live_parser_refuses_it(tmp_path, extra, overrides):
+    from hf_vla.errors import ConfigError
+    from hf_vla.training.arguments import parse_config
+
+    config = json.loads((REPO / "configs" / "demo.json").read_text()) | extra
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as early:
+        parser_module.answer_early("train", [str(path), *overrides])
+    with pytest.raises(ConfigError) as live:
+        parse_config(path, overrides)
+    assert str(early.value) == str(live.value)
+
+
+def test_every_shipped_config_passes_the_early_checks():
+    """The cache refuses nothing the live parser takes (its enums, unions and lists decoded as they were)."""
+    for path in sorted((REPO / "configs").rglob("*.json")):
+        if path.parent.name == "accelerate":
+            continue
+        command = "rl" if path.parent.name == "rl" else "train"
+        assert parser_module.answer_early(command, [str(path), "--max_steps", "3"]) is False, path
+
+
+def test_a_wrong_type_imports_no_torch(tmp_path):
+    modules, done = _imported("-m", "hf_vla.train", str(REPO / "configs" / "demo.json"), "--max_steps", "abc")
+    assert done.returncode == 2 and "max_steps: expected an integer, got 'abc'" in done.stderr
+    assert not modules & set(HEAVY)

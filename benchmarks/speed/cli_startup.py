@@ -46,6 +46,11 @@ def main():
         cases |= {f"{command} --help": ["-m", f"hf_vla.{command}", "--help"] for command in COMMANDS}
         cases["train: unknown config key"] = ["-m", "hf_vla.train", str(bad)]
         cases["train: unknown --flag"] = ["-m", "hf_vla.train", str(repo / "configs" / "demo.json"), "--max_stepz", "3"]
+        demo = str(repo / "configs" / "demo.json")
+        cases["train: wrong type"] = ["-m", "hf_vla.train", demo, "--max_steps", "abc"]
+        cases["train: bad datasets entry"] = ["-m", "hf_vla.train", demo, "--datasets.0.weight", "x"]
+        cases["train: bad value (post-init check)"] = ["-m", "hf_vla.train", demo, "--learning_rate", "-1"]
+        cases["rl: wrong type"] = ["-m", "hf_vla.rl", str(repo / "configs" / "rl" / "demo.json"), "--max_steps", "x"]
         found = {}
         for name, case in cases.items():
             runs = [cpu_seconds(case, repo) for _ in range(args.repeats)]

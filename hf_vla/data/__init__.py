@@ -1,22 +1,13 @@
-"""LeRobot data for VLA training: sources, the episode-shuffle stream, the weighted mixture, the collator."""
+"""LeRobot data for VLA training: sources, the episode-shuffle stream, the weighted mixture, the collator.
 
-from hf_vla.data.collator import PI0Collator, PI05Collator, VLACollator
-from hf_vla.data.mixture import WeightedDatasetMixture
-from hf_vla.data.sources import Block, DatasetConfig, LeRobotSource, VideoReader
-from hf_vla.data.stream import EpisodeShuffleStream, ForkFriendlyDataLoader, Provenance, ValidationStream, schedule
+Names load on first use, so the torch-free parts (`dataset_config`, checked before anything loads) import alone."""
 
-__all__ = [
-    "Block",
-    "DatasetConfig",
-    "EpisodeShuffleStream",
-    "ForkFriendlyDataLoader",
-    "LeRobotSource",
-    "PI0Collator",
-    "PI05Collator",
-    "Provenance",
-    "VLACollator",
-    "ValidationStream",
-    "VideoReader",
-    "WeightedDatasetMixture",
-    "schedule",
-]
+from hf_vla.lazy import lazy_attributes
+
+_PUBLIC = {"PI0Collator": ".collator", "PI05Collator": ".collator", "VLACollator": ".collator",
+           "WeightedDatasetMixture": ".mixture", "Block": ".sources", "DatasetConfig": ".dataset_config",
+           "LeRobotSource": ".sources", "VideoReader": ".sources", "EpisodeShuffleStream": ".stream",
+           "ForkFriendlyDataLoader": ".stream", "Provenance": ".stream", "ValidationStream": ".stream",
+           "schedule": ".stream"}
+__all__ = sorted(_PUBLIC)
+__getattr__ = lazy_attributes(__name__, _PUBLIC)

@@ -8,15 +8,10 @@
   (`collection`) and reporting (`reporting`).
 """
 
-_PUBLIC = {"FlowSDE": "flow", "RolloutEngine": "rollout", "StochasticPolicy": "rollout", "Transition": "rollout",
-           "RLConfig": "trainer", "RLTrainer": "trainer"}
+from hf_vla.lazy import lazy_attributes
+
+# loaded on first use: `python -m hf_vla.rl --help` runs this package first and answers before torch is imported
+_PUBLIC = {"FlowSDE": ".flow", "RolloutEngine": ".rollout", "StochasticPolicy": ".rollout", "Transition": ".rollout",
+           "RLConfig": ".trainer", "RLTrainer": ".trainer"}
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name):
-    # loaded on first use: `python -m hf_vla.rl --help` runs this package first and answers before torch is imported
-    if name in _PUBLIC:
-        import importlib
-
-        return getattr(importlib.import_module(f"hf_vla.rl.{_PUBLIC[name]}"), name)
-    raise AttributeError(f"module 'hf_vla.rl' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _PUBLIC)

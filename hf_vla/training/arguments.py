@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from hf_vla.cli import check_writable_dir
 from hf_vla.errors import ConfigError
 from hf_vla.lora import PRESETS
 from hf_vla.parser import CommandParser
-from hf_vla.training.config_checks import check_dataset_specs, check_model_config
+from hf_vla.training.config_checks import check_dataset_specs, check_model_config, normalize_training_config
 from hf_vla.training.trainer import VLATrainingArguments
 
 POLICIES = ("pi05", "pi0", "pi05_value")
@@ -234,14 +233,7 @@ def parse_config(path: str | Path, overrides: list[str] | None = None):
 def read_config(parser: CommandParser, path: Path, overrides: list[str] | None) -> dict:
     """The config file with the overrides applied, and the values every training command reads its own way."""
     config = parser.read(path, overrides or [])
-    resume = config.get("resume_from_checkpoint")
-    if isinstance(resume, bool) or str(resume).lower() in ("true", "false"):  # `--resume_from_checkpoint true`
-        config["resume_from_checkpoint"] = "true" if resume in (True, "true", "True") else None
-    deepspeed = config.get("deepspeed") or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if deepspeed and config.get("dtype") == "bfloat16" and "bf16" not in config and not config.get("fp16"):
-        # a bfloat16 model under DeepSpeed trains in its bf16 mode (fp32 master partitions); the DeepSpeed plugin
-        # takes its precision when the training arguments are built, so it is set here
-        config["bf16"] = True
+    normalize_training_config(config)
     return config
 
 

@@ -139,7 +139,7 @@ def check_fields(values: dict, dataclass_types, where: str = "") -> dict:
 def check_dataset_specs(specs: list, key: str = "datasets") -> list[dict]:
     """`specs` (the `datasets` of training, RL's `bc_datasets`) checked field by field against `DatasetConfig` without
     touching data: a `ConfigError` naming `key[index]` and the field; the specs with their values converted."""
-    from hf_vla.data.sources import DatasetConfig
+    from hf_vla.data.dataset_config import DatasetConfig
 
     checked = []
     for index, spec in enumerate(specs):
@@ -149,6 +149,20 @@ def check_dataset_specs(specs: list, key: str = "datasets") -> list[dict]:
         DatasetConfig(**spec)  # field-level validation (weights, cameras, names)
         checked.append(spec)
     return checked
+
+
+def normalize_training_config(config: dict) -> None:
+    """The values every training command (train, rl) reads its own way, rewritten in place before the type checks."""
+    import os
+
+    resume = config.get("resume_from_checkpoint")
+    if isinstance(resume, bool) or str(resume).lower() in ("true", "false"):  # `--resume_from_checkpoint true`
+        config["resume_from_checkpoint"] = "true" if resume in (True, "true", "True") else None
+    deepspeed = config.get("deepspeed") or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed and config.get("dtype") == "bfloat16" and "bf16" not in config and not config.get("fp16"):
+        # a bfloat16 model under DeepSpeed trains in its bf16 mode (fp32 master partitions); the DeepSpeed plugin
+        # takes its precision when the training arguments are built, so it is set here
+        config["bf16"] = True
 
 
 def is_bool_field(annotation) -> bool:
