@@ -2,7 +2,7 @@
 
 import sys
 
-from hf_vla.lazy import lazy_attributes
+from hf_vla.cli import lazy_attributes
 
 __version__ = "0.1.0"
 

@@ -6,6 +6,7 @@ A bad argument or input ends a command with one line on stderr, `<command>: erro
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -18,6 +19,21 @@ from hf_vla.errors import ConfigError, VLAError
 
 # what huggingface_hub accepts as a repo id: "name" or "namespace/name"
 HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
+
+
+def lazy_attributes(module: str, public: dict[str, str]):
+    """A module-level `__getattr__` for `module` serving each name of `public` (name -> the module defining it,
+    absolute or relative to `module`) from its defining module, imported when first asked for.
+
+        __getattr__ = lazy_attributes(__name__, {"PI05Config": ".configuration_pi05"})
+    """
+
+    def __getattr__(name: str):
+        if name in public:
+            return getattr(importlib.import_module(public[name], module), name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 VERBOSE_ENV = "HF_VLA_VERBOSE"  # set by --verbose; inherited by workers and rollout processes

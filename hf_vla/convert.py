@@ -144,9 +144,14 @@ def _plugin_dir(source: Path, output: Path, args) -> Path:
     if model_type is None and (source / "adapter_config.json").is_file():
         raise ConfigError(f"--input {str(source)!r}: LoRA adapters; pass the run's output directory (the merged "
                           "model), or merge them first: python -m hf_vla.convert --input ADAPTERS --output MERGED")
-    if model_type not in ("pi05", "pi0"):
-        raise ConfigError(f"--input {str(source)!r}: not an hf_vla checkpoint (config.json model_type "
-                          f"{model_type!r}; expected 'pi05' or 'pi0'); convert a lerobot checkpoint first (--to hf_vla)")
+    from hf_vla.policies import find_policy, policy_names
+
+    family = find_policy(model_type)
+    if family is None or not family.lerobot_plugin:
+        runnable = [name for name in policy_names() if find_policy(name).lerobot_plugin]
+        raise ConfigError(f"--input {str(source)!r}: not an hf_vla checkpoint lerobot's tools can run (config.json "
+                          f"model_type {model_type!r}; expected {' or '.join(map(repr, runnable))}); convert a lerobot "
+                          "checkpoint first (--to hf_vla)")
     if args.n_action_steps is not None:
         _check_action_steps(source, args.n_action_steps)
     try:

@@ -17,7 +17,6 @@ import os
 
 from hf_vla.cli import resolve_device, run
 from hf_vla.evaluation.arguments import EvaluateArguments
-from hf_vla.evaluation.envs import BENCHMARKS
 from hf_vla.evaluation.settings import head_spec
 from hf_vla.hub.resolve import resolve_contract
 from hf_vla.parser import CommandParser
@@ -35,9 +34,10 @@ def main(argv=None):
         env = env.get("env") if isinstance(env, dict) else None
     import torch
 
+    from hf_vla.envs.registry import task_env
     from hf_vla.evaluation.runner import BenchmarkResult, _summary, evaluate_checkpoint
 
-    if "OMP_NUM_THREADS" not in os.environ and (env in BENCHMARKS or (args.num_envs or 1) > 1):
+    if "OMP_NUM_THREADS" not in os.environ and (task_env(env) is not None or (args.num_envs or 1) > 1):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # leave a core to the env workers
     env_kwargs = {k: v for k, v in (("image_size", args.image_size), ("max_episode_steps", args.max_episode_steps))
                   if v is not None}

@@ -37,15 +37,7 @@ import json
 from dataclasses import asdict
 
 from hf_vla.cli import run
-from hf_vla.envs.recording import (  # noqa: F401  (public here, as before)
-    ENVS,
-    STRATEGIES,
-    RecordArguments,
-    RecordResult,
-    _ColorReachWithExpert,
-    expert_episodes,
-    record,
-)
+from hf_vla.envs.recording import RecordArguments
 from hf_vla.parser import CommandParser
 
 

@@ -28,7 +28,7 @@ from hf_vla.training.launch import launched_cli
 
 # public here, as before; loaded on first use, so --help and unknown keys answer before torch is imported
 _PUBLIC = {name: "hf_vla.training.arguments" for name in (
-    "ATTENTION", "DTYPES", "FINE_TUNE_OVERRIDES", "POLICIES", "DataArguments", "ModelArguments", "parse_config",
+    "ATTENTION", "DTYPES", "FINE_TUNE_OVERRIDES", "DataArguments", "ModelArguments", "parse_config",
     "policy_config_class", "training_parser")} | {name: "hf_vla.training.builders" for name in (
     "TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_tokenizer", "check_data_for_policy", "check_dims",
     "check_token_objective", "model_config", "saved_norm_stats")} | {
@@ -112,9 +112,11 @@ def _train(model_args, data_args, training_args):
 
         ensure_demo_dataset(data_args.datasets[0]["root"], episodes=data_args.demo_episodes,
                             main_process=training_args.process_index == 0)
-    from hf_vla.data import PI0Collator, PI05Collator, WeightedDatasetMixture
-    from hf_vla.models.pi05 import PI05Processor
+    from hf_vla.data import WeightedDatasetMixture
+    from hf_vla.policies import get_policy
     from hf_vla.training.trainer import VLATrainer
+
+    family = get_policy(model_args.policy)
 
     # The data checks and exact statistics scan run once per node (the local main process first); the other ranks
     # read its cache. An error there reaches every rank.
@@ -128,35 +130,12 @@ def _train(model_args, data_args, training_args):
     model = build_model(model_args, config, seed=training_args.seed, full_determinism=training_args.full_determinism)
     if source and model_args.model_name_or_path != source:
         model.config._name_or_path = source  # the model card names the Hub id it was fine-tuned from
-    if model_args.policy == "pi05_value":  # RECAP's value model: pi0.5's processor, returns as targets
-        processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
-                                              head_names=mixture.head_names)
-        mixture.use_returns(failure_cost=data_args.failure_cost, allow_unlabelled=data_args.allow_unlabelled)
-        collator = PI05Collator(processor)
-    elif model_args.policy == "pi05":
-        processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
-                                              head_names=mixture.head_names)
-        if getattr(model.config, "token_loss", False):  # the FAST targets: loaded, or fitted on the training chunks
-            from hf_vla.training.cotraining import fit_fast
-
-            fast_path = model_args.fast_tokenizer
-            if fast_path is None and model_args.model_name_or_path:  # continuing a token-loss checkpoint: its FAST
-                saved = Path(model_args.model_name_or_path) / "processor_config.json"
-                if saved.is_file() and json.loads(saved.read_text()).get("fast_config"):
-                    fast_path = model_args.model_name_or_path
-            fit_fast(mixture, processor, model.config, path=fast_path,
-                     vocab_size=model_args.fast_vocab_size, scale=model_args.fast_scale,
-                     max_chunks=model_args.fast_fit_chunks, seed=training_args.seed)
-        # RECAP (docs/recap.md): datasets with an advantage indicator make the policy advantage-conditioned; it then
-        # asks for "Advantage: positive" at inference (the processor and the contract say so)
-        processor.advantage_conditioned = any(d.get("advantage") for d in data_args.datasets)
-        collator = PI05Collator(processor)
-    else:  # transformers' pi0: its prompt layout (image placeholder tokens), mean/std normalization per head
-        from hf_vla.models.pi0_adapter import PI0HeadProcessor
-
-        processor = PI0HeadProcessor.from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
-                                                 head_names=mixture.head_names)
-        collator = PI0Collator(processor)
+    # the family's processor and collator (its setup: a FAST fit, returns as targets)
+    processor = family.load("processor").from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
+                                                     head_names=mixture.head_names)
+    if family.setup:
+        family.load("setup")(processor, model, mixture, model_args, data_args, training_args)
+    collator = family.load("collator")(processor)
     from hf_vla.serving import contract as deployment
 
     # how the result must be run (cameras and their recorded sizes, actions per chunk, heads, benchmark settings):
@@ -199,13 +178,11 @@ def _train(model_args, data_args, training_args):
         trainer.push_to_hub()  # writes the model card too
     elif training_args.should_save:  # the model card (data, evaluation, closed-loop figures) beside the weights
         trainer.create_model_card()
-    if training_args.should_save and model_args.policy == "pi05_value":
-        print(f"saved the trained value model to {training_args.output_dir}: annotate advantages with python -m "
-              f"hf_vla.recap annotate --value {training_args.output_dir} --datasets ... --output DIR "
-              "(docs/recap.md)", flush=True)
-    elif training_args.should_save:
-        print(f"saved the trained model to {training_args.output_dir}: {next_step(training_args.output_dir, data_args)}",
-              flush=True)
+    if training_args.should_save:
+        output_dir = training_args.output_dir
+        suggestion = family.next_step.format(output_dir=output_dir) if family.next_step else next_step(output_dir,
+                                                                                                      data_args)
+        print(f"saved the trained model to {output_dir}: {suggestion}", flush=True)
     # every rank leaves together: a rank that exited while the main one still saved was seen to abort in gloo
     trainer.accelerator.wait_for_everyone()
     return trainer

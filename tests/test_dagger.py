@@ -31,7 +31,7 @@ def start(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dagger_run(start):
-    from hf_vla.record import record
+    from hf_vla.envs.recording import record
 
     out = start["base"] / "dagger_1"
     result = record("color_reach", out, episodes=3, strategy="dagger", policy=str(start["policy"]),
@@ -48,7 +48,7 @@ def _frames(root: Path):
 
 
 def test_the_recorded_labels_are_the_experts_at_the_states_the_policy_visited(dagger_run):
-    from hf_vla.record import _ColorReachWithExpert
+    from hf_vla.envs.reach import ColorReachWithExpert as _ColorReachWithExpert
 
     root, result = dagger_run
     data, table = _frames(root)
@@ -227,7 +227,7 @@ def test_an_interrupted_round_continues_only_with_its_own_settings(start, tmp_pa
     policy's spelling (relative, trailing slash)."""
     import shutil
 
-    from hf_vla.record import record
+    from hf_vla.envs.recording import record
 
     out = tmp_path / "round"
     policy = tmp_path / "policy"

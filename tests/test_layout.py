@@ -101,4 +101,4 @@ def test_the_top_level_holds_the_commands_and_public_entry_modules_only():
     assert top == ["__init__", "__main__", "cli", "convert", "demo", "errors", "evaluate", "lora", "parser", "record",
                    "serve", "storage", "tiny", "train"], top
     rooms = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert rooms == ["data", "envs", "evaluation", "hub", "models", "recap", "rl", "serving", "training"], rooms
+    assert rooms == ["data", "envs", "evaluation", "hub", "models", "policies", "recap", "rl", "serving", "training"], rooms

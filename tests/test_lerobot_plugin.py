@@ -164,7 +164,7 @@ def test_a_feature_mismatch_is_refused_naming_both(colorreach, two_cameras):
 def test_lerobot_eval_scores_an_hf_vla_metaworld_checkpoint(tmp_path):
     """`lerobot-eval --policy.path=DIR --env.type=metaworld`, no other policy flag: lerobot's env (480 px frames, the
     checkpoint's 64 px crop-and-resize done by the plugin), lerobot's rollout loop and its JSON."""
-    from hf_vla.record import record
+    from hf_vla.envs.recording import record
     from hf_vla.train import main as train_main
 
     data = tmp_path / "reach"

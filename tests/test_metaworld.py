@@ -325,8 +325,8 @@ def test_dagger_records_the_experts_own_chunk_and_training_reads_it(recorded, tm
     from hf_vla.data import WeightedDatasetMixture
     from hf_vla.data.stream import FrameReader
     from hf_vla.envs.dagger import ACTION_PLAN, DaggerSettings
+    from hf_vla.envs.recording import record
     from hf_vla.errors import ConfigError
-    from hf_vla.record import record
 
     policy = tmp_path / "policy"
     dataset = {"root": str(recorded), "name": "metaworld", "cameras": ["observation.image"],
@@ -484,8 +484,8 @@ def test_a_killed_multi_task_recording_continues_where_it_stopped(tmp_path, capl
     interrupted recording with other settings is refused rather than mixed."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
+    from hf_vla.envs.recording import record
     from hf_vla.errors import ConfigError
-    from hf_vla.record import record
 
     out, calls = tmp_path / "two", []
 

@@ -111,7 +111,7 @@ def test_two_cameras_record_train_and_evaluate_from_the_contract(two_camera_run,
         evaluate_checkpoint(run, episodes=1, save_videos=0, output_dir=tmp_path / "eval1", progress=False,
                             cameras=["observation.images.corner2"])
     # a DAgger round of the two-camera policy records both cameras, with no camera flag
-    from hf_vla.record import record
+    from hf_vla.envs.recording import record
 
     record("metaworld", tmp_path / "round", episodes=1, strategy="dagger", policy=str(run), progress=False)
     round_data = LeRobotDataset("local/round", root=tmp_path / "round")

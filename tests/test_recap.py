@@ -211,7 +211,7 @@ def round_data(tmp_path_factory):
 
     from conftest import REPO, colorreach_run
 
-    from hf_vla.record import record
+    from hf_vla.envs.recording import record
     from hf_vla.train import main as train_main
 
     base = tmp_path_factory.mktemp("recap")
@@ -450,7 +450,7 @@ def test_record_strategy_policy_keeps_every_episode_with_the_policys_own_actions
     import pyarrow.parquet as pq
 
     import hf_vla.envs.reach as reach
-    from hf_vla.record import record
+    from hf_vla.envs.recording import record
 
     def no_expert(*args, **kwargs):
         raise AssertionError("the expert was consulted")

@@ -2,7 +2,7 @@
 
 Names load on first use, so the torch-free parts (`dataset_config`, checked before anything loads) import alone."""
 
-from hf_vla.lazy import lazy_attributes
+from hf_vla.cli import lazy_attributes
 
 _PUBLIC = {"PI0Collator": ".collator", "PI05Collator": ".collator", "VLACollator": ".collator",
            "WeightedDatasetMixture": ".mixture", "Block": ".sources", "DatasetConfig": ".dataset_config",

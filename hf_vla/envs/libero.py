@@ -51,6 +51,11 @@ def task_suites(spec: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def observation_camera_keys(env_kwargs: dict | None) -> list[str]:
+    """The image keys of the observations (both cameras, whatever the arguments)."""
+    return list(CAMERAS.values())
+
+
 def require_libero():
     try:
         import lerobot.envs.libero as module

@@ -34,7 +34,7 @@ import numpy as np
 from gymnasium import spaces
 
 from hf_vla.envs.worker import InWorker
-from hf_vla.envs.wrappers import stepper
+from hf_vla.envs.wrappers import render_to_observation, stepper
 from hf_vla.errors import ConfigError
 
 os.environ.setdefault("MUJOCO_GL", "egl")  # before mujoco is first imported: headless rendering
@@ -53,11 +53,14 @@ RENDER = 480  # lerobot's render size
 WORKSPACE = (144, 96, 400, 352)
 
 
+_PACKAGES = ("metaworld", "mujoco", "gymnasium", "lerobot")  # what the Meta-World env needs installed
+
+
 def _lerobot_metaworld():
     try:
         import lerobot.envs.metaworld as module
     except ModuleNotFoundError as error:
-        if error.name and error.name.split(".")[0] in ("metaworld", "mujoco", "gymnasium", "lerobot"):
+        if error.name and error.name.split(".")[0] in _PACKAGES:
             raise ConfigError(f"Meta-World is not installed ({error}); install it with `pip install -e "
                               "'.[metaworld]'` (metaworld 3.0.0, mujoco 3.3)") from error
         raise _no_renderer(error) from error
@@ -158,20 +161,6 @@ def _fast_render(env) -> None:
     model.light_castshadow[:] = 0
     model.mat_reflectance[:] = 0
     model.vis.quality.offsamples = 0
-
-
-def render_to_observation(image: np.ndarray, crop, size: int) -> np.ndarray:
-    """A render as the observation: cut to `crop` (left, top, right, bottom) when given, then resized to `size` px
-    (PIL bilinear, not gymnasium's cv2 `ResizeObservation`: every recording and figure was made with this resize).
-    The lerobot plugin turns lerobot-eval's 480 px frames into a checkpoint's recorded frames with it too."""
-    from PIL import Image
-
-    if crop is not None:
-        left, top, right, bottom = crop
-        image = image[top:bottom, left:right]
-    if image.shape[:2] != (size, size):
-        image = np.asarray(Image.fromarray(np.ascontiguousarray(image)).resize((size, size), Image.BILINEAR))
-    return image
 
 
 class MetaWorldEnv(gym.Env):
@@ -406,6 +395,53 @@ def location_text(points: dict[str, tuple[float, float]], size: int) -> str:
         return int(min(max(np.floor(value / size * 1024), 0), 1023))
 
     return " ; ".join(f"<loc{bin_of(y):04d}><loc{bin_of(x):04d}> {name}" for name, (x, y) in points.items())
+
+
+def observation_camera_keys(env_kwargs: dict | None) -> list[str]:
+    """The image keys of the observations: those of `env_kwargs`' `cameras` (corner2 by default); every key a camera
+    can have without `env_kwargs`."""
+    if env_kwargs is None:
+        return [CAMERA, *camera_keys(CAMERAS).values()]
+    return list(camera_keys(env_kwargs.get("cameras") or ("corner2",)).values())
+
+
+def group_success(success: dict[str, float]) -> tuple[dict[str, float], dict[str, int]]:
+    """Success per difficulty group (the mean over the group's tasks evaluated), and tasks per group."""
+    members: dict[str, list[float]] = {}
+    for name, rate in success.items():
+        members.setdefault(task_group(name), []).append(rate)
+    return ({g: float(np.mean(members[g])) for g in GROUPS if g in members},
+            {g: len(members[g]) for g in GROUPS if g in members})
+
+
+def recording_plan(tasks: str | None, image_size: int | None, max_episode_steps: int | None, env_kwargs: dict | None,
+                   seed: int):
+    """What `hf_vla.record` records: the tasks' envs with their scripted experts, at lerobot's fps and widths; the
+    env arguments (crop, action_mode, cameras) checked and kept JSON-able for the plan and marker, the defaults left
+    out so that a default recording's marker is as before."""
+    from hf_vla.envs.registry import RecordingPlan
+
+    names = task_names(tasks or "reach-v3")
+    kwargs = dict(env_kwargs or {})
+    unknown = sorted(set(kwargs) - {"crop", "action_mode", "cameras"})
+    if unknown:
+        raise ConfigError(f"env_kwargs {unknown}: Meta-World recording takes crop, action_mode and cameras "
+                          "(image_size and max_episode_steps are arguments of their own)")
+    if kwargs.get("cameras") is not None:
+        kwargs["cameras"] = list(camera_keys(kwargs["cameras"]))
+        if kwargs["cameras"] == ["corner2"]:
+            kwargs.pop("cameras")
+    if kwargs.get("action_mode", "delta") not in ACTION_MODES:
+        raise ConfigError(f"--action_mode {kwargs['action_mode']!r}: choose one of {list(ACTION_MODES)}")
+    if kwargs.get("action_mode") == "delta":
+        kwargs.pop("action_mode")
+    if kwargs.get("crop") is not None:
+        kwargs["crop"] = list(check_crop(kwargs["crop"]))
+    size = image_size or 128
+    make = {name: functools.partial(in_worker, name, image_size=size,
+                                    max_episode_steps=max_episode_steps or DEFAULT_STEPS, **kwargs) for name in names}
+    return RecordingPlan(names, make, fps=FPS, state_dim=4, action_dim=4, robot_type=ROBOT_TYPE, image_size=size,
+                         default_steps=DEFAULT_STEPS, env_kwargs=kwargs)
 
 
 def in_worker(task: str, **kwargs) -> InWorker:

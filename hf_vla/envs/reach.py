@@ -121,3 +121,49 @@ def expert_action(env: ColorReachEnv, rng: np.random.Generator, noise: float = 0
     distance = float(np.linalg.norm(delta))
     action = delta / max(distance, 1e-8) * min(env.step_size, distance)
     return (action + rng.normal(0, noise, size=2)).astype(np.float32)
+
+
+class ColorReachWithExpert:
+    """ColorReach with its scripted expert as `expert_action()` (one seeded generator for the expert's noise)."""
+
+    def __init__(self, seed: int, **env_kwargs):
+        self.env = ColorReachEnv(**env_kwargs)
+        self.rng = np.random.default_rng(seed)
+        self.metadata = self.env.metadata
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def reset(self, seed=None):
+        return self.env.reset(seed=seed)
+
+    def step(self, action):
+        return self.env.step(action)
+
+    def expert_action(self):
+        return expert_action(self.env, self.rng)
+
+
+def recording_plan(tasks: str | None, image_size: int | None, max_episode_steps: int | None, env_kwargs: dict | None,
+                   seed: int):
+    """What `hf_vla.record` records: one env with its scripted expert (the instruction is drawn per episode, so there
+    is no task to choose, and Meta-World's crop, action mode and cameras do not apply)."""
+    from hf_vla.envs.registry import RecordingPlan
+    from hf_vla.errors import ConfigError
+
+    for key, why in (("crop", "ColorReach renders its 32 px scene whole"),
+                     ("action_mode", "ColorReach's actions are its own"), ("cameras", "ColorReach draws one image")):
+        if (env_kwargs or {}).get(key) is not None:
+            raise ConfigError(f"--{key}: Meta-World only ({why})")
+    if tasks:
+        raise ConfigError("--task: ColorReach draws its instruction per episode; it has no task to choose")
+    kwargs = dict(env_kwargs or {})
+    if image_size:
+        kwargs["image_size"] = image_size
+    if max_episode_steps:
+        kwargs["max_steps"] = max_episode_steps
+    probe = ColorReachEnv(**kwargs)
+    return RecordingPlan(["color_reach"], {"color_reach": lambda: ColorReachWithExpert(seed, **kwargs)},
+                         fps=probe.metadata["render_fps"], state_dim=2, action_dim=2, robot_type=ROBOT_TYPE,
+                         image_size=probe.image_size, default_steps=probe.max_steps,
+                         env_kwargs={k: v for k, v in kwargs.items() if k not in ("image_size", "max_steps")})

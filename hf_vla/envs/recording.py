@@ -18,15 +18,14 @@ import numpy as np
 from hf_vla.cli import positive, progress_bar
 from hf_vla.envs.dagger import DaggerSettings, dagger_episodes, dagger_features
 from hf_vla.envs.metaworld import LOCATIONS
+from hf_vla.envs.registry import contract_env, env_names, find_env
 from hf_vla.errors import ConfigError
 from hf_vla.serving.contract import RECORD_MARKER
 from hf_vla.storage import DirectoryLock
 
 logger = logging.getLogger("hf_vla.record")
-ENVS = ("metaworld", "color_reach")
 STRATEGIES = ("expert", "dagger", "policy")
 ACTING = ("dagger", "policy")  # strategies where a policy acts
-EVAL_ENV = {"metaworld": "metaworld", "color_reach": "hf_vla/ColorReach-v0"}  # the env id a checkpoint's contract names
 PART_MARKER = "hf_vla_record_part.json"  # a recorded task in the staging directory: done
 LOCK_NAME = "_hf_vla_record.lock"  # one recording at a time into a staging directory
 # (image key, state key, action key) of the recorded datasets: lerobot's Meta-World names, also the demo's
@@ -100,31 +99,6 @@ def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, on
             return
 
 
-class _ColorReachWithExpert:
-    """ColorReach with its scripted expert as `expert_action()` (one seeded generator for the expert's noise)."""
-
-    def __init__(self, seed: int, **env_kwargs):
-        from hf_vla.envs.reach import ColorReachEnv
-
-        self.env = ColorReachEnv(**env_kwargs)
-        self.rng = np.random.default_rng(seed)
-        self.metadata = self.env.metadata
-
-    def __getattr__(self, name):
-        return getattr(self.env, name)
-
-    def reset(self, seed=None):
-        return self.env.reset(seed=seed)
-
-    def step(self, action):
-        return self.env.step(action)
-
-    def expert_action(self):
-        from hf_vla.envs.reach import expert_action
-
-        return expert_action(self.env, self.rng)
-
-
 def _part_stats(part: Path) -> dict | None:
     marker = part / PART_MARKER
     return json.loads(marker.read_text()) if marker.exists() else None
@@ -143,8 +117,8 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     complete; the parts are joined with lerobot's `aggregate_datasets` and the result renamed into place. Killed and
     rerun with the same arguments, the recording continues from the first task not done. A task gets at most
     `max_tries` episodes (default 3 x episodes + 10); a shortfall is reported in the result, not hidden."""
-    if env not in ENVS:
-        raise ConfigError(f"env {env!r}: choose one of {list(ENVS)}")
+    if find_env(env) is None or not find_env(env).recording:
+        raise ConfigError(f"env {env!r}: choose one of {env_names(recordable=True)} (the envs with a scripted expert)")
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy {strategy!r}: choose one of {list(STRATEGIES)}")
     if (strategy in ACTING) != (policy is not None):
@@ -177,51 +151,12 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
             resolved["plan_steps"] = None  # no expert consulted: no expert plan either
         seed = 1000 * round_index if seed is None else seed
     seed = 0 if seed is None else seed
-    if env == "metaworld":
-        from hf_vla.envs import metaworld
-
-        names = metaworld.task_names(tasks or "reach-v3")
-        kwargs = dict(env_kwargs or {})
-        unknown = sorted(set(kwargs) - {"crop", "action_mode", "cameras"})
-        if unknown:
-            raise ConfigError(f"env_kwargs {unknown}: Meta-World recording takes crop, action_mode and cameras "
-                              "(image_size and max_episode_steps are arguments of their own)")
-        if kwargs.get("cameras") is not None:
-            kwargs["cameras"] = list(metaworld.camera_keys(kwargs["cameras"]))  # JSON-able, for the plan and marker
-            if kwargs["cameras"] == ["corner2"]:
-                kwargs.pop("cameras")  # the default: recorded as before
-        if kwargs.get("action_mode", "delta") not in metaworld.ACTION_MODES:
-            raise ConfigError(f"--action_mode {kwargs['action_mode']!r}: choose one of {list(metaworld.ACTION_MODES)}")
-        if kwargs.get("action_mode") == "delta":
-            kwargs.pop("action_mode")  # the default: recorded as before
-        if kwargs.get("crop") is not None:
-            kwargs["crop"] = list(metaworld.check_crop(kwargs["crop"]))  # JSON-able: it goes into the plan and marker
-        make = {name: (lambda name=name: metaworld.in_worker(
-            name, image_size=image_size or 128, max_episode_steps=max_episode_steps or metaworld.DEFAULT_STEPS,
-            **kwargs)) for name in names}
-        fps, state_dim, action_dim, robot_type, size = metaworld.FPS, 4, 4, metaworld.ROBOT_TYPE, image_size or 128
-        default_steps = metaworld.DEFAULT_STEPS
-    else:
-        from hf_vla.envs.reach import ROBOT_TYPE, ColorReachEnv
-
-        if (env_kwargs or {}).get("crop") is not None:
-            raise ConfigError("--crop: Meta-World only (ColorReach renders its 32 px scene whole)")
-        if (env_kwargs or {}).get("action_mode") is not None:
-            raise ConfigError("--action_mode: Meta-World only (ColorReach's actions are its own)")
-        if (env_kwargs or {}).get("cameras") is not None:
-            raise ConfigError("--cameras: Meta-World only (ColorReach draws one image)")
-        if tasks:
-            raise ConfigError("--task: ColorReach draws its instruction per episode; it has no task to choose")
-        kwargs = dict(env_kwargs or {})
-        if image_size:
-            kwargs["image_size"] = image_size
-        if max_episode_steps:
-            kwargs["max_steps"] = max_episode_steps
-        names = ["color_reach"]
-        make = {"color_reach": lambda: _ColorReachWithExpert(seed, **kwargs)}
-        probe = ColorReachEnv(**kwargs)
-        fps, state_dim, action_dim, robot_type, size = probe.metadata["render_fps"], 2, 2, ROBOT_TYPE, probe.image_size
-        default_steps = probe.max_steps
+    family = find_env(env)
+    recording = family.call("recording", tasks, image_size, max_episode_steps, env_kwargs, seed)
+    names, make, kwargs = recording.names, recording.make, recording.env_kwargs
+    fps, state_dim, action_dim, robot_type, size = (recording.fps, recording.state_dim, recording.action_dim,
+                                                    recording.robot_type, recording.image_size)
+    default_steps = recording.default_steps
     seeds = seeds or (lambda first: iter(range(first, first + 10**9)))
     plan = {"env": env, "tasks": names, "episodes_per_task": episodes, "image_size": size, "seed": seed,
             "max_episode_steps": max_episode_steps or default_steps, "max_tries": max_tries,
@@ -281,12 +216,10 @@ class _Job:
     @property
     def camera_keys(self) -> list[str]:
         """The recorded cameras' LeRobot keys, in slot order (Meta-World's `cameras`, else the env's one camera)."""
-        cameras = self.plan["env_kwargs"].get("cameras")
-        if not cameras:
+        family = find_env(self.env)
+        if not self.plan["env_kwargs"].get("cameras") or not family.cameras:
             return [CAMERA]
-        from hf_vla.envs.metaworld import camera_keys
-
-        return list(camera_keys(cameras).values())
+        return list(family.call("cameras", self.plan["env_kwargs"]))
 
 
 def _record_tasks(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env, runner,
@@ -351,7 +284,7 @@ def _episodes(job: _Job, live, name: str, stats: dict, used: list[int], bar) -> 
     seeds = _tried(job.seeds(job.seed), used)
     if job.runner is None:
         yield from expert_episodes(live, job.episodes, seeds, max_attempts=job.max_tries, stats=stats, bar=bar,
-                                   locations=job.env == "metaworld")
+                                   locations=find_env(job.env).locations)
         return
     from hf_vla.evaluation.envs import _check_dims
 
@@ -359,7 +292,7 @@ def _episodes(job: _Job, live, name: str, stats: dict, used: list[int], bar) -> 
     stats["rejected"] = 0
     yield from dagger_episodes(live, job.runner, job.resolved["n_action_steps"], job.episodes, seeds, job.dagger,
                                tuple(job.camera_keys), STATE, stats=stats, bar=bar, episodes=stats.setdefault("episodes", []),
-                               text=_location_text if job.env == "metaworld" else None,
+                               text=_location_text if find_env(job.env).locations else None,
                                plan_steps=job.resolved["plan_steps"])
 
 
@@ -389,7 +322,7 @@ def _record_task(job: _Job, name: str, parts: Path, bar) -> dict:
                 partial / "dataset", itertools.chain([first], episodes), fps=job.fps,
                 cameras={key: (job.size, job.size) for key in job.camera_keys}, state_dim=job.state_dim, action_dim=job.action_dim,
                 robot_type=job.robot_type, state_key=STATE, action_key=ACTION, repo_id=f"local/{name}",
-                text_features=(LOCATIONS,) if job.env == "metaworld" else (),
+                text_features=(LOCATIONS,) if find_env(job.env).locations else (),
                 extra_features=dagger_features(job.action_dim, job.resolved["plan_steps"]) if job.runner is not None
                 else None,
                 # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env renders.
@@ -441,7 +374,7 @@ def _join(job: _Job, parts: Path, done: dict, started: float, resumed: list[str]
     (dataset / "meta" / RECORD_MARKER).write_text(json.dumps(
         asdict(result) | {"seed": job.seed, "image_size": job.size, "episodes_per_task": episodes,
                           "max_episode_steps": plan["max_episode_steps"], "max_tries": job.max_tries,
-                          "fast_render": job.env == "metaworld", "env_kwargs": plan["env_kwargs"],
+                          "fast_render": find_env(job.env).fast_render, "env_kwargs": plan["env_kwargs"],
                           **{key: plan[key] for key in ("strategy", "policy", "weights", "round", "dagger",
                                                         "n_action_steps", "plan_steps", "advantage") if key in plan},
                           "shortfall": shortfall,
@@ -483,11 +416,11 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
         raise ConfigError(f"--policy {error}") from None
     spec = head_spec(contract, None)
     trained_env = ((spec or {}).get("benchmark") or {}).get("env")
-    if trained_env is not None and trained_env != EVAL_ENV[env]:
-        raise ConfigError(f"--policy {policy}: its data was recorded in {trained_env!r}, not {EVAL_ENV[env]!r} "
+    if trained_env is not None and trained_env != contract_env(env):
+        raise ConfigError(f"--policy {policy}: its data was recorded in {trained_env!r}, not {contract_env(env)!r} "
                           f"(--env {env}); DAgger runs a policy in the env it was trained for")
     try:
-        settings = evaluation_settings(contract, None, EVAL_ENV[env], tasks, episodes, image_size=image_size,
+        settings = evaluation_settings(contract, None, contract_env(env), tasks, episodes, image_size=image_size,
                                        max_episode_steps=max_episode_steps, overrides=("seed",),
                                        chunk_size=contract.chunk_size if contract else None)
     except ContractError as error:
@@ -503,14 +436,11 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
               if k != "image_size"}
     runner = load_policy(policy, device=device, obs_map=ObservationMap(cameras=settings["cameras"].value or None),
                          num_camera_slots=len(spec["cameras"]) if spec else None)
-    if env == "color_reach":  # ColorReach draws its instruction per episode: no task to choose
-        task = None
-    else:
-        task = settings["task"].value
+    task = settings["task"].value if find_env(env).tasks else None  # ColorReach draws its instruction per episode
     return runner, {"task": task, "image_size": settings["image_size"].value,
                     "n_action_steps": int(settings["n_action_steps"].value),
                     # the expert's own chunk per frame where the env can simulate its expert ahead (hf_vla.envs.dagger)
-                    "plan_steps": int(runner.model.config.chunk_size) if env == "metaworld" else None,
+                    "plan_steps": int(runner.model.config.chunk_size) if find_env(env).expert_plans else None,
                     "max_episode_steps": settings["max_episode_steps"].value, "env_kwargs": merged}
 
 
@@ -534,7 +464,8 @@ DAGGER = "DAgger (a policy acts, the expert labels; hf_vla.envs.dagger)"
 class RecordArguments:
     """What `python -m hf_vla.record` records, from which env, where to."""
 
-    env: str | None = field(default=None, metadata={"required": True, "choices": ENVS, "help": "the simulator"})
+    env: str | None = field(default=None, metadata={"required": True, "help": "the simulator: a registered env with a "
+                                                    "scripted expert (metaworld, color_reach; hf_vla.envs.registry)"})
     task: str | None = field(default=None, metadata={"help": "Meta-World: task names (comma-separated, -v3 optional), "
                              "a difficulty group (easy, medium, hard, very_hard), or mt50 / all (the 50 tasks)"})
     episodes: int | None = field(default=None, metadata={"help": "successful episodes per task (required to record)"})
@@ -583,8 +514,13 @@ class RecordArguments:
     device: str = field(default="cpu", metadata={"group": DAGGER, "help": "dagger: where the policy runs"})
 
     def __post_init__(self):
-        if self.add_locations is not None and self.env != "metaworld":
-            raise ConfigError("--add_locations: locations are Meta-World's (--env metaworld)")
+        recordable = env_names(recordable=True)
+        if self.env is not None and self.env not in recordable:
+            raise ConfigError(f"argument --env: invalid choice: {self.env!r} (choose from "
+                              f"{', '.join(map(repr, recordable))}: the registered envs with a scripted expert)")
+        if self.add_locations is not None and not getattr(find_env(self.env), "locations", False):
+            raise ConfigError("--add_locations: locations are those of "
+                              f"{[n for n in env_names() if find_env(n).locations]} (--env)")
         if self.add_locations is None and self.episodes is None:
             raise ConfigError("--episodes is required to record")
         for flag in ("cameras", "crop", "action_mode"):

@@ -85,9 +85,11 @@ def add_locations(source: str | os.PathLike, output: str | os.PathLike, check_ev
         raise ConfigError(f"--add_locations {str(source)!r}: not a recording of hf_vla.record (no meta/{RECORD_MARKER}):"
                           " its episodes' seeds are unknown, so they cannot be replayed")
     marker, info = json.loads(marker_path.read_text()), json.loads((source / "meta" / "info.json").read_text())
-    if marker.get("env") != "metaworld":
-        raise ConfigError(f"--add_locations {str(source)!r}: a recording of {marker.get('env')!r}; locations are "
-                          "Meta-World's")
+    from hf_vla.envs.registry import find_env
+
+    if not getattr(find_env(marker.get("env")), "locations", False):
+        raise ConfigError(f"--add_locations {str(source)!r}: a recording of {marker.get('env')!r}, whose frames have "
+                          "no location text (Meta-World's have)")
     if LOCATIONS in info["features"]:
         raise ConfigError(f"--add_locations {str(source)!r}: it already has a {LOCATIONS!r} column")
     from hf_vla.storage import check_output, make_dir

@@ -1,8 +1,10 @@
-"""The gymnasium wrapper stack Meta-World and LIBERO step through: `EndOnSuccess(TimeLimit(ClipAction(env)))`."""
+"""The gymnasium wrapper stack Meta-World and LIBERO step through (`EndOnSuccess(TimeLimit(ClipAction(env)))`), and
+the render-to-observation resize every env and the lerobot plugin share."""
 
 from __future__ import annotations
 
 import gymnasium as gym
+import numpy as np
 from gymnasium.wrappers import ClipAction, TimeLimit
 
 
@@ -26,4 +28,18 @@ def stepper(env: gym.Env, task: str, max_episode_steps: int) -> gym.Env:
     return EndOnSuccess(TimeLimit(ClipAction(env), max_episode_steps), task)
 
 
-__all__ = ["EndOnSuccess", "stepper"]
+def render_to_observation(image: np.ndarray, crop, size: int) -> np.ndarray:
+    """A render as the observation: cut to `crop` (left, top, right, bottom) when given, then resized to `size` px
+    (PIL bilinear, not gymnasium's cv2 `ResizeObservation`: every recording and figure was made with this resize).
+    The lerobot plugin turns lerobot-eval's 480 px frames into a checkpoint's recorded frames with it too."""
+    from PIL import Image
+
+    if crop is not None:
+        left, top, right, bottom = crop
+        image = image[top:bottom, left:right]
+    if image.shape[:2] != (size, size):
+        image = np.asarray(Image.fromarray(np.ascontiguousarray(image)).resize((size, size), Image.BILINEAR))
+    return image
+
+
+__all__ = ["EndOnSuccess", "render_to_observation", "stepper"]

@@ -7,6 +7,7 @@ import logging
 
 import gymnasium as gym
 
+from hf_vla.envs.registry import env_names, task_env
 from hf_vla.errors import ConfigError
 from hf_vla.serving.contract import FILE_NAME, ContractError, refuse_repeated_cameras
 
@@ -32,7 +33,7 @@ def _check_dims(policy, env, where: str) -> None:
 def _env_takes(env_id: str, argument: str) -> bool:
     """Whether the env's constructor takes `argument` (the benchmarks' wrappers take image_size and
     max_episode_steps; a gymnasium id is asked through its entry point)."""
-    if env_id in BENCHMARKS:
+    if task_env(env_id) is not None:
         return True
     import importlib
     import inspect
@@ -64,8 +65,9 @@ def make_env(env_id: str, task: str | None, kwargs: dict, worker: bool):
 
     from hf_vla.envs.worker import InWorker, make_gym
 
-    if env_id in BENCHMARKS:
-        return _benchmark_module(env_id).in_worker(task, **kwargs)
+    family = task_env(env_id)
+    if family is not None:
+        return family.call("make", task, **kwargs)
     try:
         if not worker:
             return make_gym(env_id, **kwargs)
@@ -98,39 +100,32 @@ def _check_image_size(env, spec: dict | None, settings: dict, where: str) -> Non
                                 f"image_size to run it anyway")
 
 
-BENCHMARKS = {"metaworld": "Meta-World", "libero": "LIBERO"}  # envs with tasks, each in hf_vla.envs.<name>
-
-
-DEFAULT_TASKS = {"metaworld": "reach-v3", "libero": None}
-
-
-def _benchmark_module(env_id: str):
-    import importlib
-
-    return importlib.import_module(f"hf_vla.envs.{env_id}")
+def env_tasks(env_id: str, task: str | None) -> list[str | None]:
+    """The tasks a run of `env_id` steps through: a registered env's task names, else `[None]` (an env without
+    tasks, such as a gymnasium id)."""
+    return benchmark_tasks(env_id, task) if task_env(env_id) is not None else [None]
 
 
 def benchmark_tasks(env_id: str, task: str | None) -> list[str]:
-    """The task names of a benchmark env (`metaworld`: names or difficulty groups; `libero`: suites or suite/index)."""
-    module = _benchmark_module(env_id)
-    spec = task or DEFAULT_TASKS[env_id]
-    return module.task_names(spec) if env_id == "metaworld" else module.task_suites(spec)
+    """The task names of a registered env with tasks (`metaworld`: names or difficulty groups; `libero`: suites or
+    suite/index; see `hf_vla.envs.registry`)."""
+    return task_env(env_id).task_names(task)
 
 
 def check_env(env: str, task: str | None, env_label: str = "env=", task_label: str = "task=") -> None:
     """An env (and tasks) a run can make, checked before any model loads: a benchmark's task names (and LIBERO being
     installed), or a registered gymnasium id without tasks. The labels name the flag or field in the message."""
-    if env in BENCHMARKS:
-        benchmark_tasks(env, task)
-        if env == "libero":
-            from hf_vla.envs.libero import require_libero
-
-            require_libero()
+    family = task_env(env)
+    if family is not None:
+        family.task_names(task)
+        if family.check:
+            family.call("check")
         return
     import hf_vla.envs  # noqa: F401  (registers the demo env)
 
     if task is not None:
-        raise ConfigError(f"{task_label}{task!r}: only a benchmark env ({', '.join(BENCHMARKS)}) has tasks")
+        raise ConfigError(f"{task_label}{task!r}: only a benchmark env ({', '.join(env_names(with_tasks=True))}) has "
+                          "tasks")
     try:
         gym.spec(env)
     except gym.error.Error as error:
@@ -141,16 +136,9 @@ def env_camera_keys(env: str, env_kwargs: dict | None = None) -> list[str]:
     """The image keys an env's observations carry (a benchmark's from its wrapper; a gymnasium env's from its
     observation space: every HxWxC array). Meta-World's follow its `cameras` argument; without `env_kwargs`, every
     key one of its cameras can have."""
-    if env == "metaworld":
-        from hf_vla.envs.metaworld import CAMERA, CAMERAS, camera_keys
-
-        if env_kwargs is None:
-            return [CAMERA, *camera_keys(CAMERAS).values()]
-        return list(camera_keys(env_kwargs.get("cameras") or ("corner2",)).values())
-    if env == "libero":
-        from hf_vla.envs.libero import CAMERAS
-
-        return list(CAMERAS.values())
+    family = task_env(env)
+    if family is not None and family.cameras:
+        return list(family.call("cameras", env_kwargs))
     made = gym.make(env)
     try:
         spaces = getattr(made.observation_space, "spaces", {})

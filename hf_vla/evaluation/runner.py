@@ -12,17 +12,17 @@ from pathlib import Path
 import numpy as np
 
 from hf_vla.cli import positive, websocket_uri
+from hf_vla.envs.registry import task_env
 from hf_vla.errors import ConfigError, ConnectionFailedError
 from hf_vla.evaluation.envs import (
-    BENCHMARKS,
     _check_dims,
     _check_image_size,
     _close,
     _make_envs,
-    benchmark_tasks,
     check_cameras,
     check_env,
     env_camera_keys,
+    env_tasks,
 )
 from hf_vla.evaluation.settings import MAX_ENVS_AT_ONCE, env_arguments, evaluation_settings, head_spec
 from hf_vla.hub.resolve import resolve_contract
@@ -218,19 +218,20 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
     recorded["num_envs"] = {"value": count, "source": "flag" if num_envs else "default"}
     if shown:
         recorded["env_kwargs"] = {"value": shown, "source": "checkpoint" if shown != given else "flag"}
-    names = benchmark_tasks(env_id, task) if env_id in BENCHMARKS else [None]
+    names = env_tasks(env_id, task)
+    family = task_env(env_id)
     at_once = int(tasks_at_once or default_tasks_at_once(len(names), count)) if names != [None] else 1
     if names != [None]:
         recorded["tasks_at_once"] = {"value": at_once, "source": "flag" if tasks_at_once else "default"}
     results = {}
     for start in range(0, len(names), at_once):
         wave = names[start:start + at_once]
-        desc = (f"{BENCHMARKS[env_id]} tasks {start + 1}-{start + len(wave)} of {len(names)}" if len(names) > 1
+        desc = (f"{family.title} tasks {start + 1}-{start + len(wave)} of {len(names)}" if len(names) > 1
                 else "closed-loop episodes")
         results |= _run_tasks(env_id, wave, policy, spec, settings, overrides, count, env_kwargs, seeds, output_dir,
                               desc, **common)
     make_dir("--output_dir", output_dir)
-    if env_id in BENCHMARKS:
+    if family is not None:
         result = BenchmarkResult.from_tasks(env_id, results)
         result.settings = recorded
     else:
@@ -260,7 +261,7 @@ def _run_tasks(env_id: str, names: list, policy, spec, settings: dict, overrides
             # several tasks' envs step side by side, so each in a worker process even at one env per task
             envs[name] = _make_envs(env_id, name, num_envs, env_kwargs, settings["max_episode_steps"].value,
                                     worker=num_envs * len(names) > 1)
-            label = f"{BENCHMARKS[env_id]} {name}" if name else f"env {env_id!r}"
+            label = f"{task_env(env_id).title} {name}" if name else f"env {env_id!r}"
             _check_dims(policy, envs[name][0], label)
             if "image_size" not in set(overrides or ()):
                 _check_image_size(envs[name][0], spec, settings, label)
@@ -296,14 +297,9 @@ class BenchmarkResult:
     @classmethod
     def from_tasks(cls, env: str, results: dict[str, EvalResult]) -> BenchmarkResult:
         result = cls(env, float(np.mean([r.success_rate for r in results.values()])), results)
-        if env == "metaworld":
-            from hf_vla.envs.metaworld import GROUPS, task_group
-
-            members: dict[str, list[float]] = {}
-            for name, task in results.items():
-                members.setdefault(task_group(name), []).append(task.success_rate)
-            result.groups = {g: float(np.mean(members[g])) for g in GROUPS if g in members}
-            result.group_tasks = {g: len(members[g]) for g in GROUPS if g in members}
+        family = task_env(env)
+        if family is not None and family.groups:
+            result.groups, result.group_tasks = family.call("groups", {n: t.success_rate for n, t in results.items()})
             result.average = float(np.mean(list(result.groups.values())))
         return result
 

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,13 +50,43 @@ _DROPPED = [
 ]
 
 
-def _rules_for(config):
-    model_type = getattr(config, "model_type", None)
-    if model_type == "pi05":
-        return _PI05_RULES, "model.vlm.language_model.embed_tokens.weight"
-    if model_type == "pi0":
-        return _PI0_RULES, "model.vlm.language_model.embed_tokens.weight"
-    raise DataError(f"convert_lerobot_state_dict: config.model_type must be 'pi0' or 'pi05', got {model_type!r}")
+_EMBED_KEY = "model.vlm.language_model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class LerobotFormat:
+    """How the checkpoints of one lerobot policy type convert (the registered family `family` of the same name
+    becomes their model type).
+
+    rules: the key renames; adarms_expert: the expert's norms are adaRMS, so plain RMSNorm weights there mean another
+    type; expert_embed: the converted model keeps an (unused) expert token embedding lerobot drops; config: the
+    config class; fields: the lerobot fields read beyond the common ones; default_modes: lerobot's default
+    normalisation of state and actions; any_mode: whether other modes and relative actions convert (else refused).
+    """
+
+    rules: list
+    adarms_expert: bool
+    expert_embed: bool
+    config: str
+    fields: bool
+    default_modes: dict
+    any_mode: bool
+
+
+LEROBOT_FORMATS = {
+    "pi05": LerobotFormat(_PI05_RULES, adarms_expert=True, expert_embed=False,
+                          config="hf_vla.models.pi05.configuration_pi05:PI05Config", fields=True,
+                          default_modes={"state": "QUANTILES", "actions": "QUANTILES"}, any_mode=True),
+    "pi0": LerobotFormat(_PI0_RULES, adarms_expert=False, expert_embed=True, config="transformers:PI0Config",
+                         fields=False, default_modes={"state": "MEAN_STD", "actions": "MEAN_STD"}, any_mode=False),
+}
+
+
+def lerobot_format(policy_type, where: str) -> LerobotFormat:
+    """The conversion of lerobot's `policy_type`; a `DataError` naming `where` for a type hf_vla does not convert."""
+    if policy_type not in LEROBOT_FORMATS:
+        raise DataError(f"{where}: lerobot policy type {policy_type!r} is not {' or '.join(map(repr, LEROBOT_FORMATS))}")
+    return LEROBOT_FORMATS[policy_type]
 
 
 def convert_lerobot_state_dict(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
@@ -65,7 +96,8 @@ def convert_lerobot_state_dict(state_dict: dict[str, torch.Tensor], config) -> d
     those are absent. pi0.5's expert has adaRMS norms, so plain `...expert...layernorm.weight` keys (a pi0 expert
     loaded as pi0.5) are refused. Unknown keys raise instead of being silently dropped.
     """
-    rules, embed_key = _rules_for(config)
+    form = lerobot_format(getattr(config, "model_type", None), "convert_lerobot_state_dict: config.model_type")
+    rules, embed_key = form.rules, _EMBED_KEY
     converted: dict[str, torch.Tensor] = {}
     lm_head = None
     unknown = []
@@ -83,7 +115,7 @@ def convert_lerobot_state_dict(state_dict: dict[str, torch.Tensor], config) -> d
         else:
             unknown.append(key)
             continue
-        if config.model_type == "pi05" and re.match(r"^model\.expert\.(layers\.\d+\.(input|post_attention)_layernorm|norm)\.weight$", new_name):
+        if form.adarms_expert and re.match(r"^model\.expert\.(layers\.\d+\.(input|post_attention)_layernorm|norm)\.weight$", new_name):
             raise DataError(
                 f"{key}: a plain RMSNorm weight in the action expert; pi0.5's expert norms are adaRMS (`.dense`). "
                 "Is this a pi0 checkpoint? Convert it with a PI0Config."
@@ -95,7 +127,7 @@ def convert_lerobot_state_dict(state_dict: dict[str, torch.Tensor], config) -> d
         if lm_head is None:
             raise DataError("checkpoint has neither the VLM's embed_tokens nor the tied lm_head")
         converted[embed_key] = lm_head
-    if config.model_type == "pi0" and "model.dit.embed_tokens.weight" not in converted:
+    if form.expert_embed and "model.dit.embed_tokens.weight" not in converted:
         # transformers' pi0 keeps an (unused) token embedding in the expert; lerobot drops it.
         converted["model.dit.embed_tokens.weight"] = torch.zeros(
             config.dit_config.vocab_size, config.dit_config.hidden_size, dtype=converted[embed_key].dtype
@@ -218,13 +250,9 @@ def read_weights(path: str | Path) -> dict:
 def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = None):
     """Build the hf_vla/transformers config from a lerobot policy `config.json`, with the tower dims read from the
     weights' shapes when given (`dims_from_weights`); without them, the published dims of the named variants."""
-    from transformers import PI0Config
+    from hf_vla.policies import load_object
 
-    from hf_vla.models.pi05 import PI05Config
-
-    policy_type = lerobot_config.get("type")
-    if policy_type not in ("pi0", "pi05"):
-        raise DataError(f"config.json: lerobot policy type {policy_type!r} is not 'pi0' or 'pi05'")
+    form = lerobot_format(lerobot_config.get("type"), "config.json")
     image_size = (lerobot_config.get("image_resolution") or [224, 224])[0]
     text = dict(_GEMMA_VARIANTS[lerobot_config.get("paligemma_variant", "gemma_2b")])
     expert = dict(_GEMMA_VARIANTS[lerobot_config.get("action_expert_variant", "gemma_300m")])
@@ -260,13 +288,12 @@ def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = 
             raise DataError(f"config.json says max_action_dim={common['max_action_dim']} but the weights' "
                             f"action_in_proj takes {measured['max_action_dim']}")
         common["max_action_dim"] = measured["max_action_dim"]
-    if policy_type == "pi05":
+    if form.fields:
         if "tokenizer_max_length" in lerobot_config:
             common["tokenizer_max_length"] = lerobot_config["tokenizer_max_length"]
         if lerobot_config.get("rtc_training_max_delay"):  # trained with training-time RTC: its committed prefixes
             common["rtc_max_delay"] = int(lerobot_config["rtc_training_max_delay"])
-        return PI05Config(vlm_config=vlm_config, dit_config=dit_config, **common)
-    return PI0Config(vlm_config=vlm_config, dit_config=dit_config, **common)
+    return load_object(form.config)(vlm_config=vlm_config, dit_config=dit_config, **common)
 
 
 def read_lerobot_norm_stats(checkpoint_dir: Path) -> dict | None:
@@ -326,15 +353,14 @@ def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> di
     if unknown:
         raise ConfigError(f"{where}: field(s) {unknown} are unknown to this hf_vla, so what they change cannot be "
                           "honoured; upgrade hf_vla (docs/lerobot_fields.md lists the fields it reads)")
-    policy = lerobot_config.get("type")
-    default = {"state": "MEAN_STD", "actions": "MEAN_STD"} if policy == "pi0" else {"state": "QUANTILES",
-                                                                                     "actions": "QUANTILES"}
+    form = LEROBOT_FORMATS.get(lerobot_config.get("type"), LEROBOT_FORMATS["pi05"])
+    default = dict(form.default_modes)
     try:
         modes = default | parse_mapping(lerobot_config.get("normalization_mapping"), f"{where}: normalization_mapping")
     except ValueError as error:
         raise ConfigError(str(error)) from None
     relative = bool(lerobot_config.get("use_relative_actions"))
-    if policy == "pi0" and (modes != default or relative):
+    if not form.any_mode and (modes != default or relative):
         raise ConfigError(f"{where}: a pi0 checkpoint with normalization_mapping {modes} or relative actions; hf_vla's "
                           "pi0 normalises state and actions with mean/std, absolute: not converted")
     if stats is None:
@@ -360,7 +386,7 @@ def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> di
         if absent:
             raise ConfigError(f"{where}: {mode} normalisation of {key} needs {' and '.join(absent)}, which the "
                               f"checkpoint's normaliser file lacks (it has {sorted(stats[key])})")
-        if mode != "QUANTILES" and policy == "pi05":
+        if mode != "QUANTILES" and form.any_mode:
             stats[key]["mode"] = mode
     if relative and "actions" in stats:
         dim = len(stats["actions"].get("mean") or stats["actions"].get("q01") or stats["actions"]["min"])
@@ -454,19 +480,14 @@ def convert_checkpoint(
                               "copy the checkpoint with its processor files (a base checkpoint to fine-tune needs no "
                               "conversion: pass it to train --model_name_or_path)")
     state_dict = convert_lerobot_state_dict(read_weights(weights_file), config)
-    if config.model_type == "pi05":
-        from hf_vla.models.pi05 import PI05ForConditionalGeneration as model_class
-        from hf_vla.models.pi05 import PI05Processor
+    from hf_vla.policies import get_policy
 
-        processor = PI05Processor.from_config(config, tok, norm_stats={head: stats} if stats else {})
-    else:
-        from transformers import PI0ForConditionalGeneration as model_class
-
-        from hf_vla.models.pi0_adapter import PI0HeadProcessor
-
-        # hf_vla's pi0 processor (transformers' prompt layout and mean/std normalisation, per head), as training saves
-        # it: evaluation, serving and RL load every pi0 checkpoint the same way
-        processor = PI0HeadProcessor.from_config(config, tok, norm_stats={head: stats} if stats else {})
+    # the registered family of the converted model type: its model, and its processor as training saves it (for pi0
+    # hf_vla's, with transformers' prompt layout and mean/std normalisation per head): evaluation, serving and RL load
+    # every converted checkpoint the same way
+    family = get_policy(config.model_type, f"{config_file}: model type")
+    model_class = family.load("model")
+    processor = family.load("processor").from_config(config, tok, norm_stats={head: stats} if stats else {})
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.converting-", dir=output_dir.parent))
     try:

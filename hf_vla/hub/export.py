@@ -180,7 +180,10 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
         raise ConfigError(f"{where}: LoRA adapters; export the run's merged output (its output directory, or "
                           "python -m hf_vla.convert --input ADAPTERS --output MERGED first)")
     model_type = checkpoint_model_type(checkpoint, where)
-    if model_type != "pi05":
+    from hf_vla.policies import find_policy
+
+    family = find_policy(model_type)
+    if family is None or not family.lerobot_export:
         raise ConfigError(f"{where}: model_type {model_type!r}; --to lerobot exports hf_vla pi0.5 checkpoints "
                           "(for pi0 or any other, run it in lerobot through the plugin: --to lerobot_plugin)")
     _check_paths(checkpoint, output, overwrite, kind="lerobot_export", what="lerobot export")

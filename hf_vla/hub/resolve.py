@@ -112,8 +112,11 @@ def _hub_call(function, what: str, *args, **kwargs):
 
 
 def is_lerobot_checkpoint(config: dict) -> bool:
-    """lerobot's policy `config.json`: a `type` of pi0 / pi05 and no transformers `model_type`."""
-    return isinstance(config, dict) and config.get("type") in ("pi0", "pi05") and "model_type" not in config
+    """lerobot's policy `config.json`: a `type` a registered family converts from (pi0, pi05) and no transformers
+    `model_type`."""
+    from hf_vla.policies import lerobot_types
+
+    return isinstance(config, dict) and config.get("type") in lerobot_types() and "model_type" not in config
 
 
 def _preprocessor_tokenizer(directory: Path) -> str | None:

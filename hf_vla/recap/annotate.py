@@ -109,21 +109,22 @@ def _load_value_model(checkpoint: str, device: str):
     from transformers import AutoConfig
 
     import hf_vla.models.auto  # noqa: F401  (registers pi05_value with AutoConfig)
-    from hf_vla.models.pi05 import PI05Processor
-    from hf_vla.models.value import PI05ValueModel
 
     try:
         config = AutoConfig.from_pretrained(checkpoint)
     except (OSError, ValueError) as error:
         raise ConfigError(f"--value {checkpoint!r}: no loadable config ({str(error).splitlines()[0]})") from None
-    if config.model_type != "pi05_value":
+    from hf_vla.policies import find_policy
+
+    family = find_policy(config.model_type)
+    if family is None or not family.value_model:
         raise ConfigError(f"--value {checkpoint!r}: a {config.model_type!r} checkpoint, not a value model (train one "
                           "with python -m hf_vla.train and policy pi05_value)")
     from hf_vla.hub.convert import check_weight_files
 
     check_weight_files(checkpoint)
-    model = PI05ValueModel.from_pretrained(checkpoint).eval().to(device)
-    return model, PI05Processor.from_pretrained(checkpoint)
+    model = family.load("model").from_pretrained(checkpoint).eval().to(device)
+    return model, family.load("processor").from_pretrained(checkpoint)
 
 
 def _head(processor, source) -> str:

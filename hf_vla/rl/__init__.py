@@ -8,7 +8,7 @@
   (`collection`) and reporting (`reporting`).
 """
 
-from hf_vla.lazy import lazy_attributes
+from hf_vla.cli import lazy_attributes
 
 # loaded on first use: `python -m hf_vla.rl --help` runs this package first and answers before torch is imported
 _PUBLIC = {"FlowSDE": ".flow", "RolloutEngine": ".rollout", "StochasticPolicy": ".rollout", "Transition": ".rollout",

@@ -9,7 +9,7 @@ from hf_vla.errors import ConfigError
 
 
 def rollout_settings(args, processor, config) -> dict:
-    from hf_vla.evaluation.envs import BENCHMARKS, benchmark_tasks, check_env
+    from hf_vla.evaluation.envs import check_env, env_tasks
     from hf_vla.evaluation.settings import env_arguments, evaluation_settings, head_spec
     from hf_vla.serving.contract import DeploymentConfig
     from hf_vla.serving.policy import stat_dims
@@ -36,7 +36,7 @@ def rollout_settings(args, processor, config) -> dict:
     except (KeyError, ValueError, IndexError) as error:
         raise ConfigError(f"head: {error}") from error
     return {
-        "env": env, "tasks": benchmark_tasks(env, task) if env in BENCHMARKS else [None], "env_kwargs": env_kwargs,
+        "env": env, "tasks": env_tasks(env, task), "env_kwargs": env_kwargs,
         "n_action_steps": int(settings["n_action_steps"].value), "cameras": settings["cameras"].value or None,
         "camera_slots": len(spec["cameras"]) if spec else None, "head": head,
         "action_dims": stat_dims(processor.norm_stats[head]["actions"]),

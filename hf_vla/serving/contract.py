@@ -153,14 +153,16 @@ def benchmark_of(root: str | os.PathLike, max_episode_steps: int | None = None) 
     if not marker.is_file():
         return None
     record = json.loads(marker.read_text())
-    env = {"color_reach": "hf_vla/ColorReach-v0"}.get(record.get("env"), record.get("env"))
+    from hf_vla.envs.registry import contract_env, task_env
+
+    env = contract_env(record.get("env"))
     tasks = list(record.get("tasks") or {})
     seeds = record.get("data_seeds")
     if seeds is None:  # a recording from before data_seeds: seed, seed + 1, ... as many as the most tries of a task
         tries = [int(t.get("kept", 0)) + int(t.get("rejected", 0)) for t in (record.get("tasks") or {}).values()]
         first = int(record.get("seed", 0))
         seeds = [first, first + max(tries, default=1) - 1]
-    return {"env": env, "tasks": tasks if env in ("metaworld", "libero") else None,
+    return {"env": env, "tasks": tasks if task_env(env) is not None else None,
             "max_episode_steps": max_episode_steps or record.get("max_episode_steps"),
             "image_size": record.get("image_size"), "env_kwargs": record.get("env_kwargs") or {},
             "data_seeds": seeds, "fast_render": record.get("fast_render")}

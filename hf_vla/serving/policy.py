@@ -423,22 +423,24 @@ class PolicyRunner:
 
 
 def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=None):
-    """The policy (pi0.5, or transformers' pi0 with its head) and its processor from a directory or Hub id, as every
-    command loads them: `AutoModelForImageTextToText` (transformers maps pi0's policy class there; `AutoModel` gives
-    its headless `PI0Model`), `PI05Processor` or, for pi0, `PI0HeadProcessor`. `OSError` / `ValueError` as
-    transformers raises them."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    """The policy and its processor from a directory or Hub id, as every command loads them: the model and processor
+    classes of the family registered for its config's model_type (`hf_vla.policies`; for transformers' pi0 its
+    `PI0ForConditionalGeneration`, not `AutoModel`'s headless `PI0Model`, and hf_vla's `PI0HeadProcessor`). `OSError` /
+    `ValueError` as transformers raises them; a `ConfigError` for an unregistered model type."""
+    from transformers import AutoConfig
 
     import hf_vla.models.auto  # noqa: F401  (registers pi05 with the Auto classes)
     from hf_vla.hub.convert import check_weight_files
-    from hf_vla.models.pi0_adapter import PI0HeadProcessor
-    from hf_vla.models.pi05 import PI05Processor
+    from hf_vla.policies import get_policy
 
     config = AutoConfig.from_pretrained(checkpoint, revision=revision)
+    family = get_policy(config.model_type, f"{checkpoint}: config.json model_type")
     check_weight_files(checkpoint)  # missing or cut-off weights: one line naming the file, not safetensors' error
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint, revision=revision, dtype=dtype)
-    processor_class = PI0HeadProcessor if config.model_type == "pi0" else PI05Processor
-    return model, processor_class.from_pretrained(checkpoint, revision=revision)
+    if family.value_model:
+        raise ValueError(f"{checkpoint}: a {config.model_type!r} checkpoint predicts returns, not actions (a value "
+                         "model: python -m hf_vla.recap annotate --value takes it)")
+    model = family.load("model").from_pretrained(checkpoint, revision=revision, dtype=dtype)
+    return model, family.load("processor").from_pretrained(checkpoint, revision=revision)
 
 
 def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | None = None, **kwargs) -> PolicyRunner:

@@ -13,10 +13,10 @@ from hf_vla.cli import check_writable_dir
 from hf_vla.errors import ConfigError
 from hf_vla.lora import PRESETS
 from hf_vla.parser import CommandParser
+from hf_vla.policies import get_policy, policy_names
 from hf_vla.training.config_checks import check_dataset_specs, check_model_config, normalize_training_config
 from hf_vla.training.trainer import VLATrainingArguments
 
-POLICIES = ("pi05", "pi0", "pi05_value")
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
@@ -60,7 +60,8 @@ class ModelArguments:
         chunks of the training mixture it reads.
     """
 
-    policy: str = field(default="pi05", metadata={"help": f"one of {POLICIES}"})
+    policy: str = field(default="pi05", metadata={
+        "help": "a registered policy family: pi05, pi0, pi05_value or a plugin's (hf_vla.policies)"})
     model_name_or_path: str | None = field(default=None, metadata={"help": "checkpoint to start from"})
     model_revision: str | None = field(default=None, metadata={"help": "Hub revision of model_name_or_path"})
     model_config: dict | None = field(default=None, metadata={"help": "config of a policy built from scratch"})
@@ -84,8 +85,7 @@ class ModelArguments:
     fast_fit_chunks: int = field(default=20_000, metadata={"help": "training chunks the FAST fit reads"})
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy={self.policy!r}: choose one of {POLICIES}")
+        family = get_policy(self.policy)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: choose one of {DTYPES}")
         if self.attn_implementation not in ATTENTION:
@@ -102,13 +102,14 @@ class ModelArguments:
         if self.lora_r <= 0:
             raise ConfigError(f"lora_r={self.lora_r}: must be positive")
         for name in ("rtc_max_delay", "rtc_prefix_noise"):
-            if getattr(self, name) is not None and self.policy != "pi05":
-                raise ConfigError(f"{name}={getattr(self, name)}: training-time RTC needs policy 'pi05' (its "
-                                  f"action expert takes a time per action token), not {self.policy!r}")
+            if getattr(self, name) is not None and not family.rtc_training:
+                raise ConfigError(f"{name}={getattr(self, name)}: training-time RTC needs policy "
+                                  f"{_families_with('rtc_training')} (an action expert that takes a time per action "
+                                  f"token), not {self.policy!r}")
         for name in ("token_loss", "knowledge_insulation", "fast_tokenizer"):
-            if getattr(self, name) not in (None, False) and self.policy != "pi05":
-                raise ConfigError(f"{name}={getattr(self, name)!r}: the token objective needs policy 'pi05', not "
-                                  f"{self.policy!r}")
+            if getattr(self, name) not in (None, False) and not family.token_objective:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: the token objective needs policy "
+                                  f"{_families_with('token_objective')}, not {self.policy!r}")
         if self.fast_vocab_size <= 0 or self.fast_fit_chunks <= 0:
             raise ConfigError(f"fast_vocab_size={self.fast_vocab_size}, fast_fit_chunks={self.fast_fit_chunks}: "
                               "must be positive")
@@ -117,7 +118,7 @@ class ModelArguments:
         if self.rtc_prefix_noise is not None and not (math.isfinite(self.rtc_prefix_noise)
                                                       and self.rtc_prefix_noise >= 0):
             raise ConfigError(f"rtc_prefix_noise={self.rtc_prefix_noise}: must be a finite number >= 0")
-        if self.model_name_or_path is None and self.model_config is None and self.policy == "pi0":
+        if self.model_name_or_path is None and self.model_config is None and family.needs_model_config:
             raise ConfigError("set model_name_or_path (a checkpoint) or model_config (dims to build from scratch)")
         if self.model_config is not None and self.model_name_or_path is None:
             config_class = policy_config_class(self.policy)
@@ -139,17 +140,13 @@ FINE_TUNE_OVERRIDES = {"chunk_size", "num_inference_steps", "tokenizer_max_lengt
 
 
 def policy_config_class(policy: str):
-    if policy == "pi05_value":
-        from hf_vla.models.value import PI05ValueConfig
+    """The config class of the registered policy family `policy`."""
+    return get_policy(policy).load("config")
 
-        return PI05ValueConfig
-    if policy == "pi05":
-        from hf_vla.models.pi05 import PI05Config
 
-        return PI05Config
-    from transformers import PI0Config
-
-    return PI0Config
+def _families_with(capability: str) -> str:
+    """The registered families that have `capability` (a `PolicyFamily` flag), for a message."""
+    return " or ".join(repr(name) for name in policy_names() if getattr(get_policy(name), capability)) or "none"
 
 
 @dataclass
@@ -252,4 +249,4 @@ def _check_combination(model_args: ModelArguments, data_args: DataArguments, arg
         check_resumable(resume)
 
 
-__all__ = ["ATTENTION", "DTYPES", "DataArguments", "FINE_TUNE_OVERRIDES", "ModelArguments", "POLICIES", "parse_config", "policy_config_class", "training_parser"]
+__all__ = ["ATTENTION", "DTYPES", "DataArguments", "FINE_TUNE_OVERRIDES", "ModelArguments", "parse_config", "policy_config_class", "training_parser"]

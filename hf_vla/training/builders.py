@@ -8,7 +8,8 @@ import logging
 from pathlib import Path
 
 from hf_vla.errors import ConfigError
-from hf_vla.training.arguments import FINE_TUNE_OVERRIDES, ModelArguments, policy_config_class
+from hf_vla.policies import get_policy
+from hf_vla.training.arguments import FINE_TUNE_OVERRIDES, ModelArguments, _families_with
 
 logger = logging.getLogger("hf_vla.train")
 TINY_TOKENIZER = "tiny"
@@ -124,7 +125,8 @@ def model_config(model_args: ModelArguments):
 
 
 def _base_model_config(model_args: ModelArguments):
-    config_class = policy_config_class(model_args.policy)
+    family = get_policy(model_args.policy)
+    config_class = family.load("config")
     if model_args.model_name_or_path:
         from transformers import AutoConfig
 
@@ -135,8 +137,8 @@ def _base_model_config(model_args: ModelArguments):
         except (OSError, ValueError) as error:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: no loadable config ({error})") \
                 from error
-        if config_class.model_type == "pi05_value" and config.model_type == "pi05":
-            # a value model from a pi0.5 checkpoint: its backbone's config (the weights follow in build_model)
+        if config.model_type in family.starts_from:
+            # e.g. a value model from a pi0.5 checkpoint: its backbone's config (the weights follow in build_model)
             fields = {k: v for k, v in config.to_dict().items() if k in config_class.__dataclass_fields__ and k not in (
                 "model_type", "transformers_version", "architectures", "auto_map", "discrete_state_input")}
             config = config_class(**fields, **{k: v for k, v in (model_args.model_config or {}).items()})
@@ -161,40 +163,24 @@ def _base_model_config(model_args: ModelArguments):
 def build_model(model_args: ModelArguments, config=None, seed: int | None = None, full_determinism: bool = False):
     """The policy, seeded: every rank (and every run with the same seed) starts from the same weights."""
     import torch
-    from transformers import AutoModelForImageTextToText, PI0ForConditionalGeneration, enable_full_determinism, set_seed
+    from transformers import enable_full_determinism, set_seed
 
-    from hf_vla.models.pi05 import PI05ForConditionalGeneration
     from hf_vla.training.engines import built_without_zero3_init
 
     if seed is not None:  # weights not in a checkpoint (fresh heads, a from-scratch model) come from the seeded RNG
         enable_full_determinism(seed) if full_determinism else set_seed(seed)
     dtype = getattr(torch, model_args.dtype)
     config = config if config is not None else model_config(model_args)
-    if model_args.policy == "pi05_value":
-        from hf_vla.models.value import PI05ValueModel
-
-        if model_args.model_name_or_path:  # a value model's checkpoint, or a pi0.5 one whose backbone it starts from
-            try:
-                model = PI05ValueModel.from_pretrained(model_args.model_name_or_path, config=config, dtype=dtype,
-                                                       revision=model_args.model_revision,
-                                                       attn_implementation=model_args.attn_implementation)
-            except OSError as error:
-                raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: {error}") from error
-            return model
-        config._attn_implementation = model_args.attn_implementation
-        with built_without_zero3_init():
-            model = PI05ValueModel(config)
-        model.set_attn_implementation(model_args.attn_implementation)
-        return model.to(dtype)
+    model_class = get_policy(model_args.policy).load("model")
     if model_args.model_name_or_path:
-        try:  # the checkpoint's weights with its config as model_config() read it (rtc_max_delay applied)
-            return AutoModelForImageTextToText.from_pretrained(
+        try:  # the checkpoint's weights with its config as model_config() read it (rtc_max_delay applied); a family
+            # that starts from another's checkpoint (the value model from pi0.5's) reads the weights it shares
+            return model_class.from_pretrained(
                 model_args.model_name_or_path, config=config, dtype=dtype, revision=model_args.model_revision,
                 attn_implementation=model_args.attn_implementation
             )
         except OSError as error:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: {error}") from error
-    model_class = PI05ForConditionalGeneration if model_args.policy == "pi05" else PI0ForConditionalGeneration
     config._attn_implementation = model_args.attn_implementation
     with built_without_zero3_init():  # whole, then partitioned by DeepSpeed (see its docstring)
         model = model_class(config)
@@ -220,18 +206,23 @@ def check_data_for_policy(config, model_args: ModelArguments, data_args) -> None
     if texts and not getattr(config, "token_loss", False):
         raise ConfigError(f"datasets {texts}: target_text_key is a target of the token objective; set token_loss "
                           "true (or leave target_text_key out)")
+    family = get_policy(model_args.policy)
     conditioned = [d.get("name") or d.get("repo_id") or d.get("root") for d in data_args.datasets if d.get("advantage")]
-    if conditioned and model_args.policy != "pi05":
-        raise ConfigError(f"datasets {conditioned}: an advantage indicator (RECAP) goes into pi0.5's prompt; policy "
-                          f"{model_args.policy!r} has no such prompt: use policy pi05, or leave advantage out")
-    if model_args.policy == "pi0":  # hf_vla's pi0 processor normalises with mean/std, absolute: say so, never ignore
-        for dataset in data_args.datasets:
-            modes = {str(m).upper() for m in (dataset.get("normalization") or {}).values()} - {"MEAN_STD"}
-            if modes or dataset.get("relative_actions"):
-                raise ConfigError(f"dataset {dataset.get('name') or dataset.get('repo_id') or dataset.get('root')!r}: "
-                                  f"{'normalization ' + str(sorted(modes)) if modes else 'relative_actions'} with "
-                                  "policy 'pi0', whose processor normalises with mean/std and absolute actions; use "
-                                  "policy 'pi05' for other modes and relative actions")
+    if conditioned and not family.advantage_prompt:
+        raise ConfigError(f"datasets {conditioned}: an advantage indicator (RECAP) goes into the policy's prompt; "
+                          f"policy {model_args.policy!r} has no such prompt: use policy "
+                          f"{_families_with('advantage_prompt')}, or leave advantage out")
+    allowed = family.normalization_modes
+    for dataset in data_args.datasets:  # a mode or relative actions the processor would not apply: refused
+        modes = {str(m).upper() for m in (dataset.get("normalization") or {}).values()} - set(allowed or ())
+        culprit = ("normalization " + str(sorted(modes)) if allowed is not None and modes else
+                   "relative_actions" if dataset.get("relative_actions") and not family.relative_actions else None)
+        if culprit:
+            applies = f"{'/'.join(allowed)}" if allowed is not None else "any mode"
+            raise ConfigError(f"dataset {dataset.get('name') or dataset.get('repo_id') or dataset.get('root')!r}: "
+                              f"{culprit} with policy {model_args.policy!r}, whose processor normalises with "
+                              f"{applies} and {'relative or ' if family.relative_actions else ''}absolute actions; "
+                              f"use policy {_families_with('relative_actions')} for other modes and relative actions")
 
 
 def check_dims(config, mixture, from_scratch: bool, given: dict | None = None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hf_vla.models.pi0_adapter import is_pi0, pi0_unused_modules
+from hf_vla.models.pi0_adapter import pi0_unused_modules
 
 FREEZE_MODES = ("none", "vision_tower", "vlm", "expert_only")
 LORA_PRESETS = ("expert", "all_linear")
@@ -133,15 +133,14 @@ class ValueStructure:
 
 
 def policy_structure(model: nn.Module):
-    """The structure of a policy (`freeze`, `lora_target_modules`, `trained_heads`): pi0.5's, transformers' pi0's, or
-    the model itself when it answers them."""
+    """The structure of a policy (`freeze`, `lora_target_modules`, `trained_heads`): its registered family's
+    (`PolicyFamily.structure`, by the config's model_type), or the model itself when it answers them."""
+    from hf_vla.policies import find_policy
+
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if is_pi0(core):
-        return PI0Structure(core)
-    if type(core).__name__ == "PI05ForConditionalGeneration":  # by name: a trust_remote_code copy is another class
-        return PI05Structure(core)
-    if type(core).__name__ == "PI05ValueModel":
-        return ValueStructure(core)
+    family = find_policy(getattr(getattr(core, "config", None), "model_type", None))  # a remote-code copy too
+    if family is not None and family.structure:
+        return family.load("structure")(core)
     if all(hasattr(core, name) for name in ("freeze", "lora_target_modules", "trained_heads")):
         return core
     raise TypeError(f"{type(core).__name__} does not describe its structure (freeze, lora_target_modules, "

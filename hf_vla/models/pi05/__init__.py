@@ -1,7 +1,7 @@
 """pi0.5 as a transformers model folder. Names load on first use (as transformers' own model folders do), so the
 torch-free parts (`rtc_config`, the commands' RTC options) import without the model."""
 
-from hf_vla.lazy import lazy_attributes
+from hf_vla.cli import lazy_attributes
 
 _PUBLIC = {"PI05Config": ".configuration_pi05", "PI05ForConditionalGeneration": ".modeling_pi05",
            "PI05Model": ".modeling_pi05", "PI05PreTrainedModel": ".modeling_pi05", "PI05Processor": ".processing_pi05",

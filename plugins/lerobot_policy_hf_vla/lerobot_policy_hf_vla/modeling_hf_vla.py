@@ -144,7 +144,7 @@ class HFVLAPolicy(PreTrainedPolicy):
     def _frame(self, frame: torch.Tensor, camera: dict) -> np.ndarray:
         """lerobot's float `[3, H, W]` in [0, 1] -> uint8 `[H, W, 3]` (exact for frames that were uint8), cut and
         resized to the recorded size as hf_vla's envs do when larger."""
-        from hf_vla.envs.metaworld import render_to_observation
+        from hf_vla.envs.wrappers import render_to_observation
 
         if frame.dtype == torch.uint8:
             image = frame.permute(1, 2, 0).numpy()

@@ -1,0 +1,164 @@
+"""The policy registry: one place where a policy family says what it is made of and what it can do, so that every
+command and library path looks it up by a training config's `policy` or a checkpoint's `model_type` instead of
+comparing names.
+
+A family is a `PolicyFamily` (classes named as `"module:Class"` strings, imported on first use, so the registry costs
+no torch) registered with `register_policy`. hf_vla's own (pi05, pi0, pi05_value) are in `hf_vla.policies.builtin`.
+A third-party family registers the same way from its own module, which hf_vla imports when it is named in
+`HF_VLA_PLUGINS` (comma-separated module names) or declared as an entry point of the group `hf_vla.plugins`:
+
+    from hf_vla.policies import PolicyFamily, register_policy
+
+    register_policy(PolicyFamily(name="my_policy", config="my_pkg.configuration:MyConfig",
+                                 model="my_pkg.modeling:MyPolicy", processor="my_pkg.processing:MyProcessor"))
+
+The model follows the batch contract (docs/layout.md); its config's `model_type` is the family's name. Env
+families register in `hf_vla.envs.registry` the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from dataclasses import dataclass, field
+
+from hf_vla.errors import ConfigError
+
+
+def load_object(reference: str):
+    """The object a `"module:attribute"` reference names, imported now."""
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class PolicyFamily:
+    """A policy family: its classes, and what training, conversion, serving and RL may ask of it.
+
+    name: `policy` in a training config, and the `model_type` of its checkpoints' config.json.
+    config / model / processor: `"module:Class"`: a `PreTrainedConfig`, the `PreTrainedModel` trained and loaded
+        (`from_pretrained(path, config=...)` and `Class(config)`), and its processor (`from_config(config, tokenizer,
+        norm_stats=..., head_names=...)`, `from_pretrained(path)`).
+    collator: `"module:Class"` taking the processor: the batches of the contract.
+    structure: `"module:Class"` taking the model: its freeze modes, LoRA targets and heads trained in full
+        (`hf_vla.training.structure`); unset, the model answers them itself.
+    setup: `"module:function"` called as `setup(processor, model, mixture, model_args, data_args, training_args)`
+        after the processor is built, before training (a FAST fit, returns as targets).
+    rtc_training / token_objective / advantage_prompt: whether the family takes training-time RTC, the FAST token
+        objective, RECAP's advantage indicator in its prompt.
+    normalization_modes: the only normalisation modes its processor applies (None: every mode of the pipeline);
+        relative_actions: whether it takes relative actions.
+    needs_model_config: without a checkpoint, `model_config` must be given (no default dims).
+    starts_from: other families whose checkpoints a run of this one may start from (their shared backbone).
+    rl_algorithms: what `python -m hf_vla.rl` can train it with (none: RL refuses it).
+    value_model: it predicts returns (RECAP's value model): `hf_vla.recap annotate --value` takes it.
+    lerobot_type: lerobot's policy type its checkpoints convert from (`hf_vla.convert --to hf_vla`); lerobot_export:
+        `--to lerobot` writes lerobot's own format; lerobot_plugin: lerobot's tools run it through the plugin.
+    next_step: what the last line after training suggests, formatted with `output_dir` (None: evaluate or serve).
+    """
+
+    name: str
+    config: str
+    model: str
+    processor: str
+    collator: str = "hf_vla.data.collator:PI05Collator"
+    structure: str | None = None
+    setup: str | None = None
+    description: str = ""
+    rtc_training: bool = False
+    token_objective: bool = False
+    advantage_prompt: bool = False
+    normalization_modes: tuple[str, ...] | None = None
+    relative_actions: bool = True
+    needs_model_config: bool = False
+    starts_from: tuple[str, ...] = ()
+    rl_algorithms: tuple[str, ...] = ()
+    value_model: bool = False
+    lerobot_type: str | None = None
+    lerobot_export: bool = False
+    lerobot_plugin: bool = False
+    next_step: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def load(self, part: str):
+        """The class (or function) of `part` ("config", "model", "processor", "collator", "structure", "setup")."""
+        return load_object(getattr(self, part))
+
+
+_FAMILIES: dict[str, PolicyFamily] = {}
+_BUILTIN = "hf_vla.policies.builtin"
+PLUGINS_ENV = "HF_VLA_PLUGINS"
+_plugins_loaded = False
+
+
+def register_policy(family: PolicyFamily) -> PolicyFamily:
+    """Make `family` known to every command (a name registered twice is an error, unless it is the same family)."""
+    if not isinstance(family, PolicyFamily):
+        raise TypeError(f"register_policy takes a PolicyFamily, got {type(family).__name__}")
+    known = _FAMILIES.get(family.name)
+    if known is not None and known != family:
+        raise ValueError(f"policy {family.name!r} is registered already ({known.model})")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def load_plugins() -> None:
+    """Import the modules that register third-party families and envs: those named in `HF_VLA_PLUGINS`, then the
+    entry points of the group `hf_vla.plugins` (once per process)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for name in filter(None, (part.strip() for part in os.environ.get(PLUGINS_ENV, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise ConfigError(f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]!r}: module {name!r} could not be imported "
+                              f"({error})") from error
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="hf_vla.plugins"):
+        entry.load()
+
+
+def _ensure_registered() -> None:
+    importlib.import_module(_BUILTIN)
+    load_plugins()
+
+
+def policy_names() -> list[str]:
+    """Every registered family's name (hf_vla's and the plugins')."""
+    _ensure_registered()
+    return list(_FAMILIES)
+
+
+def get_policy(name: str | None, where: str = "policy") -> PolicyFamily:
+    """The family registered as `name`; a `ConfigError` naming `where` and the registered families otherwise."""
+    _ensure_registered()
+    if name not in _FAMILIES:
+        raise ConfigError(f"{where}={name!r}: not a registered policy; registered: {', '.join(_FAMILIES)} (a new "
+                          f"family registers with hf_vla.policies.register_policy, from a module named in "
+                          f"{PLUGINS_ENV})")
+    return _FAMILIES[name]
+
+
+def find_policy(name: str | None) -> PolicyFamily | None:
+    """The family registered as `name`, or None."""
+    _ensure_registered()
+    return _FAMILIES.get(name)
+
+
+def lerobot_types() -> set[str]:
+    """The lerobot policy types whose checkpoints a registered family converts from."""
+    _ensure_registered()
+    return {family.lerobot_type for family in _FAMILIES.values() if family.lerobot_type}
+
+
+def replace(family: PolicyFamily, **changes) -> PolicyFamily:
+    """A copy of `family` with `changes` (to derive a family from another)."""
+    return dataclasses.replace(family, **changes)
+
+
+__all__ = ["PLUGINS_ENV", "PolicyFamily", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_names",
+           "register_policy", "replace"]
