@@ -34,8 +34,8 @@ def load_json(path: Path) -> dict:
 def recorded_cameras(data: Path) -> list[str]:
     """The camera keys of a Meta-World recording (`hf_vla.record --cameras`), in its order; `observation.image` for
     the scene camera alone (and before the recording exists)."""
+    from hf_vla.deployment.contract import benchmark_of
     from hf_vla.evaluation.envs import env_camera_keys
-    from hf_vla.serving.contract import benchmark_of
 
     return env_camera_keys("metaworld", (benchmark_of(data) or {}).get("env_kwargs") or {})
 

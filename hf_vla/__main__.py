@@ -12,7 +12,23 @@ COMMANDS = {
 }
 
 
+def write_command_caches() -> None:
+    """`python -m hf_vla --write-command-cache` (for developers): re-write the cached `--help`, field types and key
+    names of train and rl (hf_vla/templates/commands/, read by `hf_vla.parser.answer_early`) from their live parsers,
+    after a field of theirs, or transformers, changes; tests/test_cli_startup.py fails until they are equal."""
+    import hf_vla.train
+    from hf_vla.parser import write_command_cache
+    from hf_vla.rl.__main__ import rl_parser
+
+    for command, parser in (("train", hf_vla.train.parser()), ("rl", rl_parser())):
+        print(f"wrote {write_command_cache(command, parser)}")
+
+
 def main() -> None:
+    import sys
+
+    if sys.argv[1:] == ["--write-command-cache"]:
+        return write_command_caches()
     print(__doc__.split("\n")[0].replace("`python -m hf_vla`: the commands", "hf_vla commands"))
     for name, text in COMMANDS.items():
         print(f"  python -m hf_vla.{name:<9} {text}")

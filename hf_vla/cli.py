@@ -10,6 +10,7 @@ import importlib
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +37,10 @@ def lazy_attributes(module: str, public: dict[str, str]):
     return __getattr__
 
 
+# the signals that announce a preemption (a batch system's SIGTERM or SIGUSR1, Ctrl-C): a training run saves and stops
+# (`hf_vla.training.preemption`), its DataLoader workers ignore them (`hf_vla.data.stream`)
+SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGINT", None),
+                            getattr(signal, "SIGUSR1", None)) if s is not None)
 VERBOSE_ENV = "HF_VLA_VERBOSE"  # set by --verbose; inherited by workers and rollout processes
 
 

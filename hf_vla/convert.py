@@ -129,7 +129,7 @@ def main(argv=None):
 
 def _check_action_steps(source: Path, n_action_steps: int) -> None:
     """`--n_action_steps` within 1..the checkpoint's chunk size, or one line (lerobot refuses the result later)."""
-    from hf_vla.serving import contract as contracts
+    from hf_vla.deployment import contract as contracts
 
     deployment = contracts.read(source)
     chunk = deployment.chunk_size if deployment is not None else None
@@ -144,7 +144,7 @@ def _plugin_dir(source: Path, output: Path, args) -> Path:
     if model_type is None and (source / "adapter_config.json").is_file():
         raise ConfigError(f"--input {str(source)!r}: LoRA adapters; pass the run's output directory (the merged "
                           "model), or merge them first: python -m hf_vla.convert --input ADAPTERS --output MERGED")
-    from hf_vla.policies import find_policy, policy_names
+    from hf_vla.registry import find_policy, policy_names
 
     family = find_policy(model_type)
     if family is None or not family.lerobot_plugin:

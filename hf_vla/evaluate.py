@@ -16,8 +16,8 @@ import json
 import os
 
 from hf_vla.cli import resolve_device, run
+from hf_vla.envs.settings import head_spec
 from hf_vla.evaluation.arguments import EvaluateArguments
-from hf_vla.evaluation.settings import head_spec
 from hf_vla.hub.resolve import resolve_contract
 from hf_vla.parser import CommandParser
 from hf_vla.serving.arguments import RTCArguments
@@ -34,8 +34,8 @@ def main(argv=None):
         env = env.get("env") if isinstance(env, dict) else None
     import torch
 
-    from hf_vla.envs.registry import task_env
     from hf_vla.evaluation.runner import BenchmarkResult, _summary, evaluate_checkpoint
+    from hf_vla.registry import task_env
 
     if "OMP_NUM_THREADS" not in os.environ and (task_env(env) is not None or (args.num_envs or 1) > 1):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # leave a core to the env workers

@@ -237,7 +237,7 @@ def _unknown_flag(key: str, target: str, names, what: str, prog: str) -> ConfigE
 # ---------------------------------------------------------------- answers before the heavy imports
 # A command whose options include transformers' `TrainingArguments` (train, rl) cannot build its parser without
 # importing transformers and torch (seconds of CPU). Its `--help` text and its key names are kept in
-# hf_vla/templates/commands/<command>.json, written from the live parser (`python -m hf_vla.training.command_cache`;
+# hf_vla/templates/commands/<command>.json, written from the live parser (`python -m hf_vla --write-command-cache`;
 # a test keeps them equal): `--help` and unknown keys answer from there, before anything heavy loads. Another
 # transformers version than the one the file was written with uses the live parser.
 CACHE_DIR = Path(__file__).parent / "templates" / "commands"
@@ -434,4 +434,5 @@ def read_config_file(path: Path) -> dict:
 
 
 __all__ = ["CommandParser", "field_default", "read_config_file"]
+
 

@@ -31,7 +31,7 @@ normalisation head per request. An optional integer `episode_seed` starts a new 
 generator is seeded with it and the previous chunk forgotten (`hf_vla.evaluate --server` sends it, so a remote episode
 is the same function of its seed as an in-process one).
 
-The server's metadata carries the checkpoint's deployment contract under `deployment` (`hf_vla.serving.contract`: cameras
+The server's metadata carries the checkpoint's deployment contract under `deployment` (`hf_vla.deployment.contract`: cameras
 with their recorded sizes, actions per chunk, heads, benchmark settings), and its cameras default to the contract's.
 """
 
@@ -193,7 +193,7 @@ def _recorder(args, contract, runner: PolicyRunner, lock=None):
 
 def _contract_cameras(args, obs_map: ObservationMap):
     """The checkpoint's deployment contract and the camera slots to serve (`evaluation.settings.served_cameras`)."""
-    from hf_vla.evaluation.settings import served_cameras
+    from hf_vla.envs.settings import served_cameras
     from hf_vla.hub.resolve import resolve_contract
 
     contract = resolve_contract(args.checkpoint, args.revision)

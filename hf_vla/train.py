@@ -113,7 +113,7 @@ def _train(model_args, data_args, training_args):
         ensure_demo_dataset(data_args.datasets[0]["root"], episodes=data_args.demo_episodes,
                             main_process=training_args.process_index == 0)
     from hf_vla.data import WeightedDatasetMixture
-    from hf_vla.policies import get_policy
+    from hf_vla.registry import get_policy
     from hf_vla.training.trainer import VLATrainer
 
     family = get_policy(model_args.policy)
@@ -136,7 +136,7 @@ def _train(model_args, data_args, training_args):
     if family.setup:
         family.load("setup")(processor, model, mixture, model_args, data_args, training_args)
     collator = family.load("collator")(processor)
-    from hf_vla.serving import contract as deployment
+    from hf_vla.deployment import contract as deployment
 
     # how the result must be run (cameras and their recorded sizes, actions per chunk, heads, benchmark settings):
     # saved with the processor in every checkpoint, the final output and rollout snapshots
@@ -191,7 +191,7 @@ def _train(model_args, data_args, training_args):
 def next_step(output_dir: str, data_args) -> str:
     """What to do with the trained model: evaluate it in the simulator its data came from (a recording of
     `hf_vla.record`, the demo's), else serve it to the robot whose data it learned."""
-    from hf_vla.serving.contract import benchmark_of
+    from hf_vla.deployment.contract import benchmark_of
 
     roots = [Path(spec["root"]) for spec in data_args.datasets if spec.get("root")]
     simulated = data_args.generate_demo_data or any(

@@ -57,7 +57,7 @@ def test_import_hf_vla_still_registers_the_auto_classes():
 @pytest.mark.parametrize("command", ["train", "rl"])
 def test_cached_help_and_keys_equal_the_live_parser(command):
     """A field added, renamed or re-documented without re-writing the cache fails here; re-write it with
-    `python -m hf_vla.training.command_cache` (hf_vla/templates/commands/)."""
+    `python -m hf_vla --write-command-cache` (hf_vla/templates/commands/)."""
     if command == "train":
         import hf_vla.train
 
@@ -67,7 +67,7 @@ def test_cached_help_and_keys_equal_the_live_parser(command):
 
         live = rl_parser()
     cached = json.loads((parser_module.CACHE_DIR / f"{command}.json").read_text())
-    assert cached == parser_module.command_cache_of(command, live), "stale cache: run python -m hf_vla.training.command_cache"
+    assert cached == parser_module.command_cache_of(command, live), "stale cache: run python -m hf_vla --write-command-cache"
 
 
 def test_cache_of_another_transformers_version_is_not_used(monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""The deployment contract (hf_vla.serving.contract) and batched evaluation (hf_vla.evaluation.episodes).
+"""The deployment contract (hf_vla.deployment.contract) and batched evaluation (hf_vla.envs.episodes).
 
 A ColorReach policy recorded at 24 px with a 30-step limit and trained with n_action_steps 3: its checkpoint says so,
 `hf_vla.evaluate` and `hf_vla.serve` take every such setting from it, and a flag that contradicts one is refused with
@@ -221,11 +221,11 @@ def test_batched_evaluation_of_a_checkpoint_equals_serial(trained, tmp_path):
 def test_reading_a_contract_is_versioned_and_forward_compatible(tmp_path, caplog):
     """A field added later within the same version is ignored with a warning (an older hf_vla still runs the
     checkpoint); another version or a missing field is refused naming the file."""
-    from hf_vla.serving import contract as deployment
+    from hf_vla.deployment import contract as deployment
 
     base = {"version": 1, "policy": "pi05", "chunk_size": 8, "n_action_steps": 4, "image_size": 32, "heads": {}}
     (tmp_path / deployment.FILE_NAME).write_text(json.dumps(base | {"camera_rig": "later"}))
-    with caplog.at_level("WARNING", logger="hf_vla.serving.contract"):
+    with caplog.at_level("WARNING", logger="hf_vla.deployment.contract"):
         assert deployment.read(tmp_path).n_action_steps == 4
     assert "ignoring field(s) ['camera_rig']" in caplog.text
     for data, message in ((base | {"version": 2}, "deployment contract version 2; this hf_vla reads version 1"),
@@ -241,17 +241,17 @@ def test_recordings_of_one_head_merge_and_a_differing_one_is_named(caplog):
     """One dataset per Meta-World task recorded alike merges into one benchmark (tasks and seeds of all, no warning);
     a dataset recorded with another crop or image size keeps the first's settings and the warning names both datasets
     and what differs (the contract would otherwise run the second task the first's way in silence)."""
-    from hf_vla.serving.contract import _merge_benchmarks
+    from hf_vla.deployment.contract import _merge_benchmarks
 
     reach = {"env": "metaworld", "tasks": ["reach-v3"], "image_size": 96, "data_seeds": [0, 49],
              "max_episode_steps": 200, "env_kwargs": {"crop": [144, 96, 400, 352]}}
     push = reach | {"tasks": ["push-v3"], "data_seeds": [0, 299]}
-    with caplog.at_level("WARNING", logger="hf_vla.serving.contract"):
+    with caplog.at_level("WARNING", logger="hf_vla.deployment.contract"):
         merged = _merge_benchmarks(reach, push, ("reach", "push"))
     assert merged["tasks"] == ["reach-v3", "push-v3"] and merged["data_seeds"] == [0, 299]
     assert merged["env_kwargs"] == {"crop": [144, 96, 400, 352]} and caplog.text == ""
     uncropped = push | {"env_kwargs": {}, "image_size": 128}
-    with caplog.at_level("WARNING", logger="hf_vla.serving.contract"):
+    with caplog.at_level("WARNING", logger="hf_vla.deployment.contract"):
         assert _merge_benchmarks(reach, uncropped, ("reach", "push_128")) == reach
     assert "datasets 'reach' and 'push_128'" in caplog.text
     assert "image_size: 96 vs 128" in caplog.text and "env_kwargs: {'crop': [144, 96, 400, 352]} vs {}" in caplog.text

@@ -1,5 +1,6 @@
 """The package's layout: no import circle among hf_vla's modules, deferred (function-level) imports and those under
-`if TYPE_CHECKING:` included (a circle hidden there is still two modules that each need the other), and the rooms a user would name (training, data, models, evaluation, serving, hub, envs, rl) holding the code."""
+`if TYPE_CHECKING:` included (a circle hidden there is still two modules that each need the other), no import circle among its rooms (folders), and the rooms a user would name (training, data, models, evaluation, serving, hub,
+envs, rl) holding the code."""
 
 from __future__ import annotations
 
@@ -89,6 +90,33 @@ def test_the_import_graph_has_no_cycle():
         "\n".join(" <-> ".join(group) for group in found)
 
 
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """room -> the rooms its modules import (the top-level modules, commands and shared helpers, left out: every
+    room may use them and they are the rooms' entry points)."""
+    def room(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else None
+
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = room(module)
+        if source is not None:
+            rooms.setdefault(source, set()).update(t for t in map(room, targets) if t not in (None, source))
+    for targets in list(rooms.values()):
+        for target in targets:
+            rooms.setdefault(target, set())
+    return rooms
+
+
+def test_no_room_imports_a_room_that_imports_it_back():
+    """Folders in layers (issue #93): the registries and the deployment contract at the bottom, envs below evaluation,
+    hub below serving; deferred imports counted."""
+    rooms = folder_graph(import_graph())
+    assert {"registry", "deployment", "envs", "evaluation", "hub", "serving"} <= set(rooms)
+    found = cycles(rooms)
+    assert not found, "rooms that import each other:\n" + "\n".join(" <-> ".join(group) for group in found)
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
@@ -101,4 +129,4 @@ def test_the_top_level_holds_the_commands_and_public_entry_modules_only():
     assert top == ["__init__", "__main__", "cli", "convert", "demo", "errors", "evaluate", "lora", "parser", "record",
                    "serve", "storage", "tiny", "train"], top
     rooms = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert rooms == ["data", "envs", "evaluation", "hub", "models", "policies", "recap", "rl", "serving", "training"], rooms
+    assert rooms == ["data", "deployment", "envs", "evaluation", "hub", "models", "recap", "registry", "rl", "serving", "training"], rooms

@@ -42,9 +42,9 @@ def _stats(seed: int, mode: str | None = None) -> dict:
 def hf_vla_checkpoint(path, tokenizer, heads=("arm::joint",), value_head=False, relative_mask=None):
     """A tiny pi0.5 built by hf_vla at the reference dims, random weights, its processor and deployment contract
     (`relative_mask`: every head's relative actions)."""
+    from hf_vla.deployment.contract import DeploymentConfig
     from hf_vla.models.pi05 import PI05ForConditionalGeneration, PI05Processor
     from hf_vla.models.reference import Dims, _randomize, hf_pi05_config
-    from hf_vla.serving.contract import DeploymentConfig
 
     config = hf_pi05_config(Dims())
     config.tokenizer_max_length, config.value_head = 48, value_head
@@ -208,8 +208,8 @@ def test_what_lerobot_cannot_hold_is_refused_or_dropped_in_one_line(checkpoints,
 
 
 def test_a_checkpoint_of_another_vocabulary_is_refused(tmp_path, tiny_tokenizer):
+    from hf_vla.deployment.contract import DeploymentConfig
     from hf_vla.models.pi05 import PI05ForConditionalGeneration, PI05Processor
-    from hf_vla.serving.contract import DeploymentConfig
     from hf_vla.tiny import tiny_pi05_config
 
     config = tiny_pi05_config()  # the demo's: a small vocabulary lerobot's PaliGemma-sized pi0.5 cannot hold

@@ -99,7 +99,7 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
 
     # several tasks side by side (MT50's way): each task's seeds in its own envs, one policy call per control step for
     # the live envs of every task of a wave; per seed the episodes of the tasks evaluated one after another
-    import hf_vla.evaluation.episodes as episodes
+    import hf_vla.envs.episodes as episodes
 
     calls = []
     call = episodes._call_policies

@@ -23,12 +23,12 @@ import functools
 from transformers import AutoConfig, AutoModel
 
 from hf_vla.envs.reach import ROBOT_TYPE, ColorReachEnv, ColorReachWithExpert
-from hf_vla.envs.registry import EnvFamily, RecordingPlan, register_env
+from hf_vla.registry import EnvFamily, RecordingPlan, register_env
 from hf_vla.envs.worker import InWorker
 from hf_vla.models.pi05.configuration_pi05 import PI05Config
 from hf_vla.models.pi05.modeling_pi05 import PI05ForConditionalGeneration
-from hf_vla.policies import register_policy, replace
-from hf_vla.policies.builtin import PI05
+from hf_vla.registry import register_policy, replace
+from hf_vla.registry.builtin import PI05
 
 
 class MyVLAConfig(PI05Config):
@@ -177,7 +177,7 @@ def test_a_plugin_policy_is_served_to_openpis_client(plugin_run):
 POLICY_NAMES = ("pi05", "pi0", "pi05_value")
 ENV_NAMES = ("metaworld", "libero", "color_reach")
 # the registries, and a family's own module (transformers' pi0 recognised by its model type where hf_vla adapts it)
-ALLOWED = {"hf_vla/policies/builtin.py", "hf_vla/envs/registry.py", "hf_vla/models/pi0_adapter.py"}
+ALLOWED = {"hf_vla/registry/builtin.py", "hf_vla/registry/envs.py", "hf_vla/models/pi0_adapter.py"}
 
 
 def test_no_policy_or_env_name_is_compared_outside_the_registries():
@@ -197,14 +197,14 @@ def test_no_policy_or_env_name_is_compared_outside_the_registries():
 
 def test_an_unknown_policy_is_one_line_listing_the_registered_ones():
     from hf_vla.errors import ConfigError
-    from hf_vla.policies import get_policy
+    from hf_vla.registry import get_policy
 
     with pytest.raises(ConfigError, match=r"policy='pi7': not a registered policy; registered: pi05, pi0, pi05_value"):
         get_policy("pi7")
 
 
 def test_a_plugin_that_does_not_import_is_named(monkeypatch):
-    from hf_vla import policies
+    from hf_vla.registry import policies
 
     monkeypatch.setenv(policies.PLUGINS_ENV, "no_such_plugin_module")
     monkeypatch.setattr(policies, "_plugins_loaded", False)
@@ -216,7 +216,7 @@ def test_a_plugin_that_does_not_import_is_named(monkeypatch):
 
 
 def test_registering_another_family_under_a_taken_name_is_refused():
-    from hf_vla.policies import get_policy, register_policy, replace
+    from hf_vla.registry import get_policy, register_policy, replace
 
     pi05 = get_policy("pi05")
     assert register_policy(pi05) is pi05  # the same family again: nothing changes
@@ -225,7 +225,7 @@ def test_registering_another_family_under_a_taken_name_is_refused():
 
 
 def test_the_registries_import_without_torch():
-    code = "import sys; sys.argv[:] = ['-m']; import hf_vla.policies.builtin, hf_vla.policies as p; p.policy_names()"
+    code = "import sys; sys.argv[:] = ['-m']; import hf_vla.registry as r; r.policy_names(), r.env_names()"
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]

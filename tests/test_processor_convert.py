@@ -181,8 +181,8 @@ def test_convert_cli_pi0(tmp_path, tiny_tokenizer_dir):
     assert isinstance(AutoModelForImageTextToText.from_pretrained(tmp_path / "hf"), PI0ForConditionalGeneration)
     assert isinstance(AutoModelForImageTextToText.from_pretrained(tmp_path / "hf_05"), PI05ForConditionalGeneration)
     # every command loads a converted pi0 with hf_vla's pi0 processor and the checkpoint's normalisation stats
+    from hf_vla.hub.resolve import load_pretrained
     from hf_vla.models.pi0_adapter import PI0HeadProcessor
-    from hf_vla.serving.policy import load_pretrained
 
     model, processor = load_pretrained(tmp_path / "hf")
     assert isinstance(model, PI0ForConditionalGeneration) and isinstance(processor, PI0HeadProcessor)

@@ -280,7 +280,7 @@ def test_dense_rewards_credit_a_success_with_the_steps_it_did_not_take():
     state, lingering next to the goal for 200 steps earns more than reaching it at step 50."""
     from types import SimpleNamespace
 
-    from hf_vla.evaluation.episodes import Episode
+    from hf_vla.envs.episodes import Episode
     from hf_vla.rl.trainer import RLTrainer
 
     # n = 2, limit 8, success at step 5 (the last decision executed 1 of its 2 steps), last reward 5: the 3 steps

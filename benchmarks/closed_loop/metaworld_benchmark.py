@@ -50,7 +50,7 @@ def _save(work: Path, output: Path, results: dict):
 
 def _recorded_env_kwargs(work: Path) -> dict:
     """The env arguments the data was recorded with (a crop), as the checkpoints' contract has them."""
-    from hf_vla.serving.contract import benchmark_of
+    from hf_vla.deployment.contract import benchmark_of
 
     return (benchmark_of(work / "data" / TASKS[0]) or {}).get("env_kwargs") or {}
 

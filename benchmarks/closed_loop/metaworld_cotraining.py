@@ -58,7 +58,8 @@ def latency_ms(checkpoint: Path, token_loss: bool, repeats: int = 30, image: int
     import torch
 
     from hf_vla import PI05ForConditionalGeneration
-    from hf_vla.serving.policy import PolicyRunner, load_pretrained
+    from hf_vla.hub.resolve import load_pretrained
+    from hf_vla.serving.policy import PolicyRunner
 
     model, processor = load_pretrained(str(checkpoint))
     if not token_loss:

@@ -30,11 +30,12 @@ def main():
                         "flow_sde keeps the policy's marginals, constant does not)")
     args = parser.parse_args()
 
+    from hf_vla.deployment import contract as deployment
+    from hf_vla.envs.settings import head_spec
     from hf_vla.evaluation.envs import make_env
-    from hf_vla.evaluation.settings import head_spec
+    from hf_vla.hub.resolve import load_pretrained
     from hf_vla.rl.flow import FlowSDE, sample_chain
-    from hf_vla.serving import contract as deployment
-    from hf_vla.serving.policy import ObservationMap, PolicyRunner, batch_requests, load_pretrained
+    from hf_vla.serving.policy import ObservationMap, PolicyRunner, batch_requests
 
     torch.manual_seed(0)
     model, processor = load_pretrained(args.checkpoint)

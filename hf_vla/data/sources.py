@@ -552,7 +552,7 @@ class LeRobotSource:
         elif (self.root / "meta" / "hf_vla_serve_record.json").is_file():  # serve --record: success per episode
             outcomes = self._served_outcomes(outcomes)
         else:
-            from hf_vla.serving.contract import RECORD_MARKER
+            from hf_vla.deployment.contract import RECORD_MARKER
 
             marker = self.root / "meta" / RECORD_MARKER
             try:
@@ -594,7 +594,7 @@ class LeRobotSource:
         if self.config.max_episode_steps is not None:
             return int(self.config.max_episode_steps)
         if getattr(self, "_episode_limit", None) is None:  # the recording's marker, read once (frame_returns asks per
-            from hf_vla.serving.contract import benchmark_of  # episode)
+            from hf_vla.deployment.contract import benchmark_of  # episode)
 
             recorded = (benchmark_of(self.root) or {}).get("max_episode_steps")
             longest = int(self.episodes["length"].max()) if self.num_episodes else 1
@@ -602,8 +602,8 @@ class LeRobotSource:
         return self._episode_limit
 
     def frame_returns(self, episode: int, failure_cost: float = 1000.0) -> np.ndarray | None:
-        """The normalised returns of an episode's frames (`hf_vla.recap.returns`), None for an unknown outcome."""
-        from hf_vla.recap.returns import episode_returns
+        """The normalised returns of an episode's frames (`hf_vla.models.value.returns`), None for an unknown outcome."""
+        from hf_vla.models.value.returns import episode_returns
 
         row = self.row(episode)
         outcome = self.episode_outcomes(allow_unlabelled=True)[row]

@@ -567,7 +567,7 @@ class ValidationStream(IterableDataset):
 
 
 def _worker_init(worker_id: int, then: Callable | None = None) -> None:
-    """In each DataLoader worker: ignore the signals that announce a preemption (`hf_vla.training.preemption.SIGNALS`).
+    """In each DataLoader worker: ignore the signals that announce a preemption (`hf_vla.cli.SIGNALS`).
 
     `timeout`, `kill -TERM -PGID` and batch systems that signal every process of a job step reach the workers too;
     torch's worker dies on SIGTERM, and the main process, which is finishing its step and writing the preemption
@@ -575,7 +575,7 @@ def _worker_init(worker_id: int, then: Callable | None = None) -> None:
     its workers leave when it shuts them down or exits (torch's workers watch their parent)."""
     import signal
 
-    from hf_vla.training.preemption import SIGNALS
+    from hf_vla.cli import SIGNALS
 
     for number in SIGNALS:
         signal.signal(number, signal.SIG_IGN)

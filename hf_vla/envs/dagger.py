@@ -77,7 +77,7 @@ def dagger_episodes(env, policy, n_action_steps: int, count: int, seeds: Iterato
     are appended to `episodes`; `stats` counts `kept`, `successes`, `frames` and `expert_steps`. `text(env)`, when
     given, is each frame's per-frame text columns (Meta-World's locations, as the expert recording has them).
     `plan_steps`: also record each frame's `action_plan`, the env's `expert_plan(plan_steps)` flattened."""
-    from hf_vla.evaluation.episodes import EpisodeRunner
+    from hf_vla.envs.episodes import EpisodeRunner
 
     stats = stats if stats is not None else {}
     for key in ("kept", "successes", "frames", "expert_steps"):

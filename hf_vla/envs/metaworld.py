@@ -419,7 +419,7 @@ def recording_plan(tasks: str | None, image_size: int | None, max_episode_steps:
     """What `hf_vla.record` records: the tasks' envs with their scripted experts, at lerobot's fps and widths; the
     env arguments (crop, action_mode, cameras) checked and kept JSON-able for the plan and marker, the defaults left
     out so that a default recording's marker is as before."""
-    from hf_vla.envs.registry import RecordingPlan
+    from hf_vla.registry import RecordingPlan
 
     names = task_names(tasks or "reach-v3")
     kwargs = dict(env_kwargs or {})

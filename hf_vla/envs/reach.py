@@ -148,8 +148,8 @@ def recording_plan(tasks: str | None, image_size: int | None, max_episode_steps:
                    seed: int):
     """What `hf_vla.record` records: one env with its scripted expert (the instruction is drawn per episode, so there
     is no task to choose, and Meta-World's crop, action mode and cameras do not apply)."""
-    from hf_vla.envs.registry import RecordingPlan
     from hf_vla.errors import ConfigError
+    from hf_vla.registry import RecordingPlan
 
     for key, why in (("crop", "ColorReach renders its 32 px scene whole"),
                      ("action_mode", "ColorReach's actions are its own"), ("cameras", "ColorReach draws one image")):

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from hf_vla.cli import positive, progress_bar
+from hf_vla.deployment.contract import RECORD_MARKER
 from hf_vla.envs.dagger import DaggerSettings, dagger_episodes, dagger_features
 from hf_vla.envs.metaworld import LOCATIONS
-from hf_vla.envs.registry import contract_env, env_names, find_env
 from hf_vla.errors import ConfigError
-from hf_vla.serving.contract import RECORD_MARKER
+from hf_vla.registry import contract_env, env_names, find_env
 from hf_vla.storage import DirectoryLock
 
 logger = logging.getLogger("hf_vla.record")
@@ -74,7 +74,7 @@ def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, on
     of `seeds`, run by the episode loop (`EpisodeRunner`); failures are counted in `stats["rejected"]` and skipped
     when `only_successful`. With `locations`, each frame also carries the env's `target_text()` (where the gripper,
     object and goal are in that frame's image) under `text`."""
-    from hf_vla.evaluation.episodes import EpisodeRunner
+    from hf_vla.envs.episodes import EpisodeRunner
 
     stats = stats if stats is not None else {}
     stats.setdefault("kept", 0)
@@ -286,9 +286,9 @@ def _episodes(job: _Job, live, name: str, stats: dict, used: list[int], bar) -> 
         yield from expert_episodes(live, job.episodes, seeds, max_attempts=job.max_tries, stats=stats, bar=bar,
                                    locations=find_env(job.env).locations)
         return
-    from hf_vla.evaluation.envs import _check_dims
+    from hf_vla.envs.episodes import check_dims
 
-    _check_dims(job.runner, live, f"{job.env} {name}")
+    check_dims(job.runner, live, f"{job.env} {name}")
     stats["rejected"] = 0
     yield from dagger_episodes(live, job.runner, job.resolved["n_action_steps"], job.episodes, seeds, job.dagger,
                                tuple(job.camera_keys), STATE, stats=stats, bar=bar, episodes=stats.setdefault("episodes", []),
@@ -405,9 +405,9 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
     """The policy of a DAgger recording, loaded, and the settings its deployment contract fixes (tasks, image size,
     episode limit, env arguments such as a crop): a flag that contradicts the contract, or a checkpoint trained in
     another env, is refused in one line."""
-    from hf_vla.evaluation.settings import env_arguments, evaluation_settings, head_spec
+    from hf_vla.deployment.contract import ContractError
+    from hf_vla.envs.settings import env_arguments, evaluation_settings, head_spec
     from hf_vla.hub.resolve import resolve_contract
-    from hf_vla.serving.contract import ContractError
     from hf_vla.serving.policy import ObservationMap, load_policy
 
     try:
@@ -465,7 +465,7 @@ class RecordArguments:
     """What `python -m hf_vla.record` records, from which env, where to."""
 
     env: str | None = field(default=None, metadata={"required": True, "help": "the simulator: a registered env with a "
-                                                    "scripted expert (metaworld, color_reach; hf_vla.envs.registry)"})
+                                                    "scripted expert (metaworld, color_reach; hf_vla.registry)"})
     task: str | None = field(default=None, metadata={"help": "Meta-World: task names (comma-separated, -v3 optional), "
                              "a difficulty group (easy, medium, hard, very_hard), or mt50 / all (the 50 tasks)"})
     episodes: int | None = field(default=None, metadata={"help": "successful episodes per task (required to record)"})

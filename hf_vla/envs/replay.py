@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from hf_vla.cli import progress_bar
+from hf_vla.deployment.contract import RECORD_MARKER
 from hf_vla.envs.metaworld import LOCATIONS
 from hf_vla.errors import ConfigError, DataError
-from hf_vla.serving.contract import RECORD_MARKER
 
 logger = logging.getLogger("hf_vla.record")
 
@@ -85,7 +85,7 @@ def add_locations(source: str | os.PathLike, output: str | os.PathLike, check_ev
         raise ConfigError(f"--add_locations {str(source)!r}: not a recording of hf_vla.record (no meta/{RECORD_MARKER}):"
                           " its episodes' seeds are unknown, so they cannot be replayed")
     marker, info = json.loads(marker_path.read_text()), json.loads((source / "meta" / "info.json").read_text())
-    from hf_vla.envs.registry import find_env
+    from hf_vla.registry import find_env
 
     if not getattr(find_env(marker.get("env")), "locations", False):
         raise ConfigError(f"--add_locations {str(source)!r}: a recording of {marker.get('env')!r}, whose frames have "

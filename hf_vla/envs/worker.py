@@ -11,7 +11,7 @@ signals (the driving process decides when to stop, and closes its workers); an e
 the driving process with its own type; a worker that dies is an `EnvWorkerError` naming its env and exit code.
 
 Why not gymnasium's `AsyncVectorEnv` (which runs envs in worker processes too): it steps every env in lockstep and
-resets an env when its episode ends, while the episode loop (`hf_vla.evaluation.episodes.EpisodeRunner`) steps only the
+resets an env when its episode ends, while the episode loop (`hf_vla.envs.episodes.EpisodeRunner`) steps only the
 slots with an action queued (the others wait for a policy call, or are idle once their seeds are done), starts each
 slot's next episode from a seed of its own, asks envs for what is not in a step (`call("expert_action")`,
 `call("target_text")`, renders for the GIFs), and replaces one crashed worker while the others keep their episodes,

@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass, field
 
 from hf_vla.cli import model_source, output_dir, websocket_uri
+from hf_vla.envs.settings import DEFAULT_ENV, DEFAULT_SEED, MAX_ENVS_AT_ONCE, OVERRIDABLE
 from hf_vla.errors import ConfigError
 from hf_vla.evaluation.envs import check_cameras, check_env, env_camera_keys
-from hf_vla.evaluation.settings import DEFAULT_ENV, DEFAULT_SEED, MAX_ENVS_AT_ONCE, OVERRIDABLE
 from hf_vla.serving.arguments import DEFAULT_DEVICE
 
 CONTRACT = ("settings the checkpoint's deployment contract (deployment_config.json) provides; a flag that contradicts "

@@ -7,47 +7,11 @@ import logging
 
 import gymnasium as gym
 
-from hf_vla.envs.registry import env_names, task_env
+from hf_vla.deployment.contract import FILE_NAME, ContractError, refuse_repeated_cameras
 from hf_vla.errors import ConfigError
-from hf_vla.serving.contract import FILE_NAME, ContractError, refuse_repeated_cameras
+from hf_vla.registry import env_names, task_env
 
 logger = logging.getLogger("hf_vla.evaluate")
-
-
-def _check_dims(policy, env, where: str) -> None:
-    """The policy's head reads the env's state and writes its actions (in-process; a server checks per request)."""
-    from hf_vla.serving.policy import stat_dims
-
-    if not hasattr(policy, "processor"):
-        return
-    stats = policy.processor.norm_stats[policy.head_name()]
-    state_space = getattr(env.observation_space, "spaces", {}).get("observation.state")
-    for name, theirs, ours in (("action", env.action_space.shape[0], stat_dims(stats["actions"])),
-                               ("state", state_space.shape[0] if state_space is not None else None,
-                                stat_dims(stats["state"]))):
-        if theirs is not None and theirs != ours:
-            raise ConfigError(f"{where} has {theirs} {name} dims but the checkpoint's head {policy.head_name()!r} has "
-                              f"{ours}: a checkpoint trained on another robot or env")
-
-
-def _env_takes(env_id: str, argument: str) -> bool:
-    """Whether the env's constructor takes `argument` (the benchmarks' wrappers take image_size and
-    max_episode_steps; a gymnasium id is asked through its entry point)."""
-    if task_env(env_id) is not None:
-        return True
-    import importlib
-    import inspect
-
-    import hf_vla.envs  # noqa: F401
-
-    entry = gym.spec(env_id).entry_point
-    if isinstance(entry, str):
-        module, _, name = entry.partition(":")
-        entry = getattr(importlib.import_module(module), name)
-    try:
-        return argument in inspect.signature(entry).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _make_envs(env_id: str, task: str | None, num_envs: int, env_kwargs: dict, max_episode_steps: int | None,
@@ -108,7 +72,7 @@ def env_tasks(env_id: str, task: str | None) -> list[str | None]:
 
 def benchmark_tasks(env_id: str, task: str | None) -> list[str]:
     """The task names of a registered env with tasks (`metaworld`: names or difficulty groups; `libero`: suites or
-    suite/index; see `hf_vla.envs.registry`)."""
+    suite/index; see `hf_vla.registry`)."""
     return task_env(env_id).task_names(task)
 
 

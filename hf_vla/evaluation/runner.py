@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from hf_vla.cli import positive, websocket_uri
-from hf_vla.envs.registry import task_env
+from hf_vla.envs.episodes import check_dims
+from hf_vla.envs.settings import MAX_ENVS_AT_ONCE, env_arguments, evaluation_settings, head_spec
 from hf_vla.errors import ConfigError, ConnectionFailedError
 from hf_vla.evaluation.envs import (
-    _check_dims,
     _check_image_size,
     _close,
     _make_envs,
@@ -24,9 +24,9 @@ from hf_vla.evaluation.envs import (
     env_camera_keys,
     env_tasks,
 )
-from hf_vla.evaluation.settings import MAX_ENVS_AT_ONCE, env_arguments, evaluation_settings, head_spec
 from hf_vla.hub.resolve import resolve_contract
 from hf_vla.models.pi05.rtc_config import RTCConfig
+from hf_vla.registry import task_env
 from hf_vla.serving.policy import ObservationMap, RequestError, check_cfg_beta, load_policy
 
 logger = logging.getLogger("hf_vla.evaluate")
@@ -116,7 +116,7 @@ def run_episodes(env, policy, episodes: int, n_action_steps: int, seed: int = 0,
                  output_dir: str | Path | None = None, progress: bool = True, inference_delay: int = 0,
                  rtc: bool = False, chunk_size: int | None = None, seeds: list[int] | None = None) -> EvalResult:
     """Closed-loop episodes with receding-horizon chunks in `env` (one env, or a list of envs run at once), through
-    the one episode loop (`hf_vla.evaluation.episodes.EpisodeRunner`); episode i has seed `seed + i` (or `seeds[i]`).
+    the one episode loop (`hf_vla.envs.episodes.EpisodeRunner`); episode i has seed `seed + i` (or `seeds[i]`).
 
     `policy(observation, task, inference_delay=, executed_steps=)` returns a chunk. With `inference_delay` d > 0,
     inference is simulated as asynchronous: after `n_action_steps` (H) actions of a chunk the next one is requested
@@ -124,7 +124,7 @@ def run_episodes(env, policy, episodes: int, n_action_steps: int, seed: int = 0,
     the new chunk at its index d (so every chunk drives H actions, from an observation d steps old). With `rtc` the
     request asks the policy to continue the current chunk (real-time chunking); without, chunks are independent.
     """
-    from hf_vla.evaluation.episodes import EpisodeRunner
+    from hf_vla.envs.episodes import EpisodeRunner
 
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: must be positive")
@@ -151,14 +151,14 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
     named in `overrides` (see `evaluation_settings`). `env_id="metaworld"` with `task` (names or a difficulty group) or
     `env_id="libero"` with `task` (suites such as `libero_spatial`, or `suite/index`) runs lerobot's env wrappers;
     `env_kwargs` may set `image_size` and `max_episode_steps` (as flags) and other env arguments. `num_envs` envs run
-    per task at once (default: `hf_vla.evaluation.episodes.default_num_envs`), and `tasks_at_once` benchmark tasks side by side
+    per task at once (default: `hf_vla.envs.episodes.default_num_envs`), and `tasks_at_once` benchmark tasks side by side
     (default: `default_tasks_at_once`); each episode's outcome depends on its seed alone. Returns a
     `BenchmarkResult` (per-task results, their mean) for a benchmark env, else an `EvalResult`; both carry the
     settings and every episode, also written to `output_dir/eval_result.json`.
     """
     import hf_vla.envs  # noqa: F401  (registers the demo env)
-    from hf_vla.evaluation.episodes import default_num_envs
-    from hf_vla.serving.contract import DeploymentConfig
+    from hf_vla.deployment.contract import DeploymentConfig
+    from hf_vla.envs.episodes import default_num_envs
 
     if (checkpoint is None) == (server is None):
         raise ConfigError("pass exactly one of checkpoint (in-process) and server (ws://HOST:PORT)")
@@ -253,7 +253,7 @@ def _run_tasks(env_id: str, names: list, policy, spec, settings: dict, overrides
     """The episodes of `names` (benchmark tasks, or `[None]` for one gymnasium env) at once: `num_envs` envs per
     task, every task's seeds in its own envs, one batched policy call per control step across all live envs (an
     episode's outcome depends on its seed alone, not on the tasks beside it). -> `{name: EvalResult}`."""
-    from hf_vla.evaluation.episodes import EpisodeRunner
+    from hf_vla.envs.episodes import EpisodeRunner
 
     envs: dict = {}
     try:
@@ -262,7 +262,7 @@ def _run_tasks(env_id: str, names: list, policy, spec, settings: dict, overrides
             envs[name] = _make_envs(env_id, name, num_envs, env_kwargs, settings["max_episode_steps"].value,
                                     worker=num_envs * len(names) > 1)
             label = f"{task_env(env_id).title} {name}" if name else f"env {env_id!r}"
-            _check_dims(policy, envs[name][0], label)
+            check_dims(policy, envs[name][0], label)
             if "image_size" not in set(overrides or ()):
                 _check_image_size(envs[name][0], spec, settings, label)
         runner = EpisodeRunner(envs, policy, n_action_steps, inference_delay=inference_delay, rtc=rtc,

@@ -250,7 +250,7 @@ def read_weights(path: str | Path) -> dict:
 def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = None):
     """Build the hf_vla/transformers config from a lerobot policy `config.json`, with the tower dims read from the
     weights' shapes when given (`dims_from_weights`); without them, the published dims of the named variants."""
-    from hf_vla.policies import load_object
+    from hf_vla.registry import load_object
 
     form = lerobot_format(lerobot_config.get("type"), "config.json")
     image_size = (lerobot_config.get("image_resolution") or [224, 224])[0]
@@ -480,7 +480,7 @@ def convert_checkpoint(
                               "copy the checkpoint with its processor files (a base checkpoint to fine-tune needs no "
                               "conversion: pass it to train --model_name_or_path)")
     state_dict = convert_lerobot_state_dict(read_weights(weights_file), config)
-    from hf_vla.policies import get_policy
+    from hf_vla.registry import get_policy
 
     # the registered family of the converted model type: its model, and its processor as training saves it (for pi0
     # hf_vla's, with transformers' prompt layout and mean/std normalisation per head): evaluation, serving and RL load
@@ -505,7 +505,9 @@ def convert_checkpoint(
         result = staging / "result"
         model.save_pretrained(result)
         processor.save_pretrained(result)
-        from hf_vla.serving import contract  # how to run it: lerobot's n_action_steps, cameras and normalisation mode
+        from hf_vla.deployment import (
+            contract,  # how to run it: lerobot's n_action_steps, cameras and normalisation mode
+        )
 
         contract.from_lerobot(lerobot_config, head, image_size=getattr(processor, "image_size", None) or 224,
                                 chunk_size=config.chunk_size, source=str(input_dir), norm_stats=stats).save(result)

@@ -169,9 +169,9 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
 
+    from hf_vla.deployment import contract as contracts
     from hf_vla.hub.convert import _check_paths, checkpoint_model_type
-    from hf_vla.serving import contract as contracts
-    from hf_vla.serving.policy import load_pretrained
+    from hf_vla.hub.resolve import load_pretrained
     from hf_vla.storage import replace_dir, staging_dir, write_marker
 
     checkpoint, output = Path(checkpoint), Path(output)
@@ -180,7 +180,7 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
         raise ConfigError(f"{where}: LoRA adapters; export the run's merged output (its output directory, or "
                           "python -m hf_vla.convert --input ADAPTERS --output MERGED first)")
     model_type = checkpoint_model_type(checkpoint, where)
-    from hf_vla.policies import find_policy
+    from hf_vla.registry import find_policy
 
     family = find_policy(model_type)
     if family is None or not family.lerobot_export:

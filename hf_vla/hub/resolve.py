@@ -30,7 +30,7 @@ from hf_vla.cli import HUB_ID
 from hf_vla.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hf_vla.serving.contract import DeploymentConfig
+    from hf_vla.deployment.contract import DeploymentConfig
 
 logger = logging.getLogger("hf_vla.hub.resolve")
 DEFAULT_TOKENIZER = "google/paligemma-3b-pt-224"  # what lerobot's pi0 / pi0.5 pre-processors load
@@ -114,7 +114,7 @@ def _hub_call(function, what: str, *args, **kwargs):
 def is_lerobot_checkpoint(config: dict) -> bool:
     """lerobot's policy `config.json`: a `type` a registered family converts from (pi0, pi05) and no transformers
     `model_type`."""
-    from hf_vla.policies import lerobot_types
+    from hf_vla.registry import lerobot_types
 
     return isinstance(config, dict) and config.get("type") in lerobot_types() and "model_type" not in config
 
@@ -186,10 +186,10 @@ def resolve_pretrained(name_or_path: str | os.PathLike, revision: str | None = N
 # files of a LoRA checkpoint that are not the processor's: left out of its merged copy
 
 def resolve_contract(checkpoint: str | os.PathLike, revision: str | None = None) -> DeploymentConfig | None:
-    """The deployment contract (`hf_vla.serving.contract.read`) of what `hf_vla.evaluate` / `hf_vla.serve` take: a
+    """The deployment contract (`hf_vla.deployment.contract.read`) of what `hf_vla.evaluate` / `hf_vla.serve` take: a
     directory or Hub id (a lerobot checkpoint is converted first, as loading it does); a damaged contract is a
     `ConfigError` naming the file."""
-    from hf_vla.serving.contract import read
+    from hf_vla.deployment.contract import read
 
     resolved = resolve_pretrained(checkpoint, revision=revision)
     try:
@@ -343,5 +343,26 @@ def is_remote(reference) -> bool:
     return isinstance(reference, str) and reference.startswith(("hf://", "gs://", "http://", "https://"))
 
 
-__all__ = ["cache_dir", "download_dataset_files", "fetch_file", "is_lerobot_checkpoint", "resolve_contract",
+def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=None):
+    """The policy and its processor from a directory or Hub id, as every command loads them: the model and processor
+    classes of the family registered for its config's model_type (`hf_vla.registry`; for transformers' pi0 its
+    `PI0ForConditionalGeneration`, not `AutoModel`'s headless `PI0Model`, and hf_vla's `PI0HeadProcessor`). `OSError` /
+    `ValueError` as transformers raises them; a `ConfigError` for an unregistered model type."""
+    from transformers import AutoConfig
+
+    import hf_vla.models.auto  # noqa: F401  (registers pi05 with the Auto classes)
+    from hf_vla.hub.convert import check_weight_files
+    from hf_vla.registry import get_policy
+
+    config = AutoConfig.from_pretrained(checkpoint, revision=revision)
+    family = get_policy(config.model_type, f"{checkpoint}: config.json model_type")
+    check_weight_files(checkpoint)  # missing or cut-off weights: one line naming the file, not safetensors' error
+    if family.value_model:
+        raise ValueError(f"{checkpoint}: a {config.model_type!r} checkpoint predicts returns, not actions (a value "
+                         "model: python -m hf_vla.recap annotate --value takes it)")
+    model = family.load("model").from_pretrained(checkpoint, revision=revision, dtype=dtype)
+    return model, family.load("processor").from_pretrained(checkpoint, revision=revision)
+
+
+__all__ = ["cache_dir", "download_dataset_files", "fetch_file", "is_lerobot_checkpoint", "load_pretrained", "resolve_contract",
            "resolve_pretrained"]

@@ -1,7 +1,7 @@
 """`python -m hf_vla.recap annotate`: each frame's return, value, advantage and RECAP indicator, written into a new
 LeRobot v3.0 dataset beside the source (the source is never written).
 
-For every dataset: each episode's outcome gives its frames' normalised returns (`hf_vla.recap.returns`); the value
+For every dataset: each episode's outcome gives its frames' normalised returns (`hf_vla.models.value.returns`); the value
 model predicts each frame's value from its cameras and task (batched, one decoder per episode, progress in the log);
 the advantage is the N-step estimate (or Monte-Carlo); per (dataset, task) a threshold makes `positive_fraction` of
 the frames positive; frames a person took over (`intervention` 1, as DAgger rounds and `serve --record` write it) are
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from hf_vla.errors import ConfigError, DataError
-from hf_vla.recap.returns import advantages, positive_threshold
+from hf_vla.models.value.returns import advantages, positive_threshold
 
 logger = logging.getLogger("hf_vla")
 
@@ -114,7 +114,7 @@ def _load_value_model(checkpoint: str, device: str):
         config = AutoConfig.from_pretrained(checkpoint)
     except (OSError, ValueError) as error:
         raise ConfigError(f"--value {checkpoint!r}: no loadable config ({str(error).splitlines()[0]})") from None
-    from hf_vla.policies import find_policy
+    from hf_vla.registry import find_policy
 
     family = find_policy(config.model_type)
     if family is None or not family.value_model:

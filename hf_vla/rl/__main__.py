@@ -85,9 +85,8 @@ def load_start(args):
     from transformers import AutoConfig
 
     import hf_vla.models.auto  # noqa: F401  (registers pi05 with AutoConfig)
-    from hf_vla.hub.resolve import load_error, resolve_pretrained
+    from hf_vla.hub.resolve import load_error, load_pretrained, resolve_pretrained
     from hf_vla.rl.trainer import check_model_type
-    from hf_vla.serving.policy import load_pretrained
 
     with args.main_process_first(local=True, desc="checkpoint conversion"):
         source = resolve_pretrained(args.model_name_or_path, args.model_revision, label="model_name_or_path")

@@ -1,4 +1,4 @@
-"""Rollouts for RL: the episode loop of evaluation (`hf_vla.evaluation.episodes.EpisodeRunner`) with a stochastic policy that
+"""Rollouts for RL: the episode loop of evaluation (`hf_vla.envs.episodes.EpisodeRunner`) with a stochastic policy that
 records what the update needs.
 
 `StochasticPolicy` is a `PolicyRunner` whose chunks come from the Flow-SDE sampler (`hf_vla.rl.flow`): every policy call
@@ -156,7 +156,7 @@ class RolloutEngine:
     def run(self, policy, seeds: dict, noise_seeds: dict | None = None, progress: bool = False, desc: str = "rollouts"):
         """Episodes of `policy` per task (`seeds[task]`, `noise_seeds[task]` aligned): `{task: [Episode]}` (in seed
         order, dead-worker episodes marked `discarded`), and for a `StochasticPolicy` the transitions of every slot."""
-        from hf_vla.evaluation.episodes import EpisodeRunner
+        from hf_vla.envs.episodes import EpisodeRunner
 
         tasks = [task for task in self.tasks if seeds.get(task)]
         if not tasks:

@@ -1,5 +1,5 @@
 """What RL rollouts run with: env, tasks, image size, episode limit, actions per chunk, cameras and head, taken from
-the start checkpoint's deployment contract (`hf_vla.serving.contract`) as `hf_vla.evaluate` takes them, so the policy is
+the start checkpoint's deployment contract (`hf_vla.deployment.contract`) as `hf_vla.evaluate` takes them, so the policy is
 improved under the settings it is deployed with; a field of `RLConfig` that contradicts the contract is refused by
 the same check as evaluate's flags."""
 
@@ -9,9 +9,9 @@ from hf_vla.errors import ConfigError
 
 
 def rollout_settings(args, processor, config) -> dict:
+    from hf_vla.deployment.contract import DeploymentConfig
+    from hf_vla.envs.settings import env_arguments, evaluation_settings, head_spec
     from hf_vla.evaluation.envs import check_env, env_tasks
-    from hf_vla.evaluation.settings import env_arguments, evaluation_settings, head_spec
-    from hf_vla.serving.contract import DeploymentConfig
     from hf_vla.serving.policy import stat_dims
 
     contract = None

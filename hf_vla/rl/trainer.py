@@ -113,16 +113,16 @@ def _identity(item):
 def check_model_type(model_type: str | None, args: RLConfig) -> None:
     """`ConfigError` unless RL can train a model of `model_type` with `args.algorithm` (checked from the config
     alone, so `python -m hf_vla.rl` refuses before loading the weights)."""
-    from hf_vla.policies import find_policy
+    from hf_vla.registry import find_policy
 
     family = find_policy(model_type)
-    if family is None or not family.rl_algorithms:
+    if family is None or not family.rl:
         raise ConfigError(f"RL fine-tuning samples through a pi0 / pi0.5 prefix cache; model type {model_type!r} is "
                           "not supported")
-    if args.algorithm not in family.rl_algorithms:
-        raise ConfigError(f"algorithm={args.algorithm!r} is not available for model type {model_type!r} (it has "
-                          f"{', '.join(family.rl_algorithms)}): ppo needs a critic on the VLM prefix, which hf_vla "
-                          "builds for pi0.5 (PI05ValueHead); transformers' pi0 has none: use algorithm='grpo' for pi0")
+    if args.algorithm == "ppo" and not family.rl_critic:
+        raise ConfigError(f"algorithm='ppo' needs a critic on the VLM prefix, which model type {model_type!r} does not "
+                          "have (hf_vla builds one for pi0.5, PI05ValueHead; transformers' pi0 has none): use "
+                          "algorithm='grpo'")
 
 class RLTrainer(RolloutCollection, RLReporting, VLATrainer):
     """Improves a flow policy (pi0.5) from its own rollouts (GRPO, or PPO with a critic); see the module's docstring.

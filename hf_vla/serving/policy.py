@@ -422,32 +422,11 @@ class PolicyRunner:
         return self._actions(chunk, self.head_name(), states).numpy()
 
 
-def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=None):
-    """The policy and its processor from a directory or Hub id, as every command loads them: the model and processor
-    classes of the family registered for its config's model_type (`hf_vla.policies`; for transformers' pi0 its
-    `PI0ForConditionalGeneration`, not `AutoModel`'s headless `PI0Model`, and hf_vla's `PI0HeadProcessor`). `OSError` /
-    `ValueError` as transformers raises them; a `ConfigError` for an unregistered model type."""
-    from transformers import AutoConfig
-
-    import hf_vla.models.auto  # noqa: F401  (registers pi05 with the Auto classes)
-    from hf_vla.hub.convert import check_weight_files
-    from hf_vla.policies import get_policy
-
-    config = AutoConfig.from_pretrained(checkpoint, revision=revision)
-    family = get_policy(config.model_type, f"{checkpoint}: config.json model_type")
-    check_weight_files(checkpoint)  # missing or cut-off weights: one line naming the file, not safetensors' error
-    if family.value_model:
-        raise ValueError(f"{checkpoint}: a {config.model_type!r} checkpoint predicts returns, not actions (a value "
-                         "model: python -m hf_vla.recap annotate --value takes it)")
-    model = family.load("model").from_pretrained(checkpoint, revision=revision, dtype=dtype)
-    return model, family.load("processor").from_pretrained(checkpoint, revision=revision)
-
-
 def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | None = None, **kwargs) -> PolicyRunner:
     """The policy and processor from a directory or Hub id (`load_pretrained`; a lerobot pi0 / pi0.5 checkpoint is
     converted on load and cached, `hf_vla.hub.resolve.resolve_pretrained`), wrapped in a `PolicyRunner`."""
     from hf_vla.errors import ConfigError
-    from hf_vla.hub.resolve import resolve_pretrained
+    from hf_vla.hub.resolve import load_pretrained, resolve_pretrained
 
     resolved = resolve_pretrained(checkpoint, revision=revision)
     if resolved != str(checkpoint):
@@ -477,4 +456,4 @@ def rtc_config_from_args(args) -> RTCConfig:
                      method=args.rtc_method)
 
 
-__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "load_policy", "load_pretrained", "rtc_config_from_args", "stat_dims", "stat_range"]
+__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "load_policy", "rtc_config_from_args", "stat_dims", "stat_range"]

@@ -13,7 +13,7 @@ from hf_vla.cli import check_writable_dir
 from hf_vla.errors import ConfigError
 from hf_vla.lora import PRESETS
 from hf_vla.parser import CommandParser
-from hf_vla.policies import get_policy, policy_names
+from hf_vla.registry import get_policy, policy_names
 from hf_vla.training.config_checks import check_dataset_specs, check_model_config, normalize_training_config
 from hf_vla.training.trainer import VLATrainingArguments
 
@@ -61,7 +61,7 @@ class ModelArguments:
     """
 
     policy: str = field(default="pi05", metadata={
-        "help": "a registered policy family: pi05, pi0, pi05_value or a plugin's (hf_vla.policies)"})
+        "help": "a registered policy family: pi05, pi0, pi05_value or a plugin's (hf_vla.registry)"})
     model_name_or_path: str | None = field(default=None, metadata={"help": "checkpoint to start from"})
     model_revision: str | None = field(default=None, metadata={"help": "Hub revision of model_name_or_path"})
     model_config: dict | None = field(default=None, metadata={"help": "config of a policy built from scratch"})

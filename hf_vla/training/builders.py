@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from hf_vla.errors import ConfigError
-from hf_vla.policies import get_policy
+from hf_vla.registry import get_policy
 from hf_vla.training.arguments import FINE_TUNE_OVERRIDES, ModelArguments, _families_with
 
 logger = logging.getLogger("hf_vla.train")
@@ -254,5 +254,27 @@ def check_dims(config, mixture, from_scratch: bool, given: dict | None = None):
             config.max_action_dim, widest, widest)
 
 
+
+def pi05_setup(processor, model, mixture, model_args, data_args, training_args) -> None:
+    """pi0.5 before training: the FAST targets of the token objective (loaded, or fitted on the training chunks), and
+    RECAP's advantage indicator (docs/recap.md): datasets with one make the policy advantage-conditioned, and it then
+    asks for "Advantage: positive" at inference (the processor and the contract say so)."""
+    if getattr(model.config, "token_loss", False):
+        from hf_vla.training.cotraining import fit_fast
+
+        fast_path = model_args.fast_tokenizer
+        if fast_path is None and model_args.model_name_or_path:  # continuing a token-loss checkpoint: its FAST
+            saved = Path(model_args.model_name_or_path) / "processor_config.json"
+            if saved.is_file() and json.loads(saved.read_text()).get("fast_config"):
+                fast_path = model_args.model_name_or_path
+        fit_fast(mixture, processor, model.config, path=fast_path, vocab_size=model_args.fast_vocab_size,
+                 scale=model_args.fast_scale, max_chunks=model_args.fast_fit_chunks, seed=training_args.seed)
+    processor.advantage_conditioned = any(d.get("advantage") for d in data_args.datasets)
+
+
+def value_setup(processor, model, mixture, model_args, data_args, training_args) -> None:
+    """RECAP's value model learns the normalised returns of the episodes' outcomes."""
+    mixture.use_returns(failure_cost=data_args.failure_cost, allow_unlabelled=data_args.allow_unlabelled)
+
 __all__ = ["TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_tokenizer", "check_data_for_policy", "check_dims",
-           "check_token_objective", "model_config", "saved_norm_stats"]
+           "check_token_objective", "model_config", "pi05_setup", "saved_norm_stats", "value_setup"]

@@ -24,10 +24,10 @@ import threading
 import torch
 from transformers import TrainerCallback
 
+from hf_vla.cli import SIGNALS
+
 logger = logging.getLogger("hf_vla.training.preemption")
 EXIT_PREEMPTED = 75
-SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGINT", None),
-                            getattr(signal, "SIGUSR1", None)) if s is not None)
 
 
 class PreemptionCallback(TrainerCallback):

@@ -56,7 +56,7 @@ class VLATrainingArguments(TrainingArguments):
         (datasets, episodes, kept ranges, split or weights) is refused (`error`), or starts the next epoch on the new
         data (`restart_epoch`).
     n_action_steps (`int`, *optional*): actions of each predicted chunk executed before the next is predicted, saved
-        in the checkpoint's deployment contract (`deployment_config.json`, `hf_vla.serving.contract`) so evaluation,
+        in the checkpoint's deployment contract (`deployment_config.json`, `hf_vla.deployment.contract`) so evaluation,
         rollouts and serving use it without a flag; default half the chunk.
     max_episode_steps (`int`, *optional*): the closed-loop episode limit the policy is validated with, saved in the
         contract's benchmark settings (default: the limit the data was recorded with).

@@ -178,7 +178,7 @@ def advantage_task(task: str, advantage: bool | None) -> str:
 
 
 class DeploymentContractMixin:
-    """A processor that carries its checkpoint's deployment contract (`hf_vla.serving.contract`: camera keys and recorded
+    """A processor that carries its checkpoint's deployment contract (`hf_vla.deployment.contract`: camera keys and recorded
     sizes, actions executed per chunk, heads, benchmark settings) as the dict `deployment`: `save_pretrained` writes it
     to `deployment_config.json` beside `processor_config.json` (so every save of the processor, in checkpoints, rollout
     snapshots, conversions and Hub pushes, carries it) and `from_pretrained` reads it back (None when absent)."""

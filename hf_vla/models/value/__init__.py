@@ -1,4 +1,9 @@
-from .configuration_value import PI05ValueConfig
-from .modeling_value import PI05ValueModel, PI05ValueOutput
+"""RECAP's value model: pi0.5's backbone and a distribution over the normalised return (`returns.py`: the arithmetic
+of rewards, returns, bins and advantages, importable without torch). Names load on first use."""
 
-__all__ = ["PI05ValueConfig", "PI05ValueModel", "PI05ValueOutput"]
+from hf_vla.cli import lazy_attributes
+
+_PUBLIC = {"PI05ValueConfig": ".configuration_value", "PI05ValueModel": ".modeling_value",
+           "PI05ValueOutput": ".modeling_value"}
+__all__ = sorted(_PUBLIC)
+__getattr__ = lazy_attributes(__name__, _PUBLIC)

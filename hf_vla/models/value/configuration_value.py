@@ -12,7 +12,7 @@ class PI05ValueConfig(PI05Config):
     pi0.5 checkpoint's VLM weights load into it; the action fields are kept so one processor serves both), plus:
 
     num_bins (`int`, defaults to 201): bins of the value distribution on [-1, 0] (a bin every 0.005 at 201), the
-        normalised return (`hf_vla.recap.returns`).
+        normalised return (`hf_vla.models.value.returns`).
     value_targets (`str`, defaults to `"dirac"`): the cross-entropy's target distribution, the return's nearest bin
         (`"dirac"`, C51-style) or a Gaussian of `hl_gauss_sigma` bin widths over the bins (`"hl_gauss"`).
     hl_gauss_sigma (`float`, defaults to 0.75): the HL-Gauss target's std, in bins.

@@ -126,7 +126,7 @@ class PI05ValueModel(PreTrainedModel):
         are."""
         if targets.ndim == 2:
             return targets.float()
-        from hf_vla.recap.returns import hl_gauss_targets, value_to_bin
+        from hf_vla.models.value.returns import hl_gauss_targets, value_to_bin
 
         returns = targets.detach().double().cpu().numpy()
         if self.config.value_targets == "hl_gauss":

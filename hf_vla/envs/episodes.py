@@ -28,7 +28,7 @@ import numpy as np
 from hf_vla.cli import progress_bar
 from hf_vla.errors import ConfigError
 
-logger = logging.getLogger("hf_vla.evaluation.episodes")
+logger = logging.getLogger("hf_vla.envs.episodes")
 _DIED = object()  # what `EpisodeRunner._guard` returns when an env worker died and was restarted
 
 
@@ -36,6 +36,22 @@ def default_num_envs(episodes: int) -> int:
     """As lerobot-eval chooses its `eval.batch_size`: 70% of the cores (each env worker needs about one; the rest is
     for the policy), at most the episodes and at most 64."""
     return max(1, min(math.floor((os.cpu_count() or 4) * 0.7) or 1, episodes, 64))
+
+
+def check_dims(policy, env, where: str) -> None:
+    """The policy's head reads the env's state and writes its actions (in-process; a server checks per request)."""
+    from hf_vla.serving.policy import stat_dims
+
+    if not hasattr(policy, "processor"):
+        return
+    stats = policy.processor.norm_stats[policy.head_name()]
+    state_space = getattr(env.observation_space, "spaces", {}).get("observation.state")
+    for name, theirs, ours in (("action", env.action_space.shape[0], stat_dims(stats["actions"])),
+                               ("state", state_space.shape[0] if state_space is not None else None,
+                                stat_dims(stats["state"]))):
+        if theirs is not None and theirs != ours:
+            raise ConfigError(f"{where} has {theirs} {name} dims but the checkpoint's head {policy.head_name()!r} has "
+                              f"{ours}: a checkpoint trained on another robot or env")
 
 
 @dataclass
@@ -401,4 +417,4 @@ def _wrap(text: str, font, width: int) -> list[str]:
     return [*lines, line] if line else lines
 
 
-__all__ = ["Episode", "EpisodeRunner", "boundary_metrics", "default_num_envs", "save_gif"]
+__all__ = ["Episode", "EpisodeRunner", "boundary_metrics", "check_dims", "default_num_envs", "save_gif"]

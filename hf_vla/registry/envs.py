@@ -5,9 +5,9 @@ plain env without tasks.
 
 hf_vla's own (metaworld, libero, color_reach) are declared at the end of this module. A third-party env registers the
 same way from its own module, imported through `HF_VLA_PLUGINS` or the entry-point group `hf_vla.plugins` (see
-`hf_vla.policies`):
+`hf_vla.registry.policies`):
 
-    from hf_vla.envs.registry import EnvFamily, register_env
+    from hf_vla.registry import EnvFamily, register_env
 
     register_env(EnvFamily(name="my_sim", title="My simulator", make="my_pkg.sim:in_worker",
                            tasks="my_pkg.sim:task_names", default_task="pick", cameras="my_pkg.sim:camera_keys"))
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_vla.errors import ConfigError
-from hf_vla.policies import load_object, load_plugins
+from hf_vla.registry.policies import load_object, load_plugins
 
 
 @dataclass

@@ -3,17 +3,17 @@ command and library path looks it up by a training config's `policy` or a checkp
 comparing names.
 
 A family is a `PolicyFamily` (classes named as `"module:Class"` strings, imported on first use, so the registry costs
-no torch) registered with `register_policy`. hf_vla's own (pi05, pi0, pi05_value) are in `hf_vla.policies.builtin`.
+no torch) registered with `register_policy`. hf_vla's own (pi05, pi0, pi05_value) are in `hf_vla.registry.builtin`.
 A third-party family registers the same way from its own module, which hf_vla imports when it is named in
 `HF_VLA_PLUGINS` (comma-separated module names) or declared as an entry point of the group `hf_vla.plugins`:
 
-    from hf_vla.policies import PolicyFamily, register_policy
+    from hf_vla.registry import PolicyFamily, register_policy
 
     register_policy(PolicyFamily(name="my_policy", config="my_pkg.configuration:MyConfig",
                                  model="my_pkg.modeling:MyPolicy", processor="my_pkg.processing:MyProcessor"))
 
-The model follows the batch contract (docs/layout.md); its config's `model_type` is the family's name. Env
-families register in `hf_vla.envs.registry` the same way.
+The model follows the batch contract (docs/layout.md); its config's `model_type` is the family's name. Envs
+register the same way (`hf_vla.registry.envs`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class PolicyFamily:
         relative_actions: whether it takes relative actions.
     needs_model_config: without a checkpoint, `model_config` must be given (no default dims).
     starts_from: other families whose checkpoints a run of this one may start from (their shared backbone).
-    rl_algorithms: what `python -m hf_vla.rl` can train it with (none: RL refuses it).
+    rl: `python -m hf_vla.rl` can fine-tune it (Flow-SDE through a VLM prefix cache); rl_critic: it has a critic on
+        that prefix, which PPO needs.
     value_model: it predicts returns (RECAP's value model): `hf_vla.recap annotate --value` takes it.
     lerobot_type: lerobot's policy type its checkpoints convert from (`hf_vla.convert --to hf_vla`); lerobot_export:
         `--to lerobot` writes lerobot's own format; lerobot_plugin: lerobot's tools run it through the plugin.
@@ -73,7 +74,8 @@ class PolicyFamily:
     relative_actions: bool = True
     needs_model_config: bool = False
     starts_from: tuple[str, ...] = ()
-    rl_algorithms: tuple[str, ...] = ()
+    rl: bool = False
+    rl_critic: bool = False
     value_model: bool = False
     lerobot_type: str | None = None
     lerobot_export: bool = False
@@ -87,7 +89,7 @@ class PolicyFamily:
 
 
 _FAMILIES: dict[str, PolicyFamily] = {}
-_BUILTIN = "hf_vla.policies.builtin"
+_BUILTIN = "hf_vla.registry.builtin"
 PLUGINS_ENV = "HF_VLA_PLUGINS"
 _plugins_loaded = False
 
@@ -138,7 +140,7 @@ def get_policy(name: str | None, where: str = "policy") -> PolicyFamily:
     _ensure_registered()
     if name not in _FAMILIES:
         raise ConfigError(f"{where}={name!r}: not a registered policy; registered: {', '.join(_FAMILIES)} (a new "
-                          f"family registers with hf_vla.policies.register_policy, from a module named in "
+                          f"family registers with hf_vla.registry.register_policy, from a module named in "
                           f"{PLUGINS_ENV})")
     return _FAMILIES[name]
 

@@ -94,7 +94,7 @@ class DeploymentConfig:
                  "advantage"}
         unknown = sorted(set(data) - known)
         if unknown:  # fields a later hf_vla added within this version: read what this one knows
-            logging.getLogger("hf_vla.serving.contract").warning("%s: ignoring field(s) %s that this hf_vla does not know",
+            logging.getLogger("hf_vla.deployment.contract").warning("%s: ignoring field(s) %s that this hf_vla does not know",
                                                            where, unknown)
         missing = sorted({"policy", "chunk_size", "n_action_steps", "image_size", "heads"} - set(data))
         if missing:
@@ -153,7 +153,7 @@ def benchmark_of(root: str | os.PathLike, max_episode_steps: int | None = None) 
     if not marker.is_file():
         return None
     record = json.loads(marker.read_text())
-    from hf_vla.envs.registry import contract_env, task_env
+    from hf_vla.registry import contract_env, task_env
 
     env = contract_env(record.get("env"))
     tasks = list(record.get("tasks") or {})
@@ -177,7 +177,7 @@ def _merge_benchmarks(first: dict | None, other: dict | None, names: tuple[str, 
         return first or other
     differ = [key for key in ("env", "image_size", "env_kwargs") if (first.get(key) or None) != (other.get(key) or None)]
     if differ:
-        logging.getLogger("hf_vla.serving.contract").warning(
+        logging.getLogger("hf_vla.deployment.contract").warning(
             "datasets %r and %r share a normalisation head but were recorded differently (%s); the checkpoint's "
             "deployment contract keeps %r's, so evaluation and RL run every task that way; record them alike "
             "(the same env, image size and --crop) for a contract that fits all", names[0], names[1],

@@ -1,15 +1,17 @@
-"""The evaluation settings, resolved once against a checkpoint's deployment contract: each setting (env, tasks, image
+"""How a checkpoint runs in an env, resolved once against its deployment contract: each setting (env, tasks, image
 size, episode limit, actions per chunk, cameras, seeds) with its value and where it came from (`checkpoint`, `flag`,
 `flag (override)`, `default`); a flag that contradicts the contract is refused unless overridden. Evaluation, rollouts
-during training and RL take their settings from here."""
+during training, RL and DAgger take their settings from here."""
 
 from __future__ import annotations
 
 import logging
 
+import gymnasium as gym
+
+from hf_vla.deployment.contract import ContractError, refuse_repeated_cameras
 from hf_vla.errors import ConfigError
-from hf_vla.evaluation.envs import _env_takes
-from hf_vla.serving.contract import ContractError, refuse_repeated_cameras
+from hf_vla.registry import task_env
 
 # env workers a benchmark evaluation keeps at once across its tasks (MT50 with 2 envs per task: 8 tasks side by side);
 # a Meta-World worker holds about 0.4 GB (proportional set size, 160 px)
@@ -21,15 +23,35 @@ DEFAULT_SEED = 10_000
 OVERRIDABLE = ("image_size", "n_action_steps", "max_episode_steps", "cameras", "seed")
 
 
+def env_takes(env_id: str, argument: str) -> bool:
+    """Whether the env's constructor takes `argument` (the benchmarks' wrappers take image_size and
+    max_episode_steps; a gymnasium id is asked through its entry point)."""
+    if task_env(env_id) is not None:
+        return True
+    import importlib
+    import inspect
+
+    import hf_vla.envs  # noqa: F401
+
+    entry = gym.spec(env_id).entry_point
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(module), name)
+    try:
+        return argument in inspect.signature(entry).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def evaluation_settings(contract, head: str | None, env_id: str | None, task: str | None, episodes: int,
                         n_action_steps: int | None = None, seed: int | None = None, cameras: list[str] | None = None,
                         image_size: int | None = None, max_episode_steps: int | None = None,
                         overrides=(), chunk_size: int | None = None) -> dict:
     """What an evaluation runs with: `{name: Setting(value, source)}` for env, task, image_size, n_action_steps,
     max_episode_steps, cameras, seed, head and control_mode. Each comes from its flag, else the checkpoint's deployment
-    contract (`hf_vla.serving.contract`), else the default; a flag that contradicts the contract is a `ContractError`
+    contract (`hf_vla.deployment.contract`), else the default; a flag that contradicts the contract is a `ContractError`
     naming both values and `--override NAME`, unless NAME is in `overrides`."""
-    from hf_vla.serving.contract import Setting, choose, square_size
+    from hf_vla.deployment.contract import Setting, choose, square_size
 
     overrides = set(overrides or ())
     unknown = sorted(overrides - set(OVERRIDABLE))
@@ -43,7 +65,7 @@ def evaluation_settings(contract, head: str | None, env_id: str | None, task: st
     recorded_tasks = ",".join(bench["tasks"]) if same_env and bench.get("tasks") else None
     settings["task"] = choose("task", task, recorded_tasks, None, overrides, equal=lambda a, b: True)
     recorded_size = (bench.get("image_size") if same_env else None) or square_size((spec or {}).get("cameras", []))
-    takes_size = _env_takes(env_id, "image_size")
+    takes_size = env_takes(env_id, "image_size")
     if image_size is not None and not takes_size:
         raise ConfigError(f"--image_size {image_size}: env {env_id!r} takes no image size (its images are what it "
                           f"renders)")
@@ -78,7 +100,7 @@ def served_cameras(contract, head: str | None, cameras: list[str] | None, num_ca
     obs map) names the client's, which must be as many, once each (a robot's keys may differ from the data's; they
     fill the slots in order); `num_camera_slots` must agree with the contract. A contradiction is refused unless
     `overrides` names it."""
-    from hf_vla.serving.contract import choose
+    from hf_vla.deployment.contract import choose
 
     spec = head_spec(contract, head) if contract is not None else None
     refuse_repeated_cameras("--cameras", cameras)
