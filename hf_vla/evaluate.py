@@ -16,7 +16,7 @@ import json
 import os
 
 from hf_vla.cli import resolve_device, run
-from hf_vla.envs.settings import head_spec
+from hf_vla.deployment.contract import head_spec
 from hf_vla.evaluation.arguments import EvaluateArguments
 from hf_vla.hub.resolve import resolve_contract
 from hf_vla.parser import CommandParser
@@ -34,7 +34,7 @@ def main(argv=None):
         env = env.get("env") if isinstance(env, dict) else None
     import torch
 
-    from hf_vla.evaluation.runner import BenchmarkResult, _summary, evaluate_checkpoint
+    from hf_vla.evaluation.runner import BenchmarkResult, evaluate_checkpoint, printed_result
     from hf_vla.registry import task_env
 
     if "OMP_NUM_THREADS" not in os.environ and (task_env(env) is not None or (args.num_envs or 1) > 1):
@@ -52,7 +52,7 @@ def main(argv=None):
                                  cfg_beta=args.cfg_beta)
     if isinstance(result, BenchmarkResult):
         print(result.table())
-    print(json.dumps(_summary(result), indent=2))
+    print(json.dumps(printed_result(result), indent=2))
     return result
 
 

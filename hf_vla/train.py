@@ -17,7 +17,6 @@ e.g. `accelerate launch --config_file configs/accelerate/zero2.yaml --num_proces
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -25,22 +24,6 @@ from pathlib import Path
 from hf_vla.errors import ConfigError
 from hf_vla.parser import answer_early
 from hf_vla.training.launch import launched_cli
-
-# public here, as before; loaded on first use, so --help and unknown keys answer before torch is imported
-_PUBLIC = {name: "hf_vla.training.arguments" for name in (
-    "ATTENTION", "DTYPES", "FINE_TUNE_OVERRIDES", "DataArguments", "ModelArguments", "parse_config",
-    "policy_config_class", "training_parser")} | {name: "hf_vla.training.builders" for name in (
-    "TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_tokenizer", "check_data_for_policy", "check_dims",
-    "check_token_objective", "model_config", "saved_norm_stats")} | {
-    "run_checked": "hf_vla.training.launch", "VLATrainingArguments": "hf_vla.training.trainer"}
-
-
-def __getattr__(name):
-    if name in _PUBLIC:
-        import importlib
-
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'hf_vla.train' has no attribute {name!r}")
 
 
 def parser():
@@ -79,95 +62,14 @@ def main(argv: list[str] | None = None):
 
 
 def _train(model_args, data_args, training_args):
-    # Cheapest first: tokenizer and config, then the data checks and statistics, the weights last.
-    from hf_vla.training.builders import (
-        build_model,
-        build_tokenizer,
-        check_data_for_policy,
-        check_dims,
-        check_token_objective,
-        model_config,
-        saved_norm_stats,
-    )
-
-    tokenizer = build_tokenizer(model_args.tokenizer)
-    source = model_args.model_name_or_path
-    if source:  # a lerobot checkpoint (Hub id or directory) is converted once per node, then read from the cache
-        from hf_vla.hub.resolve import resolve_pretrained
-
-        with training_args.main_process_first(local=True, desc="checkpoint conversion"):
-            model_args.model_name_or_path = resolve_pretrained(source, model_args.model_revision, tokenizer=tokenizer,
-                                                               label="model_name_or_path")
-        if model_args.model_name_or_path != source:
-            model_args.model_revision = None  # the converted copy is local
-    config = model_config(model_args)
-    if getattr(config, "token_loss", False):
-        check_token_objective(config, model_args, training_args)
-    check_data_for_policy(config, model_args, data_args)
-    if training_args.n_action_steps is not None and training_args.n_action_steps > config.chunk_size:
-        raise ConfigError(f"n_action_steps={training_args.n_action_steps}: at most the chunk size "
-                          f"({config.chunk_size}); it is how many actions of each predicted chunk are executed")
-    if data_args.generate_demo_data:
-        from hf_vla.envs.generate import ensure_demo_dataset
-
-        ensure_demo_dataset(data_args.datasets[0]["root"], episodes=data_args.demo_episodes,
-                            main_process=training_args.process_index == 0)
-    from hf_vla.data import WeightedDatasetMixture
     from hf_vla.registry import get_policy
-    from hf_vla.training.trainer import VLATrainer
-
-    family = get_policy(model_args.policy)
-
-    # The data checks and exact statistics scan run once per node (the local main process first); the other ranks
-    # read its cache. An error there reaches every rank.
-    with training_args.main_process_first(local=True, desc="dataset checks and statistics"):
-        mixture = WeightedDatasetMixture(data_args.datasets, validation_ratio=data_args.validation_ratio,
-                                         split_seed=data_args.split_seed, chunk_size=config.chunk_size)
-    if data_args.norm_stats_from:
-        mixture.norm_stats = saved_norm_stats(data_args.norm_stats_from, mixture.norm_stats)
-    check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None, given=model_args.model_config)
-    mixture.check_chunks(config.chunk_size)  # before anything reads chunks (the FAST fit, the streams)
-    model = build_model(model_args, config, seed=training_args.seed, full_determinism=training_args.full_determinism)
-    if source and model_args.model_name_or_path != source:
-        model.config._name_or_path = source  # the model card names the Hub id it was fine-tuned from
-    # the family's processor and collator (its setup: a FAST fit, returns as targets)
-    processor = family.load("processor").from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
-                                                     head_names=mixture.head_names)
-    if family.setup:
-        family.load("setup")(processor, model, mixture, model_args, data_args, training_args)
-    collator = family.load("collator")(processor)
-    from hf_vla.deployment import contract as deployment
-
-    # how the result must be run (cameras and their recorded sizes, actions per chunk, heads, benchmark settings):
-    # saved with the processor in every checkpoint, the final output and rollout snapshots
-    processor.deployment = deployment.from_training(
-        mixture, processor, model.config, model_args.policy, n_action_steps=training_args.n_action_steps,
-        # the limit the run validates with: its own, else its rollouts' (rollout_env_kwargs)
-        max_episode_steps=training_args.max_episode_steps or (training_args.rollout_env_kwargs or {}).get(
-            "max_episode_steps"),
-        source={"made_by": "hf_vla.train", "base_model": source or model_args.model_name_or_path}).to_dict()
-    train_dataset, eval_dataset = mixture.training_datasets(training_args, image_size=processor.image_size,
-                                                            chunk_size=model.config.chunk_size)
-    peft_config = None
-    if model_args.lora_preset:
-        from hf_vla.lora import lora_config
-
-        # the adapters are drawn from the RNG the seeded build left: every rank draws the same ones
-        peft_config = lora_config(model_args.lora_preset, r=model_args.lora_r, alpha=model_args.lora_alpha, model=model)
-    trainer = VLATrainer(model, training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         data_collator=collator, processing_class=processor, peft_config=peft_config)
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    from hf_vla.training.builders import build_trainer
     from hf_vla.training.preemption import raise_if_preempted
 
+    trainer = build_trainer(model_args, data_args, training_args)
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     raise_if_preempted(trainer)  # a complete checkpoint of this step is written: stop here, resumable
-    if trainer._ema is not None and not training_args.ema_save_raw:
-        with trainer._ema.swapped():  # the averaged weights are the model (every rank swaps its part)
-            trainer.save_model()
-    else:
-        trainer.save_model()
-    if training_args.should_save:  # the normalization of every head, next to the weights
-        stats = {"head_names": mixture.head_names, "norm_stats": mixture.norm_stats}
-        (Path(training_args.output_dir) / "norm_stats.json").write_text(json.dumps(stats, indent=2))
+    trainer.save_model()  # the model for use: EMA's averaged weights, norm_stats.json beside them (VLATrainer)
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)  # train_results.json: train_runtime, train_steps_per_second, ...
     if trainer.eval_dataset is not None:
@@ -179,7 +81,7 @@ def _train(model_args, data_args, training_args):
     elif training_args.should_save:  # the model card (data, evaluation, closed-loop figures) beside the weights
         trainer.create_model_card()
     if training_args.should_save:
-        output_dir = training_args.output_dir
+        output_dir, family = training_args.output_dir, get_policy(model_args.policy)
         suggestion = family.next_step.format(output_dir=output_dir) if family.next_step else next_step(output_dir,
                                                                                                       data_args)
         print(f"saved the trained model to {output_dir}: {suggestion}", flush=True)

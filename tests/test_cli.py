@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import REPO
 
-from hf_vla.train import main, parse_config
+from hf_vla.train import main
+from hf_vla.training.arguments import parse_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.json"))
 RUNNABLE = CONFIGS
@@ -240,7 +241,9 @@ def test_commands_print_their_results_not_library_noise(tmp_path):
 def test_help_lists_every_field_with_its_default_and_the_commands(capsys):
     import dataclasses
 
-    from hf_vla.train import DataArguments, ModelArguments, VLATrainingArguments, help_text
+    from hf_vla.train import help_text
+    from hf_vla.training.arguments import DataArguments, ModelArguments
+    from hf_vla.training.trainer import VLATrainingArguments
 
     text = help_text()
     for kind in (ModelArguments, DataArguments, VLATrainingArguments):

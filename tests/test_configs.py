@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_vla.train import parse_config
+from hf_vla.training.arguments import parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,8 @@ def test_a_fine_tune_sets_shape_free_fields_over_its_checkpoint(tmp_path):
     silently dropped, unless it equals the checkpoint's (a from-scratch config reused for a fine-tune)."""
     from hf_vla.errors import ConfigError
     from hf_vla.tiny import tiny_pi05_config
-    from hf_vla.train import ModelArguments, model_config
+    from hf_vla.training.arguments import ModelArguments
+    from hf_vla.training.builders import model_config
 
     tiny_pi05_config().save_pretrained(tmp_path)
     config = model_config(ModelArguments(model_name_or_path=str(tmp_path), tokenizer="tiny",

@@ -207,7 +207,7 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(start, tmp_path, ca
 
 
 def test_norm_stats_from_refuses_another_robots_statistics(start, tmp_path):
-    from hf_vla.train import saved_norm_stats
+    from hf_vla.training.builders import saved_norm_stats
 
     saved = json.loads((start["policy"] / "norm_stats.json").read_text())["norm_stats"]
     (head,) = saved

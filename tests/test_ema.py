@@ -107,7 +107,7 @@ def test_kill_and_resume_with_ema_is_bitwise(data, tmp_path):
 
 
 def test_ema_arguments_are_checked():
-    from hf_vla.train import parse_config
+    from hf_vla.training.arguments import parse_config
 
     with pytest.raises(ConfigError, match="ema_decay=1.5"):
         parse_config(REPO / "configs/demo.json", ["--ema_decay", "1.5"])

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from test_data import CAM, make_dataset
 
 from hf_vla.tiny import tiny_dit_config, tiny_vlm_config
-from hf_vla.train import cli, main, parse_config
+from hf_vla.train import cli, main
 from hf_vla.training import checkpoints
+from hf_vla.training.arguments import parse_config
 
 TESTS = Path(__file__).parent
 LENGTHS = [12 + e for e in range(6)]
@@ -602,7 +603,8 @@ def test_kill_during_a_checkpoint_save_then_resume_is_bitwise_exact(kill_setup, 
 
 # ---- seeded builds -----------------------------------------------------------------------------------------------------
 def test_same_seed_builds_the_same_model_bitwise(pristine, tmp_path):
-    from hf_vla.train import ModelArguments, build_model
+    from hf_vla.training.arguments import ModelArguments
+    from hf_vla.training.builders import build_model
 
     args = ModelArguments(tokenizer="tiny", model_config=base_config(pristine, tmp_path)["model_config"])
     first, second = build_model(args, seed=3), build_model(args, seed=3)

@@ -163,7 +163,8 @@ def test_a_recording_stopped_before_its_first_episode_continues(checkpoint, tmp_
 def test_the_same_checkpoint_is_the_same_run_other_weights_are_not(checkpoint, tmp_path, monkeypatch, capsys):  # noqa: F811
     """`base/`, a relative `base` and its absolute path continue one recording; the same path holding other weights is
     another run, refused naming the weights."""
-    from hf_vla.serve import _record_run, cli
+    from hf_vla.serve import cli
+    from hf_vla.serving.launch import record_run as _record_run
     from hf_vla.serving.recorder import ServeRecorder, check_record_dir
 
     base = tmp_path / "base"
@@ -200,9 +201,9 @@ def test_numpy_bools_and_a_repeated_seed_from_the_wire(demo_policy, tmp_path):  
     from openpi_client import msgpack_numpy
     from test_serve import observations
 
-    from hf_vla.serve import PolicyServer, _Session
     from hf_vla.serving.policy import PolicyRunner
     from hf_vla.serving.recorder import RUN_FILE, ServeRecorder
+    from hf_vla.serving.server import PolicyServer, _Session
 
     model, processor = demo_policy
     root = tmp_path / "served"

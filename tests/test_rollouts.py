@@ -11,7 +11,7 @@ from conftest import REPO
 
 from hf_vla.errors import ConfigError
 from hf_vla.train import main as train_main
-from hf_vla.train import parse_config
+from hf_vla.training.arguments import parse_config
 
 ENV = "hf_vla/ColorReach-v0"
 

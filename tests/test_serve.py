@@ -242,7 +242,7 @@ def test_keepalive_failure_is_one_line_without_a_traceback(capsys):
     a traceback; the server's filter turns it into one INFO line."""
     import logging
 
-    from hf_vla.serve import quiet_keepalive_failures
+    from hf_vla.serving.server import quiet_keepalive_failures
 
     quiet_keepalive_failures()
     quiet_keepalive_failures()  # installed once
@@ -377,7 +377,8 @@ def test_evaluate_through_the_server_equals_in_process(server, checkpoint, tmp_p
 
 
 def test_serve_cli_rejects_an_unknown_head(checkpoint, capsys, monkeypatch):
-    from hf_vla.serve import PolicyServer, cli
+    from hf_vla.serve import cli
+    from hf_vla.serving.server import PolicyServer
 
     def serves(*args, **kwargs):  # in this process: a server that got this far would never return
         raise AssertionError("--head nope::x was not refused before serving")
@@ -544,7 +545,7 @@ def test_server_survives_every_dtype_in_every_field(server):
     and the server process stays alive and serves a good request after all of them."""
     import websockets.sync.client
 
-    from hf_vla.serve import packb, unpackb
+    from hf_vla.serving.codec import packb, unpackb
 
     observation, task = next(observations(1, seed=90))
     good = {**observation, "prompt": task}
@@ -606,7 +607,7 @@ def test_rtc_leftover_is_range_checked(server, demo_policy):
 
 
 def test_default_max_connections():
-    from hf_vla.serve import CONNECTION_MEMORY_FACTOR, default_max_connections
+    from hf_vla.serving.limits import CONNECTION_MEMORY_FACTOR, default_max_connections
 
     assert CONNECTION_MEMORY_FACTOR == 6
     assert default_max_connections(73, available_bytes=24 * 2**30) == 24 * 2**30 // 2 // (6 * 73 * 2**20) == 28
@@ -680,7 +681,7 @@ def test_server_limits_and_api_key(guarded_server):
 
 
 def unpackb_reply(message):
-    from hf_vla.serve import unpackb
+    from hf_vla.serving.codec import unpackb
 
     return unpackb(message)
 
@@ -707,7 +708,7 @@ class ThreadServer:
 def test_internal_error_reply_names_a_request_id_not_a_traceback(demo_policy, caplog):
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-    from hf_vla.serve import PolicyServer
+    from hf_vla.serving.server import PolicyServer
 
     model, processor = demo_policy
 
@@ -738,7 +739,7 @@ def test_batcher_runs_waiting_requests_in_one_forward(demo_policy):
     """Requests that wait while a forward runs share the next one; each row equals its own batch-1 sample (1e-5)."""
     import threading
 
-    from hf_vla.serve import Batcher
+    from hf_vla.serving.batcher import Batcher
 
     model, processor = demo_policy
     runners = [PolicyRunner(model, processor, seed=i) for i in range(4)]

@@ -129,9 +129,10 @@ def test_a_killed_server_keeps_finished_episodes_and_the_same_run_continues(chec
 
 
 def test_a_full_disk_stops_recording_and_serving_goes_on(demo_policy, tmp_path, caplog):  # noqa: F811
-    from hf_vla.serve import PolicyServer, packb
+    from hf_vla.serving.codec import packb
     from hf_vla.serving.policy import PolicyRunner
     from hf_vla.serving.recorder import ServeRecorder
+    from hf_vla.serving.server import PolicyServer
 
     model, processor = demo_policy
     recorder = ServeRecorder(tmp_path / "served", {"checkpoint": "x", "head": HEAD}, fps=10)

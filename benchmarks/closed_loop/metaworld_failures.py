@@ -103,8 +103,9 @@ def main():
     parser.add_argument("--output", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
+    from hf_vla.deployment.contract import head_spec
     from hf_vla.envs.metaworld import MetaWorldEnv
-    from hf_vla.envs.settings import evaluation_settings, head_spec
+    from hf_vla.envs.settings import evaluation_settings
     from hf_vla.evaluation.runner import run_episodes
     from hf_vla.hub.resolve import resolve_contract
     from hf_vla.serving.policy import ObservationMap, load_policy

@@ -31,7 +31,7 @@ def main():
     args = parser.parse_args()
 
     from hf_vla.deployment import contract as deployment
-    from hf_vla.envs.settings import head_spec
+    from hf_vla.deployment.contract import head_spec
     from hf_vla.evaluation.envs import make_env
     from hf_vla.hub.resolve import load_pretrained
     from hf_vla.rl.flow import FlowSDE, sample_chain

@@ -1,4 +1,5 @@
-"""The collator: stream samples -> the batch contract of DESIGN.md, through the policy's processor.
+"""The collator: stream samples -> the batch contract (the processor's model inputs, the normalised `actions` and their
+`action_is_pad`, the provenance columns the evaluation groups by), through the policy's processor.
 
 The processor builds the model inputs exactly as at inference (pi0.5: `PI05Processor`, prompt with the discretized
 state; transformers' pi0: `hf_vla.models.pi0_adapter.PI0HeadProcessor`), each row normalized by its own head. The

@@ -325,5 +325,18 @@ def square_size(cameras: list[dict]) -> int | None:
     return None
 
 
-__all__ = ["ContractError", "DeploymentConfig", "FILE_NAME", "Setting", "VERSION", "benchmark_of", "choose",
+def head_spec(contract, head: str | None) -> dict | None:
+    """The contract's settings of `head` (default: its default or only head); None without a contract, or when the
+    checkpoint has several heads and none is named (the robot must say which; the processor refuses that later)."""
+    if contract is None:
+        return None
+    try:
+        return contract.head(head)
+    except KeyError:
+        if head is None:
+            return None
+        raise ConfigError(f"--head {head!r}: the checkpoint has the heads {sorted(contract.heads)}") from None
+
+
+__all__ = ["head_spec", "ContractError", "DeploymentConfig", "FILE_NAME", "Setting", "VERSION", "benchmark_of", "choose",
            "from_lerobot", "from_training", "read", "refuse_repeated_cameras", "square_size"]

@@ -405,8 +405,8 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
     """The policy of a DAgger recording, loaded, and the settings its deployment contract fixes (tasks, image size,
     episode limit, env arguments such as a crop): a flag that contradicts the contract, or a checkpoint trained in
     another env, is refused in one line."""
-    from hf_vla.deployment.contract import ContractError
-    from hf_vla.envs.settings import env_arguments, evaluation_settings, head_spec
+    from hf_vla.deployment.contract import ContractError, head_spec
+    from hf_vla.envs.settings import env_arguments, evaluation_settings
     from hf_vla.hub.resolve import resolve_contract
     from hf_vla.serving.policy import ObservationMap, load_policy
 

@@ -9,7 +9,7 @@ import logging
 
 import gymnasium as gym
 
-from hf_vla.deployment.contract import ContractError, refuse_repeated_cameras
+from hf_vla.deployment.contract import ContractError, head_spec, refuse_repeated_cameras
 from hf_vla.errors import ConfigError
 from hf_vla.registry import task_env
 
@@ -92,42 +92,6 @@ def evaluation_settings(contract, head: str | None, env_id: str | None, task: st
     settings["head"] = Setting(head_name, "flag" if head is not None else "checkpoint" if head_name else "default")
     settings["control_mode"] = Setting((spec or {}).get("control_mode"), "checkpoint" if spec else "default")
     return settings
-
-
-def served_cameras(contract, head: str | None, cameras: list[str] | None, num_camera_slots: int | None,
-                   overrides=()) -> tuple[list[str] | None, int | None]:
-    """The camera keys a server reads and its camera slots: the contract's keys unless `cameras` (`--cameras`, or an
-    obs map) names the client's, which must be as many, once each (a robot's keys may differ from the data's; they
-    fill the slots in order); `num_camera_slots` must agree with the contract. A contradiction is refused unless
-    `overrides` names it."""
-    from hf_vla.deployment.contract import choose
-
-    spec = head_spec(contract, head) if contract is not None else None
-    refuse_repeated_cameras("--cameras", cameras)
-    trained = [c["key"] for c in spec["cameras"]] if spec else None
-    if trained and cameras and len(cameras) != len(trained) and "cameras" not in overrides:
-        raise ContractError(f"--cameras {' '.join(cameras)}: {len(cameras)} camera(s), but the checkpoint was trained "
-                            f"with {len(trained)} ({' '.join(str(k) for k in trained)}); pass --override cameras to "
-                            "serve it anyway")
-    if trained and not cameras:
-        cameras = [key for key in trained if key is not None]  # the keys the data had, in slot order
-    elif trained and cameras and cameras != trained:
-        logger.info("cameras %s fill the checkpoint's slots %s", cameras, trained)
-    slots = choose("num_camera_slots", num_camera_slots, len(trained) if trained else None, None, set(overrides)).value
-    return cameras, slots
-
-
-def head_spec(contract, head: str | None) -> dict | None:
-    """The contract's settings of `head` (default: its default or only head); None without a contract, or when the
-    checkpoint has several heads and none is named (the robot must say which; the processor refuses that later)."""
-    if contract is None:
-        return None
-    try:
-        return contract.head(head)
-    except KeyError:
-        if head is None:
-            return None
-        raise ConfigError(f"--head {head!r}: the checkpoint has the heads {sorted(contract.heads)}") from None
 
 
 def env_arguments(spec: dict | None, settings: dict, env_kwargs: dict) -> dict:

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from hf_vla.cli import positive, websocket_uri
+from hf_vla.deployment.contract import head_spec
 from hf_vla.envs.episodes import check_dims
-from hf_vla.envs.settings import MAX_ENVS_AT_ONCE, env_arguments, evaluation_settings, head_spec
+from hf_vla.envs.settings import MAX_ENVS_AT_ONCE, env_arguments, evaluation_settings
 from hf_vla.errors import ConfigError, ConnectionFailedError
 from hf_vla.evaluation.envs import (
     _check_image_size,
@@ -318,7 +319,7 @@ class BenchmarkResult:
         return "\n".join(rows)
 
 
-def _summary(result) -> dict:
+def printed_result(result) -> dict:
     """The printed result: everything but the per-episode records (they are in eval_result.json)."""
     data = asdict(result)
     for part in [data] + list((data.get("tasks") or {}).values()):

@@ -133,11 +133,7 @@ def _run(args):
         evaluated = [e["step"] for e in trainer.state.log_history if "eval_success" in e]
         if args.eval_strategy != "no" and (not evaluated or evaluated[-1] != trainer.state.global_step):
             trainer.evaluate()  # the final weights' held-out success (what "after" reports)
-        if trainer._ema is not None and not args.ema_save_raw:
-            with trainer._ema.swapped():  # the averaged weights are the model, as python -m hf_vla.train saves it
-                trainer.save_model()
-        else:
-            trainer.save_model()
+        trainer.save_model()  # EMA's averaged weights are the model, as python -m hf_vla.train saves it
         trainer.log_metrics("train", result.metrics)
         summary = trainer.rl_summary()
         if args.should_save:

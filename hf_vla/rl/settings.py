@@ -9,8 +9,8 @@ from hf_vla.errors import ConfigError
 
 
 def rollout_settings(args, processor, config) -> dict:
-    from hf_vla.deployment.contract import DeploymentConfig
-    from hf_vla.envs.settings import env_arguments, evaluation_settings, head_spec
+    from hf_vla.deployment.contract import DeploymentConfig, head_spec
+    from hf_vla.envs.settings import env_arguments, evaluation_settings
     from hf_vla.evaluation.envs import check_env, env_tasks
     from hf_vla.serving.policy import stat_dims
 

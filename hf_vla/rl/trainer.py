@@ -122,7 +122,7 @@ def check_model_type(model_type: str | None, args: RLConfig) -> None:
     if args.algorithm == "ppo" and not family.rl_critic:
         raise ConfigError(f"algorithm='ppo' needs a critic on the VLM prefix, which model type {model_type!r} does not "
                           "have (hf_vla builds one for pi0.5, PI05ValueHead; transformers' pi0 has none): use "
-                          "algorithm='grpo'")
+                          f"algorithm='grpo' for {model_type}")
 
 class RLTrainer(RolloutCollection, RLReporting, VLATrainer):
     """Improves a flow policy (pi0.5) from its own rollouts (GRPO, or PPO with a critic); see the module's docstring.

@@ -276,5 +276,80 @@ def value_setup(processor, model, mixture, model_args, data_args, training_args)
     """RECAP's value model learns the normalised returns of the episodes' outcomes."""
     mixture.use_returns(failure_cost=data_args.failure_cost, allow_unlabelled=data_args.allow_unlabelled)
 
-__all__ = ["TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_tokenizer", "check_data_for_policy", "check_dims",
+
+def build_trainer(model_args: ModelArguments, data_args, training_args):
+    """The `VLATrainer` of a training run, as `python -m hf_vla.train` builds it from its three argument groups:
+    cheapest first (tokenizer and config, then the data checks and statistics, the weights last), the registered
+    family's processor, collator and setup, the deployment contract every checkpoint carries, the training and
+    held-out streams, LoRA when asked for. The trainer saves `norm_stats.json` beside the final model."""
+    from hf_vla.data import WeightedDatasetMixture
+    from hf_vla.training.trainer import VLATrainer
+
+    family = get_policy(model_args.policy)
+    tokenizer = build_tokenizer(model_args.tokenizer)
+    source = model_args.model_name_or_path
+    if source:  # a lerobot checkpoint (Hub id or directory) is converted once per node, then read from the cache
+        from hf_vla.hub.resolve import resolve_pretrained
+
+        with training_args.main_process_first(local=True, desc="checkpoint conversion"):
+            model_args.model_name_or_path = resolve_pretrained(source, model_args.model_revision, tokenizer=tokenizer,
+                                                               label="model_name_or_path")
+        if model_args.model_name_or_path != source:
+            model_args.model_revision = None  # the converted copy is local
+    config = model_config(model_args)
+    if getattr(config, "token_loss", False):
+        check_token_objective(config, model_args, training_args)
+    check_data_for_policy(config, model_args, data_args)
+    if training_args.n_action_steps is not None and training_args.n_action_steps > config.chunk_size:
+        raise ConfigError(f"n_action_steps={training_args.n_action_steps}: at most the chunk size "
+                          f"({config.chunk_size}); it is how many actions of each predicted chunk are executed")
+    if data_args.generate_demo_data:
+        from hf_vla.envs.generate import ensure_demo_dataset
+
+        ensure_demo_dataset(data_args.datasets[0]["root"], episodes=data_args.demo_episodes,
+                            main_process=training_args.process_index == 0)
+
+    # The data checks and exact statistics scan run once per node (the local main process first); the other ranks
+    # read its cache. An error there reaches every rank.
+    with training_args.main_process_first(local=True, desc="dataset checks and statistics"):
+        mixture = WeightedDatasetMixture(data_args.datasets, validation_ratio=data_args.validation_ratio,
+                                         split_seed=data_args.split_seed, chunk_size=config.chunk_size)
+    if data_args.norm_stats_from:
+        mixture.norm_stats = saved_norm_stats(data_args.norm_stats_from, mixture.norm_stats)
+    check_dims(config, mixture, from_scratch=model_args.model_name_or_path is None, given=model_args.model_config)
+    mixture.check_chunks(config.chunk_size)  # before anything reads chunks (the FAST fit, the streams)
+    model = build_model(model_args, config, seed=training_args.seed, full_determinism=training_args.full_determinism)
+    if source and model_args.model_name_or_path != source:
+        model.config._name_or_path = source  # the model card names the Hub id it was fine-tuned from
+    # the family's processor and collator (its setup: a FAST fit, returns as targets)
+    processor = family.load("processor").from_config(model.config, tokenizer, norm_stats=mixture.norm_stats,
+                                                     head_names=mixture.head_names)
+    if family.setup:
+        family.load("setup")(processor, model, mixture, model_args, data_args, training_args)
+    collator = family.load("collator")(processor)
+    from hf_vla.deployment import contract as deployment
+
+    # how the result must be run (cameras and their recorded sizes, actions per chunk, heads, benchmark settings):
+    # saved with the processor in every checkpoint, the final output and rollout snapshots
+    processor.deployment = deployment.from_training(
+        mixture, processor, model.config, model_args.policy, n_action_steps=training_args.n_action_steps,
+        # the limit the run validates with: its own, else its rollouts' (rollout_env_kwargs)
+        max_episode_steps=training_args.max_episode_steps or (training_args.rollout_env_kwargs or {}).get(
+            "max_episode_steps"),
+        source={"made_by": "hf_vla.train", "base_model": source or model_args.model_name_or_path}).to_dict()
+    train_dataset, eval_dataset = mixture.training_datasets(training_args, image_size=processor.image_size,
+                                                            chunk_size=model.config.chunk_size)
+    peft_config = None
+    if model_args.lora_preset:
+        from hf_vla.lora import lora_config
+
+        # the adapters are drawn from the RNG the seeded build left: every rank draws the same ones
+        peft_config = lora_config(model_args.lora_preset, r=model_args.lora_r, alpha=model_args.lora_alpha, model=model)
+    trainer = VLATrainer(model, training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         data_collator=collator, processing_class=processor, peft_config=peft_config)
+    trainer.norm_stats = {"head_names": mixture.head_names, "norm_stats": mixture.norm_stats}
+    return trainer
+
+
+__all__ = ["TINY_LOC_TOKENIZER", "TINY_TOKENIZER", "build_model", "build_trainer", "build_tokenizer", "check_data_for_policy", "check_dims",
            "check_token_objective", "model_config", "pi05_setup", "saved_norm_stats", "value_setup"]

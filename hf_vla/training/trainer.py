@@ -118,6 +118,7 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
 
         self.add_callback(TrainBegin(self))  # the summary's rates count this session's steps
         self._ema = None
+        self.norm_stats = None  # {"head_names", "norm_stats"} of the data, saved beside the final model (build_trainer)
         if args.ema_decay is not None:  # before the rollouts: a rollout of step N sees the average of step N
             from hf_vla.training.ema import WeightEMA
 
@@ -423,6 +424,20 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         return super()._push_from_checkpoint(checkpoint_folder)
 
     # ---- checkpoints and resume ----------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """The model for use: with EMA, the averaged weights are the model (unless `ema_save_raw`; every rank swaps
+        its part), and `norm_stats.json` (every head's normalisation) goes beside them. The Trainer's own calls
+        (checkpoints, rollout snapshots, its push) keep the raw weights and its layout."""
+        if _internal_call or self._ema is None or self.args.ema_save_raw:
+            super().save_model(output_dir, _internal_call)
+        else:
+            with self._ema.swapped():
+                super().save_model(output_dir, _internal_call)
+        if not _internal_call and self.args.should_save and self.norm_stats is not None:
+            path = os.path.join(output_dir or self.args.output_dir, "norm_stats.json")
+            with open(path, "w") as handle:
+                json.dump(self.norm_stats, handle, indent=2)
+
     def _save(self, output_dir: str | None = None, state_dict=None):
         # Under FSDP2 the model's class is torch's FSDP subclass: save the auto_map and code files of its own class.
         with saved_as_own_class(self.model):

@@ -220,7 +220,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
     tokenizer: any HF tokenizer (real runs: `google/paligemma-3b-pt-224`'s).
     norm_stats (`dict`): `{head: {"state": {"q01": [...], "q99": [...]}, "actions": {...}}}`, one head per
         `robot_type::control_mode`; quantile normalization maps q01..q99 to [-1, 1] unless a quantity's `mode` says
-        otherwise (`MEAN_STD`, `MIN_MAX`, `QUANTILE10`, `IDENTITY`: `hf_vla.normalization`). Dimensions with
+        otherwise (`MEAN_STD`, `MIN_MAX`, `QUANTILE10`, `IDENTITY`: `hf_vla.models.pi05.normalization`). Dimensions with
         q01 == q99 (std 0, min == max) are degenerate and map to 0 (and back to their constant), instead of exploding.
         An `actions` entry with a `relative_mask` makes those dims offsets from the state: targets are converted
         before normalising, predictions back after (`unnormalize_actions`).
@@ -314,7 +314,7 @@ class PI05Processor(DeploymentContractMixin, ProcessorMixin):
         return self.norm_stats[self._head(head)][key]
 
     def normalize(self, values, key: str, head=None) -> torch.Tensor:
-        """Robot units -> the model's on the last dim, by the head's mode for `key` (`hf_vla.normalization`:
+        """Robot units -> the model's on the last dim, by the head's mode for `key` (`hf_vla.models.pi05.normalization`:
         quantiles unless the statistics say otherwise); degenerate dims -> 0."""
         head = self._head(head)
         values, stats = _as_tensor(values), self._stats(head, key)
