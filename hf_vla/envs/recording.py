@@ -177,9 +177,9 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     lock = DirectoryLock(staging, label="--output", lock_name=LOCK_NAME,
                          what=f"another recording into {output}").acquire()
     try:
-        return _record_tasks(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env,
-                             runner, resolved if runner is not None else None, dagger, max_tries, fps, size,
-                             state_dim, action_dim, robot_type)
+        return _record_tasks(_Job(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env,
+                                  runner, resolved if runner is not None else None, dagger, max_tries, fps, size,
+                                  state_dim, action_dim, robot_type))
     finally:
         lock.release()
         if staging.is_dir() and not any(staging.iterdir()):  # done: the staging directory held only the lock
@@ -222,19 +222,18 @@ class _Job:
         return list(family.call("cameras", self.plan["env_kwargs"]))
 
 
-def _record_tasks(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env, runner,
-                  resolved, dagger, max_tries, fps, size, state_dim, action_dim, robot_type) -> RecordResult:
+def _record_tasks(job: _Job) -> RecordResult:
     """`record`'s work, with the staging directory's writer lock held: each task not done yet recorded into its part,
     then the parts joined into the output."""
-    job = _Job(staging, plan, output, names, make, episodes, overwrite, progress, seeds, seed, env, runner, resolved,
-               dagger, max_tries, fps, size, state_dim, action_dim, robot_type)
+    names = job.names
     parts = _prepare_staging(job)
     started = time.perf_counter()
     done = {name: _part_stats(parts / name) for name in names}
     resumed = [name for name, stats in done.items() if stats is not None]
     if resumed:
-        logger.info("continuing the recording in %s: %d of %d tasks already done", staging, len(resumed), len(names))
-    bar = progress_bar(episodes * len(names), f"recording {env}", "episodes", enabled=progress,
+        logger.info("continuing the recording in %s: %d of %d tasks already done", job.staging, len(resumed),
+                    len(names))
+    bar = progress_bar(job.episodes * len(names), f"recording {job.env}", "episodes", enabled=job.progress,
                        initial=sum(done[name]["kept"] for name in resumed))
     try:
         for name in names:

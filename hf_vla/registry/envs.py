@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_vla.errors import ConfigError
-from hf_vla.registry.policies import load_object, load_plugins
+from hf_vla.registry.policies import load_object, load_plugins, register_in
 
 
 @dataclass
@@ -92,13 +92,7 @@ _ENVS: dict[str, EnvFamily] = {}
 
 def register_env(family: EnvFamily) -> EnvFamily:
     """Make `family` known to every command (a name registered twice is an error, unless it is the same env)."""
-    if not isinstance(family, EnvFamily):
-        raise TypeError(f"register_env takes an EnvFamily, got {type(family).__name__}")
-    known = _ENVS.get(family.name)
-    if known is not None and known != family:
-        raise ValueError(f"env {family.name!r} is registered already ({known.make})")
-    _ENVS[family.name] = family
-    return family
+    return register_in(_ENVS, family, EnvFamily, "env")
 
 
 def find_env(name: str | None) -> EnvFamily | None:

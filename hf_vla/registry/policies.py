@@ -94,15 +94,21 @@ PLUGINS_ENV = "HF_VLA_PLUGINS"
 _plugins_loaded = False
 
 
+def register_in(table: dict, entry, kind: type, what: str):
+    """`entry` (a `kind`) into `table` under its name: a name registered twice is an error, unless it is the same
+    entry (a module imported again)."""
+    if not isinstance(entry, kind):
+        raise TypeError(f"register_{what} takes a {kind.__name__}, got {type(entry).__name__}")
+    known = table.get(entry.name)
+    if known is not None and known != entry:
+        raise ValueError(f"{what} {entry.name!r} is registered already, as another {kind.__name__}")
+    table[entry.name] = entry
+    return entry
+
+
 def register_policy(family: PolicyFamily) -> PolicyFamily:
     """Make `family` known to every command (a name registered twice is an error, unless it is the same family)."""
-    if not isinstance(family, PolicyFamily):
-        raise TypeError(f"register_policy takes a PolicyFamily, got {type(family).__name__}")
-    known = _FAMILIES.get(family.name)
-    if known is not None and known != family:
-        raise ValueError(f"policy {family.name!r} is registered already ({known.model})")
-    _FAMILIES[family.name] = family
-    return family
+    return register_in(_FAMILIES, family, PolicyFamily, "policy")
 
 
 def load_plugins() -> None:

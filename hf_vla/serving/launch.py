@@ -139,6 +139,7 @@ def _recorder(args, contract, runner: PolicyRunner, lock=None):
 
 def _contract_cameras(args, obs_map: ObservationMap):
     """The checkpoint's deployment contract and the camera slots to serve (`served_cameras`)."""
+    from hf_vla.deployment.contract import served_cameras
     from hf_vla.hub.resolve import resolve_contract
 
     contract = resolve_contract(args.checkpoint, args.revision)
@@ -147,27 +148,4 @@ def _contract_cameras(args, obs_map: ObservationMap):
     return contract, slots
 
 
-def served_cameras(contract, head: str | None, cameras: list[str] | None, num_camera_slots: int | None,
-                   overrides=()) -> tuple[list[str] | None, int | None]:
-    """The camera keys a server reads and its camera slots: the contract's keys unless `cameras` (`--cameras`, or an
-    obs map) names the client's, which must be as many, once each (a robot's keys may differ from the data's; they
-    fill the slots in order); `num_camera_slots` must agree with the contract. A contradiction is refused unless
-    `overrides` names it."""
-    from hf_vla.deployment.contract import ContractError, choose, head_spec, refuse_repeated_cameras
-
-    spec = head_spec(contract, head) if contract is not None else None
-    refuse_repeated_cameras("--cameras", cameras)
-    trained = [c["key"] for c in spec["cameras"]] if spec else None
-    if trained and cameras and len(cameras) != len(trained) and "cameras" not in overrides:
-        raise ContractError(f"--cameras {' '.join(cameras)}: {len(cameras)} camera(s), but the checkpoint was trained "
-                            f"with {len(trained)} ({' '.join(str(k) for k in trained)}); pass --override cameras to "
-                            "serve it anyway")
-    if trained and not cameras:
-        cameras = [key for key in trained if key is not None]  # the keys the data had, in slot order
-    elif trained and cameras and cameras != trained:
-        logger.info("cameras %s fill the checkpoint's slots %s", cameras, trained)
-    slots = choose("num_camera_slots", num_camera_slots, len(trained) if trained else None, None, set(overrides)).value
-    return cameras, slots
-
-
-__all__ = ["record_run", "serve_checkpoint", "served_cameras"]
+__all__ = ["record_run", "serve_checkpoint"]

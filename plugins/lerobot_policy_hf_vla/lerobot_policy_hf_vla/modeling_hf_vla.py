@@ -53,7 +53,7 @@ class HFVLAPolicy(PreTrainedPolicy):
 
     @classmethod
     def from_pretrained(cls, pretrained_name_or_path, *, config: HFVLAConfig | None = None, **kwargs):
-        from hf_vla.envs.settings import served_cameras
+        from hf_vla.deployment.contract import served_cameras
         from hf_vla.hub.resolve import resolve_contract
         from hf_vla.serving.policy import ObservationMap, load_policy
 
