@@ -69,7 +69,7 @@ def _in_one_shared_segment(batch: dict) -> dict:
     A worker sends each storage to the main process as its own file descriptor, over a socket connection with an
     HMAC handshake (multiprocessing's resource sharer): a dozen small tensors per batch cost more CPU than the 19 MB of
     pixels. torch pickles views of one storage once. (`pixel_values` is already shared: the processor writes it into
-    a segment faulted in ahead.) Measured with one worker on humanoid_teleop_24: 3-21% more frames/s.
+    a segment faulted in ahead.)
     """
     loose = [(key, value) for key, value in batch.items() if isinstance(value, torch.Tensor) and not value.is_shared()]
     if not loose:

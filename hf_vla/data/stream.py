@@ -175,9 +175,8 @@ def _shard() -> tuple[int, int]:
 
 def resolve_decoder_threads(setting: int | None, open_decoders: int) -> int:
     """Threads per video decoder: `setting`, or automatically 2 when this DataLoader worker has two CPUs to itself on
-    the node and keeps at most 32 decoders open, else 1. Measured: with 32 open 640x480 decoders in one worker on two
-    cores, 2 threads gave about 20% more frames/s; with 96 (32 blocks x 3 cameras) they gave nothing, and cost 192
-    threads and about 100 MB per worker."""
+    the node and keeps at most 32 decoders open, else 1: a second thread helps a few open decoders and only costs
+    threads and memory with many (docs/measurements.md)."""
     if setting is not None:
         return setting
     _, workers = _shard()
@@ -585,8 +584,7 @@ def _worker_init(worker_id: int, then: Callable | None = None) -> None:
 
 class ForkFriendlyDataLoader(DataLoader):
     """Forks its workers with the parent's objects frozen out of the garbage collector: a collection in a forked
-    worker would otherwise touch every inherited object and copy its memory page (about 100 MB per worker measured
-    at DROID's size). The parent unfreezes right after the fork. Its workers ignore preemption signals
+    worker would otherwise touch every inherited object and copy its memory page. The parent unfreezes right after the fork. Its workers ignore preemption signals
     (`_worker_init`): the main process handles them."""
 
     def __init__(self, *args, worker_init_fn: Callable | None = None, **kwargs):

@@ -61,8 +61,8 @@ class RLConfig(VLATrainingArguments):
         (ReinFlow's noise injection with a fixed std): rollouts leave the policy's distribution.
     task_noise_levels (`dict`, *optional*): a noise level per task, `{"door-open-v3": 0.2}` (JSON on the command
         line), for the tasks named; the others keep `noise_level`. One level does not suit every task of a multi-task
-        run: on Meta-World at constant noise 0.5 the start's door-open rollouts succeed 70% against 92% deployed, and
-        GRPO then optimises the noisy policy, while drawer-open needs that noise to explore (docs/measurements.md).
+        run: a level that lets one task explore can make another's rollouts fail where the deployed policy succeeds,
+        and GRPO then optimises the noisy policy (docs/rl.md).
     denoise_steps (`int`, *optional*): denoising steps K of the rollouts and the likelihood; default the model's
         `num_inference_steps`, so the trained velocity is used as it is deployed.
     reward (`str`, defaults to `"success"`): an episode's return: `success` (0/1, as SimpleVLA-RL and pi_RL) or `dense`

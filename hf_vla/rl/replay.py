@@ -6,7 +6,7 @@ read by supervised training's episode-shuffle stream and normalised with the sta
 action space, whatever the replayed data's own statistics are). It is DAPG's recipe (Rajeswaran et al., arXiv
 1709.10087: the policy gradient plus the demonstrations' behaviour-cloning gradient) for a flow policy: the expert
 term holds what supervised training taught while the rollouts' term moves the policy, so the learning rate can rise
-without training on its own samples collapsing the policy (measured on ColorReach, docs/measurements.md).
+without training on its own samples collapsing the policy (docs/rl.md).
 """
 
 from __future__ import annotations

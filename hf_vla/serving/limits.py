@@ -13,8 +13,8 @@ DEFAULT_CAMERAS = 3
 
 
 # What one connection can hold at its worst, in multiples of the message bound: the frame websockets is receiving, the
-# assembled message, the decoded copy of its images and the pre-processing's temporaries. Measured peak growth per
-# connection (benchmarks/speed/serve_load.py --memory, 48 MiB float32 images): 5.0x for 1 client, 4.3x for 4, 3.3x for 8.
+# assembled message, the decoded copy of its images and the pre-processing's temporaries, above the peak growth per
+# connection `benchmarks/speed/serve_load.py --memory` measures (docs/measurements.md).
 CONNECTION_MEMORY_FACTOR = 6
 MAX_CONNECTIONS_CAP = 256
 

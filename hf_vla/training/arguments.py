@@ -44,11 +44,11 @@ class ModelArguments:
     rtc_max_delay: training-time real-time chunking (pi0.5): each sample gets a committed prefix of up to this many
         actions (clean, at time 0, left out of the loss), so the policy learns to continue the actions a robot
         executes while it infers. Overrides the checkpoint's or `model_config`'s value and is saved with the model.
-        Measured on the demo: from scratch it teaches a shortcut (the prefix shows the way, the instruction is not
-        learned: 36% success); fine-tuning a trained policy with it keeps the policy and adds the skill.
+        Meant for fine-tuning a trained policy: from scratch the prefix shows the way and the instruction goes
+        unlearned (docs/measurements.md).
     rtc_prefix_noise: with `rtc_max_delay`, the std of one offset per sample on its committed prefix (normalised
-        units; see `PI05Config`). Overrides the checkpoint's value and is saved with the model. On the demo's RTC
-        fine-tune, 0 lost 0.9 points of closed-loop success to no RTC; 0.2 lost 0.1 (10 vs 6 failures of 3,500).
+        units; see `PI05Config`). Overrides the checkpoint's value and is saved with the model; a noisy prefix
+        teaches the policy not to trust its own earlier output blindly (docs/measurements.md).
     token_loss: pi0.5's token objective (pi05; docs/cotraining.md): the backbone also predicts each chunk's FAST
         action tokens (cross-entropy beside `flow_loss_weight` x the flow MSE). Saved with the model; inference is
         unchanged.

@@ -246,8 +246,7 @@ def check_dims(config, mixture, from_scratch: bool, given: dict | None = None):
                 raise ConfigError(f"head {head!r}: {key} has {width} dims, more than the model's {name}={dim}; {fix}")
     widest = max(len(mixture.norm_stats[head]["actions"]["q01"]) for head in mixture.head_names)
     if from_scratch and widest < config.max_action_dim:
-        # Measured on the demo: with 6 padded dims 93% of first moves chose the named target after 5,000 steps, 45%
-        # after 3,000; with none 99% (docs/measurements.md, 'The built-in demo').
+        # padded dims slow learning (docs/measurements.md, 'The built-in demo')
         logger.warning(
             "training from scratch with max_action_dim=%d but at most %d real action dims: the padded dims of x_t are "
             "pure noise the masked loss never supervises, which slows learning; consider max_action_dim=%d",

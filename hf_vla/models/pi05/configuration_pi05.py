@@ -41,8 +41,7 @@ class PI05Config(PreTrainedConfig):
     rtc_prefix_noise (`float`, defaults to 0.0): with `rtc_max_delay`, the std of one Gaussian offset per training
         sample (normalised action units) added to its committed prefix. At inference the prefix is the policy's own
         earlier output, errors included, not a demonstration; a clean prefix in training teaches the model to
-        continue it blindly. On the demo, with 0.2 the policy failed 10 of 3,500 episodes with RTC against 6
-        without; with 0, 18 of 1,500 against 5 (docs/measurements.md). 0 is the paper's objective.
+        continue it blindly. 0 is the paper's objective.
     value_head (`bool`, defaults to `False`): a critic for PPO fine-tuning (`hf_vla.rl`, `algorithm="ppo"`): a small
         MLP on the mean of the prefix's hidden states entering the VLM's last layer, predicting the return. Sampling
         never runs it; a loaded checkpoint keeps it frozen until the RL trainer trains it.
