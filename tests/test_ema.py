@@ -82,6 +82,22 @@ def test_ema_save_raw_keeps_the_raw_weights(data, tmp_path):
     assert all(torch.equal(saved[n], last[n]) for n in last)
 
 
+def test_the_model_pushed_to_the_hub_is_the_average(data, tmp_path):
+    """`Trainer.push_to_hub` saves the model into the output directory again before it uploads: that save keeps the
+    average (it wrote the raw weights over it, and pushed them)."""
+    from hf_vla.train import main
+
+    config = base_config(data, tmp_path / "out", max_steps=STEPS, ema_decay=DECAY, ema_start_step=START,
+                         per_device_train_batch_size=2)
+    trainer = main([str(write_config(tmp_path, config))])
+    average = saved_parameters(tmp_path / "out")
+    trainer.save_model(_internal_call=True)  # what Trainer.push_to_hub does first
+    pushed = saved_parameters(tmp_path / "out")
+    assert all(torch.equal(pushed[name], average[name]) for name in average)
+    raw = {name: p.detach().double() for name, p in trainer.model.named_parameters()}  # the average is not these
+    assert max(float((raw[name] - average[name]).abs().max()) for name in average if name in raw) > 1e-4
+
+
 def test_kill_and_resume_with_ema_is_bitwise(data, tmp_path):
     from hf_vla.train import main
 

@@ -425,15 +425,17 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
 
     # ---- checkpoints and resume ----------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """The model for use: with EMA, the averaged weights are the model (unless `ema_save_raw`; every rank swaps
-        its part), and `norm_stats.json` (every head's normalisation) goes beside them. The Trainer's own calls
-        (checkpoints, rollout snapshots, its push) keep the raw weights and its layout."""
-        if _internal_call or self._ema is None or self.args.ema_save_raw:
+        """The model for use in the output directory: with EMA, the averaged weights are the model (unless
+        `ema_save_raw`; every rank swaps its part), and `norm_stats.json` (every head's normalisation) goes beside
+        them. `Trainer.push_to_hub` saves there again before it uploads: the average again, never the raw weights
+        over it. Checkpoints and rollout snapshots (other folders) keep the raw weights, to resume from."""
+        final = output_dir is None or os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir)
+        if not final or self._ema is None or self.args.ema_save_raw:
             super().save_model(output_dir, _internal_call)
         else:
             with self._ema.swapped():
                 super().save_model(output_dir, _internal_call)
-        if not _internal_call and self.args.should_save and self.norm_stats is not None:
+        if final and self.args.should_save and self.norm_stats is not None:
             path = os.path.join(output_dir or self.args.output_dir, "norm_stats.json")
             with open(path, "w") as handle:
                 json.dump(self.norm_stats, handle, indent=2)
