@@ -176,8 +176,7 @@ def test_a_plugin_policy_is_served_to_openpis_client(plugin_run):
 # ---------------------------------------------------------------------------------------------- no name comparisons
 POLICY_NAMES = ("pi05", "pi0", "pi05_value")
 ENV_NAMES = ("metaworld", "libero", "color_reach")
-# the registries, and a family's own module (transformers' pi0 recognised by its model type where hf_vla adapts it)
-ALLOWED = {"hf_vla/registry/builtin.py", "hf_vla/registry/envs.py", "hf_vla/models/pi0_adapter.py"}
+ALLOWED = {"hf_vla/registry/builtin.py", "hf_vla/registry/envs.py"}  # the registries
 
 
 def test_no_policy_or_env_name_is_compared_outside_the_registries():

@@ -130,10 +130,6 @@ class PI0HeadProcessor(DeploymentContractMixin, ProcessorMixin):
         return ["input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state"]
 
 
-def is_pi0(model: nn.Module) -> bool:
-    return getattr(getattr(model, "config", None), "model_type", None) == "pi0"
-
-
 def pi0_unused_modules(model: nn.Module) -> list[nn.Module]:
     core = model.model
     text = core.vlm.language_model
@@ -152,4 +148,4 @@ def prepare_pi0(model: nn.Module, engine: str) -> None:
             last.__class__ = PI0RootKeptLayer
 
 
-__all__ = ["PI0HeadProcessor", "PI0RootKeptLayer", "is_pi0", "pi0_unused_modules", "prepare_pi0"]
+__all__ = ["PI0HeadProcessor", "PI0RootKeptLayer", "pi0_unused_modules", "prepare_pi0"]

@@ -18,6 +18,7 @@ from hf_vla.registry.envs import (
 from hf_vla.registry.policies import (
     PLUGINS_ENV,
     PolicyFamily,
+    family_of,
     find_policy,
     get_policy,
     lerobot_types,
@@ -28,6 +29,6 @@ from hf_vla.registry.policies import (
     replace,
 )
 
-__all__ = ["PLUGINS_ENV", "EnvFamily", "PolicyFamily", "RecordingPlan", "contract_env", "env_names", "find_env",
-           "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_names",
+__all__ = ["PLUGINS_ENV", "EnvFamily", "PolicyFamily", "RecordingPlan", "contract_env", "env_names", "family_of",
+           "find_env", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_names",
            "register_env", "register_policy", "replace", "task_env"]

@@ -19,7 +19,8 @@ PI0 = register_policy(PolicyFamily(
     config="transformers:PI0Config", model="transformers:PI0ForConditionalGeneration",
     processor="hf_vla.models.pi0_adapter:PI0HeadProcessor", collator="hf_vla.data.collator:PI0Collator",
     structure="hf_vla.training.structure:PI0Structure", normalization_modes=("MEAN_STD",), relative_actions=False,
-    needs_model_config=True, rl=True, lerobot_type="pi0", lerobot_plugin=True))
+    needs_model_config=True, rl=True, lerobot_type="pi0", lerobot_plugin=True,
+    prepare="hf_vla.models.pi0_adapter:prepare_pi0", state_input=True, rl_velocity="hf_vla.rl.flow:pi0_velocity_fn"))
 
 PI05_VALUE = register_policy(PolicyFamily(
     name="pi05_value", description="RECAP's value model (pi0.5's backbone, a distribution over the return)",

@@ -57,6 +57,12 @@ class PolicyFamily:
     lerobot_type: lerobot's policy type its checkpoints convert from (`hf_vla.convert --to hf_vla`); lerobot_export:
         `--to lerobot` writes lerobot's own format; lerobot_plugin: lerobot's tools run it through the plugin.
     next_step: what the last line after training suggests, formatted with `output_dir` (None: evaluate or serve).
+    prepare: `"module:function"` called as `prepare(model, engine)` before a training engine wraps the model (pi0:
+        its unused modules frozen, its FSDP2 unit layout).
+    state_input: the model takes the state as a tensor input (transformers' pi0), not as prompt tokens; such a model
+        samples independent chunks (no real-time chunking when served).
+    rl_velocity: `"module:function"` RL's flow uses for the velocity of a model not laid out as pi0.5
+        (`velocity(model, core, inputs, state)`, `hf_vla.rl.flow`).
     """
 
     name: str
@@ -81,6 +87,9 @@ class PolicyFamily:
     lerobot_export: bool = False
     lerobot_plugin: bool = False
     next_step: str | None = None
+    prepare: str | None = None
+    state_input: bool = False
+    rl_velocity: str | None = None
     extra: dict = field(default_factory=dict)
 
     def load(self, part: str):
@@ -151,6 +160,12 @@ def get_policy(name: str | None, where: str = "policy") -> PolicyFamily:
     return _FAMILIES[name]
 
 
+def family_of(model) -> PolicyFamily | None:
+    """The registered family of a model (by its config's `model_type`; a peft, DDP or remote-code copy too)."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", model)
+    return find_policy(getattr(getattr(core, "config", None), "model_type", None))
+
+
 def find_policy(name: str | None) -> PolicyFamily | None:
     """The family registered as `name`, or None."""
     _ensure_registered()
@@ -168,5 +183,5 @@ def replace(family: PolicyFamily, **changes) -> PolicyFamily:
     return dataclasses.replace(family, **changes)
 
 
-__all__ = ["PLUGINS_ENV", "PolicyFamily", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_names",
+__all__ = ["PLUGINS_ENV", "PolicyFamily", "family_of", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_names",
            "register_policy", "replace"]

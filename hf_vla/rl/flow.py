@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_vla.models.pi0_adapter import is_pi0
+from hf_vla.registry import family_of
 from hf_vla.rl.critic import PrefixValue
 
 SCHEDULES = ("flow_sde", "constant")
@@ -119,10 +119,11 @@ def velocity_fn(model, inputs: dict, value: bool = False):
     also runs the critic on the prefix (`hf_vla.rl.critic`): `velocity.state["value"]` `[B]` afterwards."""
     state = {"cache": None, "value": None}
     core = _core(model)
-    if is_pi0(core):
+    family = family_of(core)
+    if family is not None and family.rl_velocity:  # a model not laid out as pi0.5 (transformers' pi0)
         if value:
-            raise ValueError("transformers' pi0 has no critic (value head): use algorithm='grpo' for pi0")
-        return _pi0_velocity_fn(model, core, inputs, state)
+            raise ValueError(f"{family.name} has no critic (value head): use algorithm='grpo' for {family.name}")
+        return family.load("rl_velocity")(model, core, inputs, state)
 
     def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
         timestep = _timestep(x, t)
@@ -141,7 +142,7 @@ def velocity_fn(model, inputs: dict, value: bool = False):
     return velocity
 
 
-def _pi0_velocity_fn(model, core, inputs: dict, state: dict):
+def pi0_velocity_fn(model, core, inputs: dict, state: dict):
     """transformers' pi0 (`PI0ForConditionalGeneration`): the state is a tensor input, and the expert appends its keys
     and values to the prefix cache, which is cropped back to the prefix after every call (as its `sample_actions`
     does); cropping slices, so gradients still reach the prefix through the cache."""

@@ -141,14 +141,15 @@ def check_task(task, key: str = "prompt", limits: InputLimits = InputLimits()) -
 MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
 # classifier-free guidance of an advantage-conditioned pi0.5 (RECAP): the processor adds them where cfg_beta != 1
 GUIDANCE_INPUTS = ("uncond_input_ids", "uncond_attention_mask", "cfg_beta")
-PI0_INPUTS = MODEL_INPUTS + ("state",)  # transformers' pi0 takes the state as a tensor (pi0.5 reads it as tokens)
+STATE_INPUTS = MODEL_INPUTS + ("state",)  # transformers' pi0 takes the state as a tensor (pi0.5 reads it as tokens)
 
 
 def model_input_keys(model) -> tuple[str, ...]:
-    """What a policy's `sample_actions` / forward reads from the processor's output."""
-    from hf_vla.models.pi0_adapter import is_pi0
+    """What a policy's `sample_actions` / forward reads from the processor's output (its family's `state_input`)."""
+    from hf_vla.registry import family_of
 
-    return PI0_INPUTS if is_pi0(getattr(model, "module", model)) else MODEL_INPUTS
+    family = family_of(model)
+    return STATE_INPUTS if family is not None and family.state_input else MODEL_INPUTS
 
 
 def stat_range(stats: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -285,7 +286,7 @@ class PolicyRunner:
             raise RequestError(f"execution_horizon={execution_horizon!r}: an integer in [1, {chunk_size}] (actions of "
                                "the previous chunk the new one is blended with)")
         method = None
-        if leftover is not None and model_input_keys(self.model) == PI0_INPUTS:
+        if leftover is not None and model_input_keys(self.model) == STATE_INPUTS:
             raise RequestError("real-time chunking (executed_steps / prev_chunk_left_over) needs a pi0.5 policy; "
                                "transformers' pi0 samples independent chunks: leave those fields out")
         if leftover is not None:

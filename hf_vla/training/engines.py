@@ -49,11 +49,12 @@ def configure_engine(model, args) -> str:
     bf16_model = any(p.dtype == torch.bfloat16 for p in model.parameters())
     if engine == "deepspeed":
         _register_zero3_token_head(model, args)
-    from hf_vla.models.pi0_adapter import is_pi0, prepare_pi0
+    from hf_vla.registry import family_of
 
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if is_pi0(core):  # transformers' pi0: freeze what it never runs, FSDP2 unit layout (see pi0_adapter)
-        prepare_pi0(core, engine)
+    family = family_of(core)
+    if family is not None and family.prepare:  # transformers' pi0: freeze what it never runs, its FSDP2 unit layout
+        family.load("prepare")(core, engine)
     if engine == "fsdp1":
         raise ConfigError("FSDP version 1 is not supported: use fsdp_version 2 (configs/accelerate/fsdp2.yaml). FSDP2 "
                           "shards pi0.5 per layer and keeps the fp32 masters sharded; FSDP1 (flat parameters) is not "
