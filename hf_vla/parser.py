@@ -434,5 +434,3 @@ def read_config_file(path: Path) -> dict:
 
 
 __all__ = ["CommandParser", "field_default", "read_config_file"]
-
-

@@ -18,6 +18,7 @@ from hf_vla.registry.envs import (
 from hf_vla.registry.policies import (
     PLUGINS_ENV,
     PolicyFamily,
+    families_with,
     family_of,
     find_policy,
     get_policy,
@@ -29,6 +30,6 @@ from hf_vla.registry.policies import (
     replace,
 )
 
-__all__ = ["PLUGINS_ENV", "EnvFamily", "PolicyFamily", "RecordingPlan", "contract_env", "env_names", "family_of",
+__all__ = ["PLUGINS_ENV", "EnvFamily", "PolicyFamily", "RecordingPlan", "contract_env", "env_names", "families_with", "family_of",
            "find_env", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_names",
            "register_env", "register_policy", "replace", "task_env"]

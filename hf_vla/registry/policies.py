@@ -172,6 +172,12 @@ def find_policy(name: str | None) -> PolicyFamily | None:
     return _FAMILIES.get(name)
 
 
+def families_with(capability: str) -> str:
+    """The registered families that have `capability` (a `PolicyFamily` flag), quoted for a message."""
+    _ensure_registered()
+    return " or ".join(repr(name) for name, family in _FAMILIES.items() if getattr(family, capability)) or "none"
+
+
 def lerobot_types() -> set[str]:
     """The lerobot policy types whose checkpoints a registered family converts from."""
     _ensure_registered()
@@ -183,5 +189,5 @@ def replace(family: PolicyFamily, **changes) -> PolicyFamily:
     return dataclasses.replace(family, **changes)
 
 
-__all__ = ["PLUGINS_ENV", "PolicyFamily", "family_of", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_names",
+__all__ = ["PLUGINS_ENV", "PolicyFamily", "families_with", "family_of", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_names",
            "register_policy", "replace"]

@@ -13,7 +13,7 @@ from hf_vla.cli import check_writable_dir
 from hf_vla.errors import ConfigError
 from hf_vla.lora import PRESETS
 from hf_vla.parser import CommandParser
-from hf_vla.registry import get_policy, policy_names
+from hf_vla.registry import families_with, get_policy
 from hf_vla.training.config_checks import check_dataset_specs, check_model_config, normalize_training_config
 from hf_vla.training.trainer import VLATrainingArguments
 
@@ -104,12 +104,12 @@ class ModelArguments:
         for name in ("rtc_max_delay", "rtc_prefix_noise"):
             if getattr(self, name) is not None and not family.rtc_training:
                 raise ConfigError(f"{name}={getattr(self, name)}: training-time RTC needs policy "
-                                  f"{_families_with('rtc_training')} (an action expert that takes a time per action "
+                                  f"{families_with('rtc_training')} (an action expert that takes a time per action "
                                   f"token), not {self.policy!r}")
         for name in ("token_loss", "knowledge_insulation", "fast_tokenizer"):
             if getattr(self, name) not in (None, False) and not family.token_objective:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: the token objective needs policy "
-                                  f"{_families_with('token_objective')}, not {self.policy!r}")
+                                  f"{families_with('token_objective')}, not {self.policy!r}")
         if self.fast_vocab_size <= 0 or self.fast_fit_chunks <= 0:
             raise ConfigError(f"fast_vocab_size={self.fast_vocab_size}, fast_fit_chunks={self.fast_fit_chunks}: "
                               "must be positive")
@@ -142,11 +142,6 @@ FINE_TUNE_OVERRIDES = {"chunk_size", "num_inference_steps", "tokenizer_max_lengt
 def policy_config_class(policy: str):
     """The config class of the registered policy family `policy`."""
     return get_policy(policy).load("config")
-
-
-def _families_with(capability: str) -> str:
-    """The registered families that have `capability` (a `PolicyFamily` flag), for a message."""
-    return " or ".join(repr(name) for name in policy_names() if getattr(get_policy(name), capability)) or "none"
 
 
 @dataclass

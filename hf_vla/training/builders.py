@@ -8,8 +8,8 @@ import logging
 from pathlib import Path
 
 from hf_vla.errors import ConfigError
-from hf_vla.registry import get_policy
-from hf_vla.training.arguments import FINE_TUNE_OVERRIDES, ModelArguments, _families_with
+from hf_vla.registry import families_with, get_policy
+from hf_vla.training.arguments import FINE_TUNE_OVERRIDES, ModelArguments
 
 logger = logging.getLogger("hf_vla.train")
 TINY_TOKENIZER = "tiny"
@@ -211,7 +211,7 @@ def check_data_for_policy(config, model_args: ModelArguments, data_args) -> None
     if conditioned and not family.advantage_prompt:
         raise ConfigError(f"datasets {conditioned}: an advantage indicator (RECAP) goes into the policy's prompt; "
                           f"policy {model_args.policy!r} has no such prompt: use policy "
-                          f"{_families_with('advantage_prompt')}, or leave advantage out")
+                          f"{families_with('advantage_prompt')}, or leave advantage out")
     allowed = family.normalization_modes
     for dataset in data_args.datasets:  # a mode or relative actions the processor would not apply: refused
         modes = {str(m).upper() for m in (dataset.get("normalization") or {}).values()} - set(allowed or ())
@@ -222,7 +222,7 @@ def check_data_for_policy(config, model_args: ModelArguments, data_args) -> None
             raise ConfigError(f"dataset {dataset.get('name') or dataset.get('repo_id') or dataset.get('root')!r}: "
                               f"{culprit} with policy {model_args.policy!r}, whose processor normalises with "
                               f"{applies} and {'relative or ' if family.relative_actions else ''}absolute actions; "
-                              f"use policy {_families_with('relative_actions')} for other modes and relative actions")
+                              f"use policy {families_with('relative_actions')} for other modes and relative actions")
 
 
 def check_dims(config, mixture, from_scratch: bool, given: dict | None = None):

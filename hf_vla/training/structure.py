@@ -135,10 +135,10 @@ class ValueStructure:
 def policy_structure(model: nn.Module):
     """The structure of a policy (`freeze`, `lora_target_modules`, `trained_heads`): its registered family's
     (`PolicyFamily.structure`, by the config's model_type), or the model itself when it answers them."""
-    from hf_vla.registry import find_policy
+    from hf_vla.registry import family_of
 
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
-    family = find_policy(getattr(getattr(core, "config", None), "model_type", None))  # a remote-code copy too
+    family = family_of(core)  # by model_type: a remote-code copy too
     if family is not None and family.structure:
         return family.load("structure")(core)
     if all(hasattr(core, name) for name in ("freeze", "lora_target_modules", "trained_heads")):
