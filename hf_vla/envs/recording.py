@@ -117,7 +117,8 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
     complete; the parts are joined with lerobot's `aggregate_datasets` and the result renamed into place. Killed and
     rerun with the same arguments, the recording continues from the first task not done. A task gets at most
     `max_tries` episodes (default 3 x episodes + 10); a shortfall is reported in the result, not hidden."""
-    if find_env(env) is None or not find_env(env).recording:
+    family = find_env(env)
+    if family is None or not family.recording:
         raise ConfigError(f"env {env!r}: choose one of {env_names(recordable=True)} (the envs with a scripted expert)")
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy {strategy!r}: choose one of {list(STRATEGIES)}")
@@ -151,7 +152,6 @@ def record(env: str, output: str | Path, episodes: int, tasks: str | None = None
             resolved["plan_steps"] = None  # no expert consulted: no expert plan either
         seed = 1000 * round_index if seed is None else seed
     seed = 0 if seed is None else seed
-    family = find_env(env)
     recording = family.call("recording", tasks, image_size, max_episode_steps, env_kwargs, seed)
     names, make, kwargs = recording.names, recording.make, recording.env_kwargs
     fps, state_dim, action_dim, robot_type, size = (recording.fps, recording.state_dim, recording.action_dim,
