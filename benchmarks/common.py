@@ -103,7 +103,8 @@ def evaluate_lerobot(path: Path, episodes: int, max_steps: int, out: Path, env_k
         env = metaworld.in_worker(task, image_size=IMAGE, max_episode_steps=max_steps, **(env_kwargs or {}))
         try:
             policy.policy.reset()
-            results[task] = run_episodes(env, policy, episodes, 8, seed=10_000, save_videos=1, output_dir=out / task,
+            results[task] = run_episodes(env, policy, range(10_000, 10_000 + episodes), 8, save_videos=1,
+                                         output_dir=out / task,
                                          progress=False)
         finally:
             env.close()

@@ -20,6 +20,7 @@ def run(config: Path, overrides: list[str], episodes: int, tag: str, n_action_st
     from transformers import AutoModel
 
     import hf_vla.models.auto  # noqa: F401  (registers pi05 with AutoModel)
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import evaluate_checkpoint
     from hf_vla.train import main as train_main
 
@@ -31,7 +32,8 @@ def run(config: Path, overrides: list[str], episodes: int, tag: str, n_action_st
     output_dir = Path(trainer.args.output_dir)
     model = AutoModel.from_pretrained(output_dir)  # the saved checkpoint is a plain transformers model
     assert type(model).__name__ == "PI05ForConditionalGeneration"
-    result = evaluate_checkpoint(output_dir, episodes=episodes, output_dir=output_dir / "rollouts")
+    result = evaluate_checkpoint(EvaluateArguments(checkpoint=str(output_dir), episodes=episodes, device="cpu",
+                                                   output_dir=str(output_dir / "rollouts")))
     summary = {"run": tag, "checkpoint": str(output_dir), "success_rate": result.success_rate,
                "episodes": result.episodes, "train_seconds": round(train_seconds, 1),
                "total_seconds": round(time.perf_counter() - start, 1), "videos": result.videos}

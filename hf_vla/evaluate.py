@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from hf_vla.cli import resolve_device, run
+from hf_vla.cli import run
 from hf_vla.deployment.contract import head_spec
 from hf_vla.evaluation.arguments import EvaluateArguments
 from hf_vla.hub.resolve import resolve_contract
@@ -39,17 +39,10 @@ def main(argv=None):
 
     if "OMP_NUM_THREADS" not in os.environ and (task_env(env) is not None or (args.num_envs or 1) > 1):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # leave a core to the env workers
-    env_kwargs = {k: v for k, v in (("image_size", args.image_size), ("max_episode_steps", args.max_episode_steps))
-                  if v is not None}
     from hf_vla.cli import setup_logging
 
     setup_logging()
-    result = evaluate_checkpoint(args.checkpoint, args.env, args.episodes, args.n_action_steps, args.seed, args.head,
-                                 args.cameras, args.save_videos, args.output_dir, resolve_device(args.device), server=args.server,
-                                 inference_delay=args.inference_delay, rtc=args.rtc, rtc_config=rtc.rtc_config(),
-                                 task=args.task, env_kwargs=env_kwargs or None, revision=args.revision,
-                                 num_envs=args.num_envs, overrides=args.override, tasks_at_once=args.tasks_at_once,
-                                 cfg_beta=args.cfg_beta)
+    result = evaluate_checkpoint(args, rtc.rtc_config())
     if isinstance(result, BenchmarkResult):
         print(result.table())
     print(json.dumps(printed_result(result), indent=2))

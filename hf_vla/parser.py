@@ -9,6 +9,8 @@ import json
 import sys
 import types
 import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from hf_vla.errors import ConfigError
@@ -21,6 +23,18 @@ from hf_vla.training.config_checks import (
     is_bool_field,
     normalize_training_config,
 )
+
+
+@dataclass
+class HelpStyle:
+    """How a command speaks: whether `--help` exits (SystemExit(0)) or returns None, what an unknown key is called in
+    its error (`what`), its `--help` sections (`sections(parser) -> [(title, fields, note)]`; default: one per
+    dataclass, by field group) and whether each field's type is shown."""
+
+    help_exits: bool = True
+    what: str = "an argument"
+    sections: Callable | None = None
+    types_in_help: bool = True
 
 
 class CommandParser:
@@ -42,13 +56,15 @@ class CommandParser:
     """
 
     def __init__(self, prog: str, dataclass_types, description: str, config_file: str = "optional",
-                 exclusive: tuple[tuple[str, ...], ...] = (), required_one: bool = False, help_exits: bool = True,
-                 what: str = "an argument", sections=None, types_in_help: bool = True):
+                 exclusive: tuple[tuple[str, ...], ...] = (), required_one: bool = False,
+                 style: HelpStyle | None = None):
         if config_file not in ("none", "optional", "required"):
             raise ValueError(f"config_file={config_file!r}")
         self.prog, self.types, self.description = prog, tuple(dataclass_types), description
         self.config_file, self.exclusive, self.required_one = config_file, exclusive, required_one
-        self.help_exits, self.what, self.sections, self.types_in_help = help_exits, what, sections, types_in_help
+        style = style or HelpStyle()
+        self.help_exits, self.what, self.sections = style.help_exits, style.what, style.sections
+        self.types_in_help = style.types_in_help
         self.annotations = {}
         self.fields = {}
         for kind in self.types:

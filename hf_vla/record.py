@@ -37,7 +37,7 @@ import json
 from dataclasses import asdict
 
 from hf_vla.cli import run
-from hf_vla.envs.recording import RecordArguments
+from hf_vla.envs.recording import RecordArguments, record
 from hf_vla.parser import CommandParser
 
 
@@ -52,7 +52,7 @@ def main(argv=None):
         output = add_locations(args.add_locations, args.output, overwrite=args.overwrite)
         print(json.dumps({"output": str(output), "added": "locations"}))
         return output
-    result = args.record()
+    result = record(args)
     print(json.dumps(asdict(result), indent=2))
     return result
 

@@ -119,11 +119,11 @@ def colorreach_run(base, max_episode_steps: int, *train_flags: str, config: Path
     """A ColorReach recording at 24 px (4 episodes, seeds 0..) under `base / "data"` and a 2-step run of the demo config
     (or `config`) on it in `base / "run"` (more flags appended): a small checkpoint with a deployment contract.
     -> (run, datasets)"""
-    from hf_vla.envs.recording import record
+    from hf_vla.envs.recording import RecordArguments, record
     from hf_vla.train import main as train_main
 
-    record("color_reach", base / "data", episodes=4, image_size=24, max_episode_steps=max_episode_steps,
-           progress=False)
+    record(RecordArguments(env="color_reach", output=base / "data", episodes=4, image_size=24,
+                           max_episode_steps=max_episode_steps), progress=False)
     datasets = json.loads(Path(config).read_text())["datasets"]
     datasets[0]["root"] = str(base / "data")
     out = base / "run"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import refused
 
-from hf_vla.envs.dagger import INTERVENTION, POLICY_ACTION, SUCCESS, DaggerSettings, dagger_episodes
+from hf_vla.envs.dagger import INTERVENTION, POLICY_ACTION, SUCCESS, DaggerActor, DaggerSettings, dagger_episodes
 from hf_vla.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,11 +31,11 @@ def start(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dagger_run(start):
-    from hf_vla.envs.recording import record
+    from hf_vla.envs.recording import RecordArguments, record
 
     out = start["base"] / "dagger_1"
-    result = record("color_reach", out, episodes=3, strategy="dagger", policy=str(start["policy"]),
-                    dagger=DaggerSettings(beta=0.5), progress=False)
+    result = record(RecordArguments(env="color_reach", output=out, episodes=3, strategy="dagger",
+                                    policy=str(start["policy"]), beta=0.5), progress=False)
     return out, result
 
 
@@ -139,8 +139,8 @@ class _Policy:
 
 def _acted(settings, env=None, policy=None, n_action_steps=4):
     stats = {}
-    (frames,) = dagger_episodes(env or _Line(), policy or _Policy(), n_action_steps, 1, iter([3]), settings, "image",
-                                "state", stats=stats)
+    actor = DaggerActor(env or _Line(), policy or _Policy(), n_action_steps, settings, "image", "state")
+    (frames,) = dagger_episodes(actor, 1, iter([3]), stats=stats)
     expert_steps = stats["expert_steps"]
     acted = [int(f["extra"][INTERVENTION][0]) for f in frames]
     assert expert_steps == sum(acted) and all(f["action"][0] == 1.0 for f in frames)  # the label: always the expert's
@@ -227,7 +227,7 @@ def test_an_interrupted_round_continues_only_with_its_own_settings(start, tmp_pa
     policy's spelling (relative, trailing slash)."""
     import shutil
 
-    from hf_vla.envs.recording import record
+    from hf_vla.envs.recording import RecordArguments, record
 
     out = tmp_path / "round"
     policy = tmp_path / "policy"
@@ -238,20 +238,22 @@ def test_an_interrupted_round_continues_only_with_its_own_settings(start, tmp_pa
         raise KeyboardInterrupt  # killed while drawing the second episode's seed
 
     with pytest.raises(KeyboardInterrupt):
-        record("color_reach", out, episodes=2, strategy="dagger", policy=str(policy), progress=False,
-               seeds=interrupted)
+        record(RecordArguments(env="color_reach", output=out, episodes=2, strategy="dagger", policy=str(policy)),
+               progress=False, seeds=interrupted)
     assert not out.exists() and (tmp_path / ".round.recording" / "plan.json").is_file()
     with pytest.raises(ConfigError, match=r"interrupted recording with other settings \(dagger: "):
-        record("color_reach", out, episodes=2, strategy="dagger", policy=str(policy), progress=False,
-               dagger=DaggerSettings(beta=0.5))
+        record(RecordArguments(env="color_reach", output=out, episodes=2, strategy="dagger", policy=str(policy),
+                               beta=0.5), progress=False)
     weights = policy / "model.safetensors"
     original = weights.read_bytes()
     weights.write_bytes(original[:-8] + b"\x00" * 8)  # the checkpoint directory now holds other weights
     with pytest.raises(ConfigError, match=r"interrupted recording with other settings \(weights: "):
-        record("color_reach", out, episodes=2, strategy="dagger", policy=str(policy), progress=False)
+        record(RecordArguments(env="color_reach", output=out, episodes=2, strategy="dagger", policy=str(policy)),
+               progress=False)
     weights.write_bytes(original)
     monkeypatch.chdir(tmp_path)
-    result = record("color_reach", out, episodes=2, strategy="dagger", policy="policy/", progress=False)
+    result = record(RecordArguments(env="color_reach", output=out, episodes=2, strategy="dagger", policy="policy/"),
+                    progress=False)
     assert result.tasks["color_reach"]["kept"] == 2 and not (tmp_path / ".round.recording").exists()
     marker = json.loads((out / "meta" / "hf_vla_record.json").read_text())
     assert marker["policy"] == str(policy.resolve())

@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 
 from hf_vla import PI05Processor
 from hf_vla.data import PI05Collator, WeightedDatasetMixture, schedule
-from hf_vla.data.stream import ShardSchedule, _SourceQueue
-from hf_vla.data.writer import write_lerobot_dataset
+from hf_vla.data.stream import ShardSchedule, StreamSettings, _SourceQueue
+from hf_vla.data.writer import DatasetLayout, write_lerobot_dataset
 from hf_vla.models.pi05.processing_pi05 import resize_with_pad
 
 CAM = "observation.images.cam"
@@ -35,7 +35,8 @@ def make_dataset(root, episodes, state_dim=3, action_dim=2, cameras=None, robot_
     lengths = lengths or [12 + e for e in range(episodes)]
     write_lerobot_dataset(root, (_episode(e, lengths[e], state_dim, action_dim, cameras, "reach target {e}")
                                  for e in range(episodes)),
-                          fps=10, cameras=cameras, state_dim=state_dim, action_dim=action_dim, robot_type=robot_type)
+                          DatasetLayout(fps=10, cameras=cameras, state_dim=state_dim, action_dim=action_dim,
+                                        robot_type=robot_type))
     return root
 
 
@@ -58,7 +59,7 @@ def spec_b(root, **kw):
 
 def test_samples_decode_the_right_frames_and_chunks(datasets):
     mixture = WeightedDatasetMixture([spec_a(datasets["a"])])
-    stream = mixture.train_stream(image_size=32, chunk_size=4, open_blocks=3)
+    stream = mixture.train_stream(StreamSettings(image_size=32, chunk_size=4, open_blocks=3))
     for sample, _ in zip(stream, range(200)):
         frame, episode = sample["frame_index"], sample["episode_index"]
         image = sample["images"][0].float()
@@ -125,7 +126,7 @@ def test_each_shard_emits_only_its_own_blocks(datasets):
 def test_a_block_open_twice_keeps_separate_decoders(datasets):
     """With 1 shard and more open slots than blocks, the next epoch's copy of a block may be open already."""
     mixture = WeightedDatasetMixture([spec_a(datasets["a"], keep_ranges={"1": [[0, 6]], "2": [[0, 3]]})])
-    stream = mixture.train_stream(image_size=16, chunk_size=2, open_blocks=2)
+    stream = mixture.train_stream(StreamSettings(image_size=16, chunk_size=2, open_blocks=2))
     for sample, _ in zip(stream, range(60)):
         image = sample["images"][0].float()
         assert abs(image[0, 5:11].mean().item() - sample["frame_index"] * 8) < 6
@@ -141,7 +142,7 @@ def test_reseeds_per_epoch_and_is_reproducible(datasets):
         return [(b.episode, f) for _, b, f, _ in _take(schedule(mixture.train_blocks, np.ones(1), 0, epoch, 0, 1, 4), 60)]
     assert order(0) == order(0)
     assert order(0) != order(1)
-    stream = mixture.train_stream(image_size=16, chunk_size=2, open_blocks=4)
+    stream = mixture.train_stream(StreamSettings(image_size=16, chunk_size=2, open_blocks=4))
     stream.set_epoch(1)
     assert [(s["episode_index"], s["frame_index"]) for s, _ in zip(stream, range(60))] == order(1)
 
@@ -152,8 +153,8 @@ def test_resume_continues_exactly_without_replaying(datasets, workers, monkeypat
     processor = PI05Processor(tokenizer=tiny_tokenizer, norm_stats=mixture.norm_stats, head_names=mixture.head_names,
                               image_size=16, max_state_dim=8, max_action_dim=6, chunk_size=3, prompt_max_length=48)
     def loader(state=None):
-        stream = mixture.train_stream(image_size=16, chunk_size=3, batch_size=4, collate_fn=PI05Collator(processor),
-                                      seed=11, open_blocks=3)
+        stream = mixture.train_stream(StreamSettings(image_size=16, chunk_size=3, batch_size=4, collate_fn=PI05Collator(processor),
+                                      seed=11, open_blocks=3))
         if state:
             stream.load_state_dict(state)
         return stream, DataLoader(stream, batch_size=None, num_workers=workers)
@@ -197,8 +198,8 @@ def test_a_new_layout_continues_every_epoch_without_repeating_or_skipping(datase
     mixture = WeightedDatasetMixture([spec_a(datasets["a"]), spec_b(datasets["b"], weight=0.5)])
 
     def stream(world_size, workers, batch, rank=0):
-        s = mixture.train_stream(image_size=16, chunk_size=3, batch_size=batch, seed=11, open_blocks=3, rank=rank,
-                                 world_size=world_size)
+        s = mixture.train_stream(StreamSettings(image_size=16, chunk_size=3, batch_size=batch, seed=11, open_blocks=3, rank=rank,
+                                 world_size=world_size))
         s.num_workers = workers
         return s
 
@@ -224,7 +225,7 @@ def test_a_new_layout_continues_every_epoch_without_repeating_or_skipping(datase
             shard = rank * workers2 + worker
             wanted = [sum(z - a for _, a, z in segment["pieces"][s][shard::shards]) for s in range(2)]
             got = [[], []]
-            tracked = ShardSchedule(mixture.train_blocks, resumed.weights, 11, 0, shard, shards, 3, resumed.segment,
+            tracked = ShardSchedule(mixture.train_blocks, resumed.weights, 11, 0, (shard, shards), 3, resumed.segment,
                                     track_origins=True)
             for s, b, f, token in tracked:  # the samples of the dealt pieces (next-epoch blocks open beside them)
                 if tracked.origins[token] is None:
@@ -232,8 +233,8 @@ def test_a_new_layout_continues_every_epoch_without_repeating_or_skipping(datase
                 if [len(g) for g in got] == wanted:
                     break
             assert [sample[:3] for sample in _take(resumed.shard_schedule(worker, workers2), 50)] == [
-                sample[:3] for sample in _take(ShardSchedule(mixture.train_blocks, resumed.weights, 11, 0, shard,
-                                                             shards, 3, resumed.segment), 50)]
+                sample[:3] for sample in _take(ShardSchedule(mixture.train_blocks, resumed.weights, 11, 0,
+                                                             (shard, shards), 3, resumed.segment), 50)]
             for s in range(2):  # exactly the dealt pieces
                 assert Counter(got[s]) == Counter((s, e, f) for e, a, z in segment["pieces"][s][shard::shards]
                                                   for f in range(a, z))
@@ -255,8 +256,8 @@ def test_worker_batches_equal_in_process_batches_on_real_video(tiny_tokenizer, h
                               max_state_dim=34, max_action_dim=34, chunk_size=4, prompt_max_length=160)
 
     def batches(workers):
-        stream = mixture.train_stream(image_size=64, chunk_size=4, batch_size=8, collate_fn=PI05Collator(processor),
-                                      seed=3, open_blocks=4)
+        stream = mixture.train_stream(StreamSettings(image_size=64, chunk_size=4, batch_size=8, collate_fn=PI05Collator(processor),
+                                      seed=3, open_blocks=4))
         return _take(iter(DataLoader(stream, batch_size=None, num_workers=workers)), 5)
 
     for got, want in zip(batches(1), batches(0), strict=True):
@@ -288,7 +289,7 @@ def test_shared_pixel_buffers_are_fresh_and_exact(monkeypatch):
 def test_decorrelated_batches_on_real_data(humanoid):
     mixture = WeightedDatasetMixture([dict(root=str(humanoid), name="humanoid", cameras=["image"], state_key="state",
                                            action_key="actions")])
-    stream = mixture.train_stream(image_size=32, chunk_size=50, batch_size=32, seed=0)
+    stream = mixture.train_stream(StreamSettings(image_size=32, chunk_size=50, batch_size=32, seed=0))
     for batch, _ in zip(stream, range(3)):
         assert len({s["episode_index"] for s in batch}) >= 16
         assert all(s["images"].shape == (1, 3, 32, 32) for s in batch)
@@ -301,7 +302,7 @@ def test_keep_ranges_filter(datasets, tmp_path):
     mixture = WeightedDatasetMixture([spec_a(datasets["a"], keep_ranges=str(path))])
     blocks = mixture.train_blocks[0]
     assert [(b.episode, b.start, b.end) for b in blocks] == [(0, 2, 6), (0, 8, 12), (3, 0, 5)]  # clipped to length 12
-    stream = mixture.train_stream(image_size=16, chunk_size=5, open_blocks=3)
+    stream = mixture.train_stream(StreamSettings(image_size=16, chunk_size=5, open_blocks=3))
     for sample, _ in zip(stream, range(100)):
         block = next(b for b in blocks if b.episode == sample["episode_index"] and b.start <= sample["frame_index"] < b.end)
         valid = (~sample["action_is_pad"]).sum().item()
@@ -340,7 +341,7 @@ def test_heads_stats_and_provenance(datasets, tmp_path):
                                mixture.sources[0].stats["state"]["q01"])
     offsets = [s.episode_offset for s in mixture.sources]
     assert offsets == [0, 10, 18]
-    stream = mixture.train_stream(image_size=16, chunk_size=2, open_blocks=2)
+    stream = mixture.train_stream(StreamSettings(image_size=16, chunk_size=2, open_blocks=2))
     seen = set()
     for sample, _ in zip(stream, range(300)):
         s = sample["source_index"]
@@ -367,7 +368,7 @@ def test_validation_covers_each_frame_exactly_once(datasets, world_size):
     assert not train & {(s, e) for s, e, _ in expected}
     got, batches = Counter(), []
     for rank in range(world_size):
-        stream = mixture.validation_stream(image_size=16, chunk_size=3, batch_size=5, rank=rank, world_size=world_size)
+        stream = mixture.validation_stream(StreamSettings(image_size=16, chunk_size=3, batch_size=5, rank=rank, world_size=world_size))
         count = 0
         for batch in DataLoader(stream, batch_size=None, num_workers=2):
             count += 1
@@ -384,7 +385,7 @@ def test_collator_builds_the_batch_contract(datasets, tiny_tokenizer):
     mixture = WeightedDatasetMixture([spec_a(datasets["a"]), spec_b(datasets["b"])])
     processor = PI05Processor(tokenizer=tiny_tokenizer, norm_stats=mixture.norm_stats, head_names=mixture.head_names,
                               image_size=16, max_state_dim=8, max_action_dim=6, chunk_size=3, prompt_max_length=48)
-    stream = mixture.train_stream(image_size=16, chunk_size=3, batch_size=16, collate_fn=PI05Collator(processor))
+    stream = mixture.train_stream(StreamSettings(image_size=16, chunk_size=3, batch_size=16, collate_fn=PI05Collator(processor)))
     batch = next(iter(stream))
     assert batch["pixel_values"].shape == (16, 3, 3, 16, 16) and batch["pixel_values"].dtype == torch.float32
     assert -1 <= batch["pixel_values"].min() and batch["pixel_values"].max() <= 1
@@ -427,7 +428,7 @@ def test_inconsistent_dims_in_one_head(datasets):
 def test_empty_validation_split_and_bad_ratio(datasets):
     mixture = WeightedDatasetMixture([spec_a(datasets["a"])])
     with pytest.raises(ValueError, match="validation split is empty"):
-        mixture.validation_stream(image_size=16, chunk_size=2, batch_size=2)
+        mixture.validation_stream(StreamSettings(image_size=16, chunk_size=2, batch_size=2))
     with pytest.raises(ValueError, match="leaves no training episode"):
         WeightedDatasetMixture([spec_a(datasets["a"], keep_ranges={"1": [[0, 4]]})], validation_ratio=0.5)
 
@@ -444,7 +445,7 @@ def test_older_codebase_version_is_refused(datasets, tmp_path):
 
 def test_fewer_blocks_than_shards_fails_fast(datasets):
     mixture = WeightedDatasetMixture([spec_a(datasets["a"], keep_ranges={"1": [[0, 4]], "2": [[0, 4]]})])
-    stream = mixture.train_stream(image_size=16, chunk_size=2, rank=0, world_size=2)
+    stream = mixture.train_stream(StreamSettings(image_size=16, chunk_size=2, rank=0, world_size=2))
     with pytest.raises(ValueError, match="2 blocks .* for 4 shards"):
         next(iter(DataLoader(stream, batch_size=None, num_workers=2)))
 

@@ -54,9 +54,11 @@ def test_the_contract_is_filled_from_the_data_and_the_config(trained):
 
 
 def test_evaluate_takes_every_setting_from_the_checkpoint(trained, tmp_path):
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import evaluate_checkpoint
 
-    result = evaluate_checkpoint(trained, episodes=2, save_videos=1, progress=False, output_dir=tmp_path, num_envs=1)
+    result = evaluate_checkpoint(EvaluateArguments(trained, episodes=2, save_videos=1, output_dir=tmp_path, num_envs=1,
+                                                   device="cpu"), progress=False)
     taken = {name: s["value"] for name, s in result.settings.items() if s["source"] == "checkpoint"}
     assert taken == {"env": ENV, "image_size": 24, "max_episode_steps": 30, "n_action_steps": 3,
                      "cameras": ["observation.image"], "head": HEAD, "control_mode": "delta_xy"}
@@ -189,12 +191,12 @@ def test_batched_episodes_equal_serial_ones_per_seed():
     from hf_vla.envs.worker import InWorker, make_gym
     from hf_vla.evaluation.runner import run_episodes
 
-    serial = run_episodes(make_gym(ENV), SeededWalker(), 12, 2, seed=500, progress=False)
+    serial = run_episodes(make_gym(ENV), SeededWalker(), range(500, 512), 2, progress=False)
     import functools
 
     workers = [InWorker(functools.partial(make_gym, ENV), name=ENV) for _ in range(3)]
     try:
-        batched = run_episodes(workers, SeededWalker(), 12, 2, seed=500, progress=False)
+        batched = run_episodes(workers, SeededWalker(), range(500, 512), 2, progress=False)
     finally:
         for worker in workers:
             worker.close()
@@ -206,11 +208,14 @@ def test_batched_episodes_equal_serial_ones_per_seed():
 def test_batched_evaluation_of_a_checkpoint_equals_serial(trained, tmp_path):
     """The real policy through `evaluate_checkpoint`: 2 envs in workers and one batched forward per control step give
     each seed the success, steps and chunk-boundary figures of 1 env in this process."""
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import evaluate_checkpoint
 
-    common = dict(episodes=4, save_videos=0, progress=False, seed=20_000)
-    one = evaluate_checkpoint(trained, num_envs=1, output_dir=tmp_path / "one", **common)
-    two = evaluate_checkpoint(trained, num_envs=2, output_dir=tmp_path / "two", **common)
+    common = dict(episodes=4, save_videos=0, seed=20_000, device="cpu")
+    one = evaluate_checkpoint(EvaluateArguments(trained, num_envs=1, output_dir=tmp_path / "one", **common),
+                              progress=False)
+    two = evaluate_checkpoint(EvaluateArguments(trained, num_envs=2, output_dir=tmp_path / "two", **common),
+                              progress=False)
     assert [(e["seed"], e["success"], e["steps"]) for e in one.episode_records] == \
         [(e["seed"], e["success"], e["steps"]) for e in two.episode_records]
     assert two.boundary_jump == pytest.approx(one.boundary_jump, abs=1e-5)

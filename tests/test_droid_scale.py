@@ -14,16 +14,17 @@ from hf_vla.data import WeightedDatasetMixture
 from hf_vla.data import scan as scan_module
 from hf_vla.data.scan import cache_dir
 from hf_vla.data.sources import DatasetConfig, LeRobotSource
-from hf_vla.data.synthetic import DROID_CAMERAS, droid_dataset_config, write_droid_like
+from hf_vla.data.stream import StreamSettings
+from hf_vla.data.synthetic import DROID_CAMERAS, DroidLike, droid_dataset_config, write_droid_like
 
 
 @pytest.fixture(scope="module")
 def droid(tmp_path_factory):
     """40 DROID-shaped episodes in 4 data files, one row group per episode; and the same in converter layout."""
     base = tmp_path_factory.mktemp("droid")
-    kwargs = dict(episodes=40, mean_length=40, frames_per_data_file=500, episodes_per_video=16, progress=False)
-    return {"episode": write_droid_like(base / "per_episode", row_groups="episode", **kwargs),
-            "file": write_droid_like(base / "per_file", row_groups="file", **kwargs)}
+    kwargs = dict(episodes=40, mean_length=40, frames_per_data_file=500, episodes_per_video=16)
+    return {"episode": write_droid_like(base / "per_episode", DroidLike(row_groups="episode", **kwargs), progress=False),
+            "file": write_droid_like(base / "per_file", DroidLike(row_groups="file", **kwargs), progress=False)}
 
 
 def test_lerobot_loads_what_the_generator_writes(droid):
@@ -55,7 +56,7 @@ def test_the_stream_reads_synthetic_droid_with_its_keep_ranges(droid):
     source = mixture.sources[0]
     assert len(mixture.train_blocks[0]) == sum(len(ranges) for ranges in keep.values())
     assert source.episode_rows is not None  # the scan cached every used episode's rows
-    stream = mixture.train_stream(image_size=16, chunk_size=4, open_blocks=3)
+    stream = mixture.train_stream(StreamSettings(image_size=16, chunk_size=4, open_blocks=3))
     for sample, _ in zip(stream, range(60)):
         episode, frame = int(sample["episode_index"]), int(sample["frame_index"])
         offset = source.episodes[f"videos/{DROID_CAMERAS[0]}/from_timestamp"][source.row(episode)] * 15

@@ -113,10 +113,10 @@ def test_only_the_used_episodes_and_cameras_are_downloaded(hub_cache, tmp_path, 
     from lerobot.utils import constants
 
     from hf_vla.data.sources import DatasetConfig, LeRobotSource
-    from hf_vla.data.synthetic import DROID_CAMERAS, write_droid_like
+    from hf_vla.data.synthetic import DROID_CAMERAS, DroidLike, write_droid_like
 
-    remote = write_droid_like(tmp_path / "remote", episodes=12, mean_length=40, frames_per_data_file=100,
-                              episodes_per_video=3, progress=False)
+    remote = write_droid_like(tmp_path / "remote", DroidLike(episodes=12, mean_length=40, frames_per_data_file=100,
+                                                             episodes_per_video=3), progress=False)
     home = tmp_path / "lerobot_home"
     shutil.copytree(remote / "meta", home / "hf-vla-test" / "droid_tiny" / "meta")  # as lerobot fetches it first
     monkeypatch.setattr(constants, "HF_LEROBOT_HOME", home)

@@ -130,3 +130,43 @@ def test_the_top_level_holds_the_commands_and_public_entry_modules_only():
                    "serve", "storage", "tiny", "train"], top
     rooms = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert rooms == ["data", "deployment", "envs", "evaluation", "hub", "models", "recap", "registry", "rl", "serving", "training"], rooms
+
+
+# transformers' interfaces, whose parameters are fixed from outside: a model's `forward` / `sample_actions` take the
+# batch's keys as keywords (the batch contract: `model(**batch)`), a decoder layer's `forward` is `GemmaDecoderLayer`'s,
+# and a processor's `__init__` / `__call__` take what `processor_config.json` saves and what a caller passes per call
+TRANSFORMERS_INTERFACES = {
+    ("models/pi05/modeling_pi05.py", "forward"), ("models/pi05/modeling_pi05.py", "sample_actions"),
+    ("models/pi05/processing_pi05.py", "__init__"), ("models/pi05/processing_pi05.py", "__call__"),
+    ("models/pi0_adapter.py", "__init__"),
+}
+MAX_PARAMETERS = 8
+
+
+def wide_functions(package: Path = PACKAGE) -> list[tuple[str, str, int]]:
+    """(file, function, parameters) of every function of the package with more than `MAX_PARAMETERS` parameters
+    (self and cls not counted; *args and **kwargs count one each)."""
+    wide = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                count = len(names) + bool(a.vararg) + bool(a.kwarg)
+                if count > MAX_PARAMETERS:
+                    wide.append((path.relative_to(package).as_posix(), node.name, count))
+    return wide
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    """Resolved settings objects travel whole (`EvaluateArguments`, `RecordArguments`, `StreamSettings`, ...), as TRL
+    passes `args=`: no unpacked field lists, except transformers' own interfaces."""
+    wide = [(path, name, count) for path, name, count in wide_functions()
+            if (path, name) not in TRANSFORMERS_INTERFACES]
+    assert not wide, f"functions with more than {MAX_PARAMETERS} parameters (pass a settings object): {wide}"
+
+
+def test_the_signature_count_sees_a_wide_function(tmp_path):
+    (tmp_path / "wide.py").write_text("def f(a, b, c, d, e, f, g, h, *rest, **options):\n    pass\n"
+                                      "def g(self, a, b, c, d, e, f, g, h):\n    pass\n")
+    assert wide_functions(tmp_path) == [("wide.py", "f", 10)]

@@ -58,13 +58,13 @@ def colorreach(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_cameras(tmp_path_factory):
     """A 2-step run on DROID-shaped data with two cameras (exterior, wrist) at 32 px."""
-    from hf_vla.data.synthetic import DROID_CAMERAS, droid_dataset_config, write_droid_like
+    from hf_vla.data.synthetic import DROID_CAMERAS, DroidLike, droid_dataset_config, write_droid_like
     from hf_vla.train import main as train_main
 
     base = tmp_path_factory.mktemp("plugin_two_cameras")
     cameras = list(DROID_CAMERAS[1:])
-    data = write_droid_like(base / "data", episodes=4, mean_length=30, cameras=cameras, state_dim=2, action_dim=2,
-                            progress=False)
+    data = write_droid_like(base / "data", DroidLike(episodes=4, mean_length=30, cameras=cameras, state_dim=2,
+                                                     action_dim=2), progress=False)
     dataset = droid_dataset_config(data, keep_ranges=False) | {"cameras": cameras}
     run = base / "run"
     train_main([str(REPO / "configs/demo.json"), "--datasets", json.dumps([dataset]), "--output_dir", str(run),
@@ -164,12 +164,12 @@ def test_a_feature_mismatch_is_refused_naming_both(colorreach, two_cameras):
 def test_lerobot_eval_scores_an_hf_vla_metaworld_checkpoint(tmp_path):
     """`lerobot-eval --policy.path=DIR --env.type=metaworld`, no other policy flag: lerobot's env (480 px frames, the
     checkpoint's 64 px crop-and-resize done by the plugin), lerobot's rollout loop and its JSON."""
-    from hf_vla.envs.recording import record
+    from hf_vla.envs.recording import RecordArguments, record
     from hf_vla.train import main as train_main
 
     data = tmp_path / "reach"
-    record("metaworld", data, tasks="reach", episodes=1, image_size=64, env_kwargs={"crop": [144, 96, 400, 352]},
-           progress=False)
+    record(RecordArguments(env="metaworld", output=data, task="reach", episodes=1, image_size=64),
+           {"crop": [144, 96, 400, 352]}, progress=False)
     run = tmp_path / "run"
     dataset = {"root": str(data), "name": "metaworld", "cameras": ["observation.image"],
                "control_mode": "delta_xyz_gripper"}

@@ -52,6 +52,7 @@ def test_recorded_expert_data_is_a_lerobot_dataset(recorded):
 
 
 def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import BenchmarkResult, evaluate_checkpoint
 
     out = tmp_path / "run"
@@ -82,7 +83,8 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
 
     evaluate_module._make_envs = recorded_make_envs
     try:
-        result = evaluate_checkpoint(out, episodes=2, save_videos=1, progress=False, output_dir=tmp_path / "eval")
+        result = evaluate_checkpoint(EvaluateArguments(out, episodes=2, save_videos=1, output_dir=tmp_path / "eval",
+                                                       device="cpu"), progress=False)
     finally:
         evaluate_module._make_envs = make_envs
     assert made == [{"crop": [144, 96, 400, 352], "image_size": IMAGE}]  # the envs render as the data was recorded
@@ -109,11 +111,13 @@ def test_train_a_few_steps_then_evaluate_headless(recorded, tmp_path):
         return call(requests)
 
     three = "reach-v3,push-v3,button-press-topdown-v3"
-    common = dict(episodes=2, num_envs=1, task=three, save_videos=1, progress=False)
-    alone = evaluate_checkpoint(out, tasks_at_once=1, output_dir=tmp_path / "alone", **common)
+    common = dict(episodes=2, num_envs=1, task=three, save_videos=1, device="cpu")
+    alone = evaluate_checkpoint(EvaluateArguments(out, tasks_at_once=1, output_dir=tmp_path / "alone", **common),
+                                progress=False)
     episodes._call_policies = counted
     try:
-        waves = evaluate_checkpoint(out, tasks_at_once=2, output_dir=tmp_path / "waves", **common)
+        waves = evaluate_checkpoint(EvaluateArguments(out, tasks_at_once=2, output_dir=tmp_path / "waves", **common),
+                                    progress=False)
     finally:
         episodes._call_policies = call
     assert list(waves.tasks) == three.split(",") and waves.settings["tasks_at_once"] == {"value": 2, "source": "flag"}
@@ -324,8 +328,8 @@ def test_dagger_records_the_experts_own_chunk_and_training_reads_it(recorded, tm
     end; a plan shorter than the model's chunk is refused in one line."""
     from hf_vla.data import WeightedDatasetMixture
     from hf_vla.data.stream import FrameReader
-    from hf_vla.envs.dagger import ACTION_PLAN, DaggerSettings
-    from hf_vla.envs.recording import record
+    from hf_vla.envs.dagger import ACTION_PLAN
+    from hf_vla.envs.recording import RecordArguments, record
     from hf_vla.errors import ConfigError
 
     policy = tmp_path / "policy"
@@ -336,7 +340,7 @@ def test_dagger_records_the_experts_own_chunk_and_training_reads_it(recorded, tm
                 "--stream_open_blocks", "2", "--per_device_train_batch_size", "2", "--warmup_steps", "0",
                 "--report_to", "none", "--max_episode_steps", "30", "--disable_tqdm", "true"])
     out = tmp_path / "dagger_1"
-    record("metaworld", out, episodes=1, strategy="dagger", policy=str(policy), dagger=DaggerSettings(beta=1.0),
+    record(RecordArguments(env="metaworld", output=out, episodes=1, strategy="dagger", policy=str(policy), beta=1.0),
            progress=False)
     marker = json.loads((out / "meta" / "hf_vla_record.json").read_text())
     chunk = json.loads((policy / "config.json").read_text())["chunk_size"]
@@ -484,7 +488,7 @@ def test_a_killed_multi_task_recording_continues_where_it_stopped(tmp_path, capl
     interrupted recording with other settings is refused rather than mixed."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
-    from hf_vla.envs.recording import record
+    from hf_vla.envs.recording import RecordArguments, record
     from hf_vla.errors import ConfigError
 
     out, calls = tmp_path / "two", []
@@ -496,11 +500,12 @@ def test_a_killed_multi_task_recording_continues_where_it_stopped(tmp_path, capl
         return iter(range(first, first + 100))
 
     with pytest.raises(KeyboardInterrupt):
-        record("metaworld", out, episodes=1, tasks="reach,button-press-topdown", image_size=32, progress=False,
-               seeds=dies_on_second_task)
+        record(RecordArguments(env="metaworld", output=out, episodes=1, task="reach,button-press-topdown",
+                               image_size=32), progress=False, seeds=dies_on_second_task)
     assert not out.exists() and (tmp_path / ".two.recording" / "parts" / "reach-v3").is_dir()
     with pytest.raises(ConfigError, match=r"interrupted recording with other settings \(episodes_per_task: 1 there"):
-        record("metaworld", out, episodes=2, tasks="reach,button-press-topdown", image_size=32, progress=False)
+        record(RecordArguments(env="metaworld", output=out, episodes=2, task="reach,button-press-topdown",
+                               image_size=32), progress=False)
 
     def counted(first):
         calls.append(first)
@@ -508,8 +513,8 @@ def test_a_killed_multi_task_recording_continues_where_it_stopped(tmp_path, capl
 
     calls.clear()
     with caplog.at_level("INFO", logger="hf_vla.record"):
-        result = record("metaworld", out, episodes=1, tasks="reach,button-press-topdown", image_size=32,
-                        progress=False, seeds=counted)
+        result = record(RecordArguments(env="metaworld", output=out, episodes=1, task="reach,button-press-topdown",
+                                        image_size=32), progress=False, seeds=counted)
     assert len(calls) == 1  # only the second task was recorded again
     assert "1 of 2 tasks already done" in caplog.text
     assert set(result.tasks) == {"reach-v3", "button-press-topdown-v3"} and result.shortfall == {}
@@ -521,8 +526,8 @@ def test_a_killed_multi_task_recording_continues_where_it_stopped(tmp_path, capl
     assert marker["tasks"]["reach-v3"]["kept"] == 1 and marker["data_seeds"][0] == 0
 
     # fewer tries than episodes (here: the seeds run out after one): the shortfall is in the result and the marker
-    short = record("metaworld", tmp_path / "short", episodes=3, tasks="reach", image_size=32, progress=False,
-                   seeds=lambda first: iter([first]))
+    short = record(RecordArguments(env="metaworld", output=tmp_path / "short", episodes=3, task="reach", image_size=32),
+                   progress=False, seeds=lambda first: iter([first]))
     assert short.shortfall == {"reach-v3": 2}
     assert json.loads((tmp_path / "short" / "meta" / "hf_vla_record.json").read_text())["shortfall"] == {"reach-v3": 2}
 

@@ -97,6 +97,7 @@ def test_two_cameras_record_train_and_evaluate_from_the_contract(two_camera_run,
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     from hf_vla.errors import ConfigError
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import evaluate_checkpoint
 
     run, _ = two_camera_run
@@ -105,15 +106,17 @@ def test_two_cameras_record_train_and_evaluate_from_the_contract(two_camera_run,
     assert contract["benchmark"]["env_kwargs"] == {"cameras": ["corner2", "gripperPOV"]}
     rollout = json.loads((run / "rollout_results.jsonl").read_text())  # rollouts during training rendered both
     assert rollout["step"] == 2 and rollout["result"]["tasks"]["reach-v3"]["episodes"] == 1
-    evaluated = evaluate_checkpoint(run, episodes=1, save_videos=0, output_dir=tmp_path / "eval", progress=False)
+    evaluated = evaluate_checkpoint(EvaluateArguments(run, episodes=1, save_videos=0, output_dir=tmp_path / "eval",
+                                                      device="cpu"), progress=False)
     assert evaluated.tasks["reach-v3"].episodes == 1  # both cameras rendered by the env the contract names
     with pytest.raises(ConfigError, match="observation.images.gripperPOV"):
-        evaluate_checkpoint(run, episodes=1, save_videos=0, output_dir=tmp_path / "eval1", progress=False,
-                            cameras=["observation.images.corner2"])
+        evaluate_checkpoint(EvaluateArguments(run, episodes=1, save_videos=0, output_dir=tmp_path / "eval1",
+                                              cameras=["observation.images.corner2"], device="cpu"), progress=False)
     # a DAgger round of the two-camera policy records both cameras, with no camera flag
-    from hf_vla.envs.recording import record
+    from hf_vla.envs.recording import RecordArguments, record
 
-    record("metaworld", tmp_path / "round", episodes=1, strategy="dagger", policy=str(run), progress=False)
+    record(RecordArguments(env="metaworld", output=tmp_path / "round", episodes=1, strategy="dagger", policy=str(run)),
+           progress=False)
     round_data = LeRobotDataset("local/round", root=tmp_path / "round")
     assert list(round_data.meta.video_keys) == KEYS and round_data[0][KEYS[1]].shape == (3, 32, 32)
 
@@ -127,6 +130,7 @@ def test_a_two_camera_checkpoint_is_served_from_its_contract(two_camera_run, tmp
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
     from test_serve import Server
 
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import evaluate_checkpoint
     from hf_vla.models.pi05 import PI05ForConditionalGeneration
     from hf_vla.serving.policy import load_policy
@@ -139,11 +143,12 @@ def test_a_two_camera_checkpoint_is_served_from_its_contract(two_camera_run, tmp
     observation = {key: (frame[key].permute(1, 2, 0) * 255).round().byte().numpy() for key in KEYS}
     observation["observation.state"] = frame["observation.state"].numpy()
     task = frame["task"]
-    common = dict(episodes=2, save_videos=0, progress=False, seed=5)
+    common = dict(episodes=2, save_videos=0, seed=5, device="cpu")
     server = Server("--checkpoint", str(run), "--seed", "5")
     try:
         served = WebsocketClientPolicy(server.uri).infer({**observation, "prompt": task})["actions"]
-        remote = evaluate_checkpoint(server=server.uri, output_dir=tmp_path / "remote", **common)
+        remote = evaluate_checkpoint(EvaluateArguments(server=server.uri, output_dir=tmp_path / "remote", **common),
+                                     progress=False)
     finally:
         log = server.stop()
     expected = load_policy(run, seed=5)(observation, task)
@@ -151,7 +156,7 @@ def test_a_two_camera_checkpoint_is_served_from_its_contract(two_camera_run, tmp
     swapped = load_policy(run, seed=5)({**observation, KEYS[0]: observation[KEYS[1]], KEYS[1]: observation[KEYS[0]]},
                                        task)
     assert np.abs(swapped - expected).max() > 1e-4  # the comparison tells the two views apart
-    local = evaluate_checkpoint(run, output_dir=tmp_path / "local", **common)
+    local = evaluate_checkpoint(EvaluateArguments(run, output_dir=tmp_path / "local", **common), progress=False)
     served_episodes, in_process = remote.tasks["reach-v3"].episode_records, local.tasks["reach-v3"].episode_records
     assert [(e["seed"], e["success"], e["steps"]) for e in served_episodes] == [
         (e["seed"], e["success"], e["steps"]) for e in in_process]

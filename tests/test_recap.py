@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import randomize_
 
+from hf_vla.data.stream import StreamSettings
 from hf_vla.recap import advantages, bin_centers, episode_returns, hl_gauss_targets, positive_threshold, value_to_bin
 
 
@@ -182,7 +183,7 @@ def test_the_indicator_dropout_is_seeded_and_within_binomial_bounds(tmp_path):
                 advantage={"value": True, "dropout": 0.3})
     draws = []
     for _ in range(2):
-        stream = WeightedDatasetMixture([spec]).train_stream(image_size=16, chunk_size=2, open_blocks=3)
+        stream = WeightedDatasetMixture([spec]).train_stream(StreamSettings(image_size=16, chunk_size=2, open_blocks=3))
         draws.append([sample["advantage"] for sample, _ in zip(stream, range(2000))])
     assert draws[0] == draws[1]  # seeded: the same samples drop in a rerun
     dropped = sum(a is None for a in draws[0])
@@ -211,14 +212,13 @@ def round_data(tmp_path_factory):
 
     from conftest import REPO, colorreach_run
 
-    from hf_vla.envs.recording import record
+    from hf_vla.envs.recording import RecordArguments, record
     from hf_vla.train import main as train_main
 
     base = tmp_path_factory.mktemp("recap")
     run, datasets = colorreach_run(base, 20)
-    record("color_reach", base / "rollouts", episodes=6, image_size=24, max_episode_steps=20, strategy="dagger",
-           policy=str(run), progress=False,
-           dagger=__import__("hf_vla.envs.dagger", fromlist=["DaggerSettings"]).DaggerSettings(0.3, None, 10, None))
+    record(RecordArguments(env="color_reach", output=base / "rollouts", episodes=6, image_size=24, max_episode_steps=20,
+                           strategy="dagger", policy=str(run), beta=0.3), progress=False)
     config = json.loads((REPO / "configs/demo.json").read_text())
     demos = dict(datasets[0], name="demos")
     rollouts = dict(datasets[0], root=str(base / "rollouts"), name="rollouts")
@@ -450,14 +450,15 @@ def test_record_strategy_policy_keeps_every_episode_with_the_policys_own_actions
     import pyarrow.parquet as pq
 
     import hf_vla.envs.reach as reach
-    from hf_vla.envs.recording import record
+    from hf_vla.envs.recording import RecordArguments, record
 
     def no_expert(*args, **kwargs):
         raise AssertionError("the expert was consulted")
 
     monkeypatch.setattr(reach, "expert_action", no_expert)
     out = round_data["base"] / "own"
-    record("color_reach", out, episodes=5, strategy="policy", policy=str(round_data["run"]), progress=False)
+    record(RecordArguments(env="color_reach", output=out, episodes=5, strategy="policy", policy=str(round_data["run"])),
+           progress=False)
     table = pq.read_table(sorted((out / "data").rglob("*.parquet"))[0]).to_pandas()
     assert table["episode_index"].nunique() == 5 and "next.success" in table
     assert all(list(a) == list(b) for a, b in zip(table["action"], table["policy_action"]))

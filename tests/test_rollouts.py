@@ -33,6 +33,7 @@ def train(demo_data, out, *overrides):
 
 
 def test_synchronous_rollouts_equal_evaluating_the_saved_weights(demo_data, tmp_path):
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import evaluate_checkpoint
 
     out = tmp_path / "run"
@@ -43,8 +44,8 @@ def test_synchronous_rollouts_equal_evaluating_the_saved_weights(demo_data, tmp_
     lines = [json.loads(line) for line in (out / "rollout_results.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [2, 4] and lines[1]["result"]["episodes"] == 2
     # the step-4 snapshot is the final model: evaluating the saved model afterwards gives the same episodes
-    again = evaluate_checkpoint(out, env_id=ENV, episodes=2, seed=10_000, save_videos=0, progress=False,
-                                output_dir=tmp_path / "again")
+    again = evaluate_checkpoint(EvaluateArguments(out, env=ENV, episodes=2, seed=10_000, save_videos=0, device="cpu",
+                                                  output_dir=tmp_path / "again"), progress=False)
     assert (again.success_rate, again.mean_steps) == (lines[1]["result"]["success_rate"], lines[1]["result"]["mean_steps"])
     snapshot = out / "_rollouts" / "step-4"
     assert not list(snapshot.glob("*.safetensors"))  # the weights are gone once evaluated, the figures stay
@@ -113,6 +114,7 @@ def test_rollouts_under_a_two_process_fsdp2_launch(demo_data, tmp_path):
     import subprocess
     import sys
 
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import evaluate_checkpoint
 
     settings = json.loads((REPO / "configs/demo.json").read_text())
@@ -129,6 +131,6 @@ def test_rollouts_under_a_two_process_fsdp2_launch(demo_data, tmp_path):
     assert result.returncode == 0, result.stderr[-5000:]
     lines = [json.loads(line) for line in (tmp_path / "run" / "rollout_results.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [2]
-    again = evaluate_checkpoint(tmp_path / "run", env_id=ENV, episodes=2, save_videos=0, progress=False,
-                                output_dir=tmp_path / "again")
+    again = evaluate_checkpoint(EvaluateArguments(tmp_path / "run", env=ENV, episodes=2, save_videos=0, device="cpu",
+                                                  output_dir=tmp_path / "again"), progress=False)
     assert (again.success_rate, again.mean_steps) == (lines[0]["result"]["success_rate"], lines[0]["result"]["mean_steps"])

@@ -363,17 +363,20 @@ def test_server_real_time_chunking(server):
 
 def test_evaluate_through_the_server_equals_in_process(server, checkpoint, tmp_path):
     """`evaluate --server` with a simulated delay and RTC gives the episodes in-process evaluation gives (same seed)."""
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import evaluate_checkpoint
 
-    common = dict(episodes=3, save_videos=0, progress=False, inference_delay=2, rtc=True, n_action_steps=4)
-    remote = evaluate_checkpoint(server=server.uri, seed=5, output_dir=tmp_path / "remote", **common)
-    local = evaluate_checkpoint(checkpoint, seed=5, output_dir=tmp_path / "local", **common)
+    common = dict(episodes=3, save_videos=0, inference_delay=2, rtc=True, n_action_steps=4, device="cpu")
+    remote = evaluate_checkpoint(EvaluateArguments(server=server.uri, seed=5, output_dir=tmp_path / "remote", **common),
+                                 progress=False)
+    local = evaluate_checkpoint(EvaluateArguments(checkpoint, seed=5, output_dir=tmp_path / "local", **common),
+                                progress=False)
     assert remote.mean_steps == local.mean_steps and remote.successes == local.successes
     assert remote.boundary_jump == pytest.approx(local.boundary_jump, abs=1e-5)
     assert json.loads((tmp_path / "remote" / "eval_result.json").read_text())["rtc"] is True
     assert remote.rtc_method == local.rtc_method == "guidance"  # as the server's replies and the runner report it
     with pytest.raises(ValueError, match=r"n_action_steps \(7\) \+ inference_delay \(2\) exceeds the chunk size \(8\)"):
-        evaluate_checkpoint(server=server.uri, **(common | {"n_action_steps": 7}))
+        evaluate_checkpoint(EvaluateArguments(server=server.uri, **(common | {"n_action_steps": 7})), progress=False)
 
 
 def test_serve_cli_rejects_an_unknown_head(checkpoint, capsys, monkeypatch):

@@ -22,6 +22,7 @@ from test_trainer import _trainer, two_datasets  # noqa: F401  (session fixture)
 
 from hf_vla import PI05ForConditionalGeneration, PI05Processor, VLATrainer, VLATrainingArguments
 from hf_vla.data import PI0Collator, PI05Collator, WeightedDatasetMixture
+from hf_vla.data.stream import StreamSettings
 from hf_vla.errors import ConfigError
 from hf_vla.tiny import build_tiny_tokenizer, tiny_pi0_config, tiny_pi05_config
 from hf_vla.training.losses import GROUP_KEYS, PerSampleLoss, aggregate
@@ -92,7 +93,7 @@ def test_eval_loss_is_the_training_aggregation(two_datasets, tmp_path, mode, div
 
 
 def _samples(mixture, count=12, image_size=32, chunk=5):
-    stream = mixture.train_stream(image_size=image_size, chunk_size=chunk, open_blocks=3, seed=4)
+    stream = mixture.train_stream(StreamSettings(image_size=image_size, chunk_size=chunk, open_blocks=3, seed=4))
     return [sample for sample, _ in zip(stream, range(count))]
 
 
@@ -252,12 +253,12 @@ def test_the_wheel_works_outside_the_repository(tmp_path):
     script = tmp_path / "render.py"
     script.write_text(f"""
 import json, hf_vla
-from hf_vla.hub.card import model_card
+from hf_vla.hub.card import RunFacts, model_card
 from hf_vla.tiny import tiny_pi05_config
 assert hf_vla.__file__.startswith({str(env_site)!r}), hf_vla.__file__
 datasets = [dict(name="toy", source="org/toy", weight=1.0, head="arm::joint", cameras="cam",
                  example_task="pick up the cube")]
-card = model_card(tiny_pi05_config(), datasets=datasets, eval_metrics={{"eval_loss": 0.5, "eval_by_dataset/toy/mse": 0.25}},
+card = model_card(tiny_pi05_config(), datasets, RunFacts(eval_metrics={{"eval_loss": 0.5, "eval_by_dataset/toy/mse": 0.25}}),
                   model_name="toy-policy")
 print(json.dumps({{"card": str(card)}}))
 """)

@@ -48,15 +48,17 @@ def _summary(tasks: dict) -> dict:
 def hf_vla_arm(checkpoint: Path, episodes: int, out: Path, lerobot_settings: bool, task_names: list[str]) -> dict:
     import torch
 
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import evaluate_checkpoint
 
     torch.set_num_threads(1)  # the env workers need the other core (30 ms a step; with 2 threads beside them, 150)
 
     env_kwargs = {"max_episode_steps": LEROBOT_STEPS, "fast_render": False} if lerobot_settings else None
     started = time.perf_counter()
-    result = evaluate_checkpoint(checkpoint, env_id="metaworld", task=",".join(task_names), episodes=episodes,
-                                 save_videos=0, output_dir=out, env_kwargs=env_kwargs, progress=False,
-                                 overrides=("max_episode_steps",) if lerobot_settings else ())
+    args = EvaluateArguments(checkpoint=str(checkpoint), env="metaworld", task=",".join(task_names), episodes=episodes,
+                             save_videos=0, output_dir=str(out), device="cpu",
+                             override=["max_episode_steps"] if lerobot_settings else [])
+    result = evaluate_checkpoint(args, env_kwargs=env_kwargs, progress=False)
     tasks = {}
     for name, task in result.tasks.items():
         tasks[name] = {"success_rate": task.success_rate, "episodes": task.episodes, "successes": task.successes,

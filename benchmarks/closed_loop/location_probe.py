@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hf_vla.data.stream import StreamSettings
+
 REPO = Path(__file__).resolve().parents[2]
 # run as a script, its folder is on the path: the five-task benchmark's dataset spec
 from benchmarks.common import dataset_spec  # noqa: E402
@@ -52,7 +54,7 @@ def probe(checkpoint: Path, work: Path, validation_ratio: float = 0.05, split_se
          "target_text_key": "locations"}]
     mixture = WeightedDatasetMixture(spec, validation_ratio=validation_ratio, split_seed=split_seed)
     names = [source.name for source in mixture.sources]
-    stream = mixture.validation_stream(processor.image_size, model.config.chunk_size, batch_size)
+    stream = mixture.validation_stream(StreamSettings(processor.image_size, model.config.chunk_size, batch_size))
     collator = PI05Collator(processor)
     # (task, name) -> list of (true y, true x, predicted y, predicted x) in bins
     points: dict[tuple[str, str], list] = defaultdict(list)

@@ -105,14 +105,14 @@ def main():
 
     from hf_vla.deployment.contract import head_spec
     from hf_vla.envs.metaworld import MetaWorldEnv
-    from hf_vla.envs.settings import evaluation_settings
-    from hf_vla.evaluation.runner import run_episodes
+    from hf_vla.envs.settings import EnvRequest, evaluation_settings
+    from hf_vla.evaluation.runner import ChunkTiming, run_episodes
     from hf_vla.hub.resolve import resolve_contract
     from hf_vla.serving.policy import ObservationMap, load_policy
 
     contract = resolve_contract(args.checkpoint)  # what hf_vla.evaluate would run it with
-    settings = evaluation_settings(contract, None, "metaworld", args.tasks, args.episodes,
-                                   chunk_size=contract.chunk_size if contract else None)
+    settings = evaluation_settings(contract, EnvRequest("metaworld", args.tasks, args.episodes),
+                                   contract.chunk_size if contract else None)
     image_size, limit = settings["image_size"].value, settings["max_episode_steps"].value
     steps = int(settings["n_action_steps"].value)
     spec = head_spec(contract, None)
@@ -124,8 +124,8 @@ def main():
     for task in args.tasks.split(","):
         traces: dict = {}
         env = Traced(MetaWorldEnv(task, image_size=image_size, max_episode_steps=limit, **recorded), traces)
-        run_episodes(env, policy, args.episodes, steps, seed=args.seed,
-                     chunk_size=policy.model.config.chunk_size, progress=True)
+        run_episodes(env, policy, range(args.seed, args.seed + args.episodes),
+                     ChunkTiming(steps, chunk_size=policy.model.config.chunk_size), progress=True)
         env.close()
         result[task] = (reach_summary if task.startswith("reach") else push_summary)(traces)
         print(json.dumps({task: result[task]}), flush=True)

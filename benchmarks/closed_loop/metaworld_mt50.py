@@ -235,7 +235,7 @@ def stage_evaluate(data: Path, work: Path, episodes: int, num_envs: int, results
             try:
                 policy.policy.reset()
                 steps = getattr(policy.policy.config, "n_action_steps", 8)
-                tasks[name] = run_episodes(env, policy, episodes, steps, seed=seed, save_videos=1,
+                tasks[name] = run_episodes(env, policy, range(seed, seed + episodes), steps, save_videos=1,
                                            output_dir=work / "eval" / "lerobot" / name, progress=False)
             finally:
                 env.close()

@@ -67,10 +67,10 @@ def _peak(name: str) -> float | None:
 
 
 def _ensure_dataset(root: Path, episodes: int) -> dict:
-    from hf_vla.data.synthetic import droid_dataset_config, write_droid_like
+    from hf_vla.data.synthetic import DroidLike, droid_dataset_config, write_droid_like
 
     if not (root / "meta" / "info.json").exists():
-        write_droid_like(root, episodes=episodes, video_size=(180, 320))
+        write_droid_like(root, DroidLike(episodes=episodes, video_size=(180, 320)))
     return droid_dataset_config(root)
 
 
@@ -124,9 +124,10 @@ MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_ma
 
 def _one_batch(mixture, processor, config, batch_size: int) -> dict:
     from hf_vla.data import PI05Collator
+    from hf_vla.data.stream import StreamSettings
 
-    stream = mixture.train_stream(processor.image_size, config.chunk_size, batch_size=batch_size, seed=0,
-                                  open_blocks=8, collate_fn=PI05Collator(processor))
+    stream = mixture.train_stream(StreamSettings(processor.image_size, config.chunk_size, batch_size=batch_size, seed=0,
+                                  open_blocks=8, collate_fn=PI05Collator(processor)))
     return next(iter(stream))
 
 

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from hf_vla import PI05Processor
 from hf_vla.data import PI05Collator, WeightedDatasetMixture
+from hf_vla.data.stream import StreamSettings
 from hf_vla.models.pi05.processing_pi05 import resize_with_pad
 from hf_vla.tiny import build_tiny_tokenizer
 
@@ -72,7 +73,7 @@ def stream_loader(root: Path, workers: int):
     processor = PI05Processor(tokenizer=build_tiny_tokenizer(), norm_stats=mixture.norm_stats, image_size=IMAGE_SIZE,
                               max_state_dim=mixture.max_state_dim, max_action_dim=mixture.max_action_dim,
                               chunk_size=CHUNK, prompt_max_length=128)
-    stream = mixture.train_stream(IMAGE_SIZE, CHUNK, batch_size=BATCH, collate_fn=PI05Collator(processor), seed=0)
+    stream = mixture.train_stream(StreamSettings(IMAGE_SIZE, CHUNK, batch_size=BATCH, collate_fn=PI05Collator(processor), seed=0))
     return DataLoader(stream, batch_size=None, num_workers=workers)
 
 

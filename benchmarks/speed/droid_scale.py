@@ -65,7 +65,7 @@ def measure_hf_vla(root: str, keep_ranges: bool, turnover_batches: int) -> dict:
 
     from hf_vla import PI05Processor
     from hf_vla.data import ForkFriendlyDataLoader, PI05Collator, WeightedDatasetMixture
-    from hf_vla.data.stream import FrameReader
+    from hf_vla.data.stream import FrameReader, StreamSettings
     from hf_vla.data.synthetic import droid_dataset_config
     from hf_vla.tiny import build_tiny_tokenizer
 
@@ -93,7 +93,7 @@ def measure_hf_vla(root: str, keep_ranges: bool, turnover_batches: int) -> dict:
     reader.close()
     processor = PI05Processor(tokenizer=build_tiny_tokenizer(), norm_stats=mixture.norm_stats, image_size=IMAGE,
                               max_state_dim=32, max_action_dim=32, chunk_size=CHUNK, prompt_max_length=64)
-    stream = mixture.train_stream(IMAGE, CHUNK, batch_size=BATCH, collate_fn=PI05Collator(processor), seed=0)
+    stream = mixture.train_stream(StreamSettings(IMAGE, CHUNK, batch_size=BATCH, collate_fn=PI05Collator(processor), seed=0))
     loader = ForkFriendlyDataLoader(stream, batch_size=None, num_workers=1, persistent_workers=True)  # as the trainer
     started = time.perf_counter()
     iterator = iter(loader)
@@ -175,7 +175,7 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps(result))
         return result
 
-    from hf_vla.data.synthetic import write_droid_like
+    from hf_vla.data.synthetic import DroidLike, write_droid_like
 
     report = {"setup": {"batch": BATCH, "chunk": CHUNK, "image_size": IMAGE, "ranks": 1, "dataloader_workers": 1,
                         "machine_cpus": os.cpu_count()}, "sizes": {}}
@@ -183,7 +183,7 @@ def main(argv=None):
         root = Path(args.root) / f"droid_{episodes}"
         if not (root / "meta" / "info.json").exists():
             started = time.perf_counter()
-            write_droid_like(root, episodes=episodes)
+            write_droid_like(root, DroidLike(episodes=episodes))
             generated = time.perf_counter() - started
         else:
             generated = None

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from lerobot.datasets.compute_stats import aggregate_feature_stats
 
 from hf_vla.data.scan import MAX_STATS_FRAMES
 from hf_vla.data.sources import BlockList, DatasetConfig, LeRobotSource
-from hf_vla.data.stream import EpisodeShuffleStream, Provenance, ValidationStream
+from hf_vla.data.stream import EpisodeShuffleStream, Provenance, StreamSettings, ValidationStream
 from hf_vla.errors import ConfigError, DataError
 from hf_vla.models.pi05.normalization import DEFAULT_MODE, STAT_NAMES, missing_stats
 
@@ -199,14 +199,15 @@ class WeightedDatasetMixture:
         self.check_chunks(chunk_size)
         seed = args.data_seed if args.data_seed is not None else args.seed
         threads = getattr(args, "decoder_threads", None)
-        train = self.train_stream(image_size, chunk_size, batch_size=args.per_device_train_batch_size, seed=seed,
-                                  open_blocks=getattr(args, "stream_open_blocks", 32), rank=args.process_index,
-                                  world_size=args.world_size, decoder_threads=threads)
+        train = self.train_stream(StreamSettings(
+            image_size, chunk_size, batch_size=args.per_device_train_batch_size, seed=seed,
+            open_blocks=getattr(args, "stream_open_blocks", 32), rank=args.process_index, world_size=args.world_size,
+            decoder_threads=threads))
         validation = None
         if any(len(blocks) for blocks in self.validation_blocks):
-            validation = self.validation_stream(image_size, chunk_size, args.per_device_eval_batch_size,
-                                                rank=args.process_index, world_size=args.world_size,
-                                                decoder_threads=threads)
+            validation = self.validation_stream(StreamSettings(
+                image_size, chunk_size, args.per_device_eval_batch_size, rank=args.process_index,
+                world_size=args.world_size, decoder_threads=threads))
         return train, validation
 
     def check_chunks(self, chunk_size: int) -> None:
@@ -227,23 +228,16 @@ class WeightedDatasetMixture:
                                "chunk_size (or check the data's fps)", source.name, chunk_size, longest,
                                int(np.median(lengths)), chunk_size - longest, chunk_size)
 
-    def train_stream(self, image_size: int, chunk_size: int, batch_size: int | None = None,
-                     collate_fn: Callable | None = None, seed: int = 0, open_blocks: int = 32, rank: int = 0,
-                     world_size: int = 1, decoder_threads: int | None = None) -> EpisodeShuffleStream:
-        stream = EpisodeShuffleStream(
-            self.sources, self.train_blocks, self.weights, self.head_of_source, self.num_cameras, image_size,
-            chunk_size, seed=seed, open_blocks=open_blocks, batch_size=batch_size, collate_fn=collate_fn, rank=rank,
-            world_size=world_size, decoder_threads=decoder_threads,
-        )
+    def train_stream(self, settings: StreamSettings) -> EpisodeShuffleStream:
+        """The episode-shuffle stream over the training blocks, served as `settings` say."""
+        stream = EpisodeShuffleStream(self.sources, self.train_blocks, self.weights, self.head_of_source,
+                                      self.num_cameras, settings)
         stream.provenance = self.provenance
         return stream
 
-    def validation_stream(self, image_size: int, chunk_size: int, batch_size: int, collate_fn: Callable | None = None,
-                          rank: int = 0, world_size: int = 1, decoder_threads: int | None = None) -> ValidationStream:
-        stream = ValidationStream(
-            self.sources, self.validation_blocks, self.head_of_source, self.num_cameras, image_size, chunk_size,
-            batch_size, collate_fn=collate_fn, rank=rank, world_size=world_size, decoder_threads=decoder_threads,
-        )
+    def validation_stream(self, settings: StreamSettings) -> ValidationStream:
+        """Every validation frame once, in order, served as `settings` say (`batch_size` required)."""
+        stream = ValidationStream(self.sources, self.validation_blocks, self.head_of_source, self.num_cameras, settings)
         stream.provenance = self.provenance
         return stream
 

@@ -104,8 +104,10 @@ class ShardSchedule:
     then continues at the segment's epoch of that source.
     """
 
-    def __init__(self, blocks: list[list[Block]], weights: np.ndarray, seed: int, epoch: int, shard: int,
-                 num_shards: int, open_blocks: int, segment: dict | None = None, track_origins: bool = False):
+    def __init__(self, blocks: list[list[Block]], weights: np.ndarray, seed: int, epoch: int, shard: tuple[int, int],
+                 open_blocks: int, segment: dict | None = None, track_origins: bool = False):
+        """`shard`: (this shard's index, the number of shards)."""
+        shard, num_shards = shard
         self.blocks = blocks
         # token -> the epoch its block belongs to (None: a re-shard's piece); kept only when asked (tests, tools)
         self.origins: dict[int, int | None] | None = {} if track_origins else None
@@ -160,7 +162,7 @@ def schedule(
     segment: dict | None = None,
 ) -> Iterator[tuple[int, Block, int, int]]:
     """The sample order of one shard (`ShardSchedule`)."""
-    return ShardSchedule(blocks, weights, seed, epoch, shard, num_shards, open_blocks, segment)
+    return ShardSchedule(blocks, weights, seed, epoch, (shard, num_shards), open_blocks, segment)
 
 
 def samples_done(batches: int, worker: int, num_workers: int, batch_size: int | None) -> int:
@@ -254,6 +256,23 @@ class FrameReader:
         self._tables.clear()
 
 
+@dataclass
+class StreamSettings:
+    """How a stream serves samples: the image side and chunk length of each, `batch_size` samples per item (None:
+    single samples) through `collate_fn`, this process's `rank` of `world_size`, video `decoder_threads`; for the
+    training stream also its `seed` and the blocks each source keeps open (`open_blocks`)."""
+
+    image_size: int
+    chunk_size: int
+    batch_size: int | None = None
+    collate_fn: Callable | None = None
+    seed: int = 0
+    open_blocks: int = 32
+    rank: int = 0
+    world_size: int = 1
+    decoder_threads: int | None = None
+
+
 class EpisodeShuffleStream(IterableDataset):
     """Infinite training stream over a weighted mixture; yields collated batches (or samples without batch_size).
 
@@ -262,24 +281,14 @@ class EpisodeShuffleStream(IterableDataset):
     checkpoint. Resuming under another layout re-shards what is left (see `load_state_dict`).
     """
 
-    def __init__(
-        self,
-        sources: list[LeRobotSource],
-        blocks: list[list[Block]],
-        weights: list[float],
-        head_of_source: list[int],
-        num_cameras: int,
-        image_size: int,
-        chunk_size: int,
-        seed: int = 0,
-        open_blocks: int = 32,
-        batch_size: int | None = None,
-        collate_fn: Callable | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-        decoder_threads: int | None = None,
-    ):
+    def __init__(self, sources: list[LeRobotSource], blocks: list[list[Block]], weights: list[float],
+                 head_of_source: list[int], num_cameras: int, settings: StreamSettings):
         super().__init__()
+        image_size, chunk_size, seed, open_blocks = (settings.image_size, settings.chunk_size, settings.seed,
+                                                     settings.open_blocks)
+        batch_size, collate_fn, rank, world_size = (settings.batch_size, settings.collate_fn, settings.rank,
+                                                    settings.world_size)
+        decoder_threads = settings.decoder_threads
         if open_blocks <= 0:
             raise ConfigError(f"open_blocks (stream_open_blocks) must be positive, got {open_blocks}")
         if batch_size is not None and batch_size <= 0:
@@ -410,7 +419,7 @@ class EpisodeShuffleStream(IterableDataset):
         for rank in range(old["world_size"]):
             for worker in range(old["num_workers"]):
                 shard = rank * old["num_workers"] + worker
-                replay = ShardSchedule(self.blocks, self.weights, self.seed, self.epoch, shard, shards,
+                replay = ShardSchedule(self.blocks, self.weights, self.seed, self.epoch, (shard, shards),
                                        old["open_blocks"], old_segment)
                 done = samples_done(batches, worker, old["num_workers"], old["batch_size"])
                 for _ in range(done):
@@ -509,10 +518,13 @@ class ValidationStream(IterableDataset):
     lengths: nothing is held per frame.
     """
 
-    def __init__(self, sources, blocks: list[BlockList], head_of_source, num_cameras, image_size, chunk_size,
-                 batch_size: int, collate_fn: Callable | None = None, rank: int = 0, world_size: int = 1,
-                 decoder_threads: int | None = None):
+    def __init__(self, sources, blocks: list[BlockList], head_of_source, num_cameras, settings: StreamSettings):
         super().__init__()
+        image_size, chunk_size, batch_size = settings.image_size, settings.chunk_size, settings.batch_size
+        collate_fn, rank, world_size = settings.collate_fn, settings.rank, settings.world_size
+        decoder_threads = settings.decoder_threads
+        if batch_size is None:
+            raise ConfigError("the validation stream needs a batch_size")
         if batch_size <= 0:
             raise ConfigError(f"batch_size must be positive, got {batch_size}")
         self.sources, self.head_of_source = sources, head_of_source

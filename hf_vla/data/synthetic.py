@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -74,12 +75,38 @@ def _stats(values: np.ndarray) -> dict:
             "q99": np.quantile(values, 0.99, 0).tolist()}
 
 
-def write_droid_like(root: str | os.PathLike, episodes: int = 92_000, mean_length: int = 290, fps: int = 15,
-                     state_dim: int = 8, action_dim: int = 8, cameras=DROID_CAMERAS, video_size=(32, 32),
-                     frames_per_data_file: int = 1_000_000, row_groups: str = "episode", episodes_per_video: int = 100,
-                     episodes_per_meta_file: int = 50_000, seed: int = 0, progress: bool = True) -> Path:
-    """Write the dataset to `root` (which must not exist) and return it. See the module docstring."""
+@dataclass
+class DroidLike:
+    """The shape of a synthetic dataset (defaults: DROID's): episodes and their mean length, fps, state and action
+    widths, cameras and their video size, how the files rotate (frames per data file, row groups, episodes per video
+    and per metadata file), and the seed of its random content."""
+
+    episodes: int = 92_000
+    mean_length: int = 290
+    fps: int = 15
+    state_dim: int = 8
+    action_dim: int = 8
+    cameras: tuple[str, ...] = DROID_CAMERAS
+    video_size: tuple[int, int] = (32, 32)
+    frames_per_data_file: int = 1_000_000
+    row_groups: str = "episode"
+    episodes_per_video: int = 100
+    episodes_per_meta_file: int = 50_000
+    seed: int = 0
+
+
+def write_droid_like(root: str | os.PathLike, shape: DroidLike | None = None, progress: bool = True) -> Path:
+    """Write the dataset of `shape` (default: DROID's) to `root` (which must not exist) and return it. See the module
+    docstring."""
     from hf_vla.cli import progress_bar
+
+    shape = shape or DroidLike()
+    episodes, mean_length, fps, state_dim, action_dim = (shape.episodes, shape.mean_length, shape.fps, shape.state_dim,
+                                                         shape.action_dim)
+    cameras, video_size, frames_per_data_file, row_groups = (shape.cameras, shape.video_size,
+                                                             shape.frames_per_data_file, shape.row_groups)
+    episodes_per_video, episodes_per_meta_file, seed = (shape.episodes_per_video, shape.episodes_per_meta_file,
+                                                        shape.seed)
 
     root = Path(root)
     if root.exists():
@@ -263,8 +290,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.overwrite and Path(args.root).exists():
         shutil.rmtree(args.root)
-    write_droid_like(args.root, episodes=args.episodes, mean_length=args.mean_length, row_groups=args.row_groups,
-                     video_size=tuple(args.video_size), seed=args.seed)
+    write_droid_like(args.root, DroidLike(episodes=args.episodes, mean_length=args.mean_length,
+                                          row_groups=args.row_groups, video_size=tuple(args.video_size),
+                                          seed=args.seed))
 
 
 if __name__ == "__main__":

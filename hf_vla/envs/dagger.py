@@ -68,15 +68,12 @@ class DaggerSettings:
         return asdict(self)
 
 
-def dagger_episodes(env, policy, n_action_steps: int, count: int, seeds: Iterator[int], settings: DaggerSettings,
-                    camera: str | tuple[str, ...], state: str, stats: dict | None = None, bar=None,
-                    episodes: list | None = None, text=None, plan_steps: int | None = None) -> Iterator[list[dict]]:
-    """`count` episodes in `env` (which has `expert_action()`), the policy (`reset(seed=)`, `policy(observation, task)
-    -> chunk`) acting as `settings` say, run by the episode loop (`EpisodeRunner`), each a list of frames in the
-    recorder's format with the expert's label as `action`. Per-episode summaries (seed, success, steps, expert steps)
-    are appended to `episodes`; `stats` counts `kept`, `successes`, `frames` and `expert_steps`. `text(env)`, when
-    given, is each frame's per-frame text columns (Meta-World's locations, as the expert recording has them).
-    `plan_steps`: also record each frame's `action_plan`, the env's `expert_plan(plan_steps)` flattened."""
+def dagger_episodes(actor: DaggerActor, count: int, seeds: Iterator[int], stats: dict | None = None, bar=None,
+                    episodes: list | None = None) -> Iterator[list[dict]]:
+    """`count` episodes in the actor's env (which has `expert_action()`), its policy acting as its settings say, run
+    by the episode loop (`EpisodeRunner`), each a list of frames in the recorder's format with the expert's label as
+    `action`. Per-episode summaries (seed, success, steps, expert steps) are appended to `episodes`; `stats` counts
+    `kept`, `successes`, `frames` and `expert_steps`."""
     from hf_vla.envs.episodes import EpisodeRunner
 
     stats = stats if stats is not None else {}
@@ -84,8 +81,7 @@ def dagger_episodes(env, policy, n_action_steps: int, count: int, seeds: Iterato
         stats.setdefault(key, 0)
     if count <= 0:
         return
-    actor = DaggerActor(env, policy, n_action_steps, settings, camera, state, text, plan_steps)
-    runner = EpisodeRunner([env], actor, n_action_steps=1)
+    runner = EpisodeRunner([actor.env], actor, n_action_steps=1)
     for episode in runner.episodes(int(seed) for seed in itertools.islice(seeds, count)):
         frames, expert_steps = episode.log
         stats["kept"] += 1
@@ -104,7 +100,11 @@ def dagger_episodes(env, policy, n_action_steps: int, count: int, seeds: Iterato
 class DaggerActor:
     """The acting side of a DAgger episode as a one-action policy for the episode loop: at each step the policy's
     next action (from its chunk of `n_action_steps`) or the expert's, as `settings` say (see the module docstring);
-    every step's frame, labelled with the expert's action, is kept for the episode's log `(frames, expert_steps)`."""
+    every step's frame, labelled with the expert's action, is kept for the episode's log `(frames, expert_steps)`.
+
+    `policy`: `reset(seed=)`, `policy(observation, task) -> chunk`; `camera` / `state`: the recorded keys; `text(env)`,
+    when given, is each frame's per-frame text columns (Meta-World's locations, as the expert recording has them);
+    `plan_steps`: also record each frame's `action_plan`, the env's `expert_plan(plan_steps)` flattened."""
 
     def __init__(self, env, policy, n_action_steps: int, settings: DaggerSettings, camera: str | tuple[str, ...], state: str,
                  text=None, plan_steps: int | None = None):

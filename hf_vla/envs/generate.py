@@ -21,13 +21,13 @@ def generate_demo_dataset(root: str | os.PathLike, episodes: int = 200, seed: in
     demo's episode seeds `seed * 100_003 + i` (for seed 0: the recorder's own 0, 1, 2, ...)."""
     import itertools
 
-    from hf_vla.envs.recording import record
+    from hf_vla.envs.recording import RecordArguments, record
 
     root = Path(root)
     if root.exists():
         raise FileExistsError(f"{root} exists; delete it to regenerate")
     start = time.perf_counter()
-    record("color_reach", root, episodes, seed=seed, env_kwargs=env_kwargs,
+    record(RecordArguments(env="color_reach", output=str(root), episodes=episodes, seed=seed), env_kwargs,
            seeds=lambda first: (first * 100_003 + i for i in itertools.count()))
     logger.info("wrote %d demo episodes to %s in %.1fs", episodes, root, time.perf_counter() - start)
     return root

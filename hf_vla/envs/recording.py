@@ -17,7 +17,7 @@ import numpy as np
 
 from hf_vla.cli import positive, progress_bar
 from hf_vla.deployment.contract import RECORD_MARKER
-from hf_vla.envs.dagger import DaggerSettings, dagger_episodes, dagger_features
+from hf_vla.envs.dagger import DaggerActor, DaggerSettings, dagger_episodes, dagger_features
 from hf_vla.envs.metaworld import LOCATIONS
 from hf_vla.errors import ConfigError
 from hf_vla.registry import contract_env, env_names, find_env
@@ -104,19 +104,27 @@ def _part_stats(part: Path) -> dict | None:
     return json.loads(marker.read_text()) if marker.exists() else None
 
 
-def record(env: str, output: str | Path, episodes: int, tasks: str | None = None, image_size: int | None = None,
-           seed: int | None = None, max_episode_steps: int | None = None, overwrite: bool = False,
-           progress: bool = True, seeds: Callable[[int], Iterator[int]] | None = None, env_kwargs: dict | None = None,
-           max_tries: int | None = None, strategy: str = "expert", policy: str | None = None,
-           dagger: DaggerSettings | None = None, round_index: int = 1, device: str = "cpu") -> RecordResult:
-    """Record `episodes` successful expert episodes per task into a new LeRobot dataset at `output` (with
-    `strategy="dagger"`: `episodes` DAgger episodes per task of `policy`, labelled by the expert; see
-    `hf_vla.envs.dagger`).
+def record(args: RecordArguments, env_kwargs: dict | None = None, progress: bool = True,
+           seeds: Callable[[int], Iterator[int]] | None = None) -> RecordResult:
+    """`python -m hf_vla.record` with its options as one `RecordArguments`: record `args.episodes` successful expert
+    episodes per task into a new LeRobot dataset at `args.output` (with `strategy="dagger"`: that many DAgger episodes
+    per task of `args.policy`, labelled by the expert; see `hf_vla.envs.dagger`). `env_kwargs`: further env arguments
+    beside the flags (`crop`, `action_mode`, `cameras`); `seeds(first)`: each task's episode seeds (default `first`,
+    `first` + 1, ...).
 
     Each task is recorded into its own part under `.<output name>.recording/` beside `output` and marked done when
     complete; the parts are joined with lerobot's `aggregate_datasets` and the result renamed into place. Killed and
     rerun with the same arguments, the recording continues from the first task not done. A task gets at most
     `max_tries` episodes (default 3 x episodes + 10); a shortfall is reported in the result, not hidden."""
+    env, output, episodes, tasks, strategy, policy = (args.env, args.output, args.episodes, args.task, args.strategy,
+                                                      args.policy)
+    image_size, seed, max_episode_steps, max_tries = args.image_size, args.seed, args.max_episode_steps, args.max_tries
+    overwrite, device, round_index = args.overwrite, args.device, 1 if args.round is None else args.round
+    flags = {k: v for k, v in (("crop", args.crop), ("action_mode", args.action_mode), ("cameras", args.cameras)) if v}
+    env_kwargs = (flags | dict(env_kwargs or {})) or None
+    dagger = DaggerSettings(args.beta or 0.0, args.takeover_threshold,
+                            10 if args.takeover_steps is None else args.takeover_steps,
+                            args.stall_steps) if strategy == "dagger" else None
     family = find_env(env)
     if family is None or not family.recording:
         raise ConfigError(f"env {env!r}: choose one of {env_names(recordable=True)} (the envs with a scripted expert)")
@@ -289,15 +297,16 @@ def _episodes(job: _Job, live, name: str, stats: dict, used: list[int], bar) -> 
 
     check_dims(job.runner, live, f"{job.env} {name}")
     stats["rejected"] = 0
-    yield from dagger_episodes(live, job.runner, job.resolved["n_action_steps"], job.episodes, seeds, job.dagger,
-                               tuple(job.camera_keys), STATE, stats=stats, bar=bar, episodes=stats.setdefault("episodes", []),
-                               text=_location_text if find_env(job.env).locations else None,
-                               plan_steps=job.resolved["plan_steps"])
+    actor = DaggerActor(live, job.runner, job.resolved["n_action_steps"], job.dagger, tuple(job.camera_keys), STATE,
+                        text=_location_text if find_env(job.env).locations else None,
+                        plan_steps=job.resolved["plan_steps"])
+    yield from dagger_episodes(actor, job.episodes, seeds, stats=stats, bar=bar,
+                               episodes=stats.setdefault("episodes", []))
 
 
 def _record_task(job: _Job, name: str, parts: Path, bar) -> dict:
     """One task recorded into `parts/<name>.partial`, renamed to `parts/<name>` when whole; its statistics."""
-    from hf_vla.data.writer import write_lerobot_dataset
+    from hf_vla.data.writer import DatasetLayout, write_lerobot_dataset
 
     live = job.make[name]()
     used: list[int] = []
@@ -317,15 +326,15 @@ def _record_task(job: _Job, name: str, parts: Path, bar) -> dict:
         episodes = counted(_episodes(job, live, name, stats, used, bar))
         first = next(episodes, None)
         if first is not None:
-            write_lerobot_dataset(
-                partial / "dataset", itertools.chain([first], episodes), fps=job.fps,
-                cameras={key: (job.size, job.size) for key in job.camera_keys}, state_dim=job.state_dim, action_dim=job.action_dim,
-                robot_type=job.robot_type, state_key=STATE, action_key=ACTION, repo_id=f"local/{name}",
-                text_features=(LOCATIONS,) if find_env(job.env).locations else (),
+            layout = DatasetLayout(
+                fps=job.fps, cameras={key: (job.size, job.size) for key in job.camera_keys}, state_dim=job.state_dim,
+                action_dim=job.action_dim, robot_type=job.robot_type, state_key=STATE, action_key=ACTION,
+                repo_id=f"local/{name}", text_features=(LOCATIONS,) if find_env(job.env).locations else (),
                 extra_features=dagger_features(job.action_dim, job.resolved["plan_steps"]) if job.runner is not None
                 else None,
                 # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env renders.
                 pix_fmt="yuv444p", crf=0)
+            write_lerobot_dataset(partial / "dataset", itertools.chain([first], episodes), layout)
         else:
             partial.mkdir(parents=True, exist_ok=True)
     finally:
@@ -405,7 +414,7 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
     episode limit, env arguments such as a crop): a flag that contradicts the contract, or a checkpoint trained in
     another env, is refused in one line."""
     from hf_vla.deployment.contract import ContractError, head_spec
-    from hf_vla.envs.settings import env_arguments, evaluation_settings
+    from hf_vla.envs.settings import EnvRequest, env_arguments, evaluation_settings
     from hf_vla.hub.resolve import resolve_contract
     from hf_vla.serving.policy import ObservationMap, load_policy
 
@@ -419,9 +428,9 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
         raise ConfigError(f"--policy {policy}: its data was recorded in {trained_env!r}, not {contract_env(env)!r} "
                           f"(--env {env}); DAgger runs a policy in the env it was trained for")
     try:
-        settings = evaluation_settings(contract, None, contract_env(env), tasks, episodes, image_size=image_size,
-                                       max_episode_steps=max_episode_steps, overrides=("seed",),
-                                       chunk_size=contract.chunk_size if contract else None)
+        settings = evaluation_settings(contract, EnvRequest(contract_env(env), tasks, episodes, image_size=image_size,
+                                                           max_episode_steps=max_episode_steps, override=("seed",)),
+                                       contract.chunk_size if contract else None)
     except ContractError as error:
         raise ConfigError(f"--policy {policy}: {str(error).split('; drop the flag')[0]}; drop the flag: DAgger runs "
                           "the policy as it was trained") from None
@@ -533,18 +542,6 @@ class RecordArguments:
         if self.strategy != "dagger" and dagger_flags:
             raise ConfigError(f"{', '.join(dagger_flags)}: DAgger settings, taken with --strategy dagger only (the "
                               "expert records alone)")
-
-    def record(self):
-        """`record(...)` with these options."""
-        env_kwargs = {k: v for k, v in (("crop", self.crop), ("action_mode", self.action_mode),
-                                        ("cameras", self.cameras)) if v} or None
-        dagger = DaggerSettings(self.beta or 0.0, self.takeover_threshold,
-                                10 if self.takeover_steps is None else self.takeover_steps, self.stall_steps)
-        return record(self.env, self.output, self.episodes, tasks=self.task, image_size=self.image_size,
-                      seed=self.seed, max_episode_steps=self.max_episode_steps, overwrite=self.overwrite,
-                      max_tries=self.max_tries, env_kwargs=env_kwargs, strategy=self.strategy, policy=self.policy,
-                      round_index=1 if self.round is None else self.round, device=self.device,
-                      dagger=dagger if self.strategy == "dagger" else None)
 
 
 __all__ = ["RecordArguments", "RecordResult", "expert_episodes", "record"]

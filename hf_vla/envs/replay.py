@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,7 @@ def _add_locations(source: Path, output: Path, marker: dict, info: dict, check_e
     for name, stats in marker["tasks"].items():
         by_description.setdefault(stats.get("description") or metaworld.task_description(name), []).append(name)
     episodes = _episodes(source, info)
+    recording = _Recording(source, info, fps, size, check_every, tolerance)
     texts: dict[int, list[str]] = {}
     bar = progress_bar(len(episodes), "replaying for locations", "episodes", enabled=progress)
     try:
@@ -131,8 +133,7 @@ def _add_locations(source: Path, output: Path, marker: dict, info: dict, check_e
             try:
                 seed = int(low)
                 for index in sorted(i for i, e in episodes.items() if e["task"] == description):
-                    seed, texts[index] = _replay(env, episodes[index], index, name, seed, int(high), source, info,
-                                                 fps, size, check_every, tolerance)
+                    seed, texts[index] = _replay(env, episodes[index], index, name, seed, int(high), recording)
                     seed += 1
                     bar.update(1)
             finally:
@@ -145,10 +146,24 @@ def _add_locations(source: Path, output: Path, marker: dict, info: dict, check_e
     return _write(source, output, info, marker, texts, overwrite)
 
 
-def _replay(env, episode: dict, index: int, name: str, seed: int, high: int, root: Path, info: dict, fps: float,
-            size: int, check_every: int, tolerance: float) -> tuple[int, list[str]]:
+@dataclass
+class _Recording:
+    """The recording being replayed: its root and info.json, fps and image size, and how closely its images are
+    checked (every `check_every` frames, to a mean gap of `tolerance` levels)."""
+
+    root: Path
+    info: dict
+    fps: float
+    size: int
+    check_every: int
+    tolerance: float
+
+
+def _replay(env, episode: dict, index: int, name: str, seed: int, high: int,
+            recording: _Recording) -> tuple[int, list[str]]:
     """(seed, per-frame location texts) of one episode, or a DataError saying where the replay departs."""
-    frames = _video_frames(root, info, episode, fps, size)
+    check_every, tolerance = recording.check_every, recording.tolerance
+    frames = _video_frames(recording.root, recording.info, episode, recording.fps, recording.size)
     first = next(frames)
     closest = None
     while seed <= high:  # the first seed at or after `seed` whose reset is this episode's first frame

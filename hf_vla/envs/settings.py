@@ -6,6 +6,7 @@ during training, RL and DAgger take their settings from here."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
 
 import gymnasium as gym
 
@@ -43,17 +44,41 @@ def env_takes(env_id: str, argument: str) -> bool:
         return False
 
 
-def evaluation_settings(contract, head: str | None, env_id: str | None, task: str | None, episodes: int,
-                        n_action_steps: int | None = None, seed: int | None = None, cameras: list[str] | None = None,
-                        image_size: int | None = None, max_episode_steps: int | None = None,
-                        overrides=(), chunk_size: int | None = None) -> dict:
+@dataclass
+class EnvRequest:
+    """What a caller asks of an env run, before the checkpoint's contract is consulted: each field None (or empty)
+    where the caller leaves it to the contract or the default. `EvaluateArguments` has the same names
+    (`EnvRequest.of(args)`)."""
+
+    env: str | None = None
+    task: str | None = None
+    episodes: int = 1
+    n_action_steps: int | None = None
+    seed: int | None = None
+    cameras: list[str] | None = None
+    image_size: int | None = None
+    max_episode_steps: int | None = None
+    override: tuple = ()
+    head: str | None = None
+
+    @classmethod
+    def of(cls, args, **changes) -> EnvRequest:
+        """The request of an options object with these field names (others left at their defaults), with `changes`."""
+        taken = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**(taken | changes))
+
+
+def evaluation_settings(contract, request: EnvRequest, chunk_size: int | None = None) -> dict:
     """What an evaluation runs with: `{name: Setting(value, source)}` for env, task, image_size, n_action_steps,
-    max_episode_steps, cameras, seed, head and control_mode. Each comes from its flag, else the checkpoint's deployment
-    contract (`hf_vla.deployment.contract`), else the default; a flag that contradicts the contract is a `ContractError`
-    naming both values and `--override NAME`, unless NAME is in `overrides`."""
+    max_episode_steps, cameras, seed, head and control_mode. Each comes from its flag in `request`, else the
+    checkpoint's deployment contract (`hf_vla.deployment.contract`), else the default; a flag that contradicts the
+    contract is a `ContractError` naming both values and `--override NAME`, unless NAME is in `request.override`."""
     from hf_vla.deployment.contract import Setting, choose, square_size
 
-    overrides = set(overrides or ())
+    head, env_id, task, episodes = request.head, request.env, request.task, request.episodes
+    n_action_steps, seed, cameras = request.n_action_steps, request.seed, request.cameras
+    image_size, max_episode_steps = request.image_size, request.max_episode_steps
+    overrides = set(request.override or ())
     unknown = sorted(overrides - set(OVERRIDABLE))
     if unknown:
         raise ConfigError(f"--override {' '.join(unknown)}: choose from {' '.join(OVERRIDABLE)}")

@@ -14,8 +14,9 @@ import numpy as np
 from hf_vla.cli import positive, websocket_uri
 from hf_vla.deployment.contract import head_spec
 from hf_vla.envs.episodes import check_dims
-from hf_vla.envs.settings import MAX_ENVS_AT_ONCE, env_arguments, evaluation_settings
+from hf_vla.envs.settings import MAX_ENVS_AT_ONCE, EnvRequest, env_arguments, evaluation_settings
 from hf_vla.errors import ConfigError, ConnectionFailedError
+from hf_vla.evaluation.arguments import EvaluateArguments
 from hf_vla.evaluation.envs import (
     _check_image_size,
     _close,
@@ -113,63 +114,80 @@ class RemotePolicy:
         return np.asarray(reply["actions"])
 
 
-def run_episodes(env, policy, episodes: int, n_action_steps: int, seed: int = 0, save_videos: int = 0,
-                 output_dir: str | Path | None = None, progress: bool = True, inference_delay: int = 0,
-                 rtc: bool = False, chunk_size: int | None = None, seeds: list[int] | None = None) -> EvalResult:
+@dataclass
+class ChunkTiming:
+    """How chunks drive an env: `n_action_steps` actions of each, an inference delay `inference_delay` (control steps
+    the robot runs the old chunk while the next is computed), real-time chunking with `rtc`, and the policy's
+    `chunk_size` (the bound the other two are checked against)."""
+
+    n_action_steps: int
+    inference_delay: int = 0
+    rtc: bool = False
+    chunk_size: int | None = None
+
+    def runner(self, envs, policy):
+        from hf_vla.envs.episodes import EpisodeRunner
+
+        return EpisodeRunner(envs, policy, self.n_action_steps, inference_delay=self.inference_delay, rtc=self.rtc,
+                             chunk_size=self.chunk_size)
+
+
+def run_episodes(env, policy, seeds, timing: ChunkTiming | int, save_videos: int = 0,
+                 output_dir: str | Path | None = None, progress: bool = True) -> EvalResult:
     """Closed-loop episodes with receding-horizon chunks in `env` (one env, or a list of envs run at once), through
-    the one episode loop (`hf_vla.envs.episodes.EpisodeRunner`); episode i has seed `seed + i` (or `seeds[i]`).
+    the one episode loop (`hf_vla.envs.episodes.EpisodeRunner`): one episode per seed of `seeds`.
 
-    `policy(observation, task, inference_delay=, executed_steps=)` returns a chunk. With `inference_delay` d > 0,
-    inference is simulated as asynchronous: after `n_action_steps` (H) actions of a chunk the next one is requested
-    with the current observation, the robot executes d more actions of the current chunk meanwhile, then switches to
-    the new chunk at its index d (so every chunk drives H actions, from an observation d steps old). With `rtc` the
-    request asks the policy to continue the current chunk (real-time chunking); without, chunks are independent.
+    `policy(observation, task, inference_delay=, executed_steps=)` returns a chunk. `timing` (or just the number of
+    actions executed per chunk): with an inference delay d > 0, inference is simulated as asynchronous: after
+    `n_action_steps` (H) actions of a chunk the next one is requested with the current observation, the robot executes
+    d more actions of the current chunk meanwhile, then switches to the new chunk at its index d (so every chunk
+    drives H actions, from an observation d steps old). With `rtc` the request asks the policy to continue the current
+    chunk (real-time chunking); without, chunks are independent.
     """
-    from hf_vla.envs.episodes import EpisodeRunner
-
-    if episodes < 1:
-        raise ConfigError(f"episodes={episodes}: must be positive")
+    seeds = [int(seed) for seed in seeds]
+    if not seeds:
+        raise ConfigError("episodes: no seed to run an episode with")
+    timing = timing if isinstance(timing, ChunkTiming) else ChunkTiming(int(timing))
     envs = list(env) if isinstance(env, list | tuple) else [env]
-    runner = EpisodeRunner(envs, policy, n_action_steps, inference_delay=inference_delay, rtc=rtc,
-                           chunk_size=chunk_size)
-    done = runner.run(list(seeds) if seeds is not None else [seed + i for i in range(episodes)],
-                      save_videos=save_videos, output_dir=output_dir, progress=progress)
-    return EvalResult.from_episodes(done, inference_delay, rtc, runner.rtc_methods, num_envs=len(envs))
+    runner = timing.runner(envs, policy)
+    done = runner.run(seeds, save_videos=save_videos, output_dir=output_dir, progress=progress)
+    return EvalResult.from_episodes(done, timing.inference_delay, timing.rtc, runner.rtc_methods, num_envs=len(envs))
 
 
-
-def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None = None, episodes: int = 50,
-                        n_action_steps: int | None = None, seed: int | None = None, head=None, cameras=None,
-                        save_videos: int = 3, output_dir: str | Path | None = None, device: str = "cpu",
-                        env_kwargs: dict | None = None, progress: bool = True, server: str | None = None,
-                        inference_delay: int = 0, rtc: bool = False, rtc_config: RTCConfig | None = None,
-                        task: str | None = None, revision: str | None = None, num_envs: int | None = None,
-                        overrides=(), tasks_at_once: int | None = None, cfg_beta: float | None = None):
-    """Evaluate a checkpoint in-process, or the policy behind `server` (ws://HOST:PORT) through openpi-client.
+def evaluate_checkpoint(args: EvaluateArguments, rtc_config: RTCConfig | None = None, env_kwargs: dict | None = None,
+                        progress: bool = True):
+    """Evaluate `args.checkpoint` in-process, or the policy behind `args.server` (ws://HOST:PORT) through openpi-client:
+    `python -m hf_vla.evaluate` with its options as one `EvaluateArguments` (`rtc_config`: the in-process real-time
+    chunking settings).
 
     Every setting the checkpoint's deployment contract knows (env and tasks of the recorded benchmark, image size,
     actions per chunk, episode limit, cameras) is taken from it; an argument that contradicts it is refused unless
-    named in `overrides` (see `evaluation_settings`). `env_id="metaworld"` with `task` (names or a difficulty group) or
-    `env_id="libero"` with `task` (suites such as `libero_spatial`, or `suite/index`) runs lerobot's env wrappers;
-    `env_kwargs` may set `image_size` and `max_episode_steps` (as flags) and other env arguments. `num_envs` envs run
-    per task at once (default: `hf_vla.envs.episodes.default_num_envs`), and `tasks_at_once` benchmark tasks side by side
-    (default: `default_tasks_at_once`); each episode's outcome depends on its seed alone. Returns a
-    `BenchmarkResult` (per-task results, their mean) for a benchmark env, else an `EvalResult`; both carry the
-    settings and every episode, also written to `output_dir/eval_result.json`.
+    named in `args.override` (see `evaluation_settings`). `env="metaworld"` with `task` (names or a difficulty group)
+    or `env="libero"` with `task` (suites such as `libero_spatial`, or `suite/index`) runs lerobot's env wrappers;
+    `env_kwargs` are further env arguments (its `image_size` and `max_episode_steps` count as those flags where
+    `args` leaves them unset). `num_envs` envs run per task at once (default:
+    `hf_vla.envs.episodes.default_num_envs`), and `tasks_at_once` benchmark tasks side by side (default:
+    `default_tasks_at_once`); each episode's outcome depends on its seed alone. Returns a `BenchmarkResult`
+    (per-task results, their mean) for a benchmark env, else an `EvalResult`; both carry the settings and every
+    episode, also written to `output_dir/eval_result.json`.
     """
     import hf_vla.envs  # noqa: F401  (registers the demo env)
+    from hf_vla.cli import resolve_device
     from hf_vla.deployment.contract import DeploymentConfig
     from hf_vla.envs.episodes import default_num_envs
 
+    checkpoint, server, episodes = args.checkpoint, args.server, args.episodes
     if (checkpoint is None) == (server is None):
         raise ConfigError("pass exactly one of checkpoint (in-process) and server (ws://HOST:PORT)")
     if episodes < 1:
         raise ConfigError(f"episodes={episodes}: must be positive")
-    positive("num_envs", num_envs)
-    positive("tasks_at_once", tasks_at_once)
+    positive("num_envs", args.num_envs)
+    positive("tasks_at_once", args.tasks_at_once)
     env_kwargs = dict(env_kwargs or {})
-    flags = {"image_size": env_kwargs.pop("image_size", None), "max_episode_steps": env_kwargs.pop("max_episode_steps",
-                                                                                                     None)}
+    flags = {name: getattr(args, name) if getattr(args, name) is not None else env_kwargs.get(name)
+             for name in ("image_size", "max_episode_steps")}
+    for name in flags:
+        env_kwargs.pop(name, None)
     remote = None
     if server is not None:
         remote = RemotePolicy(websocket_uri("server", server))
@@ -177,10 +195,9 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
         contract = DeploymentConfig.from_dict(contract, f"{server} metadata") if contract else None
         chunk_size = int(remote.metadata.get("chunk_size", 0)) or None
     else:
-        contract = resolve_contract(checkpoint, revision)
+        contract = resolve_contract(checkpoint, args.revision)
         chunk_size = contract.chunk_size if contract else None
-    settings = evaluation_settings(contract, head, env_id, task, episodes, n_action_steps, seed, cameras,
-                                   flags["image_size"], flags["max_episode_steps"], overrides, chunk_size)
+    settings = evaluation_settings(contract, EnvRequest.of(args, **flags), chunk_size)
     env_id, task = settings["env"].value, settings["task"].value
     check_env(env_id, task)
     spec = head_spec(contract, settings["head"].value)
@@ -193,6 +210,7 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
                           f"{env_cameras}; pass --cameras with the env's keys in the checkpoint's slot order")
     check_cameras("--cameras", chosen if settings["cameras"].source != "checkpoint" else None, env_cameras)
     shown = {k: v for k, v in env_kwargs.items() if k != "image_size"}  # the env arguments besides the flags
+    output_dir = args.output_dir
     if output_dir is None:
         output_dir = Path(checkpoint) / "rollouts" if checkpoint is not None else Path("outputs") / "eval_server"
     from hf_vla.storage import check_creatable, make_dir
@@ -201,36 +219,36 @@ def evaluate_checkpoint(checkpoint: str | Path | None = None, env_id: str | None
     if remote is not None:
         policy = remote
     else:
-        policy = load_policy(checkpoint, device=device, revision=revision, head=head, seed=int(settings["seed"].value),
-                             rtc=rtc_config or RTCConfig(), obs_map=ObservationMap(cameras=chosen or None),
-                             num_camera_slots=len(spec["cameras"]) if spec else None, cfg_beta=cfg_beta)
-        check_cfg_beta("--cfg_beta", cfg_beta, policy)
+        policy = load_policy(checkpoint, device=resolve_device(args.device), revision=args.revision, head=args.head,
+                             seed=int(settings["seed"].value), rtc=rtc_config or RTCConfig(),
+                             obs_map=ObservationMap(cameras=chosen or None),
+                             num_camera_slots=len(spec["cameras"]) if spec else None, cfg_beta=args.cfg_beta)
+        check_cfg_beta("--cfg_beta", args.cfg_beta, policy)
         try:
             settings["head"].value = policy.head_name()
         except RequestError as error:
             raise ConfigError(f"head: {error}") from error
         chunk_size = policy.model.config.chunk_size
-    steps = int(settings["n_action_steps"].value)
-    count = int(num_envs or default_num_envs(episodes))
-    seeds = [int(settings["seed"].value) + i for i in range(episodes)]
-    common = dict(save_videos=save_videos, progress=progress, inference_delay=inference_delay, rtc=rtc,
-                  chunk_size=chunk_size, n_action_steps=steps)
+    count = int(args.num_envs or default_num_envs(episodes))
     recorded = {name: {"value": setting.value, "source": setting.source} for name, setting in settings.items()}
-    recorded["num_envs"] = {"value": count, "source": "flag" if num_envs else "default"}
+    recorded["num_envs"] = {"value": count, "source": "flag" if args.num_envs else "default"}
     if shown:
         recorded["env_kwargs"] = {"value": shown, "source": "checkpoint" if shown != given else "flag"}
     names = env_tasks(env_id, task)
     family = task_env(env_id)
-    at_once = int(tasks_at_once or default_tasks_at_once(len(names), count)) if names != [None] else 1
+    at_once = int(args.tasks_at_once or default_tasks_at_once(len(names), count)) if names != [None] else 1
     if names != [None]:
-        recorded["tasks_at_once"] = {"value": at_once, "source": "flag" if tasks_at_once else "default"}
+        recorded["tasks_at_once"] = {"value": at_once, "source": "flag" if args.tasks_at_once else "default"}
+    plan = _TaskPlan(env_id, policy, spec, settings, tuple(args.override or ()), count, env_kwargs,
+                     [int(settings["seed"].value) + i for i in range(episodes)], output_dir, args.save_videos,
+                     progress, ChunkTiming(int(settings["n_action_steps"].value), args.inference_delay, args.rtc,
+                                           chunk_size))
     results = {}
     for start in range(0, len(names), at_once):
         wave = names[start:start + at_once]
         desc = (f"{family.title} tasks {start + 1}-{start + len(wave)} of {len(names)}" if len(names) > 1
                 else "closed-loop episodes")
-        results |= _run_tasks(env_id, wave, policy, spec, settings, overrides, count, env_kwargs, seeds, output_dir,
-                              desc, **common)
+        results |= _run_tasks(plan, wave, desc)
     make_dir("--output_dir", output_dir)
     if family is not None:
         result = BenchmarkResult.from_tasks(env_id, results)
@@ -248,38 +266,51 @@ def default_tasks_at_once(tasks: int, num_envs: int) -> int:
     return max(1, min(tasks, MAX_ENVS_AT_ONCE // max(1, num_envs)))
 
 
-def _run_tasks(env_id: str, names: list, policy, spec, settings: dict, overrides, num_envs: int, env_kwargs: dict,
-               seeds: list[int], output_dir: Path, desc: str, save_videos: int, progress: bool, inference_delay: int,
-               rtc: bool, chunk_size, n_action_steps: int) -> dict:
+@dataclass
+class _TaskPlan:
+    """What every wave of an evaluation shares: the env, the policy, the resolved settings and where results go."""
+
+    env_id: str
+    policy: object
+    spec: dict | None
+    settings: dict
+    overrides: tuple
+    num_envs: int
+    env_kwargs: dict
+    seeds: list[int]
+    output_dir: Path
+    save_videos: int
+    progress: bool
+    timing: ChunkTiming
+
+
+def _run_tasks(plan: _TaskPlan, names: list, desc: str) -> dict:
     """The episodes of `names` (benchmark tasks, or `[None]` for one gymnasium env) at once: `num_envs` envs per
     task, every task's seeds in its own envs, one batched policy call per control step across all live envs (an
     episode's outcome depends on its seed alone, not on the tasks beside it). -> `{name: EvalResult}`."""
-    from hf_vla.envs.episodes import EpisodeRunner
-
     envs: dict = {}
     try:
         for name in names:
             # several tasks' envs step side by side, so each in a worker process even at one env per task
-            envs[name] = _make_envs(env_id, name, num_envs, env_kwargs, settings["max_episode_steps"].value,
-                                    worker=num_envs * len(names) > 1)
-            label = f"{task_env(env_id).title} {name}" if name else f"env {env_id!r}"
-            check_dims(policy, envs[name][0], label)
-            if "image_size" not in set(overrides or ()):
-                _check_image_size(envs[name][0], spec, settings, label)
-        runner = EpisodeRunner(envs, policy, n_action_steps, inference_delay=inference_delay, rtc=rtc,
-                               chunk_size=chunk_size)
-        done = runner.run({name: seeds for name in names}, save_videos=save_videos, progress=progress, desc=desc,
-                          output_dir={name: output_dir / (name or "") for name in names})
+            envs[name] = _make_envs(plan.env_id, name, plan.num_envs, plan.env_kwargs,
+                                    plan.settings["max_episode_steps"].value, worker=plan.num_envs * len(names) > 1)
+            label = f"{task_env(plan.env_id).title} {name}" if name else f"env {plan.env_id!r}"
+            check_dims(plan.policy, envs[name][0], label)
+            if "image_size" not in set(plan.overrides):
+                _check_image_size(envs[name][0], plan.spec, plan.settings, label)
+        runner = plan.timing.runner(envs, plan.policy)
+        done = runner.run({name: plan.seeds for name in names}, save_videos=plan.save_videos, progress=plan.progress,
+                          desc=desc, output_dir={name: plan.output_dir / (name or "") for name in names})
     finally:
         for members in envs.values():
             _close(members)
     results = {}
     for name in names:
-        results[name] = EvalResult.from_episodes(done[name], inference_delay, rtc, runner.rtc_methods,
-                                                 num_envs=num_envs)
+        results[name] = EvalResult.from_episodes(done[name], plan.timing.inference_delay, plan.timing.rtc,
+                                                 runner.rtc_methods, num_envs=plan.num_envs)
         if name:
             logger.info("%s: success %.1f%% (%d/%d), mean steps %.1f", name, 100 * results[name].success_rate,
-                        results[name].successes, len(seeds), results[name].mean_steps)
+                        results[name].successes, len(plan.seeds), results[name].mean_steps)
     return results
 
 

@@ -3,25 +3,41 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "vla_model_card.md"  # model_cards/ links here
 POLICY_NAMES = {"pi05": "pi0.5", "pi0": "pi0"}
 
 
-def model_card(config, datasets: list[dict], eval_metrics: dict | None = None, training_args: dict | None = None,
-               model_name: str = "policy", repo_id: str | None = None, base_model: str | None = None, lora=None,
-               rollouts: dict | None = None, weights: str | None = None):
+@dataclass
+class RunFacts:
+    """What a run adds to its card. eval_metrics: the trainer's `eval_*` metrics (per-dataset table). training_args:
+    the arguments to list. lora: the peft adapter config, if any. rollouts: the last closed-loop figures of
+    `hf_vla.training.rollouts` (`env`, `step`, `episodes`, `success` per task), listed in the card and as model-index
+    results (metric `success_rate` per task). weights: which weights the files hold (e.g. the EMA's), when not the
+    raw ones."""
+
+    eval_metrics: dict | None = None
+    training_args: dict | None = None
+    lora: object = None
+    rollouts: dict | None = None
+    weights: str | None = None
+
+
+def model_card(config, datasets: list[dict], facts: RunFacts | None = None, model_name: str = "policy",
+               repo_id: str | None = None, base_model: str | None = None):
     """A `huggingface_hub.ModelCard` for a policy.
 
     config: the policy's config. datasets: one dict per dataset (name, source, weight, head, cameras, example_task),
-    as `hf_vla.data.Provenance.datasets` has them. eval_metrics: the trainer's `eval_*` metrics (per-dataset table).
-    training_args: the arguments to list. lora: the peft adapter config, if any. rollouts: the last closed-loop
-    figures of `hf_vla.training.rollouts` (`env`, `step`, `episodes`, `success` per task), listed in the card and as model-index
-    results (metric `success_rate` per task). weights: which weights the files hold (e.g. the EMA's), when not the
-    raw ones.
+    as `hf_vla.data.Provenance.datasets` has them. facts: the run's metrics, arguments, adapter and rollouts.
+    model_name / repo_id / base_model: the names its text and metadata use.
     """
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    facts = facts or RunFacts()
+    eval_metrics, training_args, lora = facts.eval_metrics, facts.training_args, facts.lora
+    rollouts, weights = facts.rollouts, facts.weights
 
     if not MODEL_CARD_TEMPLATE.is_file():
         raise FileNotFoundError(f"model card template {MODEL_CARD_TEMPLATE} not found")
@@ -104,17 +120,16 @@ def render_model_card(trainer, model_name: str | None = None, base_model: str | 
                         "success": {k.split("/")[1]: v for k, v in entry.items()
                                     if k.startswith("rollout/") and k.endswith("/success") and k.count("/") == 2}}
     provenance = trainer.provenance
-    return model_card(
-        core.config, datasets=provenance.datasets if provenance is not None else [], eval_metrics=metrics,
-        training_args={k: getattr(trainer.args, k) for k in CARD_ARGS} | (extra_args or {}),
-        model_name=model_name or Path(trainer.args.output_dir).name,
-        repo_id=_card_location(trainer), base_model=base_model,
+    facts = RunFacts(
+        eval_metrics=metrics, training_args={k: getattr(trainer.args, k) for k in CARD_ARGS} | (extra_args or {}),
         lora=next(iter(peft_config.values())) if peft_config else None, rollouts=rollouts,
         weights=None if trainer.args.ema_decay is None else (
             f"the raw training weights (an EMA with decay {trainer.args.ema_decay} was kept beside them)"
             if trainer.args.ema_save_raw else f"the exponential moving average of the training weights (decay "
-            f"{trainer.args.ema_decay}, as openpi's recipes ship), not the last step's raw weights"),
-    )
+            f"{trainer.args.ema_decay}, as openpi's recipes ship), not the last step's raw weights"))
+    return model_card(core.config, provenance.datasets if provenance is not None else [], facts,
+                      model_name=model_name or Path(trainer.args.output_dir).name, repo_id=_card_location(trainer),
+                      base_model=base_model)
 
 
 def _card_location(trainer) -> str:

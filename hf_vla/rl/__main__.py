@@ -44,11 +44,12 @@ def _sections(parser):
 
 
 def rl_parser():
-    from hf_vla.parser import CommandParser
+    from hf_vla.parser import CommandParser, HelpStyle
     from hf_vla.rl.config import RLConfig
 
-    return CommandParser("python -m hf_vla.rl", (RLConfig,), __doc__, config_file="required", help_exits=False,
-                         what="an RLConfig field", sections=_sections, types_in_help=False)
+    return CommandParser("python -m hf_vla.rl", (RLConfig,), __doc__, config_file="required",
+                         style=HelpStyle(help_exits=False, what="an RLConfig field", sections=_sections,
+                                         types_in_help=False))
 
 
 def help_text() -> str:

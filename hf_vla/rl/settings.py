@@ -10,7 +10,7 @@ from hf_vla.errors import ConfigError
 
 def rollout_settings(args, processor, config) -> dict:
     from hf_vla.deployment.contract import DeploymentConfig, head_spec
-    from hf_vla.envs.settings import env_arguments, evaluation_settings
+    from hf_vla.envs.settings import EnvRequest, env_arguments, evaluation_settings
     from hf_vla.evaluation.envs import check_env, env_tasks
     from hf_vla.serving.policy import stat_dims
 
@@ -21,10 +21,10 @@ def rollout_settings(args, processor, config) -> dict:
         except ValueError as error:
             raise ConfigError(str(error)) from error
     env_kwargs = dict(args.env_kwargs or {})
-    settings = evaluation_settings(contract, None, args.env, args.task, args.eval_episodes,
-                                   n_action_steps=args.n_action_steps, image_size=env_kwargs.pop("image_size", None),
-                                   max_episode_steps=args.max_episode_steps or env_kwargs.pop("max_episode_steps", None),
-                                   chunk_size=config.chunk_size)
+    settings = evaluation_settings(contract, EnvRequest(
+        args.env, args.task, args.eval_episodes, n_action_steps=args.n_action_steps,
+        image_size=env_kwargs.pop("image_size", None),
+        max_episode_steps=args.max_episode_steps or env_kwargs.pop("max_episode_steps", None)), config.chunk_size)
     env, task = settings["env"].value, settings["task"].value
     check_env(env, task, "env=", "task=")
     spec = head_spec(contract, settings["head"].value)

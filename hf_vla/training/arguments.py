@@ -12,7 +12,7 @@ from pathlib import Path
 from hf_vla.cli import check_writable_dir
 from hf_vla.errors import ConfigError
 from hf_vla.lora import PRESETS
-from hf_vla.parser import CommandParser
+from hf_vla.parser import CommandParser, HelpStyle
 from hf_vla.registry import families_with, get_policy
 from hf_vla.training.config_checks import check_dataset_specs, check_model_config, normalize_training_config
 from hf_vla.training.trainer import VLATrainingArguments
@@ -206,8 +206,8 @@ def _sections(parser: CommandParser):
 
 def training_parser(description: str = "python -m hf_vla.train CONFIG.json [--key value ...]") -> CommandParser:
     return CommandParser("python -m hf_vla.train", (ModelArguments, DataArguments, VLATrainingArguments), description,
-                         config_file="required", help_exits=False, what="a model, data or training argument",
-                         sections=_sections)
+                         config_file="required", style=HelpStyle(help_exits=False, sections=_sections,
+                                                                 what="a model, data or training argument"))
 
 
 def parse_config(path: str | Path, overrides: list[str] | None = None):

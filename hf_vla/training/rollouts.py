@@ -172,15 +172,17 @@ class RolloutCallback(TrainerCallback):
 
 def _run(spec_path: str) -> None:
     """The rollout process: evaluate one snapshot as its spec says (written by `RolloutCallback`)."""
+    from hf_vla.evaluation.arguments import EvaluateArguments
     from hf_vla.evaluation.runner import evaluate_checkpoint
 
     spec = json.loads(Path(spec_path).read_text())
     from hf_vla.cli import setup_logging
 
     setup_logging()
-    result = evaluate_checkpoint(spec["checkpoint"], env_id=spec["env"], episodes=spec["episodes"], task=spec["task"],
-                                 env_kwargs=spec["env_kwargs"], save_videos=spec["save_videos"], seed=spec["seed"],
-                                 device=spec["device"], output_dir=spec["output_dir"], progress=False)
+    result = evaluate_checkpoint(EvaluateArguments(
+        checkpoint=spec["checkpoint"], env=spec["env"], episodes=spec["episodes"], task=spec["task"],
+        save_videos=spec["save_videos"], seed=spec["seed"], device=spec["device"], output_dir=spec["output_dir"]),
+        env_kwargs=spec["env_kwargs"], progress=False)
     print(json.dumps(asdict(result)))
 
 

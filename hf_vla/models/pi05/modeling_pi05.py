@@ -597,8 +597,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         if noise is None:
             noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
         if uncond_input_ids is not None:
-            return self._sample_guided(input_ids, pixel_values, pixel_attention_mask, attention_mask, uncond_input_ids,
-                                       uncond_attention_mask, cfg_beta, noise, num_steps,
+            return self._sample_guided((input_ids, pixel_values, pixel_attention_mask, attention_mask),
+                                       (uncond_input_ids, uncond_attention_mask), cfg_beta, noise, num_steps,
                                        (prev_chunk_left_over, inference_delay, execution_horizon, rtc_config))
         cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask)
 
@@ -609,9 +609,13 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, prev_chunk_left_over,
                                inference_delay, execution_horizon, rtc_config)
 
-    def _sample_guided(self, input_ids, pixel_values, pixel_attention_mask, attention_mask, uncond_input_ids,
-                       uncond_attention_mask, cfg_beta, noise, num_steps, rtc) -> torch.FloatTensor:
-        """`sample_actions` with classifier-free guidance: rows [0, B) conditioned, [B, 2B) unconditioned."""
+    def _sample_guided(self, prefix: tuple, unconditioned_prompt: tuple, cfg_beta, noise, num_steps,
+                       rtc: tuple) -> torch.FloatTensor:
+        """`sample_actions` with classifier-free guidance: rows [0, B) conditioned on `prefix` (input_ids,
+        pixel_values, pixel_attention_mask, attention_mask), [B, 2B) on `unconditioned_prompt` (its input_ids and
+        attention_mask, the same images)."""
+        input_ids, pixel_values, pixel_attention_mask, attention_mask = prefix
+        uncond_input_ids, uncond_attention_mask = unconditioned_prompt
         batch_size = input_ids.shape[0]
         if uncond_input_ids.shape[0] != batch_size:
             raise ValueError(f"uncond_input_ids has {uncond_input_ids.shape[0]} rows for {batch_size} prompts")
