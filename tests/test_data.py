@@ -13,7 +13,7 @@ from hf_vla import PI05Processor
 from hf_vla.data import PI05Collator, WeightedDatasetMixture, schedule
 from hf_vla.data.stream import ShardSchedule, StreamSettings, _SourceQueue
 from hf_vla.data.writer import DatasetLayout, write_lerobot_dataset
-from hf_vla.models.pi05.processing_pi05 import resize_with_pad
+from hf_vla.models.common.images import resize_with_pad
 
 CAM = "observation.images.cam"
 
@@ -270,12 +270,12 @@ def test_worker_batches_equal_in_process_batches_on_real_video(tiny_tokenizer, h
 
 
 def test_shared_pixel_buffers_are_fresh_and_exact(monkeypatch):
-    from hf_vla.models.pi05 import processing_pi05
+    from hf_vla.models.common import images as processing_images
 
     images = torch.randint(0, 256, (2, 1, 3, 8, 8), dtype=torch.uint8)
     plain = resize_with_pad(images, 8)
-    monkeypatch.setattr(processing_pi05, "get_worker_info", lambda: object())  # as inside a DataLoader worker
-    monkeypatch.setattr(processing_pi05, "_shared_buffers", None)
+    monkeypatch.setattr(processing_images, "get_worker_info", lambda: object())  # as inside a DataLoader worker
+    monkeypatch.setattr(processing_images, "_shared_buffers", None)
     first, second = resize_with_pad(images, 8), resize_with_pad(images, 8)
     odd = resize_with_pad(images[:1], 8)  # another size: allocated on the spot
     for out in (first, second, odd):

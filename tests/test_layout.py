@@ -170,3 +170,29 @@ def test_the_signature_count_sees_a_wide_function(tmp_path):
     (tmp_path / "wide.py").write_text("def f(a, b, c, d, e, f, g, h, *rest, **options):\n    pass\n"
                                       "def g(self, a, b, c, d, e, f, g, h):\n    pass\n")
     assert wide_functions(tmp_path) == [("wide.py", "f", 10)]
+
+
+# the value model is pi0.5 with a value head: its config extends pi0.5's (as a transformers model composes another's)
+FAMILY_IMPORTS_ALLOWED = {("value", "pi05")}
+
+
+def test_no_model_family_imports_another_familys_folder():
+    """Code policies share lives in `hf_vla/models/common/` (carried by every checkpoint's remote code); a family's
+    folder or module imports no other family's."""
+    models = PACKAGE / "models"
+    families = {p.name for p in models.iterdir() if p.is_dir() and p.name not in ("common", "__pycache__")}
+    families |= {p.stem for p in models.glob("*.py") if p.stem not in ("__init__", "auto", "reference")}
+    found = []
+    for family in sorted(families):
+        paths = sorted((models / family).rglob("*.py")) if (models / family).is_dir() else [models / f"{family}.py"]
+        for path in paths:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                module = ("." * node.level) + (node.module or "")
+                target = module.removeprefix("hf_vla.models.").removeprefix("..").removeprefix(".").split(".")[0]
+                if node.level == 1 and (models / family).is_dir():
+                    continue  # its own folder
+                if target in families and target != family and (family, target) not in FAMILY_IMPORTS_ALLOWED:
+                    found.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert not found, found

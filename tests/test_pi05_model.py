@@ -242,6 +242,12 @@ def test_auto_classes_and_save_load(tmp_path, tiny_model):
 
 def test_remote_code_loads_without_hf_vla(tmp_path, tiny_model):
     tiny_model.save_pretrained(tmp_path / "ckpt")
+    # the shared code the model folder imports by its absolute name is written beside it, imported relatively
+    saved = {path.name: path.read_text() for path in (tmp_path / "ckpt").glob("*.py")}
+    assert {"modeling_pi05.py", "rtc.py", "rtc_config.py", "remote_code.py"} <= set(saved)
+    imports = [line for text in saved.values() for line in text.splitlines()
+               if line.lstrip().startswith(("from ", "import ")) and "hf_vla" in line]
+    assert not imports, imports
     inputs = tiny_inputs(tiny_model.config)
     torch.save(inputs, tmp_path / "inputs.pt")
     with torch.no_grad():

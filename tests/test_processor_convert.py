@@ -15,7 +15,7 @@ from transformers import AutoModel, AutoModelForImageTextToText, AutoProcessor
 
 import hf_vla.convert as convert
 from hf_vla import PI05ForConditionalGeneration, PI05Processor
-from hf_vla.models.pi05.processing_pi05 import resize_with_pad
+from hf_vla.models.common.images import resize_with_pad
 from hf_vla.models.reference import (
     EXPERT,
     IMAGE_SIZE,

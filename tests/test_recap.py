@@ -537,7 +537,7 @@ def test_guidance_composes_with_real_time_chunking(policy, jacobian):
     """Guided sampling continues a previous chunk as plain sampling does (RTC's guidance through the guided
     velocity, the Jacobian through both halves of the batch): a finite chunk of the same shape, other than the
     unguided one."""
-    from hf_vla.models.pi05.rtc import RTCConfig
+    from hf_vla.models.common.rtc import RTCConfig
 
     model, processor = policy
     noise = _noise(model)

@@ -20,8 +20,8 @@ import torch
 from conftest import REPO, randomize_, refused
 
 import hf_vla.envs  # noqa: F401  (registers ColorReach)
+from hf_vla.models.common.rtc import RTCConfig, guidance_weight, guided_velocity, prefix_weights
 from hf_vla.models.pi05 import PI05Config, PI05ForConditionalGeneration, PI05Processor
-from hf_vla.models.pi05.rtc import RTCConfig, guidance_weight, guided_velocity, prefix_weights
 from hf_vla.serving.policy import ObservationMap, PolicyRunner, RequestError, rtc_config_from_args
 
 HEAD = "color_reach::delta_xy"

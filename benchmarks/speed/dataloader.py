@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from hf_vla import PI05Processor
 from hf_vla.data import PI05Collator, WeightedDatasetMixture
 from hf_vla.data.stream import StreamSettings
-from hf_vla.models.pi05.processing_pi05 import resize_with_pad
+from hf_vla.models.common.images import resize_with_pad
 from hf_vla.tiny import build_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -126,7 +126,7 @@ def measure_lerobot(root: str, batches: int) -> dict:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
     from torch.utils.data import DataLoader
 
-    from hf_vla.models.pi05.processing_pi05 import resize_with_pad
+    from hf_vla.models.common.images import resize_with_pad
 
     started = time.perf_counter()
     dataset = LeRobotDataset("local/droid_bench", root=root, video_backend="pyav",

@@ -164,7 +164,7 @@ def rtc_latency(model, x: dict, repeats: int, warmup: int, device) -> dict:
     """`sample_actions` with real-time chunking, eager: inference-time guidance (lerobot's weighted error, and the
     paper's vector-Jacobian product: a backward pass per flow step) and training-time RTC (the committed prefix held
     at time 0; the model's `rtc_max_delay` is set for the call). Delay: a tenth of the chunk, at least 2."""
-    from hf_vla.models.pi05.rtc import RTCConfig
+    from hf_vla.models.common.rtc import RTCConfig
 
     chunk = model.config.chunk_size
     delay = max(2, chunk // 10)

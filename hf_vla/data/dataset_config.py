@@ -123,7 +123,7 @@ class DatasetConfig:
             raise ConfigError(f"dataset {self.name!r}: weight must be > 0, got {self.weight}")
         if not isinstance(self.cameras, list) or not self.cameras or not any(self.cameras):
             raise ConfigError(f"dataset {self.name!r}: `cameras` must map at least one model camera slot to a camera key")
-        from hf_vla.models.pi05.normalization import parse_mapping
+        from hf_vla.models.common.normalization import parse_mapping
 
         try:
             self.normalization = parse_mapping(self.normalization, f"dataset {self.name!r}: normalization") or None

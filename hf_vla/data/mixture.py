@@ -13,7 +13,7 @@ from hf_vla.data.scan import MAX_STATS_FRAMES
 from hf_vla.data.sources import BlockList, DatasetConfig, LeRobotSource
 from hf_vla.data.stream import EpisodeShuffleStream, Provenance, StreamSettings, ValidationStream
 from hf_vla.errors import ConfigError, DataError
-from hf_vla.models.pi05.normalization import DEFAULT_MODE, STAT_NAMES, missing_stats
+from hf_vla.models.common.normalization import DEFAULT_MODE, STAT_NAMES, missing_stats
 
 logger = logging.getLogger("hf_vla.data")
 EXACT_QUANTILES = [0.01, 0.10, 0.90, 0.99]  # q01/q99 (QUANTILES), q10/q90 (QUANTILE10)
@@ -148,7 +148,7 @@ class WeightedDatasetMixture:
         """Every statistic of the head's relative chunks (`hf_vla.data.relative`), pooled over its datasets in
         proportion to their chunks; `meta/stats.json` is not read for them."""
         from hf_vla.data.relative import relative_chunks
-        from hf_vla.models.pi05.normalization import relative_chunk_stats
+        from hf_vla.models.common.normalization import relative_chunk_stats
 
         if self.chunk_size is None:
             raise ConfigError(f"normalization head {head!r}: relative_actions needs the model's chunk_size for its "

@@ -267,7 +267,7 @@ class LeRobotSource:
             if len(mask) > self.action_dim:
                 raise ConfigError(f"{where}: the mask has {len(mask)} entries, the actions {self.action_dim} dims")
         else:
-            from hf_vla.models.pi05.normalization import mask_from_names
+            from hf_vla.models.common.normalization import mask_from_names
 
             given = config.relative_exclude_joints
             exclude = ["gripper"] if given is None else given

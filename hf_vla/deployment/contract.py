@@ -48,8 +48,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hf_vla.errors import ConfigError
+from hf_vla.models.common.contract_io import DEPLOYMENT_FILE as FILE_NAME  # one definition, carried by remote code
 
-FILE_NAME = "deployment_config.json"
 VERSION = 1
 
 
@@ -230,8 +230,8 @@ def from_training(mixture, processor, config, policy: str, n_action_steps: int |
 
 def pipeline_fields(stats: dict | None) -> dict:
     """A head's `normalization` (mode of state and actions) and `relative_actions` (its mask, or None), as its
-    statistics say (`hf_vla.models.pi05.normalization`): what a robot runner outside hf_vla must apply."""
-    from hf_vla.models.pi05.normalization import mode_of, relative_mask
+    statistics say (`hf_vla.models.common.normalization`): what a robot runner outside hf_vla must apply."""
+    from hf_vla.models.common.normalization import mode_of, relative_mask
 
     stats = stats or {}
     return {"normalization": {key: mode_of(stats[key]) for key in ("state", "actions") if key in stats},

@@ -27,7 +27,7 @@ from hf_vla.evaluation.envs import (
     env_tasks,
 )
 from hf_vla.hub.resolve import resolve_contract
-from hf_vla.models.pi05.rtc_config import RTCConfig
+from hf_vla.models.common.rtc_config import RTCConfig
 from hf_vla.registry import task_env
 from hf_vla.serving.policy import ObservationMap, RequestError, check_cfg_beta, load_policy
 

@@ -335,7 +335,7 @@ def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> di
     (`normalization_mapping`; pi0.5's default QUANTILES, pi0's MEAN_STD) and, with `use_relative_actions`, the
     relative mask lerobot builds from `action_feature_names` and `relative_exclude_joints`. A behaviour-changing field
     hf_vla cannot honour, or an unknown one, is refused in one line naming it."""
-    from hf_vla.models.pi05.normalization import mask_from_names, missing_stats, parse_mapping
+    from hf_vla.models.common.normalization import mask_from_names, missing_stats, parse_mapping
 
     for key, what in REFUSED.items():
         if lerobot_config.get(key):

@@ -216,7 +216,7 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
         logger.warning("not exported: the token objective's training settings (token_loss, FAST); lerobot's pi0.5 "
                        "samples actions with the flow head, as hf_vla does, so its actions are the same")
     inputs, outputs, empty = _features(spec, processor.image_size)
-    from hf_vla.models.pi05.normalization import mode_of, relative_mask
+    from hf_vla.models.common.normalization import mode_of, relative_mask
 
     modes = {"VISUAL": "IDENTITY", "STATE": mode_of(stats["state"]), "ACTION": mode_of(stats["actions"])}
     lerobot_config = PI05Config(

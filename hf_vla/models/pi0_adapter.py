@@ -22,7 +22,7 @@ from transformers import BatchFeature, ProcessorMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
 
-from .pi05.processing_pi05 import DeploymentContractMixin
+from hf_vla.models.common.contract_io import DeploymentContractMixin
 
 
 class PI0RootKeptLayer(GradientCheckpointingLayer):
@@ -94,7 +94,7 @@ class PI0HeadProcessor(DeploymentContractMixin, ProcessorMixin):
     def __call__(self, images=None, text=None, state=None, actions=None, head=None, camera_mask=None, **kwargs):
         """images `[B, n_cams, 3, H, W]` (uint8 or float in [0, 1]), text, raw state per row, optional raw action
         chunks per row, one head for all rows or one per row, camera presence `[B, n_cams]`."""
-        from .pi05.processing_pi05 import as_image_batch, resize_with_pad
+        from hf_vla.models.common.images import as_image_batch, resize_with_pad
 
         texts = [text] if isinstance(text, str) else list(text)
         images = as_image_batch(images, len(texts))

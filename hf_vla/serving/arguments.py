@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from hf_vla.cli import model_source
 from hf_vla.errors import ConfigError
-from hf_vla.models.pi05.rtc_config import METHODS, SCHEDULES, RTCConfig
+from hf_vla.models.common.rtc_config import METHODS, SCHEDULES, RTCConfig
 from hf_vla.serving.limits import API_KEY_ENV, CONNECTION_MEMORY_FACTOR, MAX_CONNECTIONS_CAP
 
 DEFAULT_DEVICE = "auto"  # cuda where torch sees one, else cpu (`hf_vla.cli.resolve_device`, once the options parse)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hf_vla.models.pi05.rtc_config import RTCConfig
+from hf_vla.models.common.rtc_config import RTCConfig
 
 STATE_KEYS = ("observation/state", "observation.state", "state")
 
@@ -327,7 +327,7 @@ class PolicyRunner:
     def _relative(self, actions: torch.Tensor, head: str, state: np.ndarray) -> torch.Tensor:
         """Robot-unit actions `[steps, action_dim]` as the model predicts them for an observation of `state`:
         offsets from it where the head is relative, else unchanged (not normalised)."""
-        from hf_vla.models.pi05.normalization import to_relative
+        from hf_vla.models.common.normalization import to_relative
 
         mask = self._relative_mask(head)
         actions = torch.as_tensor(actions, dtype=torch.float32)

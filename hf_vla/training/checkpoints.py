@@ -263,7 +263,7 @@ def norm_stats_change(folder: str | os.PathLike, norm_stats: dict | None) -> str
         if head not in saved or head not in current:
             return f"head {head!r} is {'new' if head not in saved else 'gone'}"
         for key in ("state", "actions"):
-            for setting in ("mode", "relative_mask"):  # how the statistics are applied (hf_vla.models.pi05.normalization)
+            for setting in ("mode", "relative_mask"):  # how the statistics are applied (hf_vla.models.common.normalization)
                 old, new = (saved[head].get(key) or {}).get(setting), (current[head].get(key) or {}).get(setting)
                 if old != new:
                     return f"head {head!r}: {key} {setting} {old!r} -> {new!r}"

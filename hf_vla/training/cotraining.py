@@ -59,7 +59,7 @@ def training_chunks(mixture, processor, chunk_size: int, max_chunks: int = 20_00
                 chunks.append((head, chunk, state))
     if not chunks:
         raise ConfigError("token_loss: the training mixture has no action chunk to fit FAST on")
-    from hf_vla.models.pi05.normalization import to_relative
+    from hf_vla.models.common.normalization import to_relative
 
     out = np.zeros((len(chunks), chunk_size, processor.max_action_dim), dtype=np.float32)
     by_head: dict[int, list[int]] = {}

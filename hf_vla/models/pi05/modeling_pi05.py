@@ -43,10 +43,12 @@ from transformers.models.gemma.modeling_gemma import (
 )
 from transformers.models.pi0.modeling_pi0 import PI0TimestepEmbeddings
 
+from hf_vla.models.common.remote_code import SharedCodeMixin
+from hf_vla.models.common.rtc import euler_integrate
+from hf_vla.models.common.rtc_config import RTCConfig  # direct: a remote module gets only its direct relative imports
+
 from .configuration_pi05 import PI05Config
 from .losses import chunked_token_losses
-from .rtc import euler_integrate
-from .rtc_config import RTCConfig  # direct: a remote module gets only its direct relative imports
 from .value_head import PI05ValueHead
 
 # Backends whose attention call accepts an arbitrary key-padding mask, which is all pi0.5 needs per call.
@@ -167,7 +169,7 @@ def present_module_classes(model: nn.Module, names) -> set[str]:
     return {name for name in (names or ()) if name in present}
 
 
-class PI05PreTrainedModel(PreTrainedModel):
+class PI05PreTrainedModel(SharedCodeMixin, PreTrainedModel):
     config: PI05Config
     config_class = PI05Config
     base_model_prefix = "model"

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from .rtc_config import METHODS, SCHEDULES, RTCConfig  # noqa: F401  (re-exported)
+from hf_vla.models.common.rtc_config import METHODS, SCHEDULES, RTCConfig  # noqa: F401  (re-exported)
 
 
 def _padded_remainder(prev_chunk_left_over: torch.Tensor, chunk_size: int, action_dim: int):

@@ -1,4 +1,4 @@
-"""Real-time chunking's settings (`RTCConfig`), apart from its tensors (`hf_vla.models.pi05.rtc`): the commands' options
+"""Real-time chunking's settings (`RTCConfig`), apart from its tensors (`hf_vla.models.common.rtc`): the commands' options
 and the deployment contract read them without importing torch."""
 
 from __future__ import annotations
