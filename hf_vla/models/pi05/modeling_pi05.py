@@ -43,6 +43,7 @@ from transformers.models.gemma.modeling_gemma import (
 )
 from transformers.models.pi0.modeling_pi0 import PI0TimestepEmbeddings
 
+from hf_vla.models.common.flow import sample_time
 from hf_vla.models.common.remote_code import SharedCodeMixin
 from hf_vla.models.common.rtc import euler_integrate
 from hf_vla.models.common.rtc_config import RTCConfig  # direct: a remote module gets only its direct relative imports
@@ -435,12 +436,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         return action_embeds, cond
 
     def sample_time(self, batch_size: int, device) -> torch.Tensor:
-        """t ~ Beta(alpha, beta) * scale + offset (as published), from the global RNG."""
-        config = self.config
-        beta = torch.distributions.Beta(
-            torch.tensor(config.time_sampling_beta_alpha), torch.tensor(config.time_sampling_beta_beta)
-        )
-        return (beta.sample((batch_size,)) * config.time_sampling_scale + config.time_sampling_offset).to(device)
+        """t ~ Beta(alpha, beta) * scale + offset (as published), from the global RNG (`hf_vla.models.common.flow`)."""
+        return sample_time(self.config, batch_size, device)
 
     def forward(
         self,
