@@ -10,6 +10,9 @@ from transformers.models.auto import CONFIG_MAPPING
 PALIGEMMA_VOCAB_SIZE = 257152
 
 
+SUBTASK_LAYOUTS = (None, "joint", "factorised")
+
+
 @strict
 class PI05Config(PreTrainedConfig):
     r"""
@@ -57,6 +60,14 @@ class PI05Config(PreTrainedConfig):
         piece's logits (`[chunk, vocab]`) exist at a time and are recomputed in the backward pass, so PaliGemma's
         257,152-entry vocabulary costs chunk x vocab x 4 bytes (1 GiB at 1024) instead of every target's logits.
         0: all at once.
+    subtask_layout (`str`, defaults to `None`): pi0.5's high-level inference (docs/subtasks.md). `"joint"` (the paper's
+        single sequence): the prompt ends in `Subtask: `, the subtask's tokens and EOS follow it, attended causally;
+        the backbone predicts them (cross-entropy) and the expert attends to them, so one forward trains both and
+        `generate_subtask` decodes them at inference. `"factorised"`: task -> subtask samples beside subtask ->
+        action samples (the subtask in the task's place), as lerobot's `pi052` blend recipes. The VLM's last layer
+        and final norm run and train (they predict the subtask). None: no subtask.
+    subtask_max_tokens (`int`, defaults to 32): the most tokens `generate_subtask` decodes (EOS included).
+    subtask_eos_token_id (`int`, defaults to `None`): the tokenizer's EOS id, which ends a subtask (set by training).
     image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
     """
 
@@ -84,6 +95,9 @@ class PI05Config(PreTrainedConfig):
     token_loss: bool = False
     knowledge_insulation: bool = True
     token_loss_chunk: int = 1024
+    subtask_layout: str | None = None
+    subtask_max_tokens: int = 32
+    subtask_eos_token_id: int | None = None
 
     def __post_init__(self, **kwargs):
         if isinstance(self.vlm_config, dict):
@@ -157,6 +171,10 @@ class PI05Config(PreTrainedConfig):
                              "(a committed prefix shorter than the chunk)")
         if not (math.isfinite(self.rtc_prefix_noise) and self.rtc_prefix_noise >= 0):
             raise ValueError(f"PI05Config: rtc_prefix_noise={self.rtc_prefix_noise} must be a finite number >= 0")
+        if self.subtask_layout not in SUBTASK_LAYOUTS:
+            raise ValueError(f"PI05Config: subtask_layout={self.subtask_layout!r} must be one of {SUBTASK_LAYOUTS}")
+        if self.subtask_max_tokens < 1:
+            raise ValueError(f"PI05Config: subtask_max_tokens={self.subtask_max_tokens} must be positive")
         if expert.hidden_size % 2:
             raise ValueError(f"PI05Config: dit_config.hidden_size={expert.hidden_size} must be even (sin/cos time embedding).")
 

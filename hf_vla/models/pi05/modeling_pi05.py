@@ -239,8 +239,8 @@ class PI05Model(PI05PreTrainedModel):
         MLP and post-attention norm, and the VLM's final norm. Kept in the checkpoint (the published layout) and frozen
         here; `from_pretrained` makes them trainable again and training's structure (`hf_vla.training.structure`)
         freezes them, so no optimizer state, DDP unused-parameter error or FSDP state-loading gap arises."""
-        if getattr(self.config, "token_loss", False):  # the target tokens read the last layer's output: all of it trains
-            return []
+        if getattr(self.config, "token_loss", False) or getattr(self.config, "subtask_layout", None):
+            return []  # target tokens (or a subtask) read the last layer's output: all of it trains
         text = self.vlm.language_model
         last = text.layers[-1]
         return [last.self_attn.q_proj, last.self_attn.o_proj, last.mlp, last.post_attention_layernorm, text.norm]
@@ -277,7 +277,7 @@ class PI05Model(PI05PreTrainedModel):
         features = features.to(text_embeds.dtype).reshape(batch_size, num_cameras * features.shape[1], -1)
         return torch.cat([features, text_embeds], dim=1)
 
-    def _masks(self, prefix_valid: torch.Tensor, prefix_embeds, suffix_embeds, target_valid=None):
+    def _masks(self, prefix_valid: torch.Tensor, prefix_embeds, suffix_embeds, target_valid=None, span_valid=None):
         text_config, expert_config = self.config.vlm_config.text_config, self.config.dit_config
         prefix_mask = None
         if prefix_embeds is not None and target_valid is not None:
@@ -299,7 +299,8 @@ class PI05Model(PI05PreTrainedModel):
         suffix_mask = None
         if suffix_embeds is not None:
             batch_size, chunk = suffix_embeds.shape[:2]
-            key_valid = torch.cat([prefix_valid, prefix_valid.new_ones(batch_size, chunk)], dim=1)
+            context = prefix_valid if span_valid is None else torch.cat([prefix_valid, span_valid.bool()], dim=1)
+            key_valid = torch.cat([context, prefix_valid.new_ones(batch_size, chunk)], dim=1)
             keys = suffix_embeds.new_empty(batch_size, key_valid.shape[1], 1)
             suffix_mask = create_bidirectional_mask(
                 config=expert_config, inputs_embeds=suffix_embeds, attention_mask=key_valid, encoder_hidden_states=keys
@@ -315,10 +316,17 @@ class PI05Model(PI05PreTrainedModel):
         past_key_values: DynamicCache | None = None,
         use_cache: bool = False,
         target_valid: torch.Tensor | None = None,
+        span_valid: torch.Tensor | None = None,
+        prefix_hidden: bool = False,
     ) -> tuple:
         """Run the towers. Prefix only (fills a cache), suffix only (reads `past_key_values`), or both jointly.
 
         Returns the expert's normalised suffix hidden states (or None) and the prefix cache (when one was used).
+
+        `span_valid` `[B, S]`: S slots right after the prompt that the expert attends to as well (a subtask, causal):
+        the first S target slots with `target_valid`, else the last S keys of `past_key_values`. `prefix_hidden`:
+        also return the VLM's final-normed hidden state of each row's last real prompt token `[B, width]` (what
+        predicts the first token after the prompt).
 
         With `target_valid` `[B, L_t]` (the token objective), `prefix_embeds` ends with `L_t` target-token embeddings:
         they attend to the prefix and causally to each other, the expert attends to the prefix without them (through
@@ -332,9 +340,12 @@ class PI05Model(PI05PreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         targets = 0 if target_valid is None else target_valid.shape[1]
-        if targets and (prefix_embeds is None or use_cache):
-            raise ValueError("target tokens need the prefix embeddings and no cache (they are a training objective)")
-        prefix_mask, suffix_mask = self._masks(prefix_valid, prefix_embeds, suffix_embeds, target_valid)
+        span = 0 if span_valid is None else span_valid.shape[1]
+        if targets and prefix_embeds is None:
+            raise ValueError("target tokens need the prefix embeddings (they are a training objective)")
+        if targets and use_cache and span != targets:
+            raise ValueError("a prefix cache with target tokens holds a subtask span alone (span_valid)")
+        prefix_mask, suffix_mask = self._masks(prefix_valid, prefix_embeds, suffix_embeds, target_valid, span_valid)
         # targets continue the positions right after the last real prompt token (the prompt's padding has none)
         all_valid = prefix_valid if not targets else torch.cat([prefix_valid, target_valid], dim=1)
         prefix_positions = all_valid.long().cumsum(-1) - 1
@@ -342,6 +353,8 @@ class PI05Model(PI05PreTrainedModel):
             prefix_cos, prefix_sin = text.rotary_emb(prefix_embeds, position_ids=prefix_positions)
         if suffix_embeds is not None:
             offset = prefix_valid.long().sum(-1, keepdim=True)
+            if span:  # the subtask's tokens continue the prompt's positions; the actions follow them
+                offset = offset + span_valid.long().sum(-1, keepdim=True)
             suffix_positions = offset + torch.arange(suffix_embeds.shape[1], device=suffix_embeds.device)
             suffix_cos, suffix_sin = text.rotary_emb(suffix_embeds, position_ids=suffix_positions)
 
@@ -353,11 +366,12 @@ class PI05Model(PI05PreTrainedModel):
             if hidden_prefix is not None:
                 hidden_prefix, key, value = vlm_layer(
                     hidden_prefix, attention_mask=prefix_mask, position_embeddings=(prefix_cos, prefix_sin),
-                    return_kv=True, kv_only=index == last and not targets)
+                    return_kv=True, kv_only=index == last and not targets and not prefix_hidden)
                 if use_cache:
                     past_key_values.update(key, value, index)
-                if targets:  # the expert attends to the prefix only, never to the targets
-                    key, value = key[:, :, :-targets], value[:, :, :-targets]
+                if targets:  # the expert attends to the prefix (and a subtask span), never to the other targets
+                    keep = key.shape[2] - targets + span
+                    key, value = key[:, :, :keep], value[:, :, :keep]
                 if insulate:  # knowledge insulation: the flow loss does not reach the backbone
                     key, value = key.detach(), value.detach()
             else:
@@ -368,6 +382,10 @@ class PI05Model(PI05PreTrainedModel):
         if hidden_suffix is not None:
             hidden_suffix, _ = self.expert.norm(hidden_suffix, adarms_cond)
         out = (hidden_suffix, past_key_values)
+        if prefix_hidden:
+            length = prefix_valid.shape[1]
+            last_real = length - 1 - prefix_valid.flip(-1).long().argmax(-1)
+            out += (text.norm(hidden_prefix[torch.arange(len(last_real), device=last_real.device), last_real]),)
         if targets:
             # next-token prediction: target k is read from the position before it, target 0 from the last real prompt
             # token (the prompt is right-padded, so that is the last valid prefix position)
@@ -376,6 +394,39 @@ class PI05Model(PI05PreTrainedModel):
             first = hidden_prefix[torch.arange(len(last_real), device=last_real.device), last_real][:, None]
             out += (text.norm(torch.cat([first, hidden_prefix[:, length:length + targets - 1]], dim=1)),)
         return out
+
+
+    def decode_step(self, token_ids: torch.Tensor, past_key_values: DynamicCache, key_valid: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        """One token per row `[B]` through the VLM, attending to the cache's keys where `key_valid` `[B, K]` says and
+        to itself, at rotary positions `[B]`; its keys/values are appended to the cache. Returns the final-normed
+        hidden state `[B, width]` (what predicts the next token): the step of a causal decode after the prompt, the
+        same computation as a target token of the training forward."""
+        text = self.text_model
+        hidden = self.get_input_embeddings()(token_ids[:, None])
+        cos, sin = (t.to(hidden.dtype) for t in text.rotary_emb(hidden, position_ids=positions[:, None]))
+        keys_valid = torch.cat([key_valid.bool(), key_valid.new_ones(len(key_valid), 1, dtype=torch.bool)], dim=1)
+        mask = create_bidirectional_mask(config=self.config.vlm_config.text_config, inputs_embeds=hidden,
+                                         attention_mask=keys_valid,
+                                         encoder_hidden_states=hidden.new_empty(len(hidden), keys_valid.shape[1], 1))
+        for index, layer in enumerate(text.layers):
+            query, key, value = _project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin)
+            keys, values = past_key_values.update(key, value, index)
+            hidden = hidden + _attend(layer.self_attn, query, keys, values, mask)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return text.norm(hidden[:, 0])
+
+
+@dataclass
+class SubtaskDecode:
+    """A decoded subtask: `ids` / `mask` `[B, S]` (the tokens and which are real: each row's tokens up to and with
+    EOS), each token's log-probability `log_probs` `[B, S]` (how sure the model was), and the prefix cache holding the
+    prompt and them, which `sample_actions(subtask=...)` re-uses."""
+
+    ids: torch.LongTensor
+    mask: torch.BoolTensor
+    log_probs: torch.FloatTensor
+    cache: DynamicCache
 
 
 class PI05ForConditionalGeneration(PI05PreTrainedModel):
@@ -453,6 +504,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         use_cache: bool = False,
         labels: torch.LongTensor | None = None,
         output_token_logits: bool = False,
+        subtask_ids: torch.LongTensor | None = None,
+        subtask_mask: torch.BoolTensor | None = None,
         **kwargs,
     ) -> PI05Output:
         r"""
@@ -473,6 +526,11 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             under `config.knowledge_insulation`, reads the backbone's keys/values through a stop-gradient. With
             `actions`, `loss` adds the mean cross-entropy over the targets to the flow MSE.
         output_token_logits: with `labels`, also return the targets' logits `token_logits` `[B, L_t, vocab]`.
+        subtask_ids / subtask_mask (`[B, S]`, `config.subtask_layout="joint"`): the subtask's tokens after the prompt
+            (ending in `Subtask: `), EOS included, right-padded (`subtask_mask` False); a row without a subtask is all
+            False (its prompt then ends in `Action: `). They are attended causally; the expert attends to them; the
+            backbone predicts each (cross-entropy, the leading `S` columns of `token_losses`, before `labels`' own).
+            With `past_key_values`, only `subtask_mask`: the cache then holds the prompt and the S slots.
 
         Returns `logits` = predicted velocity `[B, chunk, max_action_dim]` (fp32).
         """
@@ -502,9 +560,20 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
         suffix_embeds, cond = self.embed_suffix(x_t, timestep)
         prefix_valid = self.model.prefix_mask(pixel_attention_mask, attention_mask)
-        target_valid = None
+        target_valid = span_valid = None
+        if subtask_mask is not None or subtask_ids is not None:
+            if not self.config.subtask_layout:
+                raise ValueError("subtask_ids need a model trained with subtasks (config.subtask_layout); this one has "
+                                 "none")
+            span_valid = (subtask_mask if subtask_mask is not None else torch.ones_like(subtask_ids)).bool()
+            if subtask_ids is not None:
+                if prefix_embeds is None:
+                    raise ValueError("subtask_ids go with the prefix (pixel_values); with a past_key_values cache pass "
+                                     "only subtask_mask")
+                span_labels = subtask_ids.masked_fill(~span_valid, -100)
+                labels = span_labels if labels is None else torch.cat([span_labels, labels], dim=1)
         if labels is not None:
-            if not self.config.token_loss:
+            if not (self.config.token_loss or (span_valid is not None and labels.shape[1] == span_valid.shape[1])):
                 raise ValueError("labels (target tokens) need config.token_loss=True: flow-only, the VLM's last layer "
                                  "is frozen and nothing predicts tokens")
             if prefix_embeds is None:
@@ -520,6 +589,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             past_key_values=past_key_values,
             use_cache=use_cache,
             target_valid=target_valid,
+            span_valid=span_valid,
         )
         token_logits = token_losses = None
         if labels is not None:  # the LM head is the input embedding, tied (PaliGemma)
@@ -539,20 +609,68 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
                           token_logits=token_logits)
 
     @torch.no_grad()
-    def prefix_cache(self, input_ids, pixel_values, pixel_attention_mask=None, attention_mask=None) -> DynamicCache:
-        """Run the VLM once over the prefix and return its per-layer keys/values."""
+    def prefix_cache(self, input_ids, pixel_values, pixel_attention_mask=None, attention_mask=None,
+                     subtask: tuple | None = None) -> DynamicCache:
+        """Run the VLM once over the prefix and return its per-layer keys/values; with `subtask` (its ids and mask
+        `[B, S]`), over the prompt and the subtask after it, attended causally (as in training)."""
         attention_mask, pixel_attention_mask = self._default_masks(
             input_ids, pixel_values, attention_mask, pixel_attention_mask
         )
         prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
-        _, cache = self.model(
+        span_valid = None
+        if subtask is not None:
+            ids, span_valid = subtask[0], subtask[1].bool()
+            span = self.model.get_input_embeddings()(ids.masked_fill(~span_valid, 0))
+            prefix_embeds = torch.cat([prefix_embeds, span.to(prefix_embeds.dtype)], dim=1)
+        _, cache, *_ = self.model(
             None,
             None,
             prefix_valid=self.model.prefix_mask(pixel_attention_mask, attention_mask),
             prefix_embeds=prefix_embeds,
             use_cache=True,
+            target_valid=span_valid,
+            span_valid=span_valid,
         )
         return cache
+
+    @torch.no_grad()
+    def generate_subtask(self, input_ids, pixel_values, pixel_attention_mask=None, attention_mask=None,
+                         max_new_tokens: int | None = None, eos_token_id: int | None = None) -> SubtaskDecode:
+        """Decode each row's subtask greedily after its prompt (ending in `Subtask: `), with the VLM's key/value cache:
+        one prefix pass, then one token per step (`PI05Model.decode_step`) until EOS (kept, as training's span ends
+        in it) or `max_new_tokens` (default `config.subtask_max_tokens`). Returns the tokens and the cache of the
+        prompt and them, for `sample_actions(subtask=...)`."""
+        if not self.config.subtask_layout:
+            raise ValueError("this checkpoint was not trained to predict subtasks (config.subtask_layout is None): it "
+                             "cannot decode one; pass the subtask's text, or none")
+        eos = self.config.subtask_eos_token_id if eos_token_id is None else eos_token_id
+        if eos is None:
+            raise ValueError("generate_subtask needs the tokenizer's EOS id (eos_token_id=, or config.subtask_eos_token_id)")
+        attention_mask, pixel_attention_mask = self._default_masks(
+            input_ids, pixel_values, attention_mask, pixel_attention_mask
+        )
+        prefix_valid = self.model.prefix_mask(pixel_attention_mask, attention_mask)
+        prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
+        _, cache, hidden = self.model(None, None, prefix_valid=prefix_valid, prefix_embeds=prefix_embeds,
+                                      use_cache=True, prefix_hidden=True)
+        embedding = self.model.get_input_embeddings().weight
+        positions, key_valid = prefix_valid.long().sum(-1), prefix_valid
+        done = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
+        ids, valid, log_probs = [], [], []
+        for _ in range(max_new_tokens or self.config.subtask_max_tokens):
+            scores = F.linear(hidden.to(embedding.dtype), embedding).float().log_softmax(-1)
+            token = scores.argmax(-1)
+            live = ~done
+            ids.append(token.masked_fill(done, 0))
+            valid.append(live)
+            log_probs.append(scores.gather(-1, token[:, None])[:, 0].masked_fill(done, 0.0))
+            hidden = self.model.decode_step(token, cache, key_valid, positions)  # its keys/values join the cache
+            key_valid = torch.cat([key_valid, live[:, None]], dim=1)
+            positions = positions + live.long()
+            done = done | (token == eos)
+            if bool(done.all()):
+                break
+        return SubtaskDecode(torch.stack(ids, dim=1), torch.stack(valid, dim=1), torch.stack(log_probs, dim=1), cache)
 
     @torch.no_grad()
     def sample_actions(
@@ -571,9 +689,15 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         uncond_input_ids: torch.LongTensor | None = None,
         uncond_attention_mask: torch.Tensor | None = None,
         cfg_beta: torch.FloatTensor | float | None = None,
+        subtask: SubtaskDecode | str | None = None,
         **kwargs,
     ) -> torch.FloatTensor:
         """Integrate the velocity from t=1 (noise) to t=0 with `num_inference_steps` Euler steps; prefix run once.
+
+        Subtasks (`config.subtask_layout="joint"`): `subtask="auto"` decodes each row's subtask first
+        (`generate_subtask`, the prompt ending in `Subtask: `) and acts on it; a `SubtaskDecode` from
+        `generate_subtask` acts on it, re-using its cache; `subtask_ids` / `subtask_mask` (a given subtask's tokens,
+        `PI05Processor(subtask=...)`) act on that text. Without, the prompt is acted on as it is.
 
         Classifier-free guidance (RECAP, pi*0.6): with `uncond_input_ids` / `uncond_attention_mask` (the prompt without
         the advantage indicator; `PI05Processor` adds them where `cfg_beta` is not 1) the velocity is
@@ -595,15 +719,31 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         )
         if noise is None:
             noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
+        subtask_ids, subtask_mask = kwargs.get("subtask_ids"), kwargs.get("subtask_mask")
+        if subtask == "auto":
+            subtask = self.generate_subtask(input_ids, pixel_values, pixel_attention_mask, attention_mask)
+        elif subtask is not None and not isinstance(subtask, SubtaskDecode):
+            raise ValueError(f"subtask={subtask!r}: 'auto', a SubtaskDecode, or None (a given text goes in as "
+                             "subtask_ids / subtask_mask, from the processor)")
         if uncond_input_ids is not None:
+            if subtask is not None or subtask_ids is not None:
+                raise ValueError("classifier-free guidance with a subtask is not supported: pass cfg_beta=1")
             return self._sample_guided((input_ids, pixel_values, pixel_attention_mask, attention_mask),
                                        (uncond_input_ids, uncond_attention_mask), cfg_beta, noise, num_steps,
                                        (prev_chunk_left_over, inference_delay, execution_horizon, rtc_config))
-        cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask)
+        if subtask is not None:
+            cache, span_mask = subtask.cache, subtask.mask
+        elif subtask_ids is not None:
+            span_mask = (subtask_mask if subtask_mask is not None else torch.ones_like(subtask_ids)).bool()
+            cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask,
+                                      subtask=(subtask_ids, span_mask))
+        else:
+            cache, span_mask = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask), None
+        span = {} if span_mask is None or not span_mask.shape[1] else {"subtask_mask": span_mask}
 
         def velocity(x, timestep):
             return self(noise=x, timestep=timestep, input_ids=input_ids, pixel_attention_mask=pixel_attention_mask,
-                        attention_mask=attention_mask, past_key_values=cache).logits
+                        attention_mask=attention_mask, past_key_values=cache, **span).logits
 
         return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, prev_chunk_left_over,
                                inference_delay, execution_horizon, rtc_config)
@@ -647,4 +787,5 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
 
 PI05ForConditionalGeneration.register_for_auto_class("AutoModel")  # the auto_map of a saved checkpoint (trust_remote_code)
 
-__all__ = ["PI05PreTrainedModel", "PI05Model", "PI05ForConditionalGeneration", "PI05Output", "PI05ValueHead"]
+__all__ = ["PI05PreTrainedModel", "PI05Model", "PI05ForConditionalGeneration", "PI05Output", "PI05ValueHead",
+           "SubtaskDecode"]

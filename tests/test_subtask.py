@@ -1,0 +1,127 @@
+"""pi0.5's high-level inference (docs/subtasks.md): the subtask decoded with the VLM's cache equals a decode that
+recomputes the whole prefix for every token (the training forward is that recomputation), under eager and sdpa
+attention; acting on a decoded subtask equals acting on the same tokens given; the expert attends to the subtask; a
+model without subtask training refuses to decode one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import randomize_
+
+from hf_vla.models.pi05 import PI05ForConditionalGeneration
+from hf_vla.tiny import tiny_pi05_config
+
+EOS = 1
+BACKENDS = ("eager", "sdpa")
+
+
+def subtask_model(backend="eager", **overrides):
+    torch.manual_seed(0)
+    config = tiny_pi05_config(subtask_layout="joint", subtask_eos_token_id=EOS, subtask_max_tokens=6, **overrides)
+    model = randomize_(PI05ForConditionalGeneration(config), seed=1).eval()
+    model.set_attn_implementation(backend)
+    return model
+
+
+def prompt_inputs(config, batch=3, seq=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, seq, dtype=torch.bool)
+    mask[1, 6:] = False  # ragged prompts: the decode starts after each row's own last token
+    mask[2, 3:] = False
+    cams = torch.ones(batch, 2, dtype=torch.bool)
+    cams[0, 1] = False
+    size = config.image_size
+    return dict(input_ids=torch.randint(4, 400, (batch, seq), generator=g), attention_mask=mask,
+                pixel_values=torch.rand(batch, 2, 3, size, size, generator=g) * 2 - 1, pixel_attention_mask=cams)
+
+
+def recomputed_decode(model, inputs, steps: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The oracle: each next token (and its log-probability) from a full forward over the prompt and the tokens so
+    far, no cache."""
+    rows, scores = [], []
+    for row in range(inputs["input_ids"].shape[0]):
+        one = {k: v[row:row + 1] for k, v in inputs.items()}
+        tokens, logps = [], []
+        for _ in range(steps):
+            labels = torch.tensor([tokens + [0]])  # the slot after the tokens so far: its logits predict the next
+            with torch.no_grad():
+                out = model(**one, noise=torch.zeros(1, model.config.chunk_size, model.config.max_action_dim),
+                            timestep=torch.ones(1), subtask_ids=labels, output_token_logits=True)
+            logits = out.token_logits[0, len(tokens)].float().log_softmax(-1)
+            tokens.append(int(logits.argmax()))
+            logps.append(float(logits.max()))
+            if tokens[-1] == EOS:
+                break
+        rows.append(tokens)
+        scores.append(logps)
+    return rows, scores
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cached_decode_equals_the_recomputed_decode(backend):
+    model = subtask_model(backend)
+    inputs = prompt_inputs(model.config)
+    decoded = model.generate_subtask(**inputs)
+    cached = [row[mask].tolist() for row, mask in zip(decoded.ids, decoded.mask)]
+    tokens, log_probs = recomputed_decode(model, inputs, model.config.subtask_max_tokens)
+    assert cached == tokens
+    assert all(1 <= len(row) <= model.config.subtask_max_tokens for row in cached)
+    for row, (scores, mask) in enumerate(zip(decoded.log_probs, decoded.mask)):  # the same numbers, not just argmax
+        torch.testing.assert_close(scores[mask], torch.tensor(log_probs[row]), rtol=0, atol=1e-5)
+
+
+def test_decode_stops_at_eos_and_keeps_it():
+    model = subtask_model()
+    inputs = prompt_inputs(model.config)
+    # make EOS the likeliest token after the second decoded one: rows stop there, EOS kept in their span
+    first = model.generate_subtask(**inputs)
+    embedding = model.model.get_input_embeddings().weight
+    with torch.no_grad():
+        embedding[EOS] = embedding[first.ids[:, 1]].mean(0) * 50
+    decoded = model.generate_subtask(**inputs)
+    for row, mask in zip(decoded.ids, decoded.mask):
+        tokens = row[mask].tolist()
+        assert tokens[-1] == EOS and EOS not in tokens[:-1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_acting_on_a_decoded_subtask_equals_acting_on_its_tokens_given(backend):
+    model = subtask_model(backend)
+    inputs = prompt_inputs(model.config)
+    noise = torch.randn(3, model.config.chunk_size, model.config.max_action_dim, generator=torch.Generator().manual_seed(3))
+    decoded = model.generate_subtask(**inputs)
+    reused = model.sample_actions(**inputs, noise=noise, subtask=decoded)
+    given = model.sample_actions(**inputs, noise=noise, subtask_ids=decoded.ids, subtask_mask=decoded.mask)
+    auto = model.sample_actions(**inputs, noise=noise, subtask="auto")
+    torch.testing.assert_close(reused, given, rtol=0, atol=1e-5)
+    torch.testing.assert_close(auto, given, rtol=0, atol=1e-5)
+    plain = model.sample_actions(**inputs, noise=noise)
+    assert (plain - given).abs().max() > 1e-3  # the expert reads the subtask
+
+
+def test_the_training_forward_conditions_the_velocity_on_the_subtask_and_predicts_it():
+    model = subtask_model()
+    inputs = prompt_inputs(model.config) | dict(
+        noise=torch.randn(3, model.config.chunk_size, model.config.max_action_dim), timestep=torch.rand(3))
+    ids = torch.tensor([[5, 6, EOS, 0], [7, EOS, 0, 0], [0, 0, 0, 0]])
+    mask = ids != 0
+    mask[2] = False  # the third row has no subtask (dropped): it acts on its prompt alone
+    out = model(**inputs, subtask_ids=ids, subtask_mask=mask)
+    assert out.token_losses.shape == (3, 4) and (out.token_losses[~mask] == 0).all()
+    assert (out.token_losses[mask] > 0).all()
+    other = model(**inputs, subtask_ids=torch.where(mask, ids + 10, ids), subtask_mask=mask)
+    changed = (other.logits - out.logits).abs().amax(dim=(1, 2))
+    assert changed[0] > 1e-4 and changed[1] > 1e-4 and changed[2] == 0
+    plain = model(**inputs)  # a row without a subtask computes what it computes without the span
+    torch.testing.assert_close(out.logits[2], plain.logits[2], rtol=0, atol=1e-5)
+
+
+def test_a_model_without_subtask_training_refuses_to_decode():
+    torch.manual_seed(0)
+    model = PI05ForConditionalGeneration(tiny_pi05_config()).eval()
+    inputs = prompt_inputs(model.config)
+    with pytest.raises(ValueError, match="not trained to predict subtasks"):
+        model.generate_subtask(**inputs)
+    with pytest.raises(ValueError, match="not trained to predict subtasks"):
+        model.sample_actions(**inputs, subtask="auto")
