@@ -18,7 +18,8 @@ BACKENDS = ("eager", "sdpa")
 
 def subtask_model(backend="eager", **overrides):
     torch.manual_seed(0)
-    config = tiny_pi05_config(subtask_layout="joint", subtask_eos_token_id=EOS, subtask_max_tokens=6, **overrides)
+    config = tiny_pi05_config(**({"subtask_layout": "joint", "subtask_eos_token_id": EOS, "subtask_max_tokens": 6}
+                                 | overrides))
     model = randomize_(PI05ForConditionalGeneration(config), seed=1).eval()
     model.set_attn_implementation(backend)
     return model
@@ -125,3 +126,63 @@ def test_a_model_without_subtask_training_refuses_to_decode():
         model.generate_subtask(**inputs)
     with pytest.raises(ValueError, match="not trained to predict subtasks"):
         model.sample_actions(**inputs, subtask="auto")
+
+
+def subtask_processor(tokenizer, config, layout="joint"):
+    from hf_vla.models.pi05 import PI05Processor
+
+    stats = {"state": {"q01": [-1.0] * 3, "q99": [1.0] * 3}, "actions": {"q01": [-1.0] * 2, "q99": [1.0] * 2}}
+    processor = PI05Processor.from_config(config, tokenizer, norm_stats={"arm": stats})
+    processor.subtask_layout = layout
+    return processor
+
+
+def test_a_given_subtask_acts_as_the_prompt_built_by_hand(tiny_tokenizer):
+    """The processor's prompt and subtask tokens are exactly the documented strings: `Task: {task}, State: {bins};\\n
+    Subtask: ` then the subtask's tokens and EOS (docs/subtasks.md)."""
+    model = subtask_model(subtask_eos_token_id=tiny_tokenizer.eos_token_id)
+    processor = subtask_processor(tiny_tokenizer, model.config)
+    images = torch.rand(2, 1, 3, 16, 16)
+    state = torch.tensor([[0.1, -0.5, 0.9], [0.0, 0.2, -0.3]])
+    inputs = processor(images=images, text=["stack the cups", "open the drawer"], state=state, head="arm",
+                       subtask=["pick up the red cup", None])
+    bins = [" ".join(map(str, processor.discretize_state(processor.normalize(s, "state", "arm")).tolist())) for s in state]
+    by_hand = tiny_tokenizer([f"Task: stack the cups, State: {bins[0]};\nSubtask: ",
+                              f"Task: open the drawer, State: {bins[1]};\nAction: "], padding="max_length",
+                             truncation=True, max_length=processor.prompt_max_length, return_tensors="pt")
+    assert torch.equal(inputs["input_ids"], by_hand["input_ids"])
+    words = tiny_tokenizer("pick up the red cup", add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+    assert inputs["subtask_ids"][0, : len(words)].tolist() == words and inputs["subtask_mask"][0].sum() == len(words)
+    assert not inputs["subtask_mask"][1].any()
+    noise = torch.randn(2, model.config.chunk_size, model.config.max_action_dim)
+    model_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask",
+                                           "subtask_ids", "subtask_mask")}
+    acted = model.sample_actions(**model_inputs, noise=noise)
+    hand = model.sample_actions(input_ids=by_hand["input_ids"], attention_mask=by_hand["attention_mask"].bool(),
+                                pixel_values=inputs["pixel_values"], pixel_attention_mask=inputs["pixel_attention_mask"],
+                                subtask_ids=torch.tensor([words, [0] * len(words)]),
+                                subtask_mask=torch.tensor([[True] * len(words), [False] * len(words)]), noise=noise)
+    torch.testing.assert_close(acted, hand, rtol=0, atol=1e-6)
+    # "auto": the prompt asks for the subtask; the decoded tokens read back as text
+    auto = processor(images=images, text=["stack the cups", "open the drawer"], state=state, head="arm", subtask="auto")
+    assert "subtask_ids" not in auto
+    decoded = model.generate_subtask(**{k: auto[k] for k in ("input_ids", "attention_mask", "pixel_values",
+                                                             "pixel_attention_mask")})
+    texts = processor.decode_subtask(decoded.ids, decoded.mask)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+
+
+def test_the_processor_of_a_policy_without_subtasks_refuses_one(tiny_tokenizer):
+    processor = subtask_processor(tiny_tokenizer, tiny_pi05_config(), layout=None)
+    with pytest.raises(ValueError, match="not trained with subtasks"):
+        processor(images=torch.rand(1, 1, 3, 16, 16), text="t", state=torch.zeros(1, 3), head="arm", subtask="auto")
+
+
+def test_factorised_prompts_put_the_subtask_in_the_tasks_place(tiny_tokenizer):
+    processor = subtask_processor(tiny_tokenizer, tiny_pi05_config(subtask_layout="factorised"), layout="factorised")
+    state = torch.zeros(2, 3)
+    low = processor(text=["stack the cups", "stack the cups"], state=state, head="arm", subtask=["grasp the cup", None])
+    plain = processor(text=["grasp the cup", "stack the cups"], state=state, head="arm")
+    assert torch.equal(low["input_ids"], plain["input_ids"]) and "subtask_ids" not in low
+    high = processor(text=["stack the cups"], state=state[:1], head="arm", subtask="auto")
+    assert tiny_tokenizer.decode(high["input_ids"][0][high["attention_mask"][0]]).rstrip().endswith("Subtask:")

@@ -108,6 +108,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         fast_token_offset: int | None = None,
         advantage_conditioned: bool = False,
         cfg_beta: float = 1.0,
+        subtask_layout: str | None = None,
         **kwargs,
     ):
         self.norm_stats = norm_stats or {}
@@ -123,6 +124,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         self.fast_token_offset = fast_token_offset
         self.advantage_conditioned = bool(advantage_conditioned)
         self.cfg_beta = float(cfg_beta)
+        self.subtask_layout = subtask_layout
         self._last_state = None  # the raw states of the last call (relative actions are offsets from them)
         super().__init__(tokenizer, **kwargs)
 
@@ -139,6 +141,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             prompt_max_length=config.tokenizer_max_length,
             state_bins=config.state_bins,
             discrete_state_input=getattr(config, "discrete_state_input", True),
+            subtask_layout=getattr(config, "subtask_layout", None),
         )
 
     # ---- normalization -------------------------------------------------------------------------------------------
@@ -202,15 +205,22 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         bins = np.linspace(-1, 1, self.state_bins + 1)[:-1]
         return np.digitize(normalized_state.detach().cpu().numpy(), bins=bins) - 1
 
-    def build_prompt(self, task: str, normalized_state: torch.Tensor) -> str:
+    def build_prompt(self, task: str, normalized_state: torch.Tensor, subtask_next: bool = False) -> str:
+        """openpi's pi0.5 prompt, `Task: {task}, State: {bins};\nAction: `; with `subtask_next` (a subtask follows
+        it, `docs/subtasks.md`) it ends in `Subtask: ` instead."""
         cleaned = task.strip().replace("_", " ").replace("\n", " ")
         state = " ".join(map(str, self.discretize_state(normalized_state).tolist()))
-        return f"Task: {cleaned}, State: {state};\nAction: "
+        return f"Task: {cleaned}, State: {state};\n{'Subtask' if subtask_next else 'Action'}: "
 
-    def _prompt_tokens(self, texts: list[str], padded_state: torch.Tensor, states: list[torch.Tensor]) -> dict:
+    def _prompt_tokens(self, texts: list[str], padded_state: torch.Tensor, states: list[torch.Tensor],
+                       subtask_next: list[bool] | None = None) -> dict:
         if not self.discrete_state_input:
+            if subtask_next and any(subtask_next):
+                raise ValueError("a subtask follows the prompt's state: it needs discrete_state_input")
             return self._task_only_tokens(texts)
-        prompts = [self.build_prompt(t, padded_state[i, : states[i].shape[-1]]) for i, t in enumerate(texts)]
+        subtask_next = subtask_next or [False] * len(texts)
+        prompts = [self.build_prompt(t, padded_state[i, : states[i].shape[-1]], subtask_next[i])
+                   for i, t in enumerate(texts)]
         # plain lists, then one tensor: about twice as fast as the tokenizer's own tensor conversion
         return self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.prompt_max_length,
                               padding_side="right")
@@ -262,6 +272,43 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         if any(g and a is not True for g, a in zip(guided, values)):
             raise ValueError("cfg_beta != 1 guides towards 'Advantage: positive': those rows must ask for it")
         return values, betas
+
+    def _subtasks(self, subtask, rows: int) -> list:
+        """Each row's subtask (None, "auto" or a text), refused in one line where the policy was not trained for
+        them."""
+        values = list(subtask) if isinstance(subtask, list | tuple) else [subtask] * rows
+        if len(values) != rows:
+            raise ValueError(f"got {len(values)} subtasks for {rows} rows")
+        if any(v is not None for v in values) and not self.subtask_layout:
+            raise ValueError("subtask: this policy was not trained with subtasks (its processor has no "
+                             "subtask_layout); leave subtask out")
+        if any(v is not None and not isinstance(v, str) for v in values):
+            raise ValueError(f"subtask: a text, 'auto' or None per row, got {values!r}")
+        return [None if v is None else (v if v == "auto" else " ".join(v.split())) for v in values]
+
+    def subtask_tokens(self, subtasks: Sequence[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`subtask_ids` / `subtask_mask` `[B, S]`: each row's subtask as text tokens then EOS (what the model predicts
+        and acts on after the prompt's `Subtask: `), right-padded; a None row is all False."""
+        eos = self.tokenizer.eos_token_id
+        rows = [[] if s is None else self.tokenizer(s, add_special_tokens=False)["input_ids"] + [eos]
+                for s in subtasks]
+        width = max(1, max(len(r) for r in rows))
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for index, row in enumerate(rows):
+            ids[index, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[index, : len(row)] = True
+        return ids, mask
+
+    def decode_subtask(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str | None]:
+        """The text of each row's decoded subtask (`generate_subtask`'s ids and mask), EOS left out."""
+        eos = self.tokenizer.eos_token_id
+        texts = []
+        for row, valid in zip(ids.tolist(), mask.tolist()):
+            tokens = [t for t, v in zip(row, valid) if v]
+            texts.append(self.tokenizer.decode([t for t in tokens if t != eos], skip_special_tokens=True).strip()
+                         if tokens else None)
+        return texts
 
     def _task_only_tokens(self, texts: list[str]) -> dict:
         """Prompts without the state (`discrete_state_input=False`), as openpi's tokenizer builds them: the cleaned
@@ -322,6 +369,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         normalized: bool = False,
         advantage="auto",
         cfg_beta: float | Sequence[float] | None = None,
+        subtask: str | Sequence[str | None] | None = None,
         **kwargs,
     ) -> BatchFeature:
         """Build model inputs for a batch: the one path for training (the collator) and inference.
@@ -338,6 +386,11 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         cfg_beta: the guidance of an advantage-conditioned policy at inference (one value, or one per row; default
             the processor's `cfg_beta`). Where a row's beta is not 1 the unconditioned prompt is added to the inputs
             (`uncond_input_ids`, `uncond_attention_mask`, `cfg_beta` `[B]`), which `sample_actions` guides with.
+        subtask (a processor of a subtask-trained policy, `subtask_layout`): each row's subtask text (or one for every
+            row; None: none, the plain prompt), or "auto" (the prompt ends in `Subtask: `, for the model to decode
+            it: `sample_actions(subtask="auto")`). `"joint"`: a row with a text gets the prompt ending in `Subtask: `
+            and `subtask_ids` / `subtask_mask` (its tokens and EOS); `"factorised"`: the text takes the task's place
+            in the plain prompt.
         """
         if text is None:
             raise ValueError("PI05Processor needs the task text.")
@@ -356,11 +409,20 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             self._last_state = torch.stack(states)
         padded_state, _ = self._normalize_rows(states, "state", rows_by_head, self.max_state_dim, normalized)
         advantages, betas = self._advantages(advantage, cfg_beta, len(texts))
-        tokens = self._prompt_tokens([advantage_task(t, a) for t, a in zip(texts, advantages)], padded_state, states)
+        subtasks = self._subtasks(subtask, len(texts))
+        subtask_next = [s is not None for s in subtasks]
+        if self.subtask_layout == "factorised":  # a given subtask replaces the task; "auto" asks for it after the task
+            texts = [s if s not in (None, "auto") else t for t, s in zip(texts, subtasks)]
+            subtask_next = [s == "auto" for s in subtasks]
+        tokens = self._prompt_tokens([advantage_task(t, a) for t, a in zip(texts, advantages)], padded_state, states,
+                                     subtask_next)
         if any(a is not None for a in advantages):
             self._check_indicator_fits(texts, advantages, padded_state, states, tokens)
         data = {"input_ids": torch.tensor(tokens["input_ids"], dtype=torch.long),
                 "attention_mask": torch.tensor(tokens["attention_mask"], dtype=torch.bool), "state": padded_state}
+        if self.subtask_layout == "joint" and any(s not in (None, "auto") for s in subtasks):
+            data["subtask_ids"], data["subtask_mask"] = self.subtask_tokens(
+                [s if s != "auto" else None for s in subtasks])
         if betas is not None:  # classifier-free guidance: the unconditioned prompt beside the conditioned one
             uncond = self._prompt_tokens(texts, padded_state, states)
             data["uncond_input_ids"] = torch.tensor(uncond["input_ids"], dtype=torch.long)
@@ -456,7 +518,8 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
 
     @property
     def model_input_names(self):
-        return ["input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state"]
+        return ["input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state", "subtask_ids",
+                "subtask_mask"]
 
 
 _FAST_CACHE: dict = {}  # id(processor) -> (its fast_config dict, the tokenizer built from it)
