@@ -9,6 +9,7 @@ the token objective (a processor with a FAST tokenizer) the target tokens `label
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
@@ -19,10 +20,14 @@ PROVENANCE = ("dataset_index", "source_index", "episode_index", "frame_index")
 
 
 class VLACollator:
-    """`targets`: with a processor that has a FAST tokenizer, also build the token objective's `labels` (default)."""
+    """`targets`: with a processor that has a FAST tokenizer, also build the token objective's `labels` (default).
+    `subtask_dropout`: with a subtask-trained processor (`subtask_layout`), the share of annotated samples that train
+    without their subtask (the plain prompt), so the policy also acts without one; drawn per sample from its identity
+    (dataset, episode, frame) and `seed`, so a resumed or re-sharded run drops the same ones."""
 
-    def __init__(self, processor, targets: bool = True):
+    def __init__(self, processor, targets: bool = True, subtask_dropout: float = 0.0, seed: int = 0):
         self.processor, self.targets = processor, targets
+        self.subtask_dropout, self.seed = float(subtask_dropout), int(seed)
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         try:
@@ -42,7 +47,17 @@ class VLACollator:
             # RECAP's indicator per row (None: none in the prompt), never the processor's inference default
             **({"advantage": [s.get("advantage") for s in samples]} if hasattr(self.processor, "advantage_conditioned")
                else {}),
+            **({"subtask": [self._subtask(s) for s in samples]} if getattr(self.processor, "subtask_layout", None)
+               else {}),
         )
+
+    def _subtask(self, sample: dict) -> str | None:
+        """The sample's annotated subtask, or None where it has none or the dropout drops it."""
+        text = sample.get("subtask")
+        if not text or not self.subtask_dropout:
+            return text or None
+        key = [self.seed, 0x5B7A5C, int(sample["source_index"]), int(sample["episode_index"]), int(sample["frame_index"])]
+        return None if np.random.default_rng(key).random() < self.subtask_dropout else text
 
     def _batch(self, samples: list[dict], inputs) -> dict[str, torch.Tensor]:
         batch = dict(inputs)

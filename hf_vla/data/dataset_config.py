@@ -46,6 +46,10 @@ class DatasetConfig:
     target_text_key: a per-frame string column (e.g. a subtask annotation) the backbone learns to predict after the
         chunk's FAST tokens under `token_loss` (docs/cotraining.md); a training target only (never a model input).
         Checked at start-up in every used row: present, a string.
+    subtask_key: each frame's subtask (pi0.5's high-level inference, docs/subtasks.md): a per-frame string column
+        (`hf_vla.record` writes `subtask` for Meta-World), or lerobot's `language_persistent` column (as
+        `lerobot-annotate` writes it: the `subtask` row active at the frame's timestamp). A frame without one trains
+        as the plain prompt. Needs a model with `subtask_layout`.
     action_chunk_key: a per-frame column holding the frame's whole target chunk, `[H x action_dim]` flattened (H at
         least the model's chunk size; its first chunk-size steps are used, none padded), instead of the chunk being
         read from the next frames' actions: a DAgger recording's `action_plan`, the expert's own chunk from each
@@ -99,6 +103,7 @@ class DatasetConfig:
     quantile_stats: str = "exact"
     outlier_widths: float | None = 1e4
     target_text_key: str | None = None
+    subtask_key: str | None = None
     action_chunk_key: str | None = None
     normalization: dict | None = None
     relative_actions: bool | list[bool] | None = None

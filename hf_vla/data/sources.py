@@ -67,6 +67,24 @@ def _lerobot_metadata_class():
     return Metadata
 
 
+
+LANGUAGE_PERSISTENT = "language_persistent"  # lerobot's per-episode language rows (its codex/pi052 branch's annotations)
+
+
+def subtask_column(table: pa.Table, key: str) -> list[str | None]:
+    """Each frame's subtask from `key`: a string column as it is; lerobot's `language_persistent` column, a list of
+    `{role, content, style, timestamp, ...}` rows per frame, as lerobot's `active_at(t, style=subtask)` resolves it:
+    the `subtask` row with the latest timestamp at or before the frame's `timestamp` (None before the first)."""
+    values = table[key].to_pylist()
+    if key != LANGUAGE_PERSISTENT:
+        return [None if v is None else str(v) for v in values]
+    out = []
+    for rows, time in zip(values, table["timestamp"].to_pylist()):
+        active = [r for r in rows or () if r.get("style") == "subtask" and r.get("timestamp") is not None
+                  and float(r["timestamp"]) <= float(time) + 1e-6 and r.get("content")]
+        out.append(max(active, key=lambda r: float(r["timestamp"]))["content"] if active else None)
+    return out
+
 class LeRobotSource:
     """Metadata, blocks and frame reading for one dataset (`source_index` = its position in the mixture)."""
 
@@ -102,6 +120,14 @@ class LeRobotSource:
             if features[config.target_text_key]["dtype"] != "string":
                 raise ConfigError(f"dataset {self.name!r}: target_text_key {config.target_text_key!r} is "
                                   f"{features[config.target_text_key]['dtype']}; target text must be a string column")
+        if config.subtask_key is not None:
+            feature = features.get(config.subtask_key)
+            if feature is None:
+                raise ConfigError(f"dataset {self.name!r} ({self.root / 'meta/info.json'}): subtask_key "
+                                  f"{config.subtask_key!r} is not a feature; available: {sorted(features)}")
+            if feature["dtype"] not in ("string", "language"):
+                raise ConfigError(f"dataset {self.name!r}: subtask_key {config.subtask_key!r} is {feature['dtype']}; "
+                                  "a subtask is a string column or lerobot's language_persistent column")
         self.advantage_key = (config.advantage or {}).get("key")
         if self.advantage_key is not None:
             feature = features.get(self.advantage_key)
@@ -465,12 +491,16 @@ class LeRobotSource:
                 raise DataError(f"dataset {self.name!r}: cannot read episode {episode} from the scan cache "
                                 f"{self.episode_rows.directory}: {error}") from error
             # strings and per-frame chunks are not in the cache: from the parquet rows, in one read
-            extra = [key for key in (self.config.target_text_key, self.config.action_chunk_key, self.advantage_key)
-                     if key is not None]
+            extra = [key for key in (self.config.target_text_key, self.config.action_chunk_key, self.advantage_key,
+                                     self.config.subtask_key) if key is not None]
+            if self.config.subtask_key == LANGUAGE_PERSISTENT:
+                extra.append("timestamp")
             if extra:
                 rows = self._episode_rows(episode, row, length, [*extra, "episode_index"])
                 if self.config.target_text_key is not None:
                     table["target_text"] = rows[self.config.target_text_key].to_pylist()
+                if self.config.subtask_key is not None:
+                    table["subtask"] = subtask_column(rows, self.config.subtask_key)
                 if self.advantage_key is not None:
                     table["advantage"] = _indicator_column(rows[self.advantage_key])
                 if self.config.action_chunk_key is not None:
@@ -483,6 +513,9 @@ class LeRobotSource:
             columns.append(self.config.action_chunk_key)
         if self.advantage_key is not None:
             columns.append(self.advantage_key)
+        if self.config.subtask_key is not None:
+            columns += [self.config.subtask_key] + (["timestamp"] if self.config.subtask_key == LANGUAGE_PERSISTENT
+                                                    else [])
         table = self._episode_rows(episode, row, length, columns)
         where = f"dataset {self.name!r}: {self._data_path_of_row(row)} episode {episode}"
         out = {
@@ -494,6 +527,8 @@ class LeRobotSource:
         }
         if self.config.target_text_key is not None:
             out["target_text"] = table[self.config.target_text_key].to_pylist()
+        if self.config.subtask_key is not None:
+            out["subtask"] = subtask_column(table, self.config.subtask_key)
         if self.config.action_chunk_key is not None:
             out["action_chunks"] = self._action_chunks(table, episode, row)
         if self.advantage_key is not None:

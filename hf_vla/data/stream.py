@@ -235,6 +235,7 @@ class FrameReader:
             "action_is_pad": torch.from_numpy(is_pad),
             "task": source.task(table["task_index"][frame], block.episode),
             **({"target_text": table["target_text"][frame]} if "target_text" in table else {}),
+            **({"subtask": table["subtask"][frame]} if "subtask" in table else {}),
             **_advantage(source.config.advantage, table, frame),
             **_value_return(source, block, table, frame),
             "dataset_index": self.head_of_source[source_index],

@@ -66,6 +66,8 @@ class DeploymentConfig:
     source: dict = field(default_factory=dict)
     version: int = VERSION
     advantage: dict | None = None  # RECAP: {"conditioned": true, "cfg_beta": 1.0}; the runner asks for "positive"
+    # pi0.5's high-level inference: {"layout": "joint", "every_chunks": k}: the runner decodes a subtask every k chunks
+    subtask: dict | None = None
 
     def __post_init__(self):
         if not 1 <= int(self.n_action_steps) <= int(self.chunk_size):
@@ -82,7 +84,7 @@ class DeploymentConfig:
 
     def to_dict(self) -> dict:
         return {"version": self.version, **{k: v for k, v in asdict(self).items() if k != "version" and not (
-            k == "advantage" and v is None)}}  # (no advantage field for the policies trained without it)
+            k in ("advantage", "subtask") and v is None)}}  # (no such field for the policies trained without it)
 
     @classmethod
     def from_dict(cls, data: dict, where: str = FILE_NAME) -> DeploymentConfig:
@@ -91,7 +93,7 @@ class DeploymentConfig:
             raise ValueError(f"{where}: deployment contract version {version!r}; this hf_vla reads version {VERSION} "
                              "(upgrade hf_vla, or rewrite the file)")
         known = {"policy", "chunk_size", "n_action_steps", "image_size", "heads", "default_head", "source", "version",
-                 "advantage"}
+                 "advantage", "subtask"}
         unknown = sorted(set(data) - known)
         if unknown:  # fields a later hf_vla added within this version: read what this one knows
             logging.getLogger("hf_vla.deployment.contract").warning("%s: ignoring field(s) %s that this hf_vla does not know",
@@ -225,7 +227,9 @@ def from_training(mixture, processor, config, policy: str, n_action_steps: int |
         default_head=mixture.head_names[0] if len(mixture.head_names) == 1 else None,
         source=dict(source or {"made_by": "hf_vla.train"}),
         advantage={"conditioned": True, "cfg_beta": float(getattr(processor, "cfg_beta", 1.0))} if getattr(
-            processor, "advantage_conditioned", False) else None)
+            processor, "advantage_conditioned", False) else None,
+        subtask={"layout": config.subtask_layout, "every_chunks": 1} if getattr(config, "subtask_layout", None)
+        else None)
 
 
 def pipeline_fields(stats: dict | None) -> dict:

@@ -104,6 +104,22 @@ def build_tokenizer(name: str):
         raise load_error(error, f"tokenizer={name!r} could not be loaded", name) from error
 
 
+def check_subtasks(config, data_args, training_args) -> None:
+    """Subtask training needs annotated data and annotated data a subtask-trained model; one line otherwise."""
+    annotated = [d.get("name") or d.get("repo_id") or d.get("root") for d in data_args.datasets if d.get("subtask_key")]
+    layout = getattr(config, "subtask_layout", None)
+    if layout and not annotated:
+        raise ConfigError(f"subtask_layout={layout!r}: no dataset names its subtasks; set subtask_key in a dataset "
+                          "entry (a string column, or lerobot's language_persistent)")
+    if annotated and not layout:
+        raise ConfigError(f"datasets {annotated}: subtask_key trains pi0.5's subtask prediction; set "
+                          "subtask_layout 'joint' (or leave subtask_key out)")
+    if layout == "factorised":
+        raise ConfigError("subtask_layout='factorised': training the factorised layout is not built yet; use 'joint'")
+    if not 0.0 <= training_args.subtask_dropout < 1.0:
+        raise ConfigError(f"subtask_dropout={training_args.subtask_dropout}: a share in [0, 1)")
+
+
 def model_config(model_args: ModelArguments):
     """The policy's config, without any weights: from the checkpoint's config.json or from `model_config`, with
     `rtc_max_delay` and `rtc_prefix_noise` applied."""
@@ -121,6 +137,8 @@ def model_config(model_args: ModelArguments):
     for name in ("token_loss", "knowledge_insulation"):
         if getattr(model_args, name) is not None:
             setattr(config, name, bool(getattr(model_args, name)))
+    if getattr(model_args, "subtask_layout", None) is not None:
+        config.subtask_layout = model_args.subtask_layout
     return config
 
 
@@ -299,6 +317,9 @@ def build_trainer(model_args: ModelArguments, data_args, training_args):
     if getattr(config, "token_loss", False):
         check_token_objective(config, model_args, training_args)
     check_data_for_policy(config, model_args, data_args)
+    check_subtasks(config, data_args, training_args)
+    if getattr(config, "subtask_layout", None):  # a decoded subtask ends at the tokenizer's EOS
+        config.subtask_eos_token_id = tokenizer.eos_token_id
     if training_args.n_action_steps is not None and training_args.n_action_steps > config.chunk_size:
         raise ConfigError(f"n_action_steps={training_args.n_action_steps}: at most the chunk size "
                           f"({config.chunk_size}); it is how many actions of each predicted chunk are executed")
@@ -326,6 +347,8 @@ def build_trainer(model_args: ModelArguments, data_args, training_args):
     if family.setup:
         family.load("setup")(processor, model, mixture, model_args, data_args, training_args)
     collator = family.load("collator")(processor)
+    if getattr(config, "subtask_layout", None):
+        collator.subtask_dropout, collator.seed = training_args.subtask_dropout, training_args.seed
     from hf_vla.deployment import contract as deployment
 
     # how the result must be run (cameras and their recorded sizes, actions per chunk, heads, benchmark settings):

@@ -24,7 +24,19 @@ from hf_vla.training.losses import PerSampleLoss
 
 logger = logging.getLogger("hf_vla.training.cotraining")
 
-COMPONENTS = ("fast_ce", "text_ce")
+COMPONENTS = ("fast_ce", "text_ce", "subtask_ce")
+
+
+def target_labels(inputs: dict) -> torch.Tensor | None:
+    """Every target token of a batch as the model predicts them, `[B, S + L_t]`: the subtask span (`subtask_ids`
+    where `subtask_mask`, else -100; pi0.5's high-level inference) then the token objective's `labels`; None when
+    the batch has neither."""
+    parts = []
+    if "subtask_ids" in inputs:
+        parts.append(inputs["subtask_ids"].masked_fill(~inputs["subtask_mask"].bool(), -100))
+    if "labels" in inputs:
+        parts.append(inputs["labels"])
+    return torch.cat(parts, dim=1) if parts else None
 
 
 def training_chunks(mixture, processor, chunk_size: int, max_chunks: int = 20_000, seed: int = 0) -> np.ndarray:
@@ -108,21 +120,24 @@ def fit_fast(mixture, processor, config, path: str | None = None, vocab_size: in
 
 
 def token_per_sample_loss(token_losses: torch.Tensor, labels: torch.Tensor,
-                          fast_range: tuple[int, int] | None) -> dict[str, PerSampleLoss]:
-    """Next-token cross-entropy of every target, summed per sample: `{"ce": all targets, "fast_ce": FAST tokens,
-    "text_ce": the others}` as `PerSampleLoss(sum [B], count [B])` (float32; -100 counts nowhere), from the model's
-    per-target cross-entropy `[B, L_t]` (`PI05Output.token_losses`)."""
+                          fast_range: tuple[int, int] | None, subtask_width: int = 0) -> dict[str, PerSampleLoss]:
+    """Next-token cross-entropy of every target, summed per sample: `{"ce": all targets, "subtask_ce": the leading
+    `subtask_width` columns (the subtask span), "fast_ce": FAST tokens, "text_ce": the others}` as
+    `PerSampleLoss(sum [B], count [B])` (float32; -100 counts nowhere), from the model's per-target cross-entropy
+    `[B, L_t]` (`PI05Output.token_losses`) and `target_labels`."""
     valid = labels != -100
     flat = token_losses.float() * valid
+    subtask = torch.zeros_like(valid)
+    subtask[:, :subtask_width] = valid[:, :subtask_width]
     if fast_range is not None:
-        fast = valid & (labels >= fast_range[0]) & (labels < fast_range[1])
+        fast = valid & ~subtask & (labels >= fast_range[0]) & (labels < fast_range[1])
     else:
         fast = torch.zeros_like(valid)
-    text = valid & ~fast
+    text = valid & ~fast & ~subtask
     out = {"ce": PerSampleLoss(flat.sum(-1), valid.sum(-1).float())}
-    for name, mask in (("fast_ce", fast), ("text_ce", text)):
+    for name, mask in (("fast_ce", fast), ("text_ce", text), ("subtask_ce", subtask)):
         out[name] = PerSampleLoss((flat * mask).sum(-1), mask.sum(-1).float())
     return out
 
 
-__all__ = ["COMPONENTS", "fit_fast", "token_per_sample_loss", "training_chunks"]
+__all__ = ["COMPONENTS", "fit_fast", "target_labels", "token_per_sample_loss", "training_chunks"]

@@ -134,7 +134,8 @@ def policy_per_sample_loss(model, inputs: dict, seed: int, step: int) -> tuple[P
         # a per-sample offset on the prefix keeps the model from continuing it blindly (padded dims stay 0).
         offsets = prefix_offsets(inputs, actions.shape[2:], seed, step, scale).to(actions.device, actions.dtype)
         x_t = x_t + committed[..., None] * inputs["action_dim_mask"][:, None, :] * offsets
-    extra = {"labels": inputs["labels"]} if "labels" in inputs else {}  # the token objective's targets
+    # the token objective's targets, and a subtask the expert reads and the backbone predicts
+    extra = {k: inputs[k] for k in ("labels", "subtask_ids", "subtask_mask") if k in inputs}
     outputs = model(noise=x_t.to(unwrapped.dtype), timestep=t, **{k: inputs[k] for k in MODEL_INPUTS if k in inputs},
                     **extra)
     loss = per_sample_flow_loss(outputs.logits, noise, actions, padding, inputs["action_dim_mask"])

@@ -9,6 +9,7 @@ import torch
 from accelerate.utils import gather_object
 from transformers.trainer_utils import EvalLoopOutput
 
+from hf_vla.training.cotraining import target_labels
 from hf_vla.training.losses import GROUP_KEYS, PerSampleLoss, aggregate, bucket_mse
 
 EVAL_NOISE_STEP = -1  # evaluation draws the same noise every time, so successive evals are comparable
@@ -46,12 +47,16 @@ class ProvenanceEvaluation:
                 values["advantage"] = inputs["advantage"]
             if "value_targets" in inputs:  # a value model: the expected value's absolute error beside the CE
                 values["value_abs_sum"] = (outputs.value.float() - inputs["value_targets"].float()).abs()
-            if "labels" in inputs:  # the token objective: CE per sample and component, beside the MSE
+            labels = target_labels(inputs)
+            if labels is not None:  # the token objective (and a subtask): CE per sample and component, beside the MSE
                 from hf_vla.training.cotraining import token_per_sample_loss
 
-                for name, loss in token_per_sample_loss(outputs.token_losses, inputs["labels"], getattr(
-                        self.processing_class, "fast_token_range", None)).items():
+                width = inputs["subtask_ids"].shape[1] if "subtask_ids" in inputs else 0
+                for name, loss in token_per_sample_loss(outputs.token_losses, labels, getattr(
+                        self.processing_class, "fast_token_range", None), width).items():
                     values[f"{name}_sum"], values[f"{name}_count"] = loss.sum, loss.count
+            if "subtask_ids" in inputs:  # the greedily decoded subtask against the annotated one, per sample
+                values["subtask_match"], values["subtask_rows"] = self._subtask_matches(model, inputs)
             gathered = self.accelerator.gather_for_metrics(values)
             for key, value in gathered.items():
                 collected.setdefault(key, []).append(value.detach().cpu())
@@ -98,6 +103,11 @@ class ProvenanceEvaluation:
                         metrics[f"{prefix}_{name}/{component}"] = value
                     for name, value in bucket_mse(part, data["source_index"], names).items():
                         metrics[f"{prefix}_by_dataset/{name}/{component}"] = value
+        if "subtask_rows" in data and float(data["subtask_rows"].sum()) > 0:  # exact match of the decoded subtask
+            matches = PerSampleLoss(data["subtask_match"].double(), data["subtask_rows"].double())
+            metrics[f"{prefix}_subtask_accuracy"] = float(matches.sum.sum() / matches.count.sum())
+            for name, value in bucket_mse(matches, data["source_index"], names).items():
+                metrics[f"{prefix}_by_dataset/{name}/subtask_accuracy"] = value
         if "value_abs_sum" in data:  # a value model: its loss is a cross-entropy, named so; and the value's error
             return self._value_metrics(data, per_sample, metrics, prefix, heads, names)
         if "advantage" in data:  # RECAP: the flow MSE of the frames marked positive, negative, or without indicator
@@ -126,6 +136,24 @@ class ProvenanceEvaluation:
             for name, value in bucket_mse(part, data["source_index"], names).items():
                 metrics[f"{prefix}_by_dataset/{name}/{label}"] = value
         return metrics
+
+    @torch.no_grad()
+    def _subtask_matches(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample: 1 where the subtask decoded greedily after its prompt (`generate_subtask`) is exactly the
+        annotated one, EOS included; and 1 where the sample has an annotated subtask (the others count nowhere)."""
+        mask = inputs["subtask_mask"].bool()
+        rows = mask.any(-1)
+        match = torch.zeros(len(mask), device=mask.device)
+        if rows.any():
+            unwrapped = self.accelerator.unwrap_model(model)
+            keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
+            decoded = unwrapped.generate_subtask(**{k: inputs[k][rows] for k in keys}, max_new_tokens=mask.shape[1])
+            width = min(decoded.ids.shape[1], mask.shape[1])
+            wanted_ids, wanted = inputs["subtask_ids"][rows], mask[rows]
+            same = (decoded.mask.sum(-1) == wanted.sum(-1)) & (
+                (decoded.ids[:, :width] == wanted_ids[:, :width]) | ~wanted[:, :width]).all(-1)
+            match[rows] = same.float()
+        return match, rows.float()
 
     @torch.no_grad()
     def _action_errors(self, model, inputs, errors: dict):

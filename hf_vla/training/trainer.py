@@ -26,6 +26,7 @@ from hf_vla.data import ForkFriendlyDataLoader, PI05Collator
 from hf_vla.errors import CheckpointError, ConfigError, NonFiniteError
 from hf_vla.hub.card import render_model_card
 from hf_vla.training import checkpoints
+from hf_vla.training.cotraining import target_labels
 from hf_vla.training.engines import configure_engine, finish_engine, saved_as_own_class
 from hf_vla.training.losses import (
     GROUP_KEYS,
@@ -275,8 +276,9 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
             padding, _ = loss_padding(batch, self.args.seed, self.state.global_step, config)
             counts += valid_elements(padding, batch["action_dim_mask"]).sum(dim=(1, 2)).tolist()
             groups += batch[group_key].tolist()
-            if "labels" in batch:
-                tokens += (batch["labels"] != -100).sum(-1).tolist()
+            labels = target_labels(batch)
+            if labels is not None:
+                tokens += (labels != -100).sum(-1).tolist()
         if self.accelerator.num_processes > 1:
             gathered = gather_object([(counts, groups, tokens)])
             counts = [c for rank_counts, _, _ in gathered for c in rank_counts]
@@ -300,11 +302,13 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
             totals = StepTotals.from_counts(per_sample.count.tolist(), groups.tolist())
         weights = sample_weights(self.args.loss_aggregation, per_sample, totals, groups, self.args.loss_divisor)
         loss = (weights * per_sample.sum).sum()
-        if "labels" in inputs:  # pi0.5's objective: CE + alpha * flow MSE, each over its own elements
+        labels = target_labels(inputs)
+        if labels is not None:  # pi0.5's objective: CE + alpha * flow MSE, each over its own elements
             from hf_vla.training.cotraining import token_per_sample_loss
 
-            tokens = token_per_sample_loss(outputs.token_losses, inputs["labels"],
-                                           getattr(self.processing_class, "fast_token_range", None))
+            tokens = token_per_sample_loss(outputs.token_losses, labels,
+                                           getattr(self.processing_class, "fast_token_range", None),
+                                           inputs["subtask_ids"].shape[1] if "subtask_ids" in inputs else 0)
             token_totals = totals.tokens or StepTotals.from_counts(tokens["ce"].count.tolist(), groups.tolist())
             token_weights = sample_weights(self.args.loss_aggregation, tokens["ce"], token_totals, groups,
                                            self.args.loss_divisor)

@@ -107,6 +107,8 @@ class VLATrainingArguments(TrainingArguments):
     rollout_videos: int = field(default=1, metadata={"help": "GIFs per task and rollout"})
     rollout_device: str | None = field(default=None, metadata={"help": "rollout device (default: training's)"})
     rollout_wait: bool = field(default=False, metadata={"help": "evaluate synchronously (every rank waits)"})
+    subtask_dropout: float = field(default=0.1, metadata={"min": 0, "help": "share of annotated samples trained "
+                                   "without their subtask, so the policy also acts without one (subtask_layout)"})
     image_augmentation: str = field(default="none", metadata={"help": "training images: none | openpi (crop, "
                                                                       "rotation, colour jitter)"})
 
