@@ -186,3 +186,104 @@ def test_factorised_prompts_put_the_subtask_in_the_tasks_place(tiny_tokenizer):
     assert torch.equal(low["input_ids"], plain["input_ids"]) and "subtask_ids" not in low
     high = processor(text=["stack the cups"], state=state[:1], head="arm", subtask="auto")
     assert tiny_tokenizer.decode(high["input_ids"][0][high["attention_mask"][0]]).rstrip().endswith("Subtask:")
+
+
+def _with_language_persistent(root):
+    """lerobot's `language_persistent` column (as `lerobot-annotate` writes it on its pi052 branch): every frame of an
+    episode carries the episode's rows; the subtask row "approach" from t=0, "retreat" from half the episode."""
+    import json
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row_type = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string()),
+                          pa.field("style", pa.string()), pa.field("timestamp", pa.float32()),
+                          pa.field("camera", pa.string())])
+    for path in sorted((root / "data").rglob("*.parquet")):
+        table = pq.read_table(path)
+        episodes, times = table["episode_index"].to_numpy(), table["timestamp"].to_numpy()
+        rows = []
+        for episode in episodes:
+            span = times[episodes == episode]
+            middle = float(span[len(span) // 2])
+            rows.append([{"role": "assistant", "content": "approach", "style": "subtask", "timestamp": 0.0, "camera": None},
+                         {"role": "assistant", "content": "retreat", "style": "subtask", "timestamp": middle, "camera": None},
+                         {"role": "assistant", "content": "remember the cup", "style": "memory", "timestamp": 0.0,
+                          "camera": None}])
+        pq.write_table(table.append_column("language_persistent", pa.array(rows, type=pa.list_(row_type))), path)
+        assert np.all(np.diff(times[episodes == episodes[0]]) > 0)
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["language_persistent"] = {"dtype": "language", "shape": [1], "names": None}
+    info_path.write_text(json.dumps(info, indent=2))
+    return root
+
+
+@pytest.mark.parametrize("annotation", ["column", "language_persistent"])
+def test_training_on_annotated_subtasks_predicts_and_acts_on_them(tmp_path, annotation):
+    """A dataset's `subtask_key` trains the subtask after the prompt (teacher forcing, dropout leaving some rows
+    without); the evaluation reports its CE and the exact-match accuracy of the greedy decode per dataset; the saved
+    checkpoint decodes one and records the layout in its contract."""
+    from test_cotraining import _with_subtasks
+    from test_data import make_dataset
+    from test_failures import base_config, write_config
+
+    from hf_vla.train import main
+
+    data = make_dataset(tmp_path / "toy", 6)
+    data = _with_subtasks(data) if annotation == "column" else _with_language_persistent(data)
+    key = "subtask" if annotation == "column" else "language_persistent"
+    config = base_config(data, tmp_path / "out", max_steps=3, subtask_layout="joint", subtask_dropout=0.3,
+                         validation_ratio=0.3, eval_strategy="steps", eval_steps=3, save_strategy="no")
+    config["datasets"][0] |= {"subtask_key": key}
+    trainer = main([str(write_config(tmp_path, config))])
+    processor, tokenizer = trainer.processing_class, trainer.processing_class.tokenizer
+    words = {text: tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+             for text in ("approach", "retreat")}
+    loader, dropped, kept = iter(trainer.get_train_dataloader()), 0, 0
+    for _ in range(4):
+        batch = next(loader)
+        for ids, mask, prompt in zip(batch["subtask_ids"], batch["subtask_mask"], batch["input_ids"]):
+            text = tokenizer.decode(prompt[prompt != tokenizer.pad_token_id])
+            if mask.any():
+                assert ids[mask].tolist() in words.values() and text.rstrip().endswith("Subtask:")
+                kept += 1
+            else:
+                assert text.rstrip().endswith("Action:")  # dropped: the plain prompt
+                dropped += 1
+    assert kept and dropped
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert {"subtask_ce", "eval_subtask_ce", "eval_subtask_accuracy", "eval_by_dataset/toy/subtask_accuracy",
+            "eval_by_dataset/toy/subtask_ce"} <= logged, sorted(logged)
+    out = tmp_path / "out"
+    import json
+
+    assert json.loads((out / "deployment_config.json").read_text())["subtask"] == {"layout": "joint", "every_chunks": 1}
+    from transformers import AutoModel, AutoProcessor
+
+    model, processor = AutoModel.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
+    assert model.config.subtask_eos_token_id == tokenizer.eos_token_id and processor.subtask_layout == "joint"
+    inputs = processor(images=torch.rand(1, 1, 3, 48, 64), text="reach target 0", state=torch.zeros(1, 3),
+                       subtask="auto")
+    decoded = model.generate_subtask(**{k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values",
+                                                                "pixel_attention_mask")})
+    assert isinstance(processor.decode_subtask(decoded.ids, decoded.mask)[0], str)
+
+
+def test_subtask_settings_are_refused_in_one_line(tmp_path, capsys):
+    from test_cotraining import _with_subtasks
+    from test_data import make_dataset
+    from test_failures import base_config, run_fails, write_config
+
+    data = _with_subtasks(make_dataset(tmp_path / "toy", 4))
+    plain = base_config(data, tmp_path / "out")
+    code, message = run_fails(capsys, write_config(tmp_path, plain | {"subtask_layout": "joint"}))
+    assert code == 2 and "no dataset names its subtasks" in message
+    annotated = base_config(data, tmp_path / "out2")
+    annotated["datasets"][0] |= {"subtask_key": "subtask"}
+    code, message = run_fails(capsys, write_config(tmp_path, annotated, "a.json"))
+    assert code == 2 and "set subtask_layout 'joint'" in message
+    annotated["datasets"][0] |= {"subtask_key": "nope"}
+    code, message = run_fails(capsys, write_config(tmp_path, annotated | {"subtask_layout": "joint"}, "b.json"))
+    assert code == 2 and "subtask_key 'nope' is not a feature" in message
