@@ -5,6 +5,7 @@ model without subtask training refuses to decode one."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import randomize_
@@ -287,3 +288,123 @@ def test_subtask_settings_are_refused_in_one_line(tmp_path, capsys):
     annotated["datasets"][0] |= {"subtask_key": "nope"}
     code, message = run_fails(capsys, write_config(tmp_path, annotated | {"subtask_layout": "joint"}, "b.json"))
     assert code == 2 and "subtask_key 'nope' is not a feature" in message
+
+
+# ---- the runner, the episode loop and the server (one implementation) ---------------------------------------------
+@pytest.fixture(scope="module")
+def subtask_checkpoint(tmp_path_factory, tiny_tokenizer):
+    """The demo's architecture trained with subtasks (random weights), on ColorReach's observations."""
+    import json
+
+    from conftest import REPO
+
+    from hf_vla.models.pi05 import PI05Config, PI05Processor
+
+    settings = json.loads((REPO / "hf_vla" / "configs" / "demo.json").read_text())["model_config"]
+    config = PI05Config(**(settings | {"subtask_layout": "joint", "subtask_eos_token_id": tiny_tokenizer.eos_token_id,
+                                       "subtask_max_tokens": 5}))
+    model = randomize_(PI05ForConditionalGeneration(config), seed=3, scale=0.1).eval()
+    head = "color_reach::delta_xy"
+    stats = {head: {"state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0]},
+                    "actions": {"q01": [-0.1, -0.1], "q99": [0.1, 0.1]}}}
+    processor = PI05Processor.from_config(model.config, tiny_tokenizer, norm_stats=stats, head_names=[head])
+    from hf_vla.deployment.contract import DeploymentConfig
+
+    processor.deployment = DeploymentConfig(policy="pi05", chunk_size=config.chunk_size, n_action_steps=4,
+                                            image_size=processor.image_size, heads={head: {}},
+                                            subtask={"layout": "joint", "every_chunks": 2}).to_dict()
+    path = tmp_path_factory.mktemp("subtask_policy")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def reach_observation(seed=0):
+    import gymnasium as gym
+
+    import hf_vla.envs  # noqa: F401  (registers ColorReach)
+
+    observation, info = gym.make("hf_vla/ColorReach-v0").reset(seed=seed)
+    return observation, info["task"]
+
+
+def test_the_runner_decodes_every_k_chunks_and_acts_on_a_given_text(subtask_checkpoint):
+    from hf_vla.serving.policy import load_policy
+
+    runner = load_policy(subtask_checkpoint, seed=0)
+    assert runner.subtask == "auto" and runner.subtask_every == 2  # from the checkpoint's contract
+    observation, task = reach_observation()
+    decodes = []
+    model = runner.model
+    original = model.generate_subtask
+
+    def counted(*args, **kwargs):
+        decodes.append(1)
+        return original(*args, **kwargs)
+
+    model.generate_subtask = counted
+    for _ in range(3):
+        runner(observation, task)
+        assert isinstance(runner.last_subtask, str)
+    assert len(decodes) == 2  # chunks 1 and 3 decode; chunk 2 acts on chunk 1's subtask
+    runner.reset(seed=0)
+    given = runner.prepare(observation, task, subtask="push the red block")
+    assert not given.decode_subtask and "subtask_ids" in given.inputs
+    runner.finish(given, runner.sample_batch([given])[0])
+    assert runner.last_subtask == "push the red block"
+    # acting on a decoded text given back equals acting on the decode (the cache re-used is exact)
+    runner.reset(seed=7)
+    decoded = runner(observation, task)
+    text = runner.last_subtask
+    runner.reset(seed=7)
+    again = runner.prepare(observation, task, subtask=text)
+    chunk = runner.finish(again, runner.sample_batch([again])[0])
+    assert runner.last_subtask == text
+    assert chunk.shape == decoded.shape and np.isfinite(chunk).all()
+
+
+def test_a_policy_without_subtasks_refuses_a_subtask_request(tmp_path, tiny_tokenizer):
+    from hf_vla.models.pi05 import PI05Processor
+    from hf_vla.serving.policy import PolicyRunner, RequestError
+
+    model = PI05ForConditionalGeneration(tiny_pi05_config()).eval()
+    stats = {"arm": {"state": {"q01": [-1.0] * 2, "q99": [1.0] * 2}, "actions": {"q01": [-1.0] * 2, "q99": [1.0] * 2}}}
+    runner = PolicyRunner(model, PI05Processor.from_config(model.config, tiny_tokenizer, norm_stats=stats))
+    assert runner.subtask is None
+    observation, task = reach_observation()
+    with pytest.raises(RequestError, match="not trained with subtasks"):
+        runner.prepare(observation, task, subtask="auto")
+
+
+def test_the_episode_loop_logs_each_episodes_subtasks(subtask_checkpoint, tmp_path):
+    import gymnasium as gym
+
+    from hf_vla.evaluation.runner import run_episodes
+    from hf_vla.serving.policy import load_policy
+
+    runner = load_policy(subtask_checkpoint, seed=0)
+    result = run_episodes(gym.make("hf_vla/ColorReach-v0", max_episode_steps=12), runner, [3, 4], 4, save_videos=1,
+                          output_dir=tmp_path, progress=False)
+    for record in result.episode_records:
+        steps = [step for step, _ in record["subtasks"]]
+        assert steps[0] == 0 and steps == sorted(steps) and all(isinstance(t, str) for _, t in record["subtasks"])
+    assert result.videos and (tmp_path / result.videos[0].split("/")[-1]).is_file()
+
+
+def test_the_server_decodes_per_session_and_takes_a_requests_subtask(subtask_checkpoint):
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+    from test_serve import Server
+
+    running = Server("--checkpoint", str(subtask_checkpoint), "--seed", "5")
+    try:
+        first, second = WebsocketClientPolicy(running.uri), WebsocketClientPolicy(running.uri)
+        assert first.get_server_metadata()["subtask"] == {"layout": "joint", "default": "auto", "every_chunks": 2}
+        observation, task = reach_observation()
+        decoded = first.infer({**observation, "prompt": task})
+        assert isinstance(decoded["subtask"], str)
+        given = second.infer({**observation, "prompt": task, "subtask": "grasp the red cube"})
+        assert given["subtask"] == "grasp the red cube"
+        assert first.infer({**observation, "prompt": task})["subtask"] == decoded["subtask"]  # its own, kept
+    finally:
+        log = running.stop()
+    assert "Traceback" not in log, log[-3000:]

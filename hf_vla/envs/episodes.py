@@ -69,9 +69,14 @@ class Episode:
     step_rewards: list[float] = field(default_factory=list, repr=False)  # the env's reward at each step
     discarded: bool = False  # its env worker died mid-episode: not an outcome (see `EpisodeRunner(restart=...)`)
     log: object = field(default=None, repr=False)  # the policy's `episode_log()` (its frames when it records them)
+    # pi0.5's high-level inference: [step, subtask] where the subtask the policy acted on changed (None: no subtask)
+    subtasks: list | None = None
 
     def record(self) -> dict:
-        return {"seed": self.seed, "success": self.success, "steps": self.steps, "reward": round(self.reward, 6)}
+        record = {"seed": self.seed, "success": self.success, "steps": self.steps, "reward": round(self.reward, 6)}
+        if self.subtasks:
+            record["subtasks"] = self.subtasks
+        return record
 
 
 def boundary_metrics(actions: list[np.ndarray], switches: list[int]) -> tuple[float, float, float]:
@@ -114,6 +119,7 @@ class _Slot:
     done: bool = True
     group: object = None  # the slot's task when the runner holds several tasks' envs
     stepped: tuple | None = None  # an in-process env's step outcome, between `_send_step` and `_receive_step`
+    subtasks: list = field(default_factory=list)  # [step, subtask] at each change of the subtask acted on
 
 
 class EpisodeRunner:
@@ -272,6 +278,7 @@ class EpisodeRunner:
         slot.frames = [slot.env.render()] if slot.index < save_videos else None
         slot.observation, slot.done, slot.success, slot.reward = observation, False, False, 0.0
         slot.executed, slot.switches, slot.queue, slot.chunk = [], [], deque(), None
+        slot.subtasks = []
         slot.request = {"observation": observation, "inference_delay": 0, "executed_steps": None, "first": True}
 
     def _serve_requests(self, slots: list[_Slot]) -> None:
@@ -283,6 +290,9 @@ class EpisodeRunner:
             if slot.request["inference_delay"] or slot.request["executed_steps"] is not None:
                 self.rtc_methods.add(getattr(slot.policy, "last_rtc_method", None))
             first = slot.request["first"]
+            subtask = getattr(slot.policy, "last_subtask", None)
+            if subtask is not None and (not slot.subtasks or slot.subtasks[-1][1] != subtask):
+                slot.subtasks.append([len(slot.executed), subtask])  # the step its chunk's actions start at
             slot.request, slot.chunk = None, np.asarray(chunk)
             start = 0 if first else self.inference_delay
             if not first:
@@ -327,7 +337,8 @@ class EpisodeRunner:
         jump, jerk, interior = boundary_metrics(slot.executed, slot.switches)
         episode = Episode(slot.seed, slot.success, len(slot.executed), slot.reward, jump, jerk, interior,
                           noise_seed=slot.noise_seed, step_rewards=slot.rewards,
-                          log=slot.policy.episode_log() if hasattr(slot.policy, "episode_log") else None)
+                          log=slot.policy.episode_log() if hasattr(slot.policy, "episode_log") else None,
+                          subtasks=[list(item) for item in slot.subtasks] or None)
         if isinstance(output_dir, dict):  # a folder per task: the names need not say the task
             output_dir, group = output_dir.get(slot.group), None
         else:
@@ -337,7 +348,8 @@ class EpisodeRunner:
             name = f"rollout_{slot.index:03d}_{outcome}.gif" if group is None else \
                 f"rollout_{group}_{slot.index:03d}_{outcome}.gif"
             episode.video = save_gif(slot.frames, Path(output_dir) / name,
-                                     caption=f"{slot.task} ({outcome}, seed {slot.seed})")
+                                     caption=f"{slot.task} ({outcome}, seed {slot.seed})",
+                                     subtitles=slot.subtasks or None)
         return episode
 
 
@@ -381,9 +393,10 @@ def _call_policies(requests: list[tuple]) -> list[np.ndarray]:
     return chunks
 
 
-def save_gif(frames: list[np.ndarray], path: Path, caption: str = "") -> str:
+def save_gif(frames: list[np.ndarray], path: Path, caption: str = "", subtitles: list | None = None) -> str:
     """The episode's frames as a GIF, enlarged (nearest) to at least 256 px wide, with `caption` (the instruction,
-    the outcome) written in a band above the frames."""
+    the outcome) written in a band above the frames; `subtitles` (`[step, text]` from that step on: the subtask the
+    policy acted on) in a band below them. Frame 0 is the reset, frame k+1 follows action k."""
     from PIL import Image, ImageDraw, ImageFont
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -392,14 +405,18 @@ def save_gif(frames: list[np.ndarray], path: Path, caption: str = "") -> str:
     font = ImageFont.load_default()
     lines = _wrap(caption, font, width * scale - 8) if caption else []
     band = 4 + 14 * len(lines) if lines else 0
+    below = 18 if subtitles else 0
     pictures = []
-    for frame in frames:
-        picture = Image.new("RGB", (width * scale, height * scale + band), (255, 255, 255))
+    for index, frame in enumerate(frames):
+        picture = Image.new("RGB", (width * scale, height * scale + band + below), (255, 255, 255))
         picture.paste(Image.fromarray(np.asarray(frame)).resize((width * scale, height * scale), Image.NEAREST),
                       (0, band))
         draw = ImageDraw.Draw(picture)
         for i, line in enumerate(lines):
             draw.text((4, 2 + 14 * i), line, fill=(0, 0, 0), font=font)
+        current = [text for step, text in subtitles or () if step <= max(index - 1, 0)]
+        if current:
+            draw.text((4, height * scale + band + 3), f"subtask: {current[-1]}", fill=(0, 0, 160), font=font)
         pictures.append(picture)
     pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=100, loop=0)
     return str(path)

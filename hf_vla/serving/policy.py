@@ -142,6 +142,7 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_
 # classifier-free guidance of an advantage-conditioned pi0.5 (RECAP): the processor adds them where cfg_beta != 1
 GUIDANCE_INPUTS = ("uncond_input_ids", "uncond_attention_mask", "cfg_beta")
 STATE_INPUTS = MODEL_INPUTS + ("state",)  # transformers' pi0 takes the state as a tensor (pi0.5 reads it as tokens)
+SUBTASK_INPUTS = ("subtask_ids", "subtask_mask")  # a given subtask's tokens (pi0.5's high-level inference)
 
 
 def model_input_keys(model) -> tuple[str, ...]:
@@ -176,12 +177,15 @@ class PreparedRequest:
     head: str
     rtc: dict | None = None
     state: np.ndarray | None = None  # the raw state `[rows, state_dim]`: a relative head's actions are offsets from it
+    decode_subtask: bool = False  # the model decodes the subtask first (`generate_subtask`), then acts on it
+    subtask: str | None = None  # the subtask text acted on: given, or (once sampled) decoded
+    decoded: tuple | None = None  # the decoded subtask's (ids, mask) `[S]`, set by `sample_batch`
 
     def batch_key(self):
         """Requests with equal keys can share one forward; one that continues a chunk (RTC) runs alone."""
         if self.rtc is not None:
             return None
-        return tuple((key, tuple(self.inputs[key].shape[1:])) for key in sorted(self.inputs))
+        return (self.decode_subtask,) + tuple((key, tuple(self.inputs[key].shape[1:])) for key in sorted(self.inputs))
 
 
 def batch_requests(requests: list[PreparedRequest], device) -> tuple[dict, torch.Tensor]:
@@ -200,6 +204,11 @@ def sample_batch(model, requests: list[PreparedRequest], device) -> torch.Tensor
     rtc = dict(requests[0].rtc or {})
     if rtc:
         rtc["prev_chunk_left_over"] = rtc["prev_chunk_left_over"].to(device)
+    if requests[0].decode_subtask:  # pi0.5's high-level inference: the subtask first, then the actions on it
+        decoded = model.generate_subtask(**{key: inputs[key] for key in MODEL_INPUTS})
+        for row, request in enumerate(requests):
+            request.decoded = (decoded.ids[row].cpu(), decoded.mask[row].cpu())
+        rtc["subtask"] = decoded
     return model.sample_actions(**inputs, noise=noise, **rtc).float().cpu()
 
 
@@ -223,6 +232,11 @@ class PolicyRunner:
     num_camera_slots: int | None = None
     limits: InputLimits = field(default_factory=InputLimits)
     cfg_beta: float | None = None  # an advantage-conditioned policy's guidance (None: the checkpoint's, its processor's)
+    # pi0.5's high-level inference (a subtask-trained checkpoint): "auto" decodes the subtask every `subtask_every`
+    # chunks of an episode and acts on it (between decodes on the last one); a text acts on that text (a person's or a
+    # planner's); None: the plain prompt. Default: "auto" where the checkpoint's contract records a subtask layout.
+    subtask: str | None = "contract"
+    subtask_every: int | None = None
 
     def __post_init__(self):
         self.model = self.model.eval().to(self.device)
@@ -230,11 +244,21 @@ class PolicyRunner:
         self.last_chunk: torch.Tensor | None = None  # [chunk, max_action_dim], normalised
         self.last_state: np.ndarray | None = None  # the raw state last_chunk's relative actions are offsets from
         self.last_rtc_method: str | None = None  # how the last chunk continued the previous one (None: it did not)
+        contract = (getattr(self.processor, "deployment", None) or {}).get("subtask") or {}
+        if self.subtask == "contract":
+            self.subtask = "auto" if getattr(self.model.config, "subtask_layout", None) else None
+        if self.subtask_every is None:
+            self.subtask_every = int(contract.get("every_chunks", 1))
+        if self.subtask_every < 1:
+            raise ValueError(f"subtask_every={self.subtask_every}: decode a subtask every 1 or more chunks")
+        self.last_subtask: str | None = None  # the subtask the last chunk acted on (None: none)
+        self._subtask_age = 0  # chunks acted on the last decoded subtask
 
     def reset(self, seed: int | None = None) -> None:
         """A new episode: forget the last chunk; with `seed`, re-seed the noise generator (an episode's noise then
         depends on its seed alone, however many episodes ran before or beside it)."""
         self.last_chunk = None
+        self.last_subtask, self._subtask_age = None, 0
         if seed is not None:
             self.generator.manual_seed(int(seed))
 
@@ -260,12 +284,29 @@ class PolicyRunner:
                                execution_horizon)
         return self.finish(request, self.sample_batch([request])[0])
 
+    def _subtask_of(self, subtask) -> tuple[str | None, bool]:
+        """This chunk's subtask: (the text to act on, or None; whether the model decodes it first). `subtask`: the
+        request's own (a text, "auto", or None for the runner's setting)."""
+        wanted = self.subtask if subtask is None else subtask
+        if wanted is None:
+            return None, False
+        if not isinstance(wanted, str) or not wanted.strip():
+            raise RequestError(f"subtask={wanted!r}: a text, or 'auto' (the policy decodes it)")
+        if not getattr(self.model.config, "subtask_layout", None):
+            raise RequestError("subtask: this checkpoint was not trained with subtasks; leave the field out")
+        if wanted != "auto":
+            return wanted, False
+        if self.last_subtask is not None and self._subtask_age < self.subtask_every:
+            return self.last_subtask, False  # between decodes: act on the last decoded one
+        return None, True
+
     def prepare(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
                 executed_steps: int | None = None, prev_chunk_left_over=None,
-                execution_horizon: int | None = None, cfg_beta: float | None = None) -> PreparedRequest:
+                execution_horizon: int | None = None, cfg_beta: float | None = None,
+                subtask: str | None = None) -> PreparedRequest:
         """Validate an observation and build its model inputs and noise (no model call): `RequestError` for anything
         the policy must not act on. `cfg_beta`: this request's guidance of an advantage-conditioned policy (default
-        the runner's)."""
+        the runner's); `subtask`: this request's subtask (a text, or "auto"; default the runner's)."""
         head = self.head_name(head)
         task = check_task(task, "task", self.limits) if task is not None else self.obs_map.task(observation, self.limits)
         images = self.obs_map.images(observation, self.limits)
@@ -294,13 +335,15 @@ class PolicyRunner:
                 method = self.rtc.resolve_method(inference_delay, getattr(self.model.config, "rtc_max_delay", 0))
             except ValueError as error:
                 raise RequestError(str(error)) from error
-        inputs, noise = self._inputs(images[None], state[None], [task], mask[None], head, cfg_beta)
+        text, decode = self._subtask_of(subtask)
+        inputs, noise = self._inputs(images[None], state[None], [task], mask[None], head, cfg_beta,
+                                     "auto" if decode else text)
         rtc = None
         if leftover is not None:
             rtc = {"prev_chunk_left_over": leftover[None], "inference_delay": int(inference_delay),
                    "execution_horizon": execution_horizon,
                    "rtc_config": replace(self.rtc, method=method)}  # as resolved here
-        return PreparedRequest(inputs, noise, head, rtc, state=state[None])
+        return PreparedRequest(inputs, noise, head, rtc, state=state[None], decode_subtask=decode, subtask=text)
 
     def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
         """The sampled chunk `[chunk, max_action_dim]` (normalised) of a prepared request -> un-normalised actions
@@ -311,6 +354,11 @@ class PolicyRunner:
             spliced = min(request.rtc["inference_delay"], len(leftover))
             chunk[:spliced, : leftover.shape[-1]] = leftover[:spliced]
         self.last_chunk, self.last_state = chunk, request.state
+        if request.decoded is not None:  # a freshly decoded subtask: acted on for the next `subtask_every` chunks
+            request.subtask = self.processor.decode_subtask(request.decoded[0][None], request.decoded[1][None])[0]
+            self._subtask_age = 0
+        self._subtask_age += 1
+        self.last_subtask = request.subtask
         return self._actions(chunk, request.head, request.state).numpy()
 
     def _actions(self, chunk: torch.Tensor, head: str, state) -> torch.Tensor:
@@ -399,17 +447,20 @@ class PolicyRunner:
             return self.processor.normalize(self._relative(absolute, head, state), "actions", head)
         return left
 
-    def _inputs(self, images, states, tasks, camera_mask, head, cfg_beta=None) -> tuple[dict, torch.Tensor]:
+    def _inputs(self, images, states, tasks, camera_mask, head, cfg_beta=None,
+                subtask: str | None = None) -> tuple[dict, torch.Tensor]:
         try:
             cfg_beta = self.cfg_beta if cfg_beta is None else cfg_beta
             guidance = {} if cfg_beta is None else {"cfg_beta": cfg_beta}  # else the processor's own
+            if subtask is not None:
+                guidance["subtask"] = subtask
             inputs = self.processor(images=images, text=tasks, state=states, head=head, camera_mask=camera_mask,
                                     **guidance)
         except ValueError as error:
             raise RequestError(str(error)) from error
         config = self.model.config
         noise = torch.randn(len(tasks), config.chunk_size, config.max_action_dim, generator=self.generator)
-        keys = model_input_keys(self.model) + tuple(key for key in GUIDANCE_INPUTS if key in inputs)
+        keys = model_input_keys(self.model) + tuple(key for key in GUIDANCE_INPUTS + SUBTASK_INPUTS if key in inputs)
         return {key: inputs[key] for key in keys}, noise
 
     def predict(self, images: torch.Tensor, states: np.ndarray, tasks: list[str], camera_mask: torch.Tensor) -> np.ndarray:

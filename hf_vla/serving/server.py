@@ -78,6 +78,9 @@ class PolicyServer:
             "advantage": {"conditioned": bool(getattr(runner.processor, "advantage_conditioned", False)),
                           "cfg_beta": runner.cfg_beta if runner.cfg_beta is not None else getattr(
                               runner.processor, "cfg_beta", 1.0), "max_cfg_beta": self.max_cfg_beta},
+            # pi0.5's high-level inference: a request's `subtask` (a text, or "auto") overrides `default`
+            "subtask": {"layout": getattr(config, "subtask_layout", None), "default": runner.subtask,
+                        "every_chunks": runner.subtask_every},
         }
 
     def _cfg_beta(self, value) -> float | None:
@@ -129,8 +132,11 @@ class PolicyServer:
             return {"episode_end": bool(episode_end), "recorded_episode": episode}
         delay = _optional_int(request.get("rtc/inference_delay", 0), "rtc/inference_delay")
         cfg_beta = self._cfg_beta(request.get("cfg_beta"))
+        subtask = request.get("subtask")
+        if subtask is not None and (not isinstance(subtask, str) or len(subtask) > runner.limits.max_prompt_chars):
+            raise RequestError(f"subtask: a text of at most {runner.limits.max_prompt_chars} characters, or 'auto'")
         start = time.monotonic()
-        prepared = runner.prepare(request, head=head, inference_delay=delay, cfg_beta=cfg_beta,
+        prepared = runner.prepare(request, head=head, inference_delay=delay, cfg_beta=cfg_beta, subtask=subtask,
                                   executed_steps=_optional_int(request.get("rtc/executed_steps"), "rtc/executed_steps"),
                                   prev_chunk_left_over=request.get("rtc/prev_chunk_left_over"),
                                   execution_horizon=_optional_int(request.get("rtc/execution_horizon"),
@@ -143,6 +149,8 @@ class PolicyServer:
         reply = {"actions": actions.astype(np.float32), "policy_timing": {"infer_ms": elapsed_ms}}
         if runner.last_rtc_method is not None:  # the chunk continued the previous one: "guidance" or "prefix"
             reply["rtc/method"] = runner.last_rtc_method
+        if runner.last_subtask is not None:  # the subtask this chunk acted on (decoded, or the request's)
+            reply["subtask"] = runner.last_subtask
         if self.recorder is not None:
             self._record(runner, session, request, actions[min(delay or 0, len(actions) - 1)], intervention)
             reply["recorded_episode"] = session.episode
