@@ -408,3 +408,25 @@ def test_the_server_decodes_per_session_and_takes_a_requests_subtask(subtask_che
     finally:
         log = running.stop()
     assert "Traceback" not in log, log[-3000:]
+
+
+# ---- subtasks recorded from the scripted expert's own decisions -------------------------------------------------------
+def test_metaworld_recordings_carry_the_experts_stage_per_frame(tmp_path):
+    """`hf_vla.record` writes each frame's `subtask`: the branch of the expert's `_desired_pos` that ran. On recorded
+    (successful) episodes of three tasks the stages come in the expert's order and the last one is its final stage."""
+    import pyarrow.parquet as pq
+
+    from hf_vla.envs.expert_stages import STAGES, stage_order
+    from hf_vla.envs.recording import RecordArguments, record
+
+    tasks = ("pick-place-v3", "assembly-v3", "hammer-v3")
+    out = tmp_path / "staged"
+    record(RecordArguments(env="metaworld", output=out, episodes=1, task=",".join(tasks), image_size=32), progress=False)
+    table = pq.read_table(sorted((out / "data").rglob("*.parquet"))).to_pandas()
+    assert table["subtask"].notna().all()
+    for _, episode in table.groupby("episode_index"):
+        texts = episode.sort_values("frame_index")["subtask"].tolist()
+        task = next(name for name in tasks if texts[0] in {words for words, _ in STAGES[name]})
+        orders = [stage_order(task, text) for text in texts]
+        assert None not in orders and orders == sorted(orders), (task, texts)
+        assert orders[-1] == len(STAGES[task]) - 1 and orders[0] == 0

@@ -44,6 +44,7 @@ if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):
 CAMERA, STATE, ACTION = "observation.image", "observation.state", "action"
 ROBOT_TYPE = "metaworld"
 LOCATIONS = "locations"  # the per-frame column of target_text() a recording carries: a token-objective target
+SUBTASK = "subtask"  # the per-frame column of subtask_text(): the expert's stage in words (pi0.5's subtask)
 FPS = 80  # lerobot's Meta-World env and datasets
 DEFAULT_STEPS = 500  # Meta-World's max_path_length
 RENDER = 480  # lerobot's render size
@@ -317,6 +318,15 @@ class MetaWorldEnv(gym.Env):
         """The locations as PaliGemma point tokens, `<locY><locX> name` joined by ` ; ` (1024 bins per axis
         against the image's own size): the `locations` column `hf_vla.record` writes."""
         return location_text(self.locations(), self.image_size)
+
+    def subtask_text(self, raw_obs=None) -> str | None:
+        """The scripted expert's stage for the current raw observation (or `raw_obs`) in words: the branch of its
+        `_desired_pos` that decides the target it moves to (`hf_vla.envs.expert_stages`): the `subtask` column
+        `hf_vla.record` writes."""
+        from hf_vla.envs.expert_stages import expert_stage, stage_text
+
+        raw_obs = self.inner.raw_obs if raw_obs is None else raw_obs
+        return stage_text(self.task_name, expert_stage(self.inner.expert_policy, raw_obs))
 
     # ---- the absolute end-effector action space (action_mode="absolute_ee") -----------------------------------------
     def hand(self, raw_obs=None) -> np.ndarray:

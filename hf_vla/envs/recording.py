@@ -3,6 +3,7 @@ function behind `python -m hf_vla.record` (whose docstring says what it writes),
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -18,7 +19,7 @@ import numpy as np
 from hf_vla.cli import positive, progress_bar
 from hf_vla.deployment.contract import RECORD_MARKER
 from hf_vla.envs.dagger import DaggerActor, DaggerSettings, dagger_episodes, dagger_features
-from hf_vla.envs.metaworld import LOCATIONS
+from hf_vla.envs.metaworld import LOCATIONS, SUBTASK
 from hf_vla.errors import ConfigError
 from hf_vla.registry import contract_env, env_names, find_env
 from hf_vla.storage import DirectoryLock
@@ -46,10 +47,11 @@ class RecordResult:
 
 class _ExpertActor:
     """The env's scripted expert as a one-action policy for the episode loop; each step's frame (in the writer's
-    format, with the env's `target_text()` under `text` when `locations`) is kept for the episode's log."""
+    format, with the env's per-frame texts under `text`: `target_text()` when `locations`, `subtask_text()` when
+    `subtasks`) is kept for the episode's log."""
 
-    def __init__(self, env, locations: bool):
-        self.env, self.locations, self.frames = env, locations, []
+    def __init__(self, env, locations: bool, subtasks: bool = False):
+        self.env, self.locations, self.subtasks, self.frames = env, locations, subtasks, []
 
     def reset(self, seed=None):
         self.frames = []
@@ -58,9 +60,8 @@ class _ExpertActor:
         action = np.asarray(self.env.expert_action(), dtype=np.float32)
         images = {key: value for key, value in observation.items() if key.startswith(CAMERA)}  # every camera
         frame = {"images": images, "state": observation[STATE], "action": action, "task": task}
-        if self.locations:
-            env = self.env
-            frame["text"] = {LOCATIONS: env.call("target_text") if hasattr(env, "call") else env.target_text()}
+        if self.locations or self.subtasks:
+            frame["text"] = frame_texts(self.env, self.locations, self.subtasks)
         self.frames.append(frame)
         return action[None]
 
@@ -68,8 +69,19 @@ class _ExpertActor:
         return self.frames
 
 
+def frame_texts(env, locations: bool, subtasks: bool) -> dict:
+    """A frame's per-frame text columns: the env's `target_text()` (locations) and `subtask_text()` (the expert's
+    stage), each asked of the env in its worker where it runs in one."""
+    def ask(name):
+        return env.call(name) if hasattr(env, "call") else getattr(env, name)()
+
+    return {**({LOCATIONS: ask("target_text")} if locations else {}), **({SUBTASK: ask("subtask_text")} if subtasks
+                                                                        else {})}
+
+
 def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, only_successful: bool = True,
-                    stats: dict | None = None, bar=None, locations: bool = False) -> Iterator[list[dict]]:
+                    stats: dict | None = None, bar=None, locations: bool = False,
+                    subtasks: bool = False) -> Iterator[list[dict]]:
     """Up to `count` episodes of `env.expert_action()` (frames in the writer's format), over at most `max_attempts`
     of `seeds`, run by the episode loop (`EpisodeRunner`); failures are counted in `stats["rejected"]` and skipped
     when `only_successful`. With `locations`, each frame also carries the env's `target_text()` (where the gripper,
@@ -82,7 +94,7 @@ def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, on
     if count <= 0:
         return
     kept = 0
-    runner = EpisodeRunner([env], _ExpertActor(env, locations), n_action_steps=1)
+    runner = EpisodeRunner([env], _ExpertActor(env, locations, subtasks), n_action_steps=1)
     # seeds are drawn only when an episode starts: the seeds used are exactly those drawn
     for episode in runner.episodes(int(seed) for seed in itertools.islice(seeds, max_attempts)):
         if only_successful and not episode.success:
@@ -291,14 +303,14 @@ def _episodes(job: _Job, live, name: str, stats: dict, used: list[int], bar) -> 
     seeds = _tried(job.seeds(job.seed), used)
     if job.runner is None:
         yield from expert_episodes(live, job.episodes, seeds, max_attempts=job.max_tries, stats=stats, bar=bar,
-                                   locations=find_env(job.env).locations)
+                                   locations=find_env(job.env).locations, subtasks=find_env(job.env).subtasks)
         return
     from hf_vla.envs.episodes import check_dims
 
     check_dims(job.runner, live, f"{job.env} {name}")
     stats["rejected"] = 0
     actor = DaggerActor(live, job.runner, job.resolved["n_action_steps"], job.dagger, tuple(job.camera_keys), STATE,
-                        text=_location_text if find_env(job.env).locations else None,
+                        text=_frame_text(find_env(job.env)),
                         plan_steps=job.resolved["plan_steps"])
     yield from dagger_episodes(actor, job.episodes, seeds, stats=stats, bar=bar,
                                episodes=stats.setdefault("episodes", []))
@@ -329,7 +341,7 @@ def _record_task(job: _Job, name: str, parts: Path, bar) -> dict:
             layout = DatasetLayout(
                 fps=job.fps, cameras={key: (job.size, job.size) for key in job.camera_keys}, state_dim=job.state_dim,
                 action_dim=job.action_dim, robot_type=job.robot_type, state_key=STATE, action_key=ACTION,
-                repo_id=f"local/{name}", text_features=(LOCATIONS,) if find_env(job.env).locations else (),
+                repo_id=f"local/{name}", text_features=_text_features(find_env(job.env)),
                 extra_features=dagger_features(job.action_dim, job.resolved["plan_steps"]) if job.runner is not None
                 else None,
                 # Lossless video (full-resolution chroma, crf 0): what the policy trains on is what the env renders.
@@ -404,8 +416,16 @@ def _join(job: _Job, parts: Path, done: dict, started: float, resumed: list[str]
     return result
 
 
-def _location_text(env) -> dict:
-    return {LOCATIONS: env.call("target_text") if hasattr(env, "call") else env.target_text()}
+def _text_features(family) -> tuple[str, ...]:
+    """The per-frame string columns an env's recordings carry."""
+    return tuple(name for name, wanted in ((LOCATIONS, family.locations), (SUBTASK, family.subtasks)) if wanted)
+
+
+def _frame_text(family):
+    """The per-frame text of a DAgger frame (as the expert recording's), or None when the env has none."""
+    if not (family.locations or family.subtasks):
+        return None
+    return functools.partial(frame_texts, locations=family.locations, subtasks=family.subtasks)
 
 
 def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | None, max_episode_steps: int | None,

@@ -57,6 +57,7 @@ class EnvFamily:
         with its scripted expert (`hf_vla.envs.recording.RecordingPlan`); None: it has no expert.
     contract_id: the env id a checkpoint trained on its recordings names, when not `name` (a gymnasium id).
     locations: its recordings carry the per-frame location text (a token-objective target).
+    subtasks: its recordings carry each frame's `subtask`, the scripted expert's stage in words (`subtask_text()`).
     expert_plans: its expert can simulate itself ahead, so DAgger records the expert's chunk per frame.
     fast_render: its recordings use the fast rendering setting, which evaluation must match.
     """
@@ -72,6 +73,7 @@ class EnvFamily:
     recording: str | None = None
     contract_id: str | None = None
     locations: bool = False
+    subtasks: bool = False
     expert_plans: bool = False
     fast_render: bool = False
 
@@ -128,7 +130,7 @@ register_env(EnvFamily(
     name="metaworld", title="Meta-World", make=f"{_HERE}.metaworld:in_worker", tasks=f"{_HERE}.metaworld:task_names",
     default_task="reach-v3", cameras=f"{_HERE}.metaworld:observation_camera_keys",
     groups=f"{_HERE}.metaworld:group_success", recording=f"{_HERE}.metaworld:recording_plan", locations=True,
-    expert_plans=True, fast_render=True))
+    subtasks=True, expert_plans=True, fast_render=True))
 register_env(EnvFamily(
     name="libero", title="LIBERO", make=f"{_HERE}.libero:in_worker", tasks=f"{_HERE}.libero:task_suites",
     cameras=f"{_HERE}.libero:observation_camera_keys", check=f"{_HERE}.libero:require_libero"))
