@@ -311,7 +311,9 @@ def subtask_checkpoint(tmp_path_factory, tiny_tokenizer):
     from hf_vla.deployment.contract import DeploymentConfig
 
     processor.deployment = DeploymentConfig(policy="pi05", chunk_size=config.chunk_size, n_action_steps=4,
-                                            image_size=processor.image_size, heads={head: {}},
+                                            image_size=processor.image_size,
+                                            heads={head: {"cameras": [{"key": "observation.image", "height": 32,
+                                                                       "width": 32}]}},
                                             subtask={"layout": "joint", "every_chunks": 2}).to_dict()
     path = tmp_path_factory.mktemp("subtask_policy")
     model.save_pretrained(path)
@@ -430,3 +432,25 @@ def test_metaworld_recordings_carry_the_experts_stage_per_frame(tmp_path):
         orders = [stage_order(task, text) for text in texts]
         assert None not in orders and orders == sorted(orders), (task, texts)
         assert orders[-1] == len(STAGES[task]) - 1 and orders[0] == 0
+
+
+def test_evaluate_logs_the_decoded_subtasks_and_refuses_an_oracle_without_stages(subtask_checkpoint, tmp_path):
+    import json
+
+    from hf_vla.errors import VLAError
+    from hf_vla.evaluation.arguments import EvaluateArguments
+    from hf_vla.evaluation.runner import evaluate_checkpoint
+
+    common = dict(env="hf_vla/ColorReach-v0", episodes=2, save_videos=1, device="cpu", n_action_steps=4,
+                  max_episode_steps=10, num_envs=1)
+    result = evaluate_checkpoint(EvaluateArguments(str(subtask_checkpoint), output_dir=str(tmp_path / "auto"),
+                                                   **common), progress=False)
+    saved = json.loads((tmp_path / "auto" / "eval_result.json").read_text())
+    assert all(isinstance(e["subtasks"][0][1], str) for e in saved["episode_records"])
+    assert result.subtask_accuracy is None  # ColorReach's expert has no stages to check against
+    plain = evaluate_checkpoint(EvaluateArguments(str(subtask_checkpoint), output_dir=str(tmp_path / "none"),
+                                                  subtask="none", **common), progress=False)
+    assert all("subtasks" not in e for e in plain.episode_records)
+    with pytest.raises(VLAError, match="oracle: acts on the env expert.s stage; env .hf_vla/ColorReach-v0. has none"):
+        evaluate_checkpoint(EvaluateArguments(str(subtask_checkpoint), output_dir=str(tmp_path / "oracle"),
+                                              subtask="oracle", **common), progress=False)

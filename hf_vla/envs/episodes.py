@@ -69,13 +69,19 @@ class Episode:
     step_rewards: list[float] = field(default_factory=list, repr=False)  # the env's reward at each step
     discarded: bool = False  # its env worker died mid-episode: not an outcome (see `EpisodeRunner(restart=...)`)
     log: object = field(default=None, repr=False)  # the policy's `episode_log()` (its frames when it records them)
-    # pi0.5's high-level inference: [step, subtask] where the subtask the policy acted on changed (None: no subtask)
+    # pi0.5's high-level inference: [step, subtask] where the subtask the policy acted on changed, with the env
+    # expert's own stage at that step as a third item where the env has one (None: no subtask)
     subtasks: list | None = None
+    # chunks whose subtask was decoded where the env's expert could say its stage, and those where both agreed
+    subtask_checks: int = 0
+    subtask_hits: int = 0
 
     def record(self) -> dict:
         record = {"seed": self.seed, "success": self.success, "steps": self.steps, "reward": round(self.reward, 6)}
         if self.subtasks:
             record["subtasks"] = self.subtasks
+        if self.subtask_checks:
+            record["subtask_hits"], record["subtask_checks"] = self.subtask_hits, self.subtask_checks
         return record
 
 
@@ -119,7 +125,10 @@ class _Slot:
     done: bool = True
     group: object = None  # the slot's task when the runner holds several tasks' envs
     stepped: tuple | None = None  # an in-process env's step outcome, between `_send_step` and `_receive_step`
-    subtasks: list = field(default_factory=list)  # [step, subtask] at each change of the subtask acted on
+    subtasks: list = field(default_factory=list)  # [step, subtask(, expert's)] at each change of the subtask acted on
+    expert_stages: bool = True  # whether the env can say its expert's stage (`subtask_text`), until it cannot
+    subtask_checks: int = 0  # chunks acting on a decoded subtask where the expert's stage was known
+    subtask_hits: int = 0  # ... and the decoded subtask was the expert's stage
 
 
 class EpisodeRunner:
@@ -278,21 +287,30 @@ class EpisodeRunner:
         slot.frames = [slot.env.render()] if slot.index < save_videos else None
         slot.observation, slot.done, slot.success, slot.reward = observation, False, False, 0.0
         slot.executed, slot.switches, slot.queue, slot.chunk = [], [], deque(), None
-        slot.subtasks = []
+        slot.subtasks, slot.expert_stages, slot.subtask_checks, slot.subtask_hits = [], True, 0, 0
         slot.request = {"observation": observation, "inference_delay": 0, "executed_steps": None, "first": True}
 
     def _serve_requests(self, slots: list[_Slot]) -> None:
         if not slots:
             return
+        stages = [_expert_stage(s) if getattr(s.policy, "subtask", None) in ("auto", "oracle") else None
+                  for s in slots]
         chunks = _call_policies([(s.policy, s.request["observation"], s.task, s.request["inference_delay"],
-                                  s.request["executed_steps"]) for s in slots])
-        for slot, chunk in zip(slots, chunks):
+                                  s.request["executed_steps"],
+                                  stage if getattr(s.policy, "subtask", None) == "oracle" else None)
+                                 for s, stage in zip(slots, stages)])
+        for slot, chunk, stage in zip(slots, chunks, stages):
             if slot.request["inference_delay"] or slot.request["executed_steps"] is not None:
                 self.rtc_methods.add(getattr(slot.policy, "last_rtc_method", None))
             first = slot.request["first"]
             subtask = getattr(slot.policy, "last_subtask", None)
-            if subtask is not None and (not slot.subtasks or slot.subtasks[-1][1] != subtask):
-                slot.subtasks.append([len(slot.executed), subtask])  # the step its chunk's actions start at
+            # at the step its chunk's actions start at: the subtask acted on (and the expert's own stage)
+            entry = [len(slot.executed), subtask] + ([stage] if stage is not None else [])
+            if stage is not None and subtask is not None and getattr(slot.policy, "subtask", None) == "auto":
+                slot.subtask_checks += 1
+                slot.subtask_hits += int(subtask == stage)
+            if subtask is not None and (not slot.subtasks or slot.subtasks[-1][1:] != entry[1:]):
+                slot.subtasks.append(entry)
             slot.request, slot.chunk = None, np.asarray(chunk)
             start = 0 if first else self.inference_delay
             if not first:
@@ -338,7 +356,8 @@ class EpisodeRunner:
         episode = Episode(slot.seed, slot.success, len(slot.executed), slot.reward, jump, jerk, interior,
                           noise_seed=slot.noise_seed, step_rewards=slot.rewards,
                           log=slot.policy.episode_log() if hasattr(slot.policy, "episode_log") else None,
-                          subtasks=[list(item) for item in slot.subtasks] or None)
+                          subtasks=[list(item) for item in slot.subtasks] or None,
+                          subtask_checks=slot.subtask_checks, subtask_hits=slot.subtask_hits)
         if isinstance(output_dir, dict):  # a folder per task: the names need not say the task
             output_dir, group = output_dir.get(slot.group), None
         else:
@@ -368,17 +387,32 @@ def _receive_step(slot: _Slot):
     return outcome
 
 
+def _expert_stage(slot: _Slot) -> str | None:
+    """The env expert's stage in words at the slot's current observation (`subtask_text`: Meta-World's), or None
+    where the env has no expert stages."""
+    if not slot.expert_stages:
+        return None
+    env = slot.env
+    try:
+        return env.call("subtask_text") if hasattr(env, "call") else getattr(env, "unwrapped", env).subtask_text()
+    except Exception:  # noqa: BLE001 - an env without stages (any gymnasium env): asked no more
+        slot.expert_stages = False
+        return None
+
+
 def _call_policies(requests: list[tuple]) -> list[np.ndarray]:
-    """One chunk per (policy, observation, task, inference_delay, executed_steps). `PolicyRunner`s: validated and
-    pre-processed each, then every group of requests that can share a forward (no RTC, equal input shapes) runs as one
-    `sample_actions`; other policies are called one by one."""
+    """One chunk per (policy, observation, task, inference_delay, executed_steps, subtask). `PolicyRunner`s:
+    validated and pre-processed each, then every group of requests that can share a forward (no RTC, equal input
+    shapes) runs as one `sample_actions`; other policies are called one by one. `subtask`: the text a runner set to
+    "oracle" acts on (the env expert's stage), else None."""
     from hf_vla.serving.policy import PolicyRunner
 
     chunks: list = [None] * len(requests)
     groups: dict = {}
-    for i, (policy, observation, task, delay, executed) in enumerate(requests):
+    for i, (policy, observation, task, delay, executed, subtask) in enumerate(requests):
         if isinstance(policy, PolicyRunner):
-            prepared = policy.prepare(observation, task, inference_delay=delay, executed_steps=executed)
+            prepared = policy.prepare(observation, task, inference_delay=delay, executed_steps=executed,
+                                      subtask=subtask)
             key = prepared.batch_key()
             groups.setdefault((id(policy.model), key) if key is not None else ("alone", i), []).append((i, prepared))
         elif delay or executed is not None:

@@ -64,6 +64,12 @@ class EvaluateArguments:
     cfg_beta: float | None = field(default=None, metadata={"help": "classifier-free guidance of an "
                                    "advantage-conditioned (RECAP) policy, v_u + beta (v_c - v_u) (default: the "
                                    "checkpoint's; 1: plain conditioning on 'Advantage: positive')"})
+    subtask: str | None = field(default=None, metadata={
+        "help": "a subtask-trained policy's subtask (docs/subtasks.md): auto (it decodes its own; the default for such "
+        "a checkpoint), none (the plain prompt), oracle (the env expert's stage, an upper bound), or a text acted on "
+        "throughout (in-process)"})
+    subtask_every: int | None = field(default=None, metadata={"min": 1, "help": "with --subtask auto: chunks between "
+                                      "decodes (default: the checkpoint's contract, 1)"})
     save_videos: int = field(default=3, metadata={"min": 0, "help": "rollouts saved as animated GIFs per task"})
     output_dir: str | None = field(default=None, metadata={"help": "where eval_result.json and the GIFs go"})
     device: str = field(default=DEFAULT_DEVICE, metadata={"help": "where the policy runs (in-process): cpu, "
@@ -75,6 +81,11 @@ class EvaluateArguments:
         if self.cfg_beta is not None and self.server is not None:
             raise ConfigError("--cfg_beta: an in-process setting; a server's policy is guided by the server "
                               "(serve --cfg_beta, or each request's cfg_beta)")
+        if (self.subtask is not None or self.subtask_every is not None) and self.server is not None:
+            raise ConfigError("--subtask / --subtask_every: in-process settings; a server decides (serve's default, "
+                              "or each request's subtask)")
+        if self.subtask is not None and not self.subtask.strip():
+            raise ConfigError("--subtask '': auto, none, oracle, or a text")
         if self.checkpoint is not None:
             self.checkpoint = model_source("--checkpoint", self.checkpoint)
         if self.server is not None:

@@ -28,7 +28,7 @@ from hf_vla.evaluation.envs import (
 )
 from hf_vla.hub.resolve import resolve_contract
 from hf_vla.models.common.rtc_config import RTCConfig
-from hf_vla.registry import task_env
+from hf_vla.registry import env_names, find_env, task_env
 from hf_vla.serving.policy import ObservationMap, RequestError, check_cfg_beta, load_policy
 
 logger = logging.getLogger("hf_vla.evaluate")
@@ -52,6 +52,9 @@ class EvalResult:
     episode_records: list[dict] = field(default_factory=list)  # every episode: {"seed", "success", "steps", "reward"}
     num_envs: int = 1
     settings: dict = field(default_factory=dict)  # what it ran with and where each came from (evaluate_checkpoint)
+    # pi0.5's high-level inference: the share of chunks whose decoded subtask was the env expert's stage (None: none
+    # decoded where the env has stages)
+    subtask_accuracy: float | None = None
 
     @classmethod
     def from_episodes(cls, episodes: list, inference_delay: int = 0, rtc: bool = False, rtc_methods=(),
@@ -62,10 +65,12 @@ class EvalResult:
 
         successes = sum(e.success for e in episodes)
         used = "+".join(sorted(m for m in rtc_methods if m)) or None  # as the policy reported it, per chunk
+        checks = sum(e.subtask_checks for e in episodes)
         return cls(successes / len(episodes), len(episodes), successes, float(np.mean([e.steps for e in episodes])),
                    [e.video for e in episodes if e.video], inference_delay, rtc,
                    mean([e.boundary_jump for e in episodes]), mean([e.boundary_jerk for e in episodes]),
-                   mean([e.interior_jerk for e in episodes]), used, [e.record() for e in episodes], num_envs)
+                   mean([e.interior_jerk for e in episodes]), used, [e.record() for e in episodes], num_envs,
+                   subtask_accuracy=sum(e.subtask_hits for e in episodes) / checks if checks else None)
 
 
 class RemotePolicy:
@@ -200,6 +205,10 @@ def evaluate_checkpoint(args: EvaluateArguments, rtc_config: RTCConfig | None = 
     settings = evaluation_settings(contract, EnvRequest.of(args, **flags), chunk_size)
     env_id, task = settings["env"].value, settings["task"].value
     check_env(env_id, task)
+    if args.subtask == "oracle" and not getattr(task_env(env_id), "subtasks", False):
+        raise ConfigError(f"--subtask oracle: acts on the env expert's stage; env {env_id!r} has none (envs with "
+                          "stages: " + ", ".join(sorted(n for n in env_names() if getattr(find_env(n), "subtasks",
+                                                                                        False))) + ")")
     spec = head_spec(contract, settings["head"].value)
     given = dict(env_kwargs)
     env_kwargs = env_arguments(spec, settings, env_kwargs)
@@ -219,10 +228,14 @@ def evaluate_checkpoint(args: EvaluateArguments, rtc_config: RTCConfig | None = 
     if remote is not None:
         policy = remote
     else:
+        subtask = {} if args.subtask is None else {"subtask": None if args.subtask == "none" else args.subtask}
         policy = load_policy(checkpoint, device=resolve_device(args.device), revision=args.revision, head=args.head,
                              seed=int(settings["seed"].value), rtc=rtc_config or RTCConfig(),
                              obs_map=ObservationMap(cameras=chosen or None),
-                             num_camera_slots=len(spec["cameras"]) if spec else None, cfg_beta=args.cfg_beta)
+                             num_camera_slots=len(spec["cameras"]) if spec else None, cfg_beta=args.cfg_beta,
+                             subtask_every=args.subtask_every, **subtask)
+        if policy.subtask is not None and not getattr(policy.model.config, "subtask_layout", None):
+            raise ConfigError(f"--subtask {args.subtask}: this checkpoint was not trained with subtasks")
         check_cfg_beta("--cfg_beta", args.cfg_beta, policy)
         try:
             settings["head"].value = policy.head_name()

@@ -234,7 +234,9 @@ class PolicyRunner:
     cfg_beta: float | None = None  # an advantage-conditioned policy's guidance (None: the checkpoint's, its processor's)
     # pi0.5's high-level inference (a subtask-trained checkpoint): "auto" decodes the subtask every `subtask_every`
     # chunks of an episode and acts on it (between decodes on the last one); a text acts on that text (a person's or a
-    # planner's); None: the plain prompt. Default: "auto" where the checkpoint's contract records a subtask layout.
+    # planner's); "oracle" acts on the env expert's stage, which the episode loop passes with each request (an
+    # evaluation's upper bound); None: the plain prompt. Default: "auto" where the checkpoint's contract records a
+    # subtask layout.
     subtask: str | None = "contract"
     subtask_every: int | None = None
 
@@ -290,6 +292,9 @@ class PolicyRunner:
         wanted = self.subtask if subtask is None else subtask
         if wanted is None:
             return None, False
+        if wanted == "oracle":
+            raise RequestError("subtask='oracle' acts on an env expert's stage, which this request does not carry "
+                               "(an env with stages, in the episode loop)")
         if not isinstance(wanted, str) or not wanted.strip():
             raise RequestError(f"subtask={wanted!r}: a text, or 'auto' (the policy decodes it)")
         if not getattr(self.model.config, "subtask_layout", None):
