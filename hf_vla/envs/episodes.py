@@ -429,8 +429,8 @@ def _call_policies(requests: list[tuple]) -> list[np.ndarray]:
 
 def save_gif(frames: list[np.ndarray], path: Path, caption: str = "", subtitles: list | None = None) -> str:
     """The episode's frames as a GIF, enlarged (nearest) to at least 256 px wide, with `caption` (the instruction,
-    the outcome) written in a band above the frames; `subtitles` (`[step, text]` from that step on: the subtask the
-    policy acted on) in a band below them. Frame 0 is the reset, frame k+1 follows action k."""
+    the outcome) written in a band above the frames; `subtitles` (`[step, text, ...]` from that step on: the subtask
+    the policy acted on) in a band below them. Frame 0 is the reset, frame k+1 follows action k."""
     from PIL import Image, ImageDraw, ImageFont
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -448,7 +448,7 @@ def save_gif(frames: list[np.ndarray], path: Path, caption: str = "", subtitles:
         draw = ImageDraw.Draw(picture)
         for i, line in enumerate(lines):
             draw.text((4, 2 + 14 * i), line, fill=(0, 0, 0), font=font)
-        current = [text for step, text in subtitles or () if step <= max(index - 1, 0)]
+        current = [entry[1] for entry in subtitles or () if entry[0] <= max(index - 1, 0)]
         if current:
             draw.text((4, height * scale + band + 3), f"subtask: {current[-1]}", fill=(0, 0, 160), font=font)
         pictures.append(picture)
