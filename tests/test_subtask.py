@@ -294,6 +294,15 @@ def test_subtask_settings_are_refused_in_one_line(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def subtask_checkpoint(tmp_path_factory, tiny_tokenizer):
     """The demo's architecture trained with subtasks (random weights), on ColorReach's observations."""
+    return _subtask_checkpoint(tmp_path_factory, tiny_tokenizer, "joint")
+
+
+@pytest.fixture(scope="module")
+def factorised_checkpoint(tmp_path_factory, tiny_tokenizer):
+    return _subtask_checkpoint(tmp_path_factory, tiny_tokenizer, "factorised")
+
+
+def _subtask_checkpoint(tmp_path_factory, tiny_tokenizer, layout):
     import json
 
     from conftest import REPO
@@ -301,7 +310,7 @@ def subtask_checkpoint(tmp_path_factory, tiny_tokenizer):
     from hf_vla.models.pi05 import PI05Config, PI05Processor
 
     settings = json.loads((REPO / "hf_vla" / "configs" / "demo.json").read_text())["model_config"]
-    config = PI05Config(**(settings | {"subtask_layout": "joint", "subtask_eos_token_id": tiny_tokenizer.eos_token_id,
+    config = PI05Config(**(settings | {"subtask_layout": layout, "subtask_eos_token_id": tiny_tokenizer.eos_token_id,
                                        "subtask_max_tokens": 5}))
     model = randomize_(PI05ForConditionalGeneration(config), seed=3, scale=0.1).eval()
     head = "color_reach::delta_xy"
@@ -314,8 +323,8 @@ def subtask_checkpoint(tmp_path_factory, tiny_tokenizer):
                                             image_size=processor.image_size,
                                             heads={head: {"cameras": [{"key": "observation.image", "height": 32,
                                                                        "width": 32}]}},
-                                            subtask={"layout": "joint", "every_chunks": 2}).to_dict()
-    path = tmp_path_factory.mktemp("subtask_policy")
+                                            subtask={"layout": layout, "every_chunks": 2}).to_dict()
+    path = tmp_path_factory.mktemp(f"subtask_policy_{layout}")
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
@@ -454,3 +463,49 @@ def test_evaluate_logs_the_decoded_subtasks_and_refuses_an_oracle_without_stages
     with pytest.raises(VLAError, match="oracle: acts on the env expert.s stage; env .hf_vla/ColorReach-v0. has none"):
         evaluate_checkpoint(EvaluateArguments(str(subtask_checkpoint), output_dir=str(tmp_path / "oracle"),
                                               subtask="oracle", **common), progress=False)
+
+
+def test_factorised_training_mixes_high_and_low_level_samples(tmp_path):
+    """lerobot's blend: an annotated sample is high-level (the prompt asks for the subtask, its tokens are the target,
+    no flow loss) or low-level (the subtask in the task's place, the flow loss), drawn per sample."""
+    from test_cotraining import _with_subtasks
+    from test_data import make_dataset
+    from test_failures import base_config, write_config
+
+    from hf_vla.train import main
+
+    data = _with_subtasks(make_dataset(tmp_path / "toy", 6))
+    config = base_config(data, tmp_path / "out", max_steps=2, subtask_layout="factorised", subtask_dropout=0.0,
+                         validation_ratio=0.3, eval_strategy="steps", eval_steps=2)
+    config["datasets"][0] |= {"subtask_key": "subtask"}
+    trainer = main([str(write_config(tmp_path, config))])
+    tokenizer = trainer.processing_class.tokenizer
+    high = low = 0
+    loader = iter(trainer.get_train_dataloader())
+    for _ in range(4):
+        batch = next(loader)
+        for row, prompt in enumerate(batch["input_ids"]):
+            text = tokenizer.decode(prompt[prompt != tokenizer.pad_token_id])
+            if "subtask_mask" in batch and batch["subtask_mask"][row].any():
+                assert text.rstrip().endswith("Subtask:") and batch["action_is_pad"][row].all()
+                high += 1
+            else:
+                assert text.startswith(("Task: approach", "Task: retreat")) and text.rstrip().endswith("Action:")
+                low += 1
+    assert high and low and high < low
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert {"eval_subtask_ce", "eval_subtask_accuracy"} <= logged
+
+
+def test_the_factorised_runner_acts_on_a_second_prompt_with_the_decoded_subtask(factorised_checkpoint):
+    from hf_vla.serving.policy import load_policy
+
+    runner = load_policy(factorised_checkpoint, seed=0)
+    observation, task = reach_observation()
+    chunk = runner(observation, task)
+    text = runner.last_subtask
+    assert isinstance(text, str)
+    runner.reset(seed=0)
+    again = runner.prepare(observation, task, subtask=text or task)  # the same text given: the same second prompt
+    assert not again.decode_subtask and "subtask_ids" not in again.inputs
+    np.testing.assert_allclose(runner.finish(again, runner.sample_batch([again])[0]), chunk, rtol=0, atol=1e-5)

@@ -23,7 +23,12 @@ class VLACollator:
     """`targets`: with a processor that has a FAST tokenizer, also build the token objective's `labels` (default).
     `subtask_dropout`: with a subtask-trained processor (`subtask_layout`), the share of annotated samples that train
     without their subtask (the plain prompt), so the policy also acts without one; drawn per sample from its identity
-    (dataset, episode, frame) and `seed`, so a resumed or re-sharded run drops the same ones."""
+    (dataset, episode, frame) and `seed`, so a resumed or re-sharded run drops the same ones. With the factorised
+    layout, an annotated sample is a high-level one (`HIGH_LEVEL_SHARE` of them, drawn the same way: the prompt ending
+    in `Subtask: `, the subtask its text target, no flow loss) or a low-level one (the subtask in the task's place,
+    the flow loss), as lerobot's `subtask.yaml` blend."""
+
+    HIGH_LEVEL_SHARE = 0.3  # lerobot's recipes/subtask.yaml: high_level_subtask 0.30, low_level_execution 0.70
 
     def __init__(self, processor, targets: bool = True, subtask_dropout: float = 0.0, seed: int = 0):
         self.processor, self.targets = processor, targets
@@ -39,6 +44,25 @@ class VLACollator:
         return self._batch(samples, inputs)
 
     def _inputs(self, samples: list[dict]) -> dict:
+        layout = getattr(self.processor, "subtask_layout", None)
+        subtasks = [self._subtask(s) for s in samples] if layout else None
+        high = [layout == "factorised" and text is not None and self._draw(s, 0x41) < self.HIGH_LEVEL_SHARE
+                for s, text in zip(samples, subtasks or [None] * len(samples))]
+        inputs = self._processed(samples, None if subtasks is None else [
+            "auto" if is_high else text for text, is_high in zip(subtasks, high)])
+        if any(high):  # factorised high-level rows: the prompt asks for the subtask, which is their target
+            inputs["subtask_ids"], inputs["subtask_mask"] = self.processor.subtask_tokens(
+                [text if is_high else None for text, is_high in zip(subtasks, high)])
+            inputs["high_level"] = torch.tensor(high)
+        return inputs
+
+    def _draw(self, sample: dict, salt: int) -> float:
+        """A number in [0, 1) drawn from the sample's identity and the seed (the same draw on every pass)."""
+        key = [self.seed, 0x5B7A5C, salt, int(sample["source_index"]), int(sample["episode_index"]),
+               int(sample["frame_index"])]
+        return float(np.random.default_rng(key).random())
+
+    def _processed(self, samples: list[dict], subtasks: list | None) -> dict:
         return self.processor(
             images=torch.stack([s["images"] for s in samples]), text=[s["task"] for s in samples],
             state=[s["state"] for s in samples], actions=[s["actions"] for s in samples],
@@ -47,8 +71,7 @@ class VLACollator:
             # RECAP's indicator per row (None: none in the prompt), never the processor's inference default
             **({"advantage": [s.get("advantage") for s in samples]} if hasattr(self.processor, "advantage_conditioned")
                else {}),
-            **({"subtask": [self._subtask(s) for s in samples]} if getattr(self.processor, "subtask_layout", None)
-               else {}),
+            **({"subtask": subtasks} if subtasks is not None else {}),
         )
 
     def _subtask(self, sample: dict) -> str | None:
@@ -56,12 +79,14 @@ class VLACollator:
         text = sample.get("subtask")
         if not text or not self.subtask_dropout:
             return text or None
-        key = [self.seed, 0x5B7A5C, int(sample["source_index"]), int(sample["episode_index"]), int(sample["frame_index"])]
-        return None if np.random.default_rng(key).random() < self.subtask_dropout else text
+        return None if self._draw(sample, 0) < self.subtask_dropout else text
 
     def _batch(self, samples: list[dict], inputs) -> dict[str, torch.Tensor]:
         batch = dict(inputs)
         batch["action_is_pad"] = torch.stack([s["action_is_pad"] for s in samples])
+        high = batch.pop("high_level", None)
+        if high is not None:  # a factorised high-level sample trains its subtask alone: no flow loss
+            batch["action_is_pad"][high] = True
         if getattr(self.processor, "advantage_conditioned", False):  # RECAP's indicator per row (-1: none), for the
             # evaluation's buckets; in every batch of such a run, so the gathered columns line up
             batch["advantage"] = torch.tensor([-1 if s.get("advantage") is None else int(bool(s["advantage"]))

@@ -5,6 +5,7 @@ Used in-process by `hf_vla.evaluate` and per connection by the policy server (`h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -180,6 +181,8 @@ class PreparedRequest:
     decode_subtask: bool = False  # the model decodes the subtask first (`generate_subtask`), then acts on it
     subtask: str | None = None  # the subtask text acted on: given, or (once sampled) decoded
     decoded: tuple | None = None  # the decoded subtask's (ids, mask) `[S]`, set by `sample_batch`
+    # the factorised layout: (ids, mask) of the decoded subtask -> the inputs of the prompt with it in the task's place
+    reprompt: Callable | None = None
 
     def batch_key(self):
         """Requests with equal keys can share one forward; one that continues a chunk (RTC) runs alone."""
@@ -208,7 +211,11 @@ def sample_batch(model, requests: list[PreparedRequest], device) -> torch.Tensor
         decoded = model.generate_subtask(**{key: inputs[key] for key in MODEL_INPUTS})
         for row, request in enumerate(requests):
             request.decoded = (decoded.ids[row].cpu(), decoded.mask[row].cpu())
-        rtc["subtask"] = decoded
+        if requests[0].reprompt is not None:  # factorised: a second prompt, the subtask in the task's place
+            parts = [request.reprompt(*request.decoded) for request in requests]
+            inputs = {key: torch.cat([part[key] for part in parts]).to(device) for key in parts[0]}
+        else:  # joint: the actions follow the decoded tokens in the same cache
+            rtc["subtask"] = decoded
     return model.sample_actions(**inputs, noise=noise, **rtc).float().cpu()
 
 
@@ -343,12 +350,18 @@ class PolicyRunner:
         text, decode = self._subtask_of(subtask)
         inputs, noise = self._inputs(images[None], state[None], [task], mask[None], head, cfg_beta,
                                      "auto" if decode else text)
+        reprompt = None
+        if decode and self.model.config.subtask_layout == "factorised":
+            def reprompt(ids, valid, images=images[None], state=state[None], task=task, cameras=mask[None]):
+                decoded = self.processor.decode_subtask(ids[None], valid[None])[0] or task
+                return self._inputs(images, state, [task], cameras, head, cfg_beta, decoded)[0]
         rtc = None
         if leftover is not None:
             rtc = {"prev_chunk_left_over": leftover[None], "inference_delay": int(inference_delay),
                    "execution_horizon": execution_horizon,
                    "rtc_config": replace(self.rtc, method=method)}  # as resolved here
-        return PreparedRequest(inputs, noise, head, rtc, state=state[None], decode_subtask=decode, subtask=text)
+        return PreparedRequest(inputs, noise, head, rtc, state=state[None], decode_subtask=decode, subtask=text,
+                               reprompt=reprompt)
 
     def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
         """The sampled chunk `[chunk, max_action_dim]` (normalised) of a prepared request -> un-normalised actions

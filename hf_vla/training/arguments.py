@@ -56,7 +56,8 @@ class ModelArguments:
         learns from the tokens only (KI, arXiv 2505.23705). Saved with the model.
     subtask_layout: pi0.5's high-level inference (pi05; docs/subtasks.md): `joint` trains the annotated subtask
         (each dataset's `subtask_key`) after the prompt, predicted by the backbone and read by the expert, so the
-        policy decodes its own subtask at inference. Saved with the model.
+        policy decodes its own subtask at inference; `factorised` trains task -> subtask samples beside subtask ->
+        action samples (lerobot's blend recipes). Saved with the model.
     fast_tokenizer: a FAST tokenizer to use (`fast_tokenizer.json`, its folder, or a checkpoint trained with the
         token loss); unset, one is fitted at start-up on the training mixture's chunks.
     fast_vocab_size / fast_scale / fast_fit_chunks: the fit's BPE vocabulary, DCT coefficient scale, and how many
@@ -83,8 +84,8 @@ class ModelArguments:
     knowledge_insulation: bool | None = field(default=None, metadata={
         "help": "with token_loss: the flow loss trains only the expert (default: the config's, true)"})
     subtask_layout: str | None = field(default=None, metadata={
-        "choices": ("joint",), "help": "pi0.5's subtask prediction: joint (the paper's single sequence) (default: the "
-        "config's)"})
+        "choices": ("joint", "factorised"), "help": "pi0.5's subtask prediction: joint (the paper's single sequence) or "
+        "factorised (task -> subtask beside subtask -> action samples) (default: the config's)"})
     fast_tokenizer: str | None = field(default=None, metadata={"help": "FAST tokenizer to load (default: fit one)"})
     fast_vocab_size: int = field(default=1024, metadata={"help": "FAST BPE vocabulary when fitted"})
     fast_scale: float = field(default=10.0, metadata={"help": "FAST DCT coefficient scale when fitted"})

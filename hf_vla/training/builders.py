@@ -114,8 +114,6 @@ def check_subtasks(config, data_args, training_args) -> None:
     if annotated and not layout:
         raise ConfigError(f"datasets {annotated}: subtask_key trains pi0.5's subtask prediction; set "
                           "subtask_layout 'joint' (or leave subtask_key out)")
-    if layout == "factorised":
-        raise ConfigError("subtask_layout='factorised': training the factorised layout is not built yet; use 'joint'")
     if not 0.0 <= training_args.subtask_dropout < 1.0:
         raise ConfigError(f"subtask_dropout={training_args.subtask_dropout}: a share in [0, 1)")
 
