@@ -509,3 +509,31 @@ def test_the_factorised_runner_acts_on_a_second_prompt_with_the_decoded_subtask(
     again = runner.prepare(observation, task, subtask=text or task)  # the same text given: the same second prompt
     assert not again.decode_subtask and "subtask_ids" not in again.inputs
     np.testing.assert_allclose(runner.finish(again, runner.sample_batch([again])[0]), chunk, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["joint", "factorised"])
+def test_rl_rollouts_decode_and_the_update_recomputes_their_chains(layout, subtask_checkpoint, factorised_checkpoint):
+    """RL's stochastic policy decodes the subtask where the runner would; each transition keeps the inputs it acted
+    on (the subtask's tokens padded to `subtask_max_tokens`), from which the update recomputes the same chain means."""
+    from hf_vla.hub.resolve import load_pretrained
+    from hf_vla.rl import RolloutEngine, StochasticPolicy
+    from hf_vla.rl.flow import FlowSDE, chain_means
+
+    model, processor = load_pretrained(str(subtask_checkpoint if layout == "joint" else factorised_checkpoint))
+    policy = StochasticPolicy(model=model.eval(), processor=processor, head="color_reach::delta_xy",
+                              sde=FlowSDE(4, 0.5), n_action_steps=2, action_dims=2)
+    engine = RolloutEngine("hf_vla/ColorReach-v0", [None], 1, {"max_episode_steps": 6}, 2, 8)
+    try:
+        episodes, transitions = engine.run(policy, {None: [0, 1]}, {None: [10, 11]})
+    finally:
+        engine.close()
+    assert all(isinstance(e.subtasks[0][1], str) for e in episodes[None])
+    inputs = {key: torch.cat([t.inputs[key] for t in transitions]) for key in transitions[0].inputs}
+    if layout == "joint":
+        assert inputs["subtask_ids"].shape[1] == model.config.subtask_max_tokens
+    else:
+        assert "subtask_ids" not in inputs  # the decoded subtask is in the second prompt, in the task's place
+    chains = torch.stack([t.chain for t in transitions])
+    with torch.no_grad():
+        means = chain_means(model, inputs, chains, policy.sde)
+    torch.testing.assert_close(means, torch.stack([t.means for t in transitions]), rtol=1e-4, atol=1e-4)

@@ -125,18 +125,22 @@ def velocity_fn(model, inputs: dict, value: bool = False):
             raise ValueError(f"{family.name} has no critic (value head): use algorithm='grpo' for {family.name}")
         return family.load("rl_velocity")(model, core, inputs, state)
 
+    # a subtask the actions act on (pi0.5's high-level inference): its tokens join the prefix cache
+    span = {"subtask_ids": inputs["subtask_ids"], "subtask_mask": inputs["subtask_mask"]} if "subtask_ids" in inputs \
+        else {}
+
     def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
         timestep = _timestep(x, t)
         if state["cache"] is None:
             with PrefixValue(model) if value else contextlib.nullcontext():  # the output then carries `value`
                 out = model(noise=x, timestep=timestep, input_ids=inputs["input_ids"],
                             pixel_values=inputs["pixel_values"], pixel_attention_mask=inputs["pixel_attention_mask"],
-                            attention_mask=inputs["attention_mask"], use_cache=True)
+                            attention_mask=inputs["attention_mask"], use_cache=True, **span)
             state["cache"], state["value"] = out.past_key_values, out.value if value else None
             return out.logits
         return core(noise=x, timestep=timestep, input_ids=inputs["input_ids"],
                     pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],
-                    past_key_values=state["cache"]).logits
+                    past_key_values=state["cache"], **({"subtask_mask": span["subtask_mask"]} if span else {})).logits
 
     velocity.state = state
     return velocity

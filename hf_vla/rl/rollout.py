@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from hf_vla.rl.flow import FlowSDE, sample_chain, step_log_probs
-from hf_vla.serving.policy import PolicyRunner, PreparedRequest, RequestError, batch_requests
+from hf_vla.serving.policy import MODEL_INPUTS, PolicyRunner, PreparedRequest, RequestError, batch_requests
 
 logger = logging.getLogger("hf_vla.rl")
 
@@ -83,12 +83,12 @@ class StochasticPolicy(PolicyRunner):
 
     def prepare(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
                 executed_steps: int | None = None, prev_chunk_left_over=None,
-                execution_horizon: int | None = None) -> PreparedRequest:
+                execution_horizon: int | None = None, subtask: str | None = None) -> PreparedRequest:
         if inference_delay or executed_steps is not None or prev_chunk_left_over is not None:
             raise RequestError("RL rollouts sample independent chunks (no real-time chunking)")
         # an advantage-conditioned policy (RECAP) acts on "positive" as everywhere; without guidance (cfg_beta 1):
         # the chain's likelihood is that of the one velocity it sampled with
-        request = super().prepare(observation, task, head, cfg_beta=1.0)
+        request = super().prepare(observation, task, head, cfg_beta=1.0, subtask=subtask)
         config = self.model.config
         # the Gaussian steps' normals, from this slot's generator: the episode does not depend on its batch-mates
         request.step_noise = torch.randn(1, self.sde.num_steps, config.chunk_size, config.max_action_dim,
@@ -97,6 +97,7 @@ class StochasticPolicy(PolicyRunner):
         return request
 
     def sample_batch(self, requests: list[PreparedRequest]) -> torch.Tensor:
+        self._subtasks(requests)
         inputs, noise = batch_requests(requests, self.device)
         step_noise = torch.cat([r.step_noise for r in requests]).to(self.device)
         levels = [r.level for r in requests]  # one per chunk: a batch holds every task's envs
@@ -110,6 +111,27 @@ class StochasticPolicy(PolicyRunner):
             request.chain, request.log_probs, request.means = chain[i].cpu(), log_probs[i].cpu(), means[i].cpu()
             request.value = float(value[0][i]) if value else None
         return chain[:, -1].cpu()
+
+    def _subtasks(self, requests: list[PreparedRequest]) -> None:
+        """pi0.5's high-level inference in a rollout: each request's subtask decoded first where it asks for one
+        (the joint layout's tokens join its inputs; the factorised layout's second prompt replaces them), and every
+        subtask span padded to `subtask_max_tokens`, so the update batches transitions of any subtask lengths."""
+        if requests[0].decode_subtask:
+            inputs, _ = batch_requests(requests, self.device)
+            decoded = self.model.generate_subtask(**{key: inputs[key] for key in MODEL_INPUTS})
+            for row, request in enumerate(requests):
+                request.decoded = (decoded.ids[row].cpu(), decoded.mask[row].cpu())
+                if request.reprompt is not None:
+                    request.inputs = dict(request.reprompt(*request.decoded))
+                else:
+                    request.inputs = dict(request.inputs, subtask_ids=request.decoded[0][None],
+                                          subtask_mask=request.decoded[1][None])
+        width = getattr(self.model.config, "subtask_max_tokens", 0)
+        for request in requests:
+            if "subtask_ids" in request.inputs and request.inputs["subtask_ids"].shape[1] < width:
+                extra = width - request.inputs["subtask_ids"].shape[1]
+                request.inputs["subtask_ids"] = torch.nn.functional.pad(request.inputs["subtask_ids"], (0, extra))
+                request.inputs["subtask_mask"] = torch.nn.functional.pad(request.inputs["subtask_mask"], (0, extra))
 
     def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
         self.transitions.append(Transition(dict(request.inputs), request.chain,

@@ -262,12 +262,13 @@ class PolicyRunner:
             raise ValueError(f"subtask_every={self.subtask_every}: decode a subtask every 1 or more chunks")
         self.last_subtask: str | None = None  # the subtask the last chunk acted on (None: none)
         self._subtask_age = 0  # chunks acted on the last decoded subtask
+        self._decoded: tuple | None = None  # the last decoded subtask's tokens (ids, mask), acted on between decodes
 
     def reset(self, seed: int | None = None) -> None:
         """A new episode: forget the last chunk; with `seed`, re-seed the noise generator (an episode's noise then
         depends on its seed alone, however many episodes ran before or beside it)."""
         self.last_chunk = None
-        self.last_subtask, self._subtask_age = None, 0
+        self.last_subtask, self._subtask_age, self._decoded = None, 0, None
         if seed is not None:
             self.generator.manual_seed(int(seed))
 
@@ -309,7 +310,7 @@ class PolicyRunner:
         if wanted != "auto":
             return wanted, False
         if self.last_subtask is not None and self._subtask_age < self.subtask_every:
-            return self.last_subtask, False  # between decodes: act on the last decoded one
+            return self.last_subtask, False  # between decodes: act on the last decoded one (its very tokens)
         return None, True
 
     def prepare(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
@@ -348,8 +349,14 @@ class PolicyRunner:
             except ValueError as error:
                 raise RequestError(str(error)) from error
         text, decode = self._subtask_of(subtask)
+        # between decodes (joint layout): the decoded tokens themselves, not their text tokenized again
+        reuse = (not decode and text is not None and subtask in (None, "auto") and self._decoded is not None
+                 and self.model.config.subtask_layout == "joint")
         inputs, noise = self._inputs(images[None], state[None], [task], mask[None], head, cfg_beta,
-                                     "auto" if decode else text)
+                                     "auto" if decode or reuse else text)
+        if reuse:
+            valid = self._decoded[1]
+            inputs["subtask_ids"], inputs["subtask_mask"] = self._decoded[0][valid][None], valid[valid][None]
         reprompt = None
         if decode and self.model.config.subtask_layout == "factorised":
             def reprompt(ids, valid, images=images[None], state=state[None], task=task, cameras=mask[None]):
@@ -374,7 +381,7 @@ class PolicyRunner:
         self.last_chunk, self.last_state = chunk, request.state
         if request.decoded is not None:  # a freshly decoded subtask: acted on for the next `subtask_every` chunks
             request.subtask = self.processor.decode_subtask(request.decoded[0][None], request.decoded[1][None])[0]
-            self._subtask_age = 0
+            self._subtask_age, self._decoded = 0, request.decoded
         self._subtask_age += 1
         self.last_subtask = request.subtask
         return self._actions(chunk, request.head, request.state).numpy()
