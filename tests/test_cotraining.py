@@ -352,7 +352,7 @@ def test_token_objective_refusals(tmp_path, capsys):
         (dict(policy="pi0", token_loss=True), "token_loss=True: the token objective needs policy 'pi05'"),
         (dict(flow_loss_weight=-1), "flow_loss_weight=-1"),
         (dict(token_loss=True, lora_preset="expert"), "token_loss with lora_preset='expert' (LoRA on the expert only): "
-                                                      "the token loss trains the VLM backbone"),
+                                                      "its cross-entropy trains the VLM backbone"),
         (dict(token_loss=True, freeze="vlm"), "token_loss with freeze='vlm'"),
     ]
     for overrides, culprit in cases:

@@ -285,6 +285,9 @@ def test_subtask_settings_are_refused_in_one_line(tmp_path, capsys):
     annotated["datasets"][0] |= {"subtask_key": "subtask"}
     code, message = run_fails(capsys, write_config(tmp_path, annotated, "a.json"))
     assert code == 2 and "set subtask_layout 'joint'" in message
+    frozen = annotated | {"subtask_layout": "joint", "freeze": "vlm"}
+    code, message = run_fails(capsys, write_config(tmp_path, frozen, "c.json"))
+    assert code == 2 and "subtask_layout='joint' with freeze='vlm'" in message
     annotated["datasets"][0] |= {"subtask_key": "nope"}
     code, message = run_fails(capsys, write_config(tmp_path, annotated | {"subtask_layout": "joint"}, "b.json"))
     assert code == 2 and "subtask_key 'nope' is not a feature" in message

@@ -204,14 +204,14 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
     return model.to(dtype)
 
 
-def check_token_objective(config, model_args: ModelArguments, args) -> None:
-    """The token loss trains the backbone (under knowledge insulation, nothing else does): a run that freezes it would
-    compute a cross-entropy that trains nothing."""
+def check_token_objective(config, model_args: ModelArguments, args, what: str = "token_loss") -> None:
+    """The token loss (and a subtask's) trains the backbone (under knowledge insulation, nothing else does): a run
+    that freezes it would compute a cross-entropy that trains nothing."""
     frozen = {"vlm": "freeze='vlm'", "expert_only": "freeze='expert_only'"}.get(args.freeze)
     if model_args.lora_preset == "expert":
         frozen = "lora_preset='expert' (LoRA on the expert only)"
     if frozen:
-        raise ConfigError(f"token_loss with {frozen}: the token loss trains the VLM backbone, which this leaves "
+        raise ConfigError(f"{what} with {frozen}: its cross-entropy trains the VLM backbone, which this leaves "
                           "frozen; use lora_preset='all_linear' or freeze 'none' / 'vision_tower'")
 
 
@@ -316,6 +316,8 @@ def build_trainer(model_args: ModelArguments, data_args, training_args):
         check_token_objective(config, model_args, training_args)
     check_data_for_policy(config, model_args, data_args)
     check_subtasks(config, data_args, training_args)
+    if getattr(config, "subtask_layout", None):
+        check_token_objective(config, model_args, training_args, what=f"subtask_layout={config.subtask_layout!r}")
     if getattr(config, "subtask_layout", None):  # a decoded subtask ends at the tokenizer's EOS
         config.subtask_eos_token_id = tokenizer.eos_token_id
     if training_args.n_action_steps is not None and training_args.n_action_steps > config.chunk_size:
