@@ -104,11 +104,12 @@ class PI05ExpertDecoderLayer(GradientCheckpointingLayer):
 class PI05VLMDecoderLayer(GemmaDecoderLayer):
     """The VLM's Gemma layer (same parameters and names). Called with `return_kv=True` it runs pi0.5's prefix step:
     attention over the prefix with its padding mask, returning the hidden states and this layer's prefix keys/values
-    for the expert (with `kv_only`, the last layer, only the keys/values: nothing reads its prefix output). Otherwise
-    it is exactly `GemmaDecoderLayer`."""
+    for the expert (with `kv_only`, the last layer, only the keys/values: nothing reads its prefix output); with
+    `past_kv` (earlier keys/values), the hidden states attend to those and to their own (a decode step). Otherwise it
+    is exactly `GemmaDecoderLayer`. Every step goes through the module's call, so FSDP's hooks see it."""
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, return_kv: bool = False, kv_only: bool = False, **kwargs):
+                position_embeddings=None, return_kv: bool = False, kv_only: bool = False, past_kv=None, **kwargs):
         if not return_kv:
             return super().forward(hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                                    position_embeddings, **kwargs)
@@ -116,7 +117,9 @@ class PI05VLMDecoderLayer(GemmaDecoderLayer):
         query, key, value = _project_qkv(self.self_attn, self.input_layernorm(hidden_states), cos, sin)
         if kv_only:
             return hidden_states, key, value
-        hidden_states = hidden_states + _attend(self.self_attn, query, key, value, attention_mask)
+        keys, values = (key, value) if past_kv is None else (torch.cat([past_kv[0], key], dim=2),
+                                                             torch.cat([past_kv[1], value], dim=2))
+        hidden_states = hidden_states + _attend(self.self_attn, query, keys, values, attention_mask)
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, key, value
 
@@ -410,10 +413,10 @@ class PI05Model(PI05PreTrainedModel):
                                          attention_mask=keys_valid,
                                          encoder_hidden_states=hidden.new_empty(len(hidden), keys_valid.shape[1], 1))
         for index, layer in enumerate(text.layers):
-            query, key, value = _project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin)
-            keys, values = past_key_values.update(key, value, index)
-            hidden = hidden + _attend(layer.self_attn, query, keys, values, mask)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            cached = past_key_values.layers[index]
+            hidden, key, value = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), return_kv=True,
+                                       past_kv=(cached.keys, cached.values))
+            past_key_values.update(key, value, index)
         return text.norm(hidden[:, 0])
 
 
