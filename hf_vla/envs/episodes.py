@@ -405,14 +405,13 @@ def _call_policies(requests: list[tuple]) -> list[np.ndarray]:
     validated and pre-processed each, then every group of requests that can share a forward (no RTC, equal input
     shapes) runs as one `sample_actions`; other policies are called one by one. `subtask`: the text a runner set to
     "oracle" acts on (the env expert's stage), else None."""
-    from hf_vla.serving.policy import PolicyRunner
+    from hf_vla.serving.policy import Continuation, PolicyRunner
 
     chunks: list = [None] * len(requests)
     groups: dict = {}
     for i, (policy, observation, task, delay, executed, subtask) in enumerate(requests):
         if isinstance(policy, PolicyRunner):
-            prepared = policy.prepare(observation, task, inference_delay=delay, executed_steps=executed,
-                                      subtask=subtask)
+            prepared = policy.prepare(observation, task, continuation=Continuation(delay, executed), subtask=subtask)
             key = prepared.batch_key()
             groups.setdefault((id(policy.model), key) if key is not None else ("alone", i), []).append((i, prepared))
         elif delay or executed is not None:

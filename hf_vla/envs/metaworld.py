@@ -322,11 +322,11 @@ class MetaWorldEnv(gym.Env):
     def subtask_text(self, raw_obs=None) -> str | None:
         """The scripted expert's stage for the current raw observation (or `raw_obs`) in words: the branch of its
         `_desired_pos` that decides the target it moves to (`hf_vla.envs.expert_stages`): the `subtask` column
-        `hf_vla.record` writes."""
+        `hf_vla.record` writes. An expert without stages (reach's moves straight to the goal) is in one: the task."""
         from hf_vla.envs.expert_stages import expert_stage, stage_text
 
         raw_obs = self.inner.raw_obs if raw_obs is None else raw_obs
-        return stage_text(self.task_name, expert_stage(self.inner.expert_policy, raw_obs))
+        return stage_text(self.task_name, expert_stage(self.inner.expert_policy, raw_obs)) or self.task
 
     # ---- the absolute end-effector action space (action_mode="absolute_ee") -----------------------------------------
     def hand(self, raw_obs=None) -> np.ndarray:

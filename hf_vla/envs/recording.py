@@ -50,8 +50,8 @@ class _ExpertActor:
     format, with the env's per-frame texts under `text`: `target_text()` when `locations`, `subtask_text()` when
     `subtasks`) is kept for the episode's log."""
 
-    def __init__(self, env, locations: bool, subtasks: bool = False):
-        self.env, self.locations, self.subtasks, self.frames = env, locations, subtasks, []
+    def __init__(self, env, texts: tuple[str, ...] = ()):
+        self.env, self.texts, self.frames = env, tuple(texts), []
 
     def reset(self, seed=None):
         self.frames = []
@@ -60,8 +60,8 @@ class _ExpertActor:
         action = np.asarray(self.env.expert_action(), dtype=np.float32)
         images = {key: value for key, value in observation.items() if key.startswith(CAMERA)}  # every camera
         frame = {"images": images, "state": observation[STATE], "action": action, "task": task}
-        if self.locations or self.subtasks:
-            frame["text"] = frame_texts(self.env, self.locations, self.subtasks)
+        if self.texts:
+            frame["text"] = frame_texts(self.env, self.texts)
         self.frames.append(frame)
         return action[None]
 
@@ -69,19 +69,20 @@ class _ExpertActor:
         return self.frames
 
 
-def frame_texts(env, locations: bool, subtasks: bool) -> dict:
-    """A frame's per-frame text columns: the env's `target_text()` (locations) and `subtask_text()` (the expert's
-    stage), each asked of the env in its worker where it runs in one."""
+TEXT_METHODS = {LOCATIONS: "target_text", SUBTASK: "subtask_text"}  # per-frame column -> the env method that says it
+
+
+def frame_texts(env, texts: tuple[str, ...]) -> dict:
+    """A frame's per-frame text columns `texts` (`TEXT_METHODS`: the env's `target_text()` for locations,
+    `subtask_text()` for the expert's stage), each asked of the env in its worker where it runs in one."""
     def ask(name):
         return env.call(name) if hasattr(env, "call") else getattr(env, name)()
 
-    return {**({LOCATIONS: ask("target_text")} if locations else {}), **({SUBTASK: ask("subtask_text")} if subtasks
-                                                                        else {})}
+    return {column: ask(TEXT_METHODS[column]) for column in texts}
 
 
 def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, only_successful: bool = True,
-                    stats: dict | None = None, bar=None, locations: bool = False,
-                    subtasks: bool = False) -> Iterator[list[dict]]:
+                    stats: dict | None = None, bar=None, texts: tuple[str, ...] = ()) -> Iterator[list[dict]]:
     """Up to `count` episodes of `env.expert_action()` (frames in the writer's format), over at most `max_attempts`
     of `seeds`, run by the episode loop (`EpisodeRunner`); failures are counted in `stats["rejected"]` and skipped
     when `only_successful`. With `locations`, each frame also carries the env's `target_text()` (where the gripper,
@@ -94,7 +95,7 @@ def expert_episodes(env, count: int, seeds: Iterator[int], max_attempts: int, on
     if count <= 0:
         return
     kept = 0
-    runner = EpisodeRunner([env], _ExpertActor(env, locations, subtasks), n_action_steps=1)
+    runner = EpisodeRunner([env], _ExpertActor(env, texts), n_action_steps=1)
     # seeds are drawn only when an episode starts: the seeds used are exactly those drawn
     for episode in runner.episodes(int(seed) for seed in itertools.islice(seeds, max_attempts)):
         if only_successful and not episode.success:
@@ -303,7 +304,7 @@ def _episodes(job: _Job, live, name: str, stats: dict, used: list[int], bar) -> 
     seeds = _tried(job.seeds(job.seed), used)
     if job.runner is None:
         yield from expert_episodes(live, job.episodes, seeds, max_attempts=job.max_tries, stats=stats, bar=bar,
-                                   locations=find_env(job.env).locations, subtasks=find_env(job.env).subtasks)
+                                   texts=_text_features(find_env(job.env)))
         return
     from hf_vla.envs.episodes import check_dims
 
@@ -423,9 +424,8 @@ def _text_features(family) -> tuple[str, ...]:
 
 def _frame_text(family):
     """The per-frame text of a DAgger frame (as the expert recording's), or None when the env has none."""
-    if not (family.locations or family.subtasks):
-        return None
-    return functools.partial(frame_texts, locations=family.locations, subtasks=family.subtasks)
+    texts = _text_features(family)
+    return functools.partial(frame_texts, texts=texts) if texts else None
 
 
 def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | None, max_episode_steps: int | None,

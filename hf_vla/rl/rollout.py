@@ -81,10 +81,10 @@ class StochasticPolicy(PolicyRunner):
     def mask(self) -> torch.Tensor:
         return decision_mask(self.model.config, self.n_action_steps, self.action_dims)
 
-    def prepare(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
-                executed_steps: int | None = None, prev_chunk_left_over=None,
-                execution_horizon: int | None = None, subtask: str | None = None) -> PreparedRequest:
-        if inference_delay or executed_steps is not None or prev_chunk_left_over is not None:
+    def prepare(self, observation: dict, task: str | None = None, head=None, continuation=None,
+                subtask: str | None = None) -> PreparedRequest:
+        if continuation is not None and (continuation.inference_delay or continuation.executed_steps is not None
+                                         or continuation.prev_chunk_left_over is not None):
             raise RequestError("RL rollouts sample independent chunks (no real-time chunking)")
         # an advantage-conditioned policy (RECAP) acts on "positive" as everywhere; without guidance (cfg_beta 1):
         # the chain's likelihood is that of the one velocity it sampled with

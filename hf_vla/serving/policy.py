@@ -169,6 +169,19 @@ def stat_dims(stats: dict) -> int:
 
 
 @dataclass
+class Continuation:
+    """How a request continues the chunk the robot is executing (real-time chunking): `inference_delay` actions of it
+    run while the call does, `executed_steps` of it were executed when the observation was taken (the runner then
+    continues its own last chunk), or the client sends what is left of it (`prev_chunk_left_over`); the new chunk is
+    blended with `execution_horizon` of its actions. The defaults: an independent chunk."""
+
+    inference_delay: int = 0
+    executed_steps: int | None = None
+    prev_chunk_left_over: object = None
+    execution_horizon: int | None = None
+
+
+@dataclass
 class PreparedRequest:
     """A validated request, ready for the model: its inputs and noise (a batch of its own), head and RTC arguments of
     `sample_actions` (None: an independent chunk)."""
@@ -290,8 +303,8 @@ class PolicyRunner:
     def __call__(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
                  executed_steps: int | None = None, prev_chunk_left_over=None,
                  execution_horizon: int | None = None) -> np.ndarray:
-        request = self.prepare(observation, task, head, inference_delay, executed_steps, prev_chunk_left_over,
-                               execution_horizon)
+        request = self.prepare(observation, task, head, Continuation(inference_delay, executed_steps,
+                                                                      prev_chunk_left_over, execution_horizon))
         return self.finish(request, self.sample_batch([request])[0])
 
     def _subtask_of(self, subtask) -> tuple[str | None, bool]:
@@ -313,13 +326,15 @@ class PolicyRunner:
             return self.last_subtask, False  # between decodes: act on the last decoded one (its very tokens)
         return None, True
 
-    def prepare(self, observation: dict, task: str | None = None, head=None, inference_delay: int = 0,
-                executed_steps: int | None = None, prev_chunk_left_over=None,
-                execution_horizon: int | None = None, cfg_beta: float | None = None,
-                subtask: str | None = None) -> PreparedRequest:
+    def prepare(self, observation: dict, task: str | None = None, head=None, continuation: Continuation | None = None,
+                cfg_beta: float | None = None, subtask: str | None = None) -> PreparedRequest:
         """Validate an observation and build its model inputs and noise (no model call): `RequestError` for anything
-        the policy must not act on. `cfg_beta`: this request's guidance of an advantage-conditioned policy (default
-        the runner's); `subtask`: this request's subtask (a text, or "auto"; default the runner's)."""
+        the policy must not act on. `continuation`: how it continues the chunk being executed (default: an
+        independent chunk); `cfg_beta`: this request's guidance of an advantage-conditioned policy (default the
+        runner's); `subtask`: this request's subtask (a text, or "auto"; default the runner's)."""
+        continuation = continuation or Continuation()
+        inference_delay, executed_steps = continuation.inference_delay, continuation.executed_steps
+        prev_chunk_left_over, execution_horizon = continuation.prev_chunk_left_over, continuation.execution_horizon
         head = self.head_name(head)
         task = check_task(task, "task", self.limits) if task is not None else self.obs_map.task(observation, self.limits)
         images = self.obs_map.images(observation, self.limits)
@@ -533,4 +548,4 @@ def rtc_config_from_args(args) -> RTCConfig:
                      method=args.rtc_method)
 
 
-__all__ = ["InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "load_policy", "rtc_config_from_args", "stat_dims", "stat_range"]
+__all__ = ["Continuation", "InputLimits", "ObservationMap", "PreparedRequest", "batch_requests", "sample_batch", "PolicyRunner", "RequestError", "load_policy", "rtc_config_from_args", "stat_dims", "stat_range"]

@@ -26,7 +26,7 @@ from hf_vla.serving.limits import (  # noqa: F401  (importable from here, as bef
     default_max_connections,
     default_max_message_mb,
 )
-from hf_vla.serving.policy import PolicyRunner, RequestError
+from hf_vla.serving.policy import Continuation, PolicyRunner, RequestError
 
 logger = logging.getLogger("hf_vla.serve")
 
@@ -136,11 +136,11 @@ class PolicyServer:
         if subtask is not None and (not isinstance(subtask, str) or len(subtask) > runner.limits.max_prompt_chars):
             raise RequestError(f"subtask: a text of at most {runner.limits.max_prompt_chars} characters, or 'auto'")
         start = time.monotonic()
-        prepared = runner.prepare(request, head=head, inference_delay=delay, cfg_beta=cfg_beta, subtask=subtask,
-                                  executed_steps=_optional_int(request.get("rtc/executed_steps"), "rtc/executed_steps"),
-                                  prev_chunk_left_over=request.get("rtc/prev_chunk_left_over"),
-                                  execution_horizon=_optional_int(request.get("rtc/execution_horizon"),
-                                                                  "rtc/execution_horizon"))
+        continuation = Continuation(
+            delay, executed_steps=_optional_int(request.get("rtc/executed_steps"), "rtc/executed_steps"),
+            prev_chunk_left_over=request.get("rtc/prev_chunk_left_over"),
+            execution_horizon=_optional_int(request.get("rtc/execution_horizon"), "rtc/execution_horizon"))
+        prepared = runner.prepare(request, head=head, continuation=continuation, cfg_beta=cfg_beta, subtask=subtask)
         intervention = _intervention(request.get("intervention"), runner, prepared.head)
         actions = runner.finish(prepared, self.batcher.submit(prepared))
         elapsed_ms = 1000 * (time.monotonic() - start)
