@@ -13,7 +13,9 @@ Stages (each skipped when its output exists in `--work`, default data_cache/subt
 - evaluate: `--eval_episodes` held-out episodes per task (seeds from 10,000): (a) as trained; (b) acting on its own
   decoded subtask (`--subtask auto`), with the decode checked against the expert's stage at every chunk; (c) the
   same checkpoint acting on the expert's true stage (`--subtask oracle`);
-- latency: a `PolicyRunner` call on one thread with the subtask decoded every chunk against the plain prompt.
+- latency: a `PolicyRunner` call on one thread with the subtask decoded every chunk against the plain prompt;
+- with `--no_ki`, (b) and (c) again for the subtask arm trained with knowledge insulation off (the flow loss then
+  trains the backbone too, as in the no-subtask arm).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def train(work: Path, data: Path, arm: str, steps: int) -> dict:
     if arm == "no_subtask":
         dataset.pop("subtask_key")
         overrides += ["--subtask_layout", "null"]
+    if arm == "subtask_no_ki":  # the flow loss reaches the backbone too (knowledge insulation off)
+        overrides += ["--knowledge_insulation", "false"]
     started = time.perf_counter()
     trainer = main([str(CONFIG), "--datasets", json.dumps([dataset]), *overrides])
     seconds = time.perf_counter() - started
@@ -139,15 +143,20 @@ def main(argv=None):
     parser.add_argument("--episodes", type=int, default=40, help="recorded expert episodes per task")
     parser.add_argument("--steps", type=int, default=3000, help="optimizer steps of each arm (the same budget)")
     parser.add_argument("--eval_episodes", type=int, default=20, help="held-out episodes per task and arm")
+    parser.add_argument("--no_ki", action="store_true", help="also the subtask arm with knowledge insulation off")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "subtask_cpu.json"))
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     data = record(work, args.episodes)
-    trained = {arm: train(work, data, arm, args.steps) for arm in ("no_subtask", "subtask")}
+    names = ("no_subtask", "subtask") + (("subtask_no_ki",) if args.no_ki else ())
+    trained = {arm: train(work, data, arm, args.steps) for arm in names}
     arms = {"no_subtask": evaluate(work, "no_subtask", None, args.eval_episodes),
             "decoded_subtask": evaluate(work, "subtask", "auto", args.eval_episodes),
             "oracle_subtask": evaluate(work, "subtask", "oracle", args.eval_episodes)}
+    if args.no_ki:  # the same subtask training with the flow loss reaching the backbone
+        arms |= {"decoded_subtask_no_ki": evaluate(work, "subtask_no_ki", "auto", args.eval_episodes),
+                 "oracle_subtask_no_ki": evaluate(work, "subtask_no_ki", "oracle", args.eval_episodes)}
     timing = latency(work)
     heldout = trained["subtask"]["heldout"]
     result = {**arms, "subtask_accuracy": heldout.get("eval_subtask_accuracy"),
