@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from hf_vla.rl.flow import FlowSDE, sample_chain, step_log_probs
-from hf_vla.serving.policy import MODEL_INPUTS, PolicyRunner, PreparedRequest, RequestError, batch_requests
+from hf_vla.serving.policy import PolicyRunner, PreparedRequest, RequestError, batch_requests, decode_subtasks
 
 logger = logging.getLogger("hf_vla.rl")
 
@@ -117,10 +117,8 @@ class StochasticPolicy(PolicyRunner):
         (the joint layout's tokens join its inputs; the factorised layout's second prompt replaces them), and every
         subtask span padded to `subtask_max_tokens`, so the update batches transitions of any subtask lengths."""
         if requests[0].decode_subtask:
-            inputs, _ = batch_requests(requests, self.device)
-            decoded = self.model.generate_subtask(**{key: inputs[key] for key in MODEL_INPUTS})
-            for row, request in enumerate(requests):
-                request.decoded = (decoded.ids[row].cpu(), decoded.mask[row].cpu())
+            decode_subtasks(self.model, requests, batch_requests(requests, self.device)[0])
+            for request in requests:
                 if request.reprompt is not None:
                     request.inputs = dict(request.reprompt(*request.decoded))
                 else:

@@ -211,6 +211,16 @@ def batch_requests(requests: list[PreparedRequest], device) -> tuple[dict, torch
 
 
 @torch.no_grad()
+def decode_subtasks(model, requests: list[PreparedRequest], inputs: dict):
+    """The subtask of each request decoded after its prompt (`generate_subtask` on the batched `inputs`), kept on the
+    request as `decoded` (its ids and mask); -> the `SubtaskDecode` (its cache holds the prompts and the tokens)."""
+    decoded = model.generate_subtask(**{key: inputs[key] for key in MODEL_INPUTS})
+    for row, request in enumerate(requests):
+        request.decoded = (decoded.ids[row].cpu(), decoded.mask[row].cpu())
+    return decoded
+
+
+@torch.no_grad()
 def sample_batch(model, requests: list[PreparedRequest], device) -> torch.Tensor:
     """One `sample_actions` over requests of one `batch_key` (or one RTC request) -> `[rows, chunk, max_action_dim]`
     normalised chunks on the CPU, in request order."""
@@ -221,9 +231,7 @@ def sample_batch(model, requests: list[PreparedRequest], device) -> torch.Tensor
     if rtc:
         rtc["prev_chunk_left_over"] = rtc["prev_chunk_left_over"].to(device)
     if requests[0].decode_subtask:  # pi0.5's high-level inference: the subtask first, then the actions on it
-        decoded = model.generate_subtask(**{key: inputs[key] for key in MODEL_INPUTS})
-        for row, request in enumerate(requests):
-            request.decoded = (decoded.ids[row].cpu(), decoded.mask[row].cpu())
+        decoded = decode_subtasks(model, requests, inputs)
         if requests[0].reprompt is not None:  # factorised: a second prompt, the subtask in the task's place
             parts = [request.reprompt(*request.decoded) for request in requests]
             inputs = {key: torch.cat([part[key] for part in parts]).to(device) for key in parts[0]}
@@ -376,7 +384,7 @@ class PolicyRunner:
         if decode and self.model.config.subtask_layout == "factorised":
             def reprompt(ids, valid, images=images[None], state=state[None], task=task, cameras=mask[None]):
                 decoded = self.processor.decode_subtask(ids[None], valid[None])[0] or task
-                return self._inputs(images, state, [task], cameras, head, cfg_beta, decoded)[0]
+                return self._model_inputs(images, state, [task], cameras, head, cfg_beta, decoded)
         rtc = None
         if leftover is not None:
             rtc = {"prev_chunk_left_over": leftover[None], "inference_delay": int(inference_delay),
@@ -489,6 +497,14 @@ class PolicyRunner:
 
     def _inputs(self, images, states, tasks, camera_mask, head, cfg_beta=None,
                 subtask: str | None = None) -> tuple[dict, torch.Tensor]:
+        """The model inputs of a batch (`_model_inputs`) and its noise, drawn from this runner's generator."""
+        inputs = self._model_inputs(images, states, tasks, camera_mask, head, cfg_beta, subtask)
+        config = self.model.config
+        noise = torch.randn(len(tasks), config.chunk_size, config.max_action_dim, generator=self.generator)
+        return inputs, noise
+
+    def _model_inputs(self, images, states, tasks, camera_mask, head, cfg_beta=None, subtask: str | None = None) -> dict:
+        """The processor's output for a batch, the keys the model reads (no noise drawn)."""
         try:
             cfg_beta = self.cfg_beta if cfg_beta is None else cfg_beta
             guidance = {} if cfg_beta is None else {"cfg_beta": cfg_beta}  # else the processor's own
@@ -498,10 +514,8 @@ class PolicyRunner:
                                     **guidance)
         except ValueError as error:
             raise RequestError(str(error)) from error
-        config = self.model.config
-        noise = torch.randn(len(tasks), config.chunk_size, config.max_action_dim, generator=self.generator)
         keys = model_input_keys(self.model) + tuple(key for key in GUIDANCE_INPUTS + SUBTASK_INPUTS if key in inputs)
-        return {key: inputs[key] for key in keys}, noise
+        return {key: inputs[key] for key in keys}
 
     def predict(self, images: torch.Tensor, states: np.ndarray, tasks: list[str], camera_mask: torch.Tensor) -> np.ndarray:
         """A batch: uint8 images [B, cams, 3, H, W], raw states [B, d], tasks, camera_mask [B, cams] -> chunks
