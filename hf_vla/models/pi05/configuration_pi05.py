@@ -68,6 +68,16 @@ class PI05Config(PreTrainedConfig):
         and final norm run and train (they predict the subtask). None: no subtask.
     subtask_max_tokens (`int`, defaults to 32): the most tokens `generate_subtask` decodes (EOS included).
     subtask_eos_token_id (`int`, defaults to `None`): the tokenizer's EOS id, which ends a subtask (set by training).
+    use_visual_memory (`bool`, defaults to `False`): MEM's short-horizon visual memory (arXiv 2603.03596, lerobot's
+        field of the same name): each camera input holds `memory_frames` frames, `memory_stride` dataset frames apart
+        and ending with the current one; every `memory_temporal_attention_every`-th SigLIP layer attends causally
+        across them as well (the same projections, no new parameter), and the past frames' tokens are dropped after
+        the last such layer, so the backbone sees as many image tokens as without memory (docs/memory.md).
+    use_proprioceptive_memory (`bool`, defaults to `False`): MEM's proprioceptive memory: the `memory_frames` states
+        (past and current) enter the prefix after the images as one linear token each (`proprio_history_proj`), and
+        the prompt no longer holds the discretized state (`Task: {task};\nAction: `, as lerobot).
+    memory_frames (`int`, defaults to 6), memory_stride (`int`, defaults to 30, in dataset frames: one second at 30
+        fps), memory_temporal_attention_every (`int`, defaults to 4): MEM's settings, lerobot's names and defaults.
     image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
     """
 
@@ -98,6 +108,11 @@ class PI05Config(PreTrainedConfig):
     subtask_layout: str | None = None
     subtask_max_tokens: int = 32
     subtask_eos_token_id: int | None = None
+    use_visual_memory: bool = False
+    use_proprioceptive_memory: bool = False
+    memory_frames: int = 6
+    memory_stride: int = 30
+    memory_temporal_attention_every: int = 4
 
     def __post_init__(self, **kwargs):
         if isinstance(self.vlm_config, dict):
@@ -153,6 +168,17 @@ class PI05Config(PreTrainedConfig):
         return self.vlm_config.vision_config.image_size
 
     @property
+    def uses_memory(self) -> bool:
+        """Whether the policy reads past observations (MEM: visual or proprioceptive memory)."""
+        return bool(self.use_visual_memory or self.use_proprioceptive_memory)
+
+    @property
+    def memory_offsets(self) -> list[int]:
+        """The frames each sample reads, relative to the current one, oldest first (lerobot's delta indices)."""
+        horizon = (self.memory_frames - 1) * self.memory_stride
+        return list(range(-horizon, 1, self.memory_stride))
+
+    @property
     def num_image_tokens(self) -> int:
         vision = self.vlm_config.vision_config
         return (vision.image_size // vision.patch_size) ** 2
@@ -175,6 +201,16 @@ class PI05Config(PreTrainedConfig):
             raise ValueError(f"PI05Config: subtask_layout={self.subtask_layout!r} must be one of {SUBTASK_LAYOUTS}")
         if self.subtask_max_tokens < 1:
             raise ValueError(f"PI05Config: subtask_max_tokens={self.subtask_max_tokens} must be positive")
+        for name in ("memory_frames", "memory_stride", "memory_temporal_attention_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PI05Config: {name}={getattr(self, name)} must be at least 1")
+        vision_layers = self.vlm_config.vision_config.num_hidden_layers
+        if self.use_visual_memory and self.memory_temporal_attention_every > vision_layers:
+            raise ValueError(f"PI05Config: memory_temporal_attention_every={self.memory_temporal_attention_every} "
+                             f"exceeds the vision tower's {vision_layers} layers: no layer would attend across frames")
+        if self.use_visual_memory and self.vlm_config.vision_config.hidden_size % 2:
+            raise ValueError(f"PI05Config: vision hidden_size={self.vlm_config.vision_config.hidden_size} must be even "
+                             "for visual memory (sin/cos temporal embedding)")
         if expert.hidden_size % 2:
             raise ValueError(f"PI05Config: dit_config.hidden_size={expert.hidden_size} must be even (sin/cos time embedding).")
 

@@ -50,6 +50,7 @@ from hf_vla.models.common.rtc_config import RTCConfig  # direct: a remote module
 
 from .configuration_pi05 import PI05Config
 from .losses import chunked_token_losses
+from .memory import encode_frames, use_memory_layers
 from .value_head import PI05ValueHead
 
 # Backends whose attention call accepts an arbitrary key-padding mask, which is all pi0.5 needs per call.
@@ -167,6 +168,16 @@ def _attend(attn: GemmaAttention, query, key, value, mask) -> torch.Tensor:
     return attn.o_proj(out)
 
 
+def _memory_mask(memory: dict | None, batch_size: int, frames: int, device) -> torch.Tensor:
+    """MEM's `[B, T]` real-observation mask from `memory` (all real when not given)."""
+    mask = (memory or {}).get("memory_mask")
+    if mask is None:
+        return torch.ones(batch_size, frames, dtype=torch.bool, device=device)
+    if tuple(mask.shape) != (batch_size, frames):
+        raise ValueError(f"memory_mask must be [B={batch_size}, memory_frames={frames}], got {tuple(mask.shape)}")
+    return mask.bool()
+
+
 def present_module_classes(model: nn.Module, names) -> set[str]:
     """The class names in `names` that some submodule of `model` has."""
     present = {type(module).__name__ for module in model.modules()}
@@ -185,7 +196,7 @@ class PI05PreTrainedModel(SharedCodeMixin, PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     # the per-layer FSDP units / ZeRO-3 modules: every layer of the VLM, the expert and the vision tower
-    _no_split_modules = ["PI05VLMDecoderLayer", "PI05ExpertDecoderLayer", "SiglipEncoderLayer"]
+    _no_split_modules = ["PI05VLMDecoderLayer", "PI05ExpertDecoderLayer", "SiglipEncoderLayer", "PI05MemoryEncoderLayer"]
     input_modalities = ("image", "text")
     # As the reference does in bf16: the vision path, every (ada)RMS norm and the action/time heads stay fp32.
     _keep_in_fp32_modules_strict = [
@@ -231,6 +242,11 @@ class PI05Model(PI05PreTrainedModel):
         self.vlm = AutoModel.from_config(config.vlm_config)
         text = self.vlm.language_model
         text.layers = nn.ModuleList(PI05VLMDecoderLayer(text.config, i) for i in range(len(text.layers)))
+        if config.use_visual_memory:  # MEM: every n-th SigLIP layer can also attend across frames (memory.py)
+            use_memory_layers(self.vlm.vision_tower.vision_model, config.memory_temporal_attention_every)
+        # MEM's proprioceptive memory: each past (and the current) state as one prefix token (lerobot's name)
+        self.proprio_history_proj = (nn.Linear(config.max_state_dim, text.config.hidden_size)
+                                     if config.use_proprioceptive_memory else None)
         self.expert = PI05ActionExpert(config.dit_config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -266,19 +282,46 @@ class PI05Model(PI05PreTrainedModel):
                                  "attention needs a per-key padding mask, which this backend does not express. Use "
                                  f"one of {SUPPORTED_ATTENTION}.")
 
-    def prefix_mask(self, pixel_attention_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B, n_cams * image_tokens + L] bool: which prefix tokens are real."""
+    def prefix_mask(self, pixel_attention_mask: torch.Tensor, attention_mask: torch.Tensor,
+                    memory: dict | None = None) -> torch.Tensor:
+        """[B, n_cams * image_tokens (+ memory_frames state tokens) + L] bool: which prefix tokens are real."""
         image_mask = pixel_attention_mask.bool().repeat_interleave(self.config.num_image_tokens, dim=1)
-        return torch.cat([image_mask, attention_mask.bool()], dim=1)
+        parts = [image_mask, attention_mask.bool()]
+        if self.proprio_history_proj is not None:  # the past states before the episode's start are padding
+            parts.insert(1, _memory_mask(memory, len(attention_mask), self.config.memory_frames, attention_mask.device))
+        return torch.cat(parts, dim=1)
 
-    def embed_prefix(self, input_ids, pixel_values, pixel_attention_mask=None) -> torch.Tensor:
-        """Image tokens of every camera slot (absent ones are masked, not dropped), then language tokens."""
+    def embed_prefix(self, input_ids, pixel_values, pixel_attention_mask=None, memory: dict | None = None) -> torch.Tensor:
+        """Image tokens of every camera slot (absent ones are masked, not dropped), MEM's state tokens (proprioceptive
+        memory), then language tokens. With visual memory `pixel_values` is `[B, n_cams, T, 3, H, W]` (oldest frame
+        first): each camera's frames pass through SigLIP together and only the current frame's tokens come out."""
         batch_size, num_cameras = pixel_values.shape[:2]
         vision_dtype = self.vlm.vision_tower.get_input_embeddings().weight.dtype
-        features = self.vlm.get_image_features(pixel_values.flatten(0, 1).to(vision_dtype)).pooler_output
+        if self.config.use_visual_memory:
+            if pixel_values.ndim != 6 or pixel_values.shape[2] != self.config.memory_frames:
+                raise ValueError(f"visual memory: pixel_values must be [B, n_cams, memory_frames="
+                                 f"{self.config.memory_frames}, 3, H, W], got {tuple(pixel_values.shape)}")
+            frame_mask = _memory_mask(memory, batch_size, self.config.memory_frames, pixel_values.device)
+            tokens = encode_frames(self.vlm.vision_tower.vision_model, pixel_values.flatten(0, 1).to(vision_dtype),
+                                   frame_mask.repeat_interleave(num_cameras, dim=0),
+                                   self.config.memory_temporal_attention_every)
+            features = self.vlm.multi_modal_projector(tokens)
+        else:
+            if pixel_values.ndim != 5:
+                raise ValueError(f"pixel_values must be [B, n_cams, 3, H, W] (this model has no visual memory), got "
+                                 f"{tuple(pixel_values.shape)}")
+            features = self.vlm.get_image_features(pixel_values.flatten(0, 1).to(vision_dtype)).pooler_output
         text_embeds = self.vlm.get_input_embeddings()(input_ids)  # Gemma scales by sqrt(width) here
-        features = features.to(text_embeds.dtype).reshape(batch_size, num_cameras * features.shape[1], -1)
-        return torch.cat([features, text_embeds], dim=1)
+        parts = [features.to(text_embeds.dtype).reshape(batch_size, num_cameras * features.shape[1], -1), text_embeds]
+        if self.proprio_history_proj is not None:
+            states = (memory or {}).get("memory_state")
+            if states is None or states.ndim != 3 or states.shape[1] != self.config.memory_frames:
+                raise ValueError(f"proprioceptive memory: pass memory_state [B, memory_frames={self.config.memory_frames}"
+                                 f", max_state_dim] (the processor builds it), got "
+                                 f"{None if states is None else tuple(states.shape)}")
+            weight = self.proprio_history_proj.weight
+            parts.insert(1, self.proprio_history_proj(states.to(weight.dtype)).to(text_embeds.dtype))
+        return torch.cat(parts, dim=1)
 
     def _masks(self, prefix_valid: torch.Tensor, prefix_embeds, suffix_embeds, target_valid=None, span_valid=None):
         text_config, expert_config = self.config.vlm_config.text_config, self.config.dit_config
@@ -509,6 +552,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         output_token_logits: bool = False,
         subtask_ids: torch.LongTensor | None = None,
         subtask_mask: torch.BoolTensor | None = None,
+        memory_state: torch.FloatTensor | None = None,
+        memory_mask: torch.BoolTensor | None = None,
         **kwargs,
     ) -> PI05Output:
         r"""
@@ -534,6 +579,11 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             False (its prompt then ends in `Action: `). They are attended causally; the expert attends to them; the
             backbone predicts each (cross-entropy, the leading `S` columns of `token_losses`, before `labels`' own).
             With `past_key_values`, only `subtask_mask`: the cache then holds the prompt and the S slots.
+        memory_state (`[B, T, max_state_dim]`, `config.use_proprioceptive_memory`): the normalised states of the T =
+            `memory_frames` observations `memory_stride` frames apart, oldest first, the current one last.
+        memory_mask (`[B, T]`, MEM): which of those observations are real (False: before the episode's start; their
+            images and states are ignored). Default: all. With visual memory `pixel_values` is
+            `[B, n_cams, T, 3, H, W]` in the same order.
 
         Returns `logits` = predicted velocity `[B, chunk, max_action_dim]` (fp32).
         """
@@ -557,12 +607,13 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             x_t = noise
 
         prefix_embeds = None
+        memory = {"memory_state": memory_state, "memory_mask": memory_mask}
         if past_key_values is None:
             if pixel_values is None:
                 raise ValueError("pixel_values are needed unless a prefix past_key_values cache is passed.")
-            prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
+            prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask, memory)
         suffix_embeds, cond = self.embed_suffix(x_t, timestep)
-        prefix_valid = self.model.prefix_mask(pixel_attention_mask, attention_mask)
+        prefix_valid = self.model.prefix_mask(pixel_attention_mask, attention_mask, memory)
         target_valid = span_valid = None
         if subtask_mask is not None or subtask_ids is not None:
             if not self.config.subtask_layout:
@@ -613,13 +664,14 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
 
     @torch.no_grad()
     def prefix_cache(self, input_ids, pixel_values, pixel_attention_mask=None, attention_mask=None,
-                     subtask: tuple | None = None) -> DynamicCache:
+                     subtask: tuple | None = None, memory: dict | None = None) -> DynamicCache:
         """Run the VLM once over the prefix and return its per-layer keys/values; with `subtask` (its ids and mask
-        `[B, S]`), over the prompt and the subtask after it, attended causally (as in training)."""
+        `[B, S]`), over the prompt and the subtask after it, attended causally (as in training). `memory`: MEM's
+        `memory_state` / `memory_mask` (see `forward`)."""
         attention_mask, pixel_attention_mask = self._default_masks(
             input_ids, pixel_values, attention_mask, pixel_attention_mask
         )
-        prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
+        prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask, memory)
         span_valid = None
         if subtask is not None:
             ids, span_valid = subtask[0], subtask[1].bool()
@@ -628,7 +680,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         _, cache, *_ = self.model(
             None,
             None,
-            prefix_valid=self.model.prefix_mask(pixel_attention_mask, attention_mask),
+            prefix_valid=self.model.prefix_mask(pixel_attention_mask, attention_mask, memory),
             prefix_embeds=prefix_embeds,
             use_cache=True,
             target_valid=span_valid,
@@ -638,7 +690,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
 
     @torch.no_grad()
     def generate_subtask(self, input_ids, pixel_values, pixel_attention_mask=None, attention_mask=None,
-                         max_new_tokens: int | None = None, eos_token_id: int | None = None) -> SubtaskDecode:
+                         max_new_tokens: int | None = None, eos_token_id: int | None = None,
+                         **memory) -> SubtaskDecode:
         """Decode each row's subtask greedily after its prompt (ending in `Subtask: `), with the VLM's key/value cache:
         one prefix pass, then one token per step (`PI05Model.decode_step`) until EOS (kept, as training's span ends
         in it) or `max_new_tokens` (default `config.subtask_max_tokens`). Returns the tokens and the cache of the
@@ -652,8 +705,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         attention_mask, pixel_attention_mask = self._default_masks(
             input_ids, pixel_values, attention_mask, pixel_attention_mask
         )
-        prefix_valid = self.model.prefix_mask(pixel_attention_mask, attention_mask)
-        prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask)
+        prefix_valid = self.model.prefix_mask(pixel_attention_mask, attention_mask, memory)
+        prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask, memory)
         _, cache, hidden = self.model(None, None, prefix_valid=prefix_valid, prefix_embeds=prefix_embeds,
                                       use_cache=True, prefix_hidden=True)
         embedding = self.model.get_input_embeddings().weight
@@ -693,6 +746,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         uncond_attention_mask: torch.Tensor | None = None,
         cfg_beta: torch.FloatTensor | float | None = None,
         subtask: SubtaskDecode | str | None = None,
+        memory_state: torch.FloatTensor | None = None,
+        memory_mask: torch.BoolTensor | None = None,
         **kwargs,
     ) -> torch.FloatTensor:
         """Integrate the velocity from t=1 (noise) to t=0 with `num_inference_steps` Euler steps; prefix run once.
@@ -714,6 +769,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         (default `rtc_config.execution_horizon`), with it; `prefix` (training-time RTC, for a model trained with
         `rtc_max_delay` >= `inference_delay`) holds them clean at time 0 and integrates only the rest; `auto` picks
         `prefix` when the model was trained for the delay.
+
+        MEM (`memory_state`, `memory_mask`, and `pixel_values` with a frame axis): as in `forward`.
         """
         num_steps = num_steps or self.config.num_inference_steps
         batch_size, device = input_ids.shape[0], input_ids.device
@@ -723,15 +780,16 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         if noise is None:
             noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
         subtask_ids, subtask_mask = kwargs.get("subtask_ids"), kwargs.get("subtask_mask")
+        memory = {"memory_state": memory_state, "memory_mask": memory_mask}
         if subtask == "auto":
-            subtask = self.generate_subtask(input_ids, pixel_values, pixel_attention_mask, attention_mask)
+            subtask = self.generate_subtask(input_ids, pixel_values, pixel_attention_mask, attention_mask, **memory)
         elif subtask is not None and not isinstance(subtask, SubtaskDecode):
             raise ValueError(f"subtask={subtask!r}: 'auto', a SubtaskDecode, or None (a given text goes in as "
                              "subtask_ids / subtask_mask, from the processor)")
         if uncond_input_ids is not None:
             if subtask is not None or subtask_ids is not None:
                 raise ValueError("classifier-free guidance with a subtask is not supported: pass cfg_beta=1")
-            return self._sample_guided((input_ids, pixel_values, pixel_attention_mask, attention_mask),
+            return self._sample_guided((input_ids, pixel_values, pixel_attention_mask, attention_mask, memory),
                                        (uncond_input_ids, uncond_attention_mask), cfg_beta, noise, num_steps,
                                        (prev_chunk_left_over, inference_delay, execution_horizon, rtc_config))
         if subtask is not None:
@@ -739,14 +797,15 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         elif subtask_ids is not None:
             span_mask = (subtask_mask if subtask_mask is not None else torch.ones_like(subtask_ids)).bool()
             cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask,
-                                      subtask=(subtask_ids, span_mask))
+                                      subtask=(subtask_ids, span_mask), memory=memory)
         else:
-            cache, span_mask = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask), None
+            cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask, memory=memory)
+            span_mask = None
         span = {} if span_mask is None or not span_mask.shape[1] else {"subtask_mask": span_mask}
 
         def velocity(x, timestep):
             return self(noise=x, timestep=timestep, input_ids=input_ids, pixel_attention_mask=pixel_attention_mask,
-                        attention_mask=attention_mask, past_key_values=cache, **span).logits
+                        attention_mask=attention_mask, past_key_values=cache, memory_mask=memory_mask, **span).logits
 
         return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, prev_chunk_left_over,
                                inference_delay, execution_horizon, rtc_config)
@@ -756,7 +815,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         """`sample_actions` with classifier-free guidance: rows [0, B) conditioned on `prefix` (input_ids,
         pixel_values, pixel_attention_mask, attention_mask), [B, 2B) on `unconditioned_prompt` (its input_ids and
         attention_mask, the same images)."""
-        input_ids, pixel_values, pixel_attention_mask, attention_mask = prefix
+        input_ids, pixel_values, pixel_attention_mask, attention_mask, memory = prefix
         uncond_input_ids, uncond_attention_mask = unconditioned_prompt
         batch_size = input_ids.shape[0]
         if uncond_input_ids.shape[0] != batch_size:
@@ -774,14 +833,16 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         both_ids, both_mask = torch.cat([ids_c, ids_u]), torch.cat([mask_c, mask_u])
         both_pixels = torch.cat([pixel_values, pixel_values])
         both_cameras = torch.cat([pixel_attention_mask, pixel_attention_mask])
-        cache = self.prefix_cache(both_ids, both_pixels, both_cameras, both_mask)
+        both_memory = {key: None if value is None else torch.cat([value, value]) for key, value in memory.items()}
+        cache = self.prefix_cache(both_ids, both_pixels, both_cameras, both_mask, memory=both_memory)
         beta = torch.as_tensor(1.0 if cfg_beta is None else cfg_beta, dtype=torch.float32, device=noise.device)
         beta = beta.expand(batch_size) if beta.ndim == 0 else beta
         beta = beta.view(batch_size, *([1] * (noise.ndim - 1)))
 
         def velocity(x, timestep):
             v = self(noise=torch.cat([x, x]), timestep=torch.cat([timestep, timestep]), input_ids=both_ids,
-                     pixel_attention_mask=both_cameras, attention_mask=both_mask, past_key_values=cache).logits
+                     pixel_attention_mask=both_cameras, attention_mask=both_mask, past_key_values=cache,
+                     memory_mask=both_memory["memory_mask"]).logits
             conditioned, unconditioned = v[:batch_size].float(), v[batch_size:].float()
             return unconditioned + beta * (conditioned - unconditioned)
 
