@@ -72,6 +72,7 @@ class VLACollator:
             **({"advantage": [s.get("advantage") for s in samples]} if hasattr(self.processor, "advantage_conditioned")
                else {}),
             **({"subtask": subtasks} if subtasks is not None else {}),
+            **({"memory": _memory(samples)} if "memory_mask" in samples[0] else {}),
         )
 
     def _subtask(self, sample: dict) -> str | None:
@@ -101,6 +102,15 @@ class VLACollator:
         for key in PROVENANCE:
             batch[key] = torch.tensor([int(s[key]) for s in samples], dtype=torch.long)
         return _in_one_shared_segment(batch) if get_worker_info() is not None else batch
+
+
+def _memory(samples: list[dict]) -> dict:
+    """MEM's past observations of the samples, as the processor takes them (`PI05Processor(memory=...)`)."""
+    memory = {"mask": torch.stack([s["memory_mask"] for s in samples]),
+              "state": [s["memory_state"] for s in samples]}
+    if "memory_images" in samples[0]:
+        memory["images"] = torch.stack([s["memory_images"] for s in samples])
+    return memory
 
 
 def _in_one_shared_segment(batch: dict) -> dict:

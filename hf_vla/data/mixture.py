@@ -191,24 +191,35 @@ class WeightedDatasetMixture:
         return Provenance(self.names, list(self.head_names), list(self.weights),
                           [s.episode_offset for s in self.sources], datasets)
 
-    def training_datasets(self, args, image_size: int, chunk_size: int):
+    def training_datasets(self, args, image_size: int, chunk_size: int, memory: dict | None = None):
         """(train, validation) datasets for `VLATrainer`, from its training arguments: the episode-shuffle stream
         sharded for this rank (`per_device_train_batch_size`, `data_seed` or `seed`, `stream_open_blocks`,
         `decoder_threads`) and the validation stream (None without a validation split). Both yield lists of samples
-        per batch, for the trainer's `data_collator`, and carry `provenance`."""
+        per batch, for the trainer's `data_collator`, and carry `provenance`. `memory`: MEM's settings (the
+        processor's `memory`): every sample then carries its past observations."""
         self.check_chunks(chunk_size)
+        if memory:
+            self.check_memory_fps(memory)
         seed = args.data_seed if args.data_seed is not None else args.seed
         threads = getattr(args, "decoder_threads", None)
         train = self.train_stream(StreamSettings(
             image_size, chunk_size, batch_size=args.per_device_train_batch_size, seed=seed,
             open_blocks=getattr(args, "stream_open_blocks", 32), rank=args.process_index, world_size=args.world_size,
-            decoder_threads=threads))
+            decoder_threads=threads, memory=memory))
         validation = None
         if any(len(blocks) for blocks in self.validation_blocks):
             validation = self.validation_stream(StreamSettings(
                 image_size, chunk_size, args.per_device_eval_batch_size, rank=args.process_index,
-                world_size=args.world_size, decoder_threads=threads))
+                world_size=args.world_size, decoder_threads=threads, memory=memory))
         return train, validation
+
+    def check_memory_fps(self, memory: dict) -> None:
+        """MEM's stride counts dataset frames: datasets of different frame rates would give the same stride different
+        durations (the policy learns one): refused, naming them."""
+        rates = {source.name: float(source.fps) for source in self.sources}
+        if len(set(rates.values())) > 1:
+            raise ConfigError(f"observation memory (memory_stride={memory['stride']} frames) over datasets of different "
+                              f"fps {rates}: the stride would mean different times; train them separately or resample")
 
     def check_chunks(self, chunk_size: int) -> None:
         """A dataset whose per-frame chunks (`action_chunk_key`) are shorter than `chunk_size` is refused. A chunk longer

@@ -187,15 +187,52 @@ def resolve_decoder_threads(setting: int | None, open_decoders: int) -> int:
     return 2 if cpus // max(1, workers * local_processes) >= 2 and open_decoders <= 32 else 1
 
 
+def memory_indices(frame: int, memory: dict) -> tuple[np.ndarray, np.ndarray]:
+    """MEM's past frames of episode frame `frame`: `memory["frames"] - 1` indices `memory["stride"]` apart, oldest
+    first, clamped to the episode's first frame, and which of them are real (lerobot's `delta_timestamps` indices and
+    their `_is_pad`: an index before the episode's start is its first frame, padded)."""
+    offsets = np.arange(1 - memory["frames"], 0) * memory["stride"]
+    wanted = frame + offsets
+    return np.maximum(wanted, 0), wanted >= 0
+
+
+class _FrameHistory:
+    """The decoded frames of one camera of one open block, kept back to MEM's horizon: a block is decoded once, each
+    frame read again as the past of the frames `stride`, 2 `stride`, ... after it. A block that starts after its
+    episode's start (a kept range, a resumed position) decodes the horizon before it first."""
+
+    def __init__(self, reader: VideoReader, horizon: int):
+        self.reader, self.horizon = reader, horizon
+        self.frames: dict[int, torch.Tensor] = {}
+        self.newest = -1
+
+    def read(self, frame: int) -> torch.Tensor:
+        if frame < self.newest:  # never within a block; stay correct if it happens
+            self.frames.clear()
+            self.newest = -1
+        first = max(0, frame - self.horizon) if self.newest < 0 else self.newest + 1
+        for index in range(first, frame + 1):
+            self.frames[index] = self.reader.frame(index)
+        self.newest = max(self.newest, frame)
+        for index in [i for i in self.frames if i < frame - self.horizon]:
+            del self.frames[index]
+        return self.frames[frame]
+
+
 class FrameReader:
-    """Turns (source, block, frame) into a sample dict, keeping one decoder per open block and camera."""
+    """Turns (source, block, frame) into a sample dict, keeping one decoder per open block and camera. With `memory`
+    (MEM: `{"frames", "stride", "visual", "proprio"}`) each sample also carries its past observations
+    (`memory_images` `[n_cams, T-1, 3, S, S]` with visual memory, `memory_state` `[T-1, state_dim]`, `memory_mask`)."""
 
     def __init__(self, sources: list[LeRobotSource], head_of_source: list[int], num_cameras: int, image_size: int,
-                 chunk_size: int, decoder_threads: int | None = None, open_blocks: int = 1):
+                 chunk_size: int, decoder_threads: int | None = None, open_blocks: int = 1,
+                 memory: dict | None = None):
         self.sources, self.head_of_source = sources, head_of_source
         self.num_cameras, self.image_size, self.chunk_size = num_cameras, image_size, chunk_size
         self.decoder_threads = resolve_decoder_threads(decoder_threads, open_blocks * len(sources) * num_cameras)
+        self.memory = memory
         self._readers: dict[tuple, VideoReader] = {}
+        self._histories: dict[tuple, _FrameHistory] = {}
         self._tables: dict[tuple, dict] = {}
 
     def sample(self, source_index: int, block: Block, frame: int, token=None) -> dict:
@@ -207,6 +244,16 @@ class FrameReader:
             table = self._tables[key] = source.episode_table(block.episode)
         images = torch.zeros(self.num_cameras, 3, self.image_size, self.image_size, dtype=torch.uint8)
         camera_mask = torch.zeros(self.num_cameras, dtype=torch.bool)
+        memory = self.memory
+        extra = {}
+        if memory:
+            past, real = memory_indices(frame, memory)
+            extra["memory_mask"] = torch.from_numpy(real)
+            extra["memory_state"] = torch.from_numpy(np.asarray(table["state"][past], dtype=np.float32))
+            visual = memory["visual"]
+            if visual:
+                extra["memory_images"] = torch.zeros(self.num_cameras, len(past), 3, self.image_size, self.image_size,
+                                                     dtype=torch.uint8)
         for slot, camera in enumerate(source.config.cameras[: self.num_cameras]):
             if camera is None:
                 continue
@@ -216,7 +263,16 @@ class FrameReader:
                 reader = self._readers[(key, camera)] = VideoReader(path, start, source.fps, self.image_size,
                                                                     episode=block.episode,
                                                                     threads=self.decoder_threads)
-            reader.frame(frame, out=images[slot])
+            if memory and visual:
+                history = self._histories.get((key, camera))
+                if history is None:
+                    horizon = (memory["frames"] - 1) * memory["stride"]
+                    history = self._histories[(key, camera)] = _FrameHistory(reader, horizon)
+                images[slot] = history.read(frame)
+                for column, index in enumerate(past.tolist()):
+                    extra["memory_images"][slot, column] = history.frames[index]
+            else:
+                reader.frame(frame, out=images[slot])
             camera_mask[slot] = True
         if "action_chunks" in table:  # the frame's own chunk (action_chunk_key: e.g. the expert's plan from here)
             actions = table["action_chunks"][frame, : self.chunk_size].copy()
@@ -242,6 +298,7 @@ class FrameReader:
             "source_index": source_index,
             "episode_index": source.episode_offset + block.episode,
             "frame_index": frame,
+            **extra,
         }
 
     def release(self, source_index: int, block: Block, token=None):
@@ -249,11 +306,13 @@ class FrameReader:
         self._tables.pop(key, None)
         for reader_key in [k for k in self._readers if k[0] == key]:
             self._readers.pop(reader_key).close()
+            self._histories.pop(reader_key, None)
 
     def close(self):
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+        self._histories.clear()
         self._tables.clear()
 
 
@@ -272,6 +331,7 @@ class StreamSettings:
     rank: int = 0
     world_size: int = 1
     decoder_threads: int | None = None
+    memory: dict | None = None  # MEM's past observations per sample (`FrameReader`); None: none
 
 
 class EpisodeShuffleStream(IterableDataset):
@@ -295,6 +355,7 @@ class EpisodeShuffleStream(IterableDataset):
         if batch_size is not None and batch_size <= 0:
             raise ConfigError(f"batch_size must be positive, got {batch_size}")
         self.decoder_threads = decoder_threads
+        self.memory = settings.memory
         self.provenance: Provenance | None = None  # set by the mixture
         self.sources, self.blocks = sources, blocks
         self.weights = np.asarray(weights, dtype=np.float64)
@@ -462,7 +523,7 @@ class EpisodeShuffleStream(IterableDataset):
         for _ in range(done):  # fast-forward the schedule only: nothing is decoded, readers seek on first use
             next(samples)
         reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size,
-                             self.decoder_threads, open_blocks=self.open_blocks)
+                             self.decoder_threads, open_blocks=self.open_blocks, memory=self.memory)
         dropouts = [float((source.config.advantage or {}).get("dropout", 0.0)) for source in self.sources]
         shard = self.rank * num_workers + logical
         try:
@@ -532,6 +593,7 @@ class ValidationStream(IterableDataset):
         self.num_cameras, self.image_size, self.chunk_size = num_cameras, image_size, chunk_size
         self.batch_size, self.collate_fn, self.rank, self.world_size = batch_size, collate_fn, rank, world_size
         self.decoder_threads = decoder_threads
+        self.memory = settings.memory
         self.provenance: Provenance | None = None  # set by the mixture
         parts = [np.column_stack([np.full(len(b), s, dtype=np.int64), np.asarray(b.ranges if isinstance(b, BlockList)
                                   else [(x.episode, x.start, x.end) for x in b], dtype=np.int64).reshape(-1, 3)])
@@ -559,7 +621,7 @@ class ValidationStream(IterableDataset):
         per_worker = math.ceil(self.per_rank / num_workers)
         lo, hi = worker_id * per_worker, min((worker_id + 1) * per_worker, self.per_rank)
         reader = FrameReader(self.sources, self.head_of_source, self.num_cameras, self.image_size, self.chunk_size,
-                             self.decoder_threads)
+                             self.decoder_threads, memory=self.memory)
         try:
             batch = []
             for local in range(lo, hi):

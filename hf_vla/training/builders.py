@@ -360,7 +360,8 @@ def build_trainer(model_args: ModelArguments, data_args, training_args):
             "max_episode_steps"),
         source={"made_by": "hf_vla.train", "base_model": source or model_args.model_name_or_path}).to_dict()
     train_dataset, eval_dataset = mixture.training_datasets(training_args, image_size=processor.image_size,
-                                                            chunk_size=model.config.chunk_size)
+                                                            chunk_size=model.config.chunk_size,
+                                                            memory=getattr(processor, "memory", None))
     peft_config = None
     if model_args.lora_preset:
         from hf_vla.lora import lora_config

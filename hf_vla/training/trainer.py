@@ -252,13 +252,17 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         pixels = inputs["pixel_values"]
         geometric = None
         datasets = self.provenance.datasets if self.provenance is not None else []
-        if pixels.dim() == 5 and datasets and "source_index" in inputs:
+        if pixels.dim() in (5, 6) and datasets and "source_index" in inputs:
             # the model card's "cameras": the dataset's camera keys in slot order, joined by ", "
             wrist = [["wrist" in key.lower() for key in str(d.get("cameras") or "").split(", ")] for d in datasets]
             geometric = torch.ones(pixels.shape[:2], dtype=torch.bool)
             for row, source in enumerate(inputs["source_index"].tolist()):
                 for slot, is_wrist in enumerate(wrist[source][:pixels.shape[1]] if source < len(wrist) else []):
                     geometric[row, slot] = not is_wrist
+        if pixels.dim() == 6:  # MEM's frames [B, cams, T, ...]: the same draws (crop, rotation, colour) for every frame
+            return dict(inputs, pixel_values=torch.stack([
+                augment_images(pixels[:, :, t], seeds, preset(self.args.image_augmentation), geometric)
+                for t in range(pixels.shape[2])], dim=2))
         return dict(inputs, pixel_values=augment_images(pixels, seeds, preset(self.args.image_augmentation), geometric))
 
     def _get_num_items_in_batch(self, batch_samples, device):

@@ -76,6 +76,10 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
     fast_token_offset (`int`, *optional*): the language-model id of FAST id 0 (`set_fast_tokenizer` chooses it).
     advantage_conditioned (`bool`): the policy was trained with RECAP's advantage indicator in its prompt
         (`advantage_task`); at inference every prompt asks for "Advantage: positive" unless a call says otherwise.
+    memory (`dict`, *optional*): MEM's observation memory of the policy (`PI05Config.use_visual_memory` /
+        `use_proprioceptive_memory`): `{"frames", "stride", "visual", "proprio"}`. Calls then take the past
+        observations (`memory=`) and build `pixel_values` with a frame axis and/or `memory_state`, and `memory_mask`;
+        with proprioceptive memory the prompt holds no state (`Task: {task};\nAction: `, as lerobot's).
     cfg_beta (`float`): classifier-free guidance of an advantage-conditioned policy, v = v_u + beta (v_c - v_u)
         (1: plain conditioning on "positive", one forward; other values add the unconditioned prompt to the inputs
         and `sample_actions` runs both in one batched forward per denoising step).
@@ -109,6 +113,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         advantage_conditioned: bool = False,
         cfg_beta: float = 1.0,
         subtask_layout: str | None = None,
+        memory: dict | None = None,
         **kwargs,
     ):
         self.norm_stats = norm_stats or {}
@@ -125,6 +130,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         self.advantage_conditioned = bool(advantage_conditioned)
         self.cfg_beta = float(cfg_beta)
         self.subtask_layout = subtask_layout
+        self.memory = _memory_settings(memory)
         self._last_state = None  # the raw states of the last call (relative actions are offsets from them)
         super().__init__(tokenizer, **kwargs)
 
@@ -142,6 +148,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             state_bins=config.state_bins,
             discrete_state_input=getattr(config, "discrete_state_input", True),
             subtask_layout=getattr(config, "subtask_layout", None),
+            memory=memory_settings_of(config),
         )
 
     # ---- normalization -------------------------------------------------------------------------------------------
@@ -207,14 +214,18 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
 
     def build_prompt(self, task: str, normalized_state: torch.Tensor, subtask_next: bool = False) -> str:
         """openpi's pi0.5 prompt, `Task: {task}, State: {bins};\nAction: `; with `subtask_next` (a subtask follows
-        it, `docs/subtasks.md`) it ends in `Subtask: ` instead."""
+        it, `docs/subtasks.md`) it ends in `Subtask: ` instead. With proprioceptive memory the state is a prefix token
+        of its own and the prompt is `Task: {task};\nAction: ` (lerobot's MEM prompt)."""
         cleaned = task.strip().replace("_", " ").replace("\n", " ")
+        answer = "Subtask" if subtask_next else "Action"
+        if self.memory and self.memory["proprio"]:
+            return f"Task: {cleaned};\n{answer}: "
         state = " ".join(map(str, self.discretize_state(normalized_state).tolist()))
         return f"Task: {cleaned}, State: {state};\n{'Subtask' if subtask_next else 'Action'}: "
 
     def _prompt_tokens(self, texts: list[str], padded_state: torch.Tensor, states: list[torch.Tensor],
                        subtask_next: list[bool] | None = None) -> dict:
-        if not self.discrete_state_input:
+        if not self.discrete_state_input and not (self.memory and self.memory["proprio"]):
             if subtask_next and any(subtask_next):
                 raise ValueError("a subtask follows the prompt's state: it needs discrete_state_input")
             return self._task_only_tokens(texts)
@@ -370,6 +381,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         advantage="auto",
         cfg_beta: float | Sequence[float] | None = None,
         subtask: str | Sequence[str | None] | None = None,
+        memory: dict | None = None,
         **kwargs,
     ) -> BatchFeature:
         """Build model inputs for a batch: the one path for training (the collator) and inference.
@@ -391,6 +403,12 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             it: `sample_actions(subtask="auto")`). `"joint"`: a row with a text gets the prompt ending in `Subtask: `
             and `subtask_ids` / `subtask_mask` (its tokens and EOS); `"factorised"`: the text takes the task's place
             in the plain prompt.
+        memory (a processor of a MEM policy, `self.memory`): the past observations of each row, oldest first:
+            `{"images": [B, n_cams, T-1, 3, H, W], "state": [B, T-1, state_dim] (raw, or normalized with
+            `normalized=True`), "mask": [B, T-1] bool}` (T = `memory["frames"]`; mask False: before the episode's
+            start, ignored). None: every row is at its episode's start (no past). The outputs then carry
+            `pixel_values` `[B, n_cams, T, 3, S, S]` (visual), `memory_state` `[B, T, max_state_dim]` (proprio) and
+            `memory_mask` `[B, T]`, the current observation last.
         """
         if text is None:
             raise ValueError("PI05Processor needs the task text.")
@@ -433,6 +451,11 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             data["pixel_values"] = resize_with_pad(images, self.image_size)
             mask = torch.ones(images.shape[:2], dtype=torch.bool) if camera_mask is None else _as_tensor(camera_mask, torch.bool)
             data["pixel_attention_mask"] = mask
+        if self.memory:
+            data.update(self._memory_inputs(memory, data, states, rows_by_head, normalized))
+        elif memory is not None:
+            raise ValueError("memory= was passed, but this policy has no observation memory (PI05Config."
+                             "use_visual_memory / use_proprioceptive_memory)")
         if actions is not None:
             if isinstance(actions, torch.Tensor | np.ndarray) or not isinstance(actions[0], torch.Tensor):
                 actions = _as_tensor(actions)
@@ -447,6 +470,42 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             data["actions"], data["action_dim_mask"] = self._normalize_rows(chunks, "actions", rows_by_head,
                                                                             self.max_action_dim, normalized)
         return BatchFeature(data=data)
+
+    def _memory_inputs(self, memory: dict | None, data: dict, states: list, rows_by_head: dict,
+                       normalized: bool) -> dict:
+        """MEM's inputs: the past frames before the current ones (visual), the past and current normalised states
+        (proprio), and which are real. No `memory`: the episode's start (the past is the current observation, masked,
+        as lerobot's queue fills it)."""
+        frames, rows = self.memory["frames"], len(states)
+        past = frames - 1
+        memory = dict(memory or {})
+        mask = memory.get("mask")
+        mask = torch.zeros(rows, past, dtype=torch.bool) if mask is None else _as_tensor(mask, torch.bool).reshape(rows, past)
+        out = {"memory_mask": torch.cat([mask, torch.ones(rows, 1, dtype=torch.bool)], dim=1)}
+        if self.memory["visual"] and "pixel_values" in data:
+            current = data["pixel_values"]
+            if memory.get("images") is None:
+                history = current[:, :, None].expand(-1, -1, past, -1, -1, -1)
+            else:
+                images = memory["images"]
+                images = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images
+                if images.ndim != 6 or images.shape[:3] != (rows, current.shape[1], past):
+                    raise ValueError(f"memory['images'] must be [B={rows}, n_cams={current.shape[1]}, "
+                                     f"T-1={past}, 3, H, W], got {tuple(images.shape)}")
+                history = resize_with_pad(images, self.image_size)
+            out["pixel_values"] = torch.cat([history, current[:, :, None]], dim=2)
+        if self.memory["proprio"]:
+            given = memory.get("state")
+            rows_states = []
+            for row, state in enumerate(states):
+                previous = state[None].expand(past, -1) if given is None else _as_tensor(given[row]).reshape(past, -1)
+                if previous.shape[-1] != state.shape[-1]:
+                    raise ValueError(f"memory['state'] row {row} has {previous.shape[-1]} dims, the state "
+                                     f"{state.shape[-1]}")
+                rows_states.append(torch.cat([previous, state[None]], dim=0))
+            out["memory_state"], _ = self._normalize_rows(rows_states, "state", rows_by_head, self.max_state_dim,
+                                                          normalized)
+        return out
 
     # ---- the token objective's targets (training only) ----------------------------------------------------------
     @property
@@ -519,7 +578,25 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
     @property
     def model_input_names(self):
         return ["input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state", "subtask_ids",
-                "subtask_mask"]
+                "subtask_mask", "memory_state", "memory_mask"]
+
+
+def memory_settings_of(config) -> dict | None:
+    """A model config's MEM settings as the processor holds them (None: no memory)."""
+    if not (getattr(config, "use_visual_memory", False) or getattr(config, "use_proprioceptive_memory", False)):
+        return None
+    return {"frames": int(config.memory_frames), "stride": int(config.memory_stride),
+            "visual": bool(config.use_visual_memory), "proprio": bool(config.use_proprioceptive_memory)}
+
+
+def _memory_settings(memory: dict | None) -> dict | None:
+    if not memory:
+        return None
+    unknown = set(memory) - {"frames", "stride", "visual", "proprio"}
+    if unknown or int(memory.get("frames", 0)) < 1:
+        raise ValueError(f"PI05Processor: memory={memory!r} must be {{'frames': >= 1, 'stride', 'visual', 'proprio'}}")
+    return {"frames": int(memory["frames"]), "stride": int(memory.get("stride", 1)),
+            "visual": bool(memory.get("visual")), "proprio": bool(memory.get("proprio"))}
 
 
 _FAST_CACHE: dict = {}  # id(processor) -> (its fast_config dict, the tokenizer built from it)
