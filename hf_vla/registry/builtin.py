@@ -12,6 +12,7 @@ PI05 = register_policy(PolicyFamily(
     config=f"{_PI05}.configuration_pi05:PI05Config", model=f"{_PI05}.modeling_pi05:PI05ForConditionalGeneration",
     processor=f"{_PI05}.processing_pi05:PI05Processor", structure="hf_vla.training.structure:PI05Structure",
     setup="hf_vla.training.builders:pi05_setup", rtc_training=True, token_objective=True, advantage_prompt=True,
+    memory=True,
     rl=True, rl_critic=True, lerobot_type="pi05", lerobot_export=True, lerobot_plugin=True))
 
 PI0 = register_policy(PolicyFamily(

@@ -47,6 +47,7 @@ class PolicyFamily:
         after the processor is built, before training (a FAST fit, returns as targets).
     rtc_training / token_objective / advantage_prompt: whether the family takes training-time RTC, the FAST token
         objective, RECAP's advantage indicator in its prompt.
+    memory: it has MEM's observation memory (`use_visual_memory` / `use_proprioceptive_memory` in its config).
     normalization_modes: the only normalisation modes its processor applies (None: every mode of the pipeline);
         relative_actions: whether it takes relative actions.
     needs_model_config: without a checkpoint, `model_config` must be given (no default dims).
@@ -76,6 +77,7 @@ class PolicyFamily:
     rtc_training: bool = False
     token_objective: bool = False
     advantage_prompt: bool = False
+    memory: bool = False
     normalization_modes: tuple[str, ...] | None = None
     relative_actions: bool = True
     needs_model_config: bool = False

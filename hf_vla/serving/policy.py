@@ -144,6 +144,7 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_
 GUIDANCE_INPUTS = ("uncond_input_ids", "uncond_attention_mask", "cfg_beta")
 STATE_INPUTS = MODEL_INPUTS + ("state",)  # transformers' pi0 takes the state as a tensor (pi0.5 reads it as tokens)
 SUBTASK_INPUTS = ("subtask_ids", "subtask_mask")  # a given subtask's tokens (pi0.5's high-level inference)
+MEMORY_INPUTS = ("memory_state", "memory_mask")  # MEM's past observations (`ObservationMemory`)
 
 
 def model_input_keys(model) -> tuple[str, ...]:
@@ -214,7 +215,7 @@ def batch_requests(requests: list[PreparedRequest], device) -> tuple[dict, torch
 def decode_subtasks(model, requests: list[PreparedRequest], inputs: dict):
     """The subtask of each request decoded after its prompt (`generate_subtask` on the batched `inputs`), kept on the
     request as `decoded` (its ids and mask); -> the `SubtaskDecode` (its cache holds the prompts and the tokens)."""
-    decoded = model.generate_subtask(**{key: inputs[key] for key in MODEL_INPUTS})
+    decoded = model.generate_subtask(**{key: inputs[key] for key in MODEL_INPUTS + MEMORY_INPUTS if key in inputs})
     for row, request in enumerate(requests):
         request.decoded = (decoded.ids[row].cpu(), decoded.mask[row].cpu())
     return decoded
@@ -514,7 +515,8 @@ class PolicyRunner:
                                     **guidance)
         except ValueError as error:
             raise RequestError(str(error)) from error
-        keys = model_input_keys(self.model) + tuple(key for key in GUIDANCE_INPUTS + SUBTASK_INPUTS if key in inputs)
+        keys = model_input_keys(self.model) + tuple(key for key in GUIDANCE_INPUTS + SUBTASK_INPUTS + MEMORY_INPUTS
+                                                    if key in inputs)
         return {key: inputs[key] for key in keys}
 
     def predict(self, images: torch.Tensor, states: np.ndarray, tasks: list[str], camera_mask: torch.Tensor) -> np.ndarray:

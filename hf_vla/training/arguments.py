@@ -19,6 +19,8 @@ from hf_vla.training.trainer import VLATrainingArguments
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+MEMORY_FIELDS = ("use_visual_memory", "use_proprioceptive_memory", "memory_frames", "memory_stride",
+                 "memory_temporal_attention_every")
 
 
 @dataclass
@@ -58,6 +60,10 @@ class ModelArguments:
         (each dataset's `subtask_key`) after the prompt, predicted by the backbone and read by the expert, so the
         policy decodes its own subtask at inference; `factorised` trains task -> subtask samples beside subtask ->
         action samples (lerobot's blend recipes). Saved with the model.
+    use_visual_memory / use_proprioceptive_memory / memory_frames / memory_stride / memory_temporal_attention_every:
+        MEM's observation memory (pi05; docs/memory.md), lerobot's names: past frames through SigLIP with temporal
+        attention, past states as prefix tokens; `memory_stride` counts dataset frames. Unset: the config's (off).
+        Saved with the model.
     fast_tokenizer: a FAST tokenizer to use (`fast_tokenizer.json`, its folder, or a checkpoint trained with the
         token loss); unset, one is fitted at start-up on the training mixture's chunks.
     fast_vocab_size / fast_scale / fast_fit_chunks: the fit's BPE vocabulary, DCT coefficient scale, and how many
@@ -86,6 +92,16 @@ class ModelArguments:
     subtask_layout: str | None = field(default=None, metadata={
         "choices": ("joint", "factorised"), "help": "pi0.5's subtask prediction: joint (the paper's single sequence) or "
         "factorised (task -> subtask beside subtask -> action samples) (default: the config's)"})
+    use_visual_memory: bool | None = field(default=None, metadata={
+        "help": "MEM visual memory: past frames through SigLIP with temporal attention (default: the config's, off)"})
+    use_proprioceptive_memory: bool | None = field(default=None, metadata={
+        "help": "MEM proprioceptive memory: past states as prefix tokens, none in the prompt (default: the config's)"})
+    memory_frames: int | None = field(default=None, metadata={
+        "help": "MEM: observations per sample, the current one included (default: the config's, 6)"})
+    memory_stride: int | None = field(default=None, metadata={
+        "help": "MEM: dataset frames between them (default: the config's, 30: one second at 30 fps)"})
+    memory_temporal_attention_every: int | None = field(default=None, metadata={
+        "help": "MEM: every n-th SigLIP layer attends across frames (default: the config's, 4)"})
     fast_tokenizer: str | None = field(default=None, metadata={"help": "FAST tokenizer to load (default: fit one)"})
     fast_vocab_size: int = field(default=1024, metadata={"help": "FAST BPE vocabulary when fitted"})
     fast_scale: float = field(default=10.0, metadata={"help": "FAST DCT coefficient scale when fitted"})
@@ -117,6 +133,13 @@ class ModelArguments:
             if getattr(self, name) not in (None, False) and not family.token_objective:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: the token objective needs policy "
                                   f"{families_with('token_objective')}, not {self.policy!r}")
+        memory = [name for name in MEMORY_FIELDS if getattr(self, name) not in (None, False)]
+        if memory and not family.memory:
+            raise ConfigError(f"{memory[0]}={getattr(self, memory[0])!r}: observation memory (MEM) needs policy "
+                              f"{families_with('memory')}, not {self.policy!r}")
+        for name in MEMORY_FIELDS[2:]:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be at least 1")
         if self.fast_vocab_size <= 0 or self.fast_fit_chunks <= 0:
             raise ConfigError(f"fast_vocab_size={self.fast_vocab_size}, fast_fit_chunks={self.fast_fit_chunks}: "
                               "must be positive")

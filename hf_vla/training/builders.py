@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hf_vla.errors import ConfigError
 from hf_vla.registry import families_with, get_policy
-from hf_vla.training.arguments import FINE_TUNE_OVERRIDES, ModelArguments
+from hf_vla.training.arguments import FINE_TUNE_OVERRIDES, MEMORY_FIELDS, ModelArguments
 
 logger = logging.getLogger("hf_vla.train")
 TINY_TOKENIZER = "tiny"
@@ -137,6 +137,14 @@ def model_config(model_args: ModelArguments):
             setattr(config, name, bool(getattr(model_args, name)))
     if getattr(model_args, "subtask_layout", None) is not None:
         config.subtask_layout = model_args.subtask_layout
+    memory = {name: getattr(model_args, name) for name in MEMORY_FIELDS if getattr(model_args, name, None) is not None}
+    if memory:
+        for name, value in memory.items():
+            setattr(config, name, value)
+        try:
+            config.validate_architecture()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     return config
 
 

@@ -146,8 +146,9 @@ class ProvenanceEvaluation:
         match = torch.zeros(len(mask), device=mask.device)
         if rows.any():
             unwrapped = self.accelerator.unwrap_model(model)
-            keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
-            decoded = unwrapped.generate_subtask(**{k: inputs[k][rows] for k in keys}, max_new_tokens=mask.shape[1])
+            keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "memory_state", "memory_mask")
+            decoded = unwrapped.generate_subtask(**{k: inputs[k][rows] for k in keys if k in inputs},
+                                                 max_new_tokens=mask.shape[1])
             width = min(decoded.ids.shape[1], mask.shape[1])
             wanted_ids, wanted = inputs["subtask_ids"][rows], mask[rows]
             same = (decoded.mask.sum(-1) == wanted.sum(-1)) & (
@@ -163,7 +164,8 @@ class ProvenanceEvaluation:
             return
         generator = torch.Generator().manual_seed(self.args.seed)
         noise = torch.randn(inputs["actions"].shape, generator=generator).to(inputs["actions"].device)
-        kwargs = {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state")}
+        kwargs = {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state",
+                                         "memory_state", "memory_mask") if k in inputs}
         predicted = unwrapped.sample_actions(noise=noise, **kwargs)
         for i in range(predicted.shape[0]):
             if inputs["action_is_pad"][i].all():
