@@ -283,6 +283,7 @@ class EpisodeRunner:
         observation, info = slot.env.reset(seed=slot.seed)
         if hasattr(slot.policy, "reset"):
             slot.policy.reset(seed=slot.noise_seed)  # the episode's noise: a function of its seed alone
+        _observe(slot.policy, observation)
         slot.task = info.get("task") or getattr(getattr(slot.env, "unwrapped", slot.env), "task", "") or ""
         slot.frames = [slot.env.render()] if slot.index < save_videos else None
         slot.observation, slot.done, slot.success, slot.reward = observation, False, False, 0.0
@@ -341,6 +342,8 @@ class EpisodeRunner:
         if hasattr(slot.policy, "after_step"):  # a policy that keeps a per-step log (expert recording, DAgger)
             slot.policy.after_step(slot.executed[-1], outcome)
         slot.observation = observation
+        if not (terminated or truncated):
+            _observe(slot.policy, observation)
         slot.reward += float(reward)
         slot.rewards.append(float(reward))
         if slot.frames is not None:
@@ -370,6 +373,12 @@ class EpisodeRunner:
                                      caption=f"{slot.task} ({outcome}, seed {slot.seed})",
                                      subtitles=slot.subtasks or None)
         return episode
+
+
+def _observe(policy, observation) -> None:
+    """Every control step's observation to a policy that keeps the past (MEM: `PolicyRunner.observe`), once."""
+    if getattr(policy, "memory", None) is not None and hasattr(policy, "observe"):
+        policy.observe(observation)
 
 
 def _send_step(slot: _Slot, action) -> None:

@@ -36,6 +36,7 @@ _PI05_RULES = _VLM_RULES + [
     (r"^paligemma_with_expert\.gemma_expert\.model\.", "model.expert."),
     (r"^action_time_mlp_(in|out)\.", r"time_mlp_\1."),
     (r"^(action_in_proj|action_out_proj|time_mlp_in|time_mlp_out)\.", r"\1."),
+    (r"^proprio_history_proj\.", "model.proprio_history_proj."),  # MEM's proprioceptive memory
 ]
 _PI0_RULES = _VLM_RULES + [
     (r"^paligemma_with_expert\.gemma_expert\.model\.", "model.dit."),
@@ -293,6 +294,9 @@ def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = 
             common["tokenizer_max_length"] = lerobot_config["tokenizer_max_length"]
         if lerobot_config.get("rtc_training_max_delay"):  # trained with training-time RTC: its committed prefixes
             common["rtc_max_delay"] = int(lerobot_config["rtc_training_max_delay"])
+        for key in MEMORY_FIELDS:  # MEM's observation memory, lerobot's names
+            if key in lerobot_config:
+                common[key] = lerobot_config[key]
     return load_object(form.config)(vlm_config=vlm_config, dit_config=dit_config, **common)
 
 
@@ -318,7 +322,8 @@ HONOURED = {"type", "paligemma_variant", "action_expert_variant", "chunk_size", 
             "time_sampling_scale", "time_sampling_offset", "min_period", "max_period", "image_resolution",
             "empty_cameras", "tokenizer_max_length", "normalization_mapping", "use_relative_actions",
             "relative_exclude_joints", "action_feature_names", "rtc_training_max_delay", "input_features",
-            "output_features"}
+            "output_features", "use_visual_memory", "use_proprioceptive_memory", "memory_frames", "memory_stride",
+            "memory_temporal_attention_every"}
 # no effect on the actions a checkpoint computes: training settings, compute placement and logging
 IGNORED = {"dtype", "device", "use_amp", "gradient_checkpointing", "compile_model", "compile_mode",
            "freeze_vision_encoder", "train_expert_only", "optimizer_lr", "optimizer_betas", "optimizer_eps",
@@ -327,7 +332,9 @@ IGNORED = {"dtype", "device", "use_amp", "gradient_checkpointing", "compile_mode
            "pretrained_revision",
            "use_peft", "n_obs_steps", "rtc_config"}
 # change what the policy does and hf_vla cannot do it: refused rather than converted into a policy that acts otherwise
-REFUSED = {"use_visual_memory": "MEM's visual memory (frames of earlier steps in the prefix)"}
+REFUSED: dict[str, str] = {}
+MEMORY_FIELDS = ("use_visual_memory", "use_proprioceptive_memory", "memory_frames", "memory_stride",
+                 "memory_temporal_attention_every")
 
 
 def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> dict | None:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hf_vla.models.common.rtc_config import RTCConfig
+from hf_vla.serving.memory import ObservationMemory
 
 STATE_KEYS = ("observation/state", "observation.state", "state")
 
@@ -268,6 +269,9 @@ class PolicyRunner:
     # subtask layout.
     subtask: str | None = "contract"
     subtask_every: int | None = None
+    # MEM policies: the stride of their past observations in this robot's control steps, when its rate is not the
+    # dataset's (None: the checkpoint's `memory_stride`, in dataset frames; `hf_vla.deployment.contract.memory_stride`)
+    memory_stride: int | None = None
 
     def __post_init__(self):
         self.model = self.model.eval().to(self.device)
@@ -282,6 +286,9 @@ class PolicyRunner:
             self.subtask_every = int(contract.get("every_chunks", 1))
         if self.subtask_every < 1:
             raise ValueError(f"subtask_every={self.subtask_every}: decode a subtask every 1 or more chunks")
+        # MEM: the episode's observations, one per control step (a stride in the env's steps: `memory_stride`)
+        self.memory = ObservationMemory.from_settings(getattr(self.processor, "memory", None), self.memory_stride)
+        self._observed = False  # the current observation is recorded already (`observe`)
         self.last_subtask: str | None = None  # the subtask the last chunk acted on (None: none)
         self._subtask_age = 0  # chunks acted on the last decoded subtask
         self._decoded: tuple | None = None  # the last decoded subtask's tokens (ids, mask), acted on between decodes
@@ -291,12 +298,26 @@ class PolicyRunner:
         depends on its seed alone, however many episodes ran before or beside it)."""
         self.last_chunk = None
         self.last_subtask, self._subtask_age, self._decoded = None, 0, None
+        if self.memory is not None:
+            self.memory.reset()
+        self._observed = False
         if seed is not None:
             self.generator.manual_seed(int(seed))
 
     def fork(self) -> PolicyRunner:
-        """The same model and settings with a noise generator and chunk memory of its own (one per env slot)."""
+        """The same model and settings with a noise generator, chunk memory and observation memory of its own (one
+        per env slot, one per server session)."""
         return replace(self)
+
+    def observe(self, observation: dict) -> None:
+        """One control step's observation, where no chunk is asked for: a MEM policy keeps it as the past of later
+        chunks (the episode loop calls this at every step; `prepare` records the step it is given unless this did).
+        Without memory: nothing."""
+        if self.memory is None:
+            return
+        images, state = self._camera_images(observation)[0], self.obs_map.state_vector(observation)
+        self.memory.record(images, state)
+        self._observed = True
 
     def sample_batch(self, requests: list[PreparedRequest]) -> torch.Tensor:
         """The normalised chunks of prepared requests that share one forward (`sample_batch`); the one place the
@@ -346,14 +367,7 @@ class PolicyRunner:
         prev_chunk_left_over, execution_horizon = continuation.prev_chunk_left_over, continuation.execution_horizon
         head = self.head_name(head)
         task = check_task(task, "task", self.limits) if task is not None else self.obs_map.task(observation, self.limits)
-        images = self.obs_map.images(observation, self.limits)
-        slots = self.num_camera_slots or len(images)
-        if len(images) > slots:
-            raise RequestError(f"{len(images)} camera images; the policy has {slots} camera slots")
-        mask = torch.zeros(slots, dtype=torch.bool)
-        mask[: len(images)] = True
-        if slots > len(images):
-            images = torch.cat([images, torch.zeros(slots - len(images), *images.shape[1:], dtype=images.dtype)])
+        images, mask = self._camera_images(observation)
         state = self.obs_map.state_vector(observation)
         self._check_state(state, head)
         leftover = self._leftover(head, inference_delay, executed_steps, prev_chunk_left_over, state)
@@ -376,16 +390,21 @@ class PolicyRunner:
         # between decodes (joint layout): the decoded tokens themselves, not their text tokenized again
         reuse = (not decode and text is not None and subtask in (None, "auto") and self._decoded is not None
                  and self.model.config.subtask_layout == "joint")
-        inputs, noise = self._inputs(images[None], state[None], [task], mask[None], head, cfg_beta,
-                                     "auto" if decode or reuse else text)
+        rows = {"images": images[None], "states": state[None], "tasks": [task], "camera_mask": mask[None]}
+        if self.memory is not None:  # MEM: this step joins the episode's history (unless `observe` added it)
+            if not self._observed:
+                self.memory.record(images, state)
+            self._observed = False
+            rows["memory"] = self.memory.past()
+        inputs, noise = self._inputs(rows, head, cfg_beta, "auto" if decode or reuse else text)
         if reuse:
             valid = self._decoded[1]
             inputs["subtask_ids"], inputs["subtask_mask"] = self._decoded[0][valid][None], valid[valid][None]
         reprompt = None
         if decode and self.model.config.subtask_layout == "factorised":
-            def reprompt(ids, valid, images=images[None], state=state[None], task=task, cameras=mask[None]):
+            def reprompt(ids, valid, rows=rows, task=task):
                 decoded = self.processor.decode_subtask(ids[None], valid[None])[0] or task
-                return self._model_inputs(images, state, [task], cameras, head, cfg_beta, decoded)
+                return self._model_inputs(rows, head, cfg_beta, decoded)
         rtc = None
         if leftover is not None:
             rtc = {"prev_chunk_left_over": leftover[None], "inference_delay": int(inference_delay),
@@ -393,6 +412,19 @@ class PolicyRunner:
                    "rtc_config": replace(self.rtc, method=method)}  # as resolved here
         return PreparedRequest(inputs, noise, head, rtc, state=state[None], decode_subtask=decode, subtask=text,
                                reprompt=reprompt)
+
+    def _camera_images(self, observation: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The observation's camera images in the policy's slots `[slots, 3, H, W]` (absent slots zero) and which are
+        present."""
+        images = self.obs_map.images(observation, self.limits)
+        slots = self.num_camera_slots or len(images)
+        if len(images) > slots:
+            raise RequestError(f"{len(images)} camera images; the policy has {slots} camera slots")
+        mask = torch.zeros(slots, dtype=torch.bool)
+        mask[: len(images)] = True
+        if slots > len(images):
+            images = torch.cat([images, torch.zeros(slots - len(images), *images.shape[1:], dtype=images.dtype)])
+        return images, mask
 
     def finish(self, request: PreparedRequest, chunk: torch.Tensor) -> np.ndarray:
         """The sampled chunk `[chunk, max_action_dim]` (normalised) of a prepared request -> un-normalised actions
@@ -496,23 +528,25 @@ class PolicyRunner:
             return self.processor.normalize(self._relative(absolute, head, state), "actions", head)
         return left
 
-    def _inputs(self, images, states, tasks, camera_mask, head, cfg_beta=None,
-                subtask: str | None = None) -> tuple[dict, torch.Tensor]:
+    def _inputs(self, rows: dict, head, cfg_beta=None, subtask: str | None = None) -> tuple[dict, torch.Tensor]:
         """The model inputs of a batch (`_model_inputs`) and its noise, drawn from this runner's generator."""
-        inputs = self._model_inputs(images, states, tasks, camera_mask, head, cfg_beta, subtask)
+        inputs = self._model_inputs(rows, head, cfg_beta, subtask)
         config = self.model.config
-        noise = torch.randn(len(tasks), config.chunk_size, config.max_action_dim, generator=self.generator)
+        noise = torch.randn(len(rows["tasks"]), config.chunk_size, config.max_action_dim, generator=self.generator)
         return inputs, noise
 
-    def _model_inputs(self, images, states, tasks, camera_mask, head, cfg_beta=None, subtask: str | None = None) -> dict:
-        """The processor's output for a batch, the keys the model reads (no noise drawn)."""
+    def _model_inputs(self, rows: dict, head, cfg_beta=None, subtask: str | None = None) -> dict:
+        """The processor's output for a batch (`rows`: its images, states, tasks, camera_mask and, for a MEM policy,
+        memory), the keys the model reads (no noise drawn)."""
         try:
             cfg_beta = self.cfg_beta if cfg_beta is None else cfg_beta
             guidance = {} if cfg_beta is None else {"cfg_beta": cfg_beta}  # else the processor's own
             if subtask is not None:
                 guidance["subtask"] = subtask
-            inputs = self.processor(images=images, text=tasks, state=states, head=head, camera_mask=camera_mask,
-                                    **guidance)
+            if rows.get("memory") is not None:
+                guidance["memory"] = rows["memory"]
+            inputs = self.processor(images=rows["images"], text=rows["tasks"], state=rows["states"], head=head,
+                                    camera_mask=rows["camera_mask"], **guidance)
         except ValueError as error:
             raise RequestError(str(error)) from error
         keys = model_input_keys(self.model) + tuple(key for key in GUIDANCE_INPUTS + SUBTASK_INPUTS + MEMORY_INPUTS
@@ -525,7 +559,8 @@ class PolicyRunner:
         states = np.asarray(states)
         if not np.isfinite(states).all():
             raise RequestError("states: NaN or inf in the batch; no action is computed from it")
-        inputs, noise = self._inputs(images, states, tasks, camera_mask, self.head_name())
+        inputs, noise = self._inputs({"images": images, "states": states, "tasks": tasks, "camera_mask": camera_mask},
+                                     self.head_name())
         chunk = sample_batch(self.model, [PreparedRequest(inputs, noise, self.head_name())], self.device)
         return self._actions(chunk, self.head_name(), states).numpy()
 
