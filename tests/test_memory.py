@@ -113,7 +113,7 @@ def test_an_episode_gives_lerobots_chunks_in_robot_units(oracle, attention):
 
 
 @needs_oracle
-def test_the_export_runs_in_lerobot_as_the_original(oracle, tmp_path):
+def test_the_export_runs_in_lerobot_as_the_original(oracle, tmp_path, tiny_tokenizer_dir):
     from hf_vla import convert
 
     base, o = oracle
@@ -122,7 +122,8 @@ def test_the_export_runs_in_lerobot_as_the_original(oracle, tmp_path):
     assert config["use_visual_memory"] and config["use_proprioceptive_memory"]
     assert (config["memory_frames"], config["memory_stride"], config["memory_temporal_attention_every"]) == (3, 2, 2)
     np.savez(tmp_path / "episode.npz", **{k: v for k, v in o.items() if k.startswith("episode_")})
-    _run_oracle("mem_oracle_replay.py", tmp_path / "export", tmp_path / "episode.npz", tmp_path / "replayed.npy")
+    _run_oracle("mem_oracle_replay.py", tmp_path / "export", tmp_path / "episode.npz", tmp_path / "replayed.npy",
+                tiny_tokenizer_dir)
     assert np.abs(np.load(tmp_path / "replayed.npy") - o["episode_chunks"]).max() <= 1e-6  # the same weights and code
 
 

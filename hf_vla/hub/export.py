@@ -12,6 +12,7 @@ What lerobot's format cannot hold is refused or dropped in one line each (`expor
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 from pathlib import Path
@@ -30,6 +31,7 @@ PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"  # what lerobot's pi0.5 proce
 VOCAB = 257152  # lerobot builds PaliGemma's vocabulary
 # (hf_vla key pattern, lerobot key) once the weights are hf_vla pi0.5's; the inverse of convert._PI05_RULES
 _EXPORT_RULES = [
+    (r"^model\.proprio_history_proj\.", "model.proprio_history_proj."),  # MEM's proprioceptive memory
     (r"^model\.vlm\.", "model.paligemma_with_expert.paligemma.model."),
     (r"^model\.expert\.", "model.paligemma_with_expert.gemma_expert.model."),
     (r"^(action_in_proj|action_out_proj|time_mlp_in|time_mlp_out)\.", r"model.\1."),
@@ -234,6 +236,12 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
         lerobot_config.device = "meta"  # the key set and shapes only
         expected = {key: tuple(value.shape) for key, value in PI05Policy(lerobot_config).state_dict().items()}
     lerobot_config.device = "cpu"
+    memory = _memory_fields(config)
+    if config.use_proprioceptive_memory and "model.proprio_history_proj.weight" not in expected:
+        # a lerobot release before MEM builds the policy here: its main branch adds the projection (a Linear)
+        width = config.vlm_config.text_config.hidden_size
+        expected |= {"model.proprio_history_proj.weight": (width, config.max_state_dim),
+                     "model.proprio_history_proj.bias": (width,)}
     ours = {key: tuple(value.shape) for key, value in state_dict.items()}
     if ours != expected:
         wrong = sorted(set(ours) ^ set(expected)) or [k for k in ours if ours[k] != expected[k]]
@@ -250,10 +258,36 @@ def export_lerobot(checkpoint: str | Path, output: str | Path, head: str | None 
     pre, post = lerobot_processors(lerobot_config, _lerobot_stats(stats), processor.tokenizer)
     pre.save_pretrained(staging)
     post.save_pretrained(staging)
+    if memory:
+        _write_memory_fields(staging, memory)
     write_marker(staging, "lerobot_export", source=str(checkpoint), head=head)
     written = replace_dir(staging, output)
     logger.info("wrote %s: lerobot's PI05Policy.from_pretrained(%r) loads it (head %s)", written, str(written), head)
     return written
+
+
+def _memory_fields(config) -> dict:
+    """MEM's settings as lerobot's main branch names them (empty without memory)."""
+    if not (config.use_visual_memory or config.use_proprioceptive_memory):
+        return {}
+    return {key: getattr(config, key) for key in ("use_visual_memory", "use_proprioceptive_memory", "memory_frames",
+                                                  "memory_stride", "memory_temporal_attention_every")}
+
+
+def _write_memory_fields(directory: Path, memory: dict) -> None:
+    """MEM's fields into the exported config.json, and the prompt without the state into the pre-processor's state
+    step with proprioceptive memory (`include_state_in_prompt`, which lerobot's own save leaves out: its reloaded
+    pipeline would put the state back into the prompt, unlike the one it trained with)."""
+    path = directory / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | memory, indent=4))
+    if not memory["use_proprioceptive_memory"]:
+        return
+    path = directory / "policy_preprocessor.json"
+    pipeline = json.loads(path.read_text())
+    for step in pipeline["steps"]:
+        if step.get("registry_name") == "pi05_prepare_state_tokenizer_processor_step":
+            step.setdefault("config", {})["include_state_in_prompt"] = False
+    path.write_text(json.dumps(pipeline, indent=2))
 
 
 def lerobot_processors(lerobot_config, stats: dict, tokenizer=None):
