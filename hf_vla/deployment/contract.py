@@ -68,6 +68,8 @@ class DeploymentConfig:
     advantage: dict | None = None  # RECAP: {"conditioned": true, "cfg_beta": 1.0}; the runner asks for "positive"
     # pi0.5's high-level inference: {"layout": "joint", "every_chunks": k}: the runner decodes a subtask every k chunks
     subtask: dict | None = None
+    # MEM: {"frames", "stride" (dataset frames), "visual", "proprio", "fps" (the data's; None: unknown)}
+    memory: dict | None = None
 
     def __post_init__(self):
         if not 1 <= int(self.n_action_steps) <= int(self.chunk_size):
@@ -84,7 +86,7 @@ class DeploymentConfig:
 
     def to_dict(self) -> dict:
         return {"version": self.version, **{k: v for k, v in asdict(self).items() if k != "version" and not (
-            k in ("advantage", "subtask") and v is None)}}  # (no such field for the policies trained without it)
+            k in ("advantage", "subtask", "memory") and v is None)}}  # (no such field for the policies trained without it)
 
     @classmethod
     def from_dict(cls, data: dict, where: str = FILE_NAME) -> DeploymentConfig:
@@ -93,7 +95,7 @@ class DeploymentConfig:
             raise ValueError(f"{where}: deployment contract version {version!r}; this hf_vla reads version {VERSION} "
                              "(upgrade hf_vla, or rewrite the file)")
         known = {"policy", "chunk_size", "n_action_steps", "image_size", "heads", "default_head", "source", "version",
-                 "advantage", "subtask"}
+                 "advantage", "subtask", "memory"}
         unknown = sorted(set(data) - known)
         if unknown:  # fields a later hf_vla added within this version: read what this one knows
             logging.getLogger("hf_vla.deployment.contract").warning("%s: ignoring field(s) %s that this hf_vla does not know",
@@ -229,7 +231,29 @@ def from_training(mixture, processor, config, policy: str, n_action_steps: int |
         advantage={"conditioned": True, "cfg_beta": float(getattr(processor, "cfg_beta", 1.0))} if getattr(
             processor, "advantage_conditioned", False) else None,
         subtask={"layout": config.subtask_layout, "every_chunks": 1} if getattr(config, "subtask_layout", None)
-        else None)
+        else None,
+        memory=_memory(getattr(processor, "memory", None), next((h["fps"] for h in heads.values() if h["fps"]), None)))
+
+
+def _memory(settings: dict | None, fps: float | None) -> dict | None:
+    return None if not settings else {**settings, "fps": fps}
+
+
+def memory_stride(contract: DeploymentConfig | None, control_fps: float | None, where: str) -> int | None:
+    """A MEM policy's stride in the robot's control steps: the contract's stride counts the training data's frames,
+    which must be the same time at inference. At another control rate it is converted where that is a whole number of
+    steps, else refused in one line. None: the contract has no memory (or nothing to convert: a rate unknown)."""
+    memory = (contract.memory if contract is not None else None) or None
+    if not memory or not control_fps or not memory.get("fps"):
+        return None
+    stride, fps = int(memory["stride"]), float(memory["fps"])
+    steps = stride * float(control_fps) / fps
+    if abs(steps - round(steps)) > 1e-6 or round(steps) < 1:
+        raise ConfigError(f"{where}: the policy's memory looks {stride} data frames back ({stride / fps:g} s at the "
+                          f"data's {fps:g} fps), which is {steps:g} control steps at {float(control_fps):g} Hz: not a "
+                          "whole number; run the robot at a rate that makes it whole, or retrain with another "
+                          "memory_stride")
+    return int(round(steps))
 
 
 def pipeline_fields(stats: dict | None) -> dict:
@@ -271,7 +295,17 @@ def from_lerobot(lerobot_config: dict, head: str, image_size: int, chunk_size: i
                       "datasets": [], "benchmark": None,
                       "normalization_mapping": lerobot_config.get("normalization_mapping"),
                       **pipeline_fields(norm_stats)}},
-        default_head=head, source={"made_by": "hf_vla.convert", "from": source, "lerobot_type": lerobot_config.get("type")})
+        default_head=head, source={"made_by": "hf_vla.convert", "from": source, "lerobot_type": lerobot_config.get("type")},
+        memory=_memory(_lerobot_memory(lerobot_config), None))
+
+
+def _lerobot_memory(lerobot_config: dict) -> dict | None:
+    """MEM's settings of a lerobot checkpoint (its defaults where a field is absent)."""
+    visual, proprio = bool(lerobot_config.get("use_visual_memory")), bool(lerobot_config.get("use_proprioceptive_memory"))
+    if not (visual or proprio):
+        return None
+    return {"frames": int(lerobot_config.get("memory_frames", 6)), "stride": int(lerobot_config.get("memory_stride", 30)),
+            "visual": visual, "proprio": proprio}
 
 
 # ---- what a run of evaluate / serve uses -----------------------------------------------------------------------------

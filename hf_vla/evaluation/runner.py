@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from hf_vla.cli import positive, websocket_uri
-from hf_vla.deployment.contract import head_spec
+from hf_vla.deployment.contract import head_spec, memory_stride
 from hf_vla.envs.episodes import check_dims
 from hf_vla.envs.settings import MAX_ENVS_AT_ONCE, EnvRequest, env_arguments, evaluation_settings
 from hf_vla.errors import ConfigError, ConnectionFailedError
@@ -229,6 +229,10 @@ def evaluate_checkpoint(args: EvaluateArguments, rtc_config: RTCConfig | None = 
         policy = remote
     else:
         subtask = {} if args.subtask is None else {"subtask": None if args.subtask == "none" else args.subtask}
+        # a MEM policy's stride: the training data's frames, as this env's control steps
+        stride = memory_stride(contract, getattr(task_env(env_id), "fps", None), f"--env {env_id}")
+        if stride is not None:
+            subtask["memory_stride"] = stride
         policy = load_policy(checkpoint, device=resolve_device(args.device), revision=args.revision, head=args.head,
                              seed=int(settings["seed"].value), rtc=rtc_config or RTCConfig(),
                              obs_map=ObservationMap(cameras=chosen or None),

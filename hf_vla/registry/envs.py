@@ -60,6 +60,7 @@ class EnvFamily:
     subtasks: its recordings carry each frame's `subtask`, the scripted expert's stage in words (`subtask_text()`).
     expert_plans: its expert can simulate itself ahead, so DAgger records the expert's chunk per frame.
     fast_render: its recordings use the fast rendering setting, which evaluation must match.
+    fps: its control steps per second (None: unknown), which a MEM policy's stride in dataset frames is converted to.
     """
 
     name: str
@@ -76,6 +77,7 @@ class EnvFamily:
     subtasks: bool = False
     expert_plans: bool = False
     fast_render: bool = False
+    fps: float | None = None
 
     def call(self, part: str, *args, **kwargs):
         """Call the reference `part` of this env (`make`, `tasks`, `cameras`, `check`, `groups`, `recording`)."""
@@ -130,12 +132,12 @@ register_env(EnvFamily(
     name="metaworld", title="Meta-World", make=f"{_HERE}.metaworld:in_worker", tasks=f"{_HERE}.metaworld:task_names",
     default_task="reach-v3", cameras=f"{_HERE}.metaworld:observation_camera_keys",
     groups=f"{_HERE}.metaworld:group_success", recording=f"{_HERE}.metaworld:recording_plan", locations=True,
-    subtasks=True, expert_plans=True, fast_render=True))
+    subtasks=True, expert_plans=True, fast_render=True, fps=80))
 register_env(EnvFamily(
     name="libero", title="LIBERO", make=f"{_HERE}.libero:in_worker", tasks=f"{_HERE}.libero:task_suites",
-    cameras=f"{_HERE}.libero:observation_camera_keys", check=f"{_HERE}.libero:require_libero"))
+    cameras=f"{_HERE}.libero:observation_camera_keys", check=f"{_HERE}.libero:require_libero", fps=20))
 register_env(EnvFamily(
     name="color_reach", title="ColorReach", recording=f"{_HERE}.reach:recording_plan",
-    contract_id="hf_vla/ColorReach-v0"))
+    contract_id="hf_vla/ColorReach-v0", fps=10))
 
 __all__ = ["EnvFamily", "RecordingPlan", "contract_env", "env_names", "find_env", "register_env", "task_env"]

@@ -128,6 +128,8 @@ def velocity_fn(model, inputs: dict, value: bool = False):
     # a subtask the actions act on (pi0.5's high-level inference): its tokens join the prefix cache
     span = {"subtask_ids": inputs["subtask_ids"], "subtask_mask": inputs["subtask_mask"]} if "subtask_ids" in inputs \
         else {}
+    # MEM's past observations (a memory policy): the prefix reads them; cached calls need their mask
+    memory = {key: inputs[key] for key in ("memory_state", "memory_mask") if key in inputs}
 
     def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
         timestep = _timestep(x, t)
@@ -135,12 +137,13 @@ def velocity_fn(model, inputs: dict, value: bool = False):
             with PrefixValue(model) if value else contextlib.nullcontext():  # the output then carries `value`
                 out = model(noise=x, timestep=timestep, input_ids=inputs["input_ids"],
                             pixel_values=inputs["pixel_values"], pixel_attention_mask=inputs["pixel_attention_mask"],
-                            attention_mask=inputs["attention_mask"], use_cache=True, **span)
+                            attention_mask=inputs["attention_mask"], use_cache=True, **span, **memory)
             state["cache"], state["value"] = out.past_key_values, out.value if value else None
             return out.logits
         return core(noise=x, timestep=timestep, input_ids=inputs["input_ids"],
                     pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],
-                    past_key_values=state["cache"], **({"subtask_mask": span["subtask_mask"]} if span else {})).logits
+                    past_key_values=state["cache"], **({"subtask_mask": span["subtask_mask"]} if span else {}),
+                    **({"memory_mask": memory["memory_mask"]} if "memory_mask" in memory else {})).logits
 
     velocity.state = state
     return velocity
