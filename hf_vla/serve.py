@@ -29,7 +29,12 @@ it; switch to the new chunk at index d. `rtc/prev_chunk_left_over` ([steps, acti
 instead of `rtc/executed_steps`, `rtc/execution_horizon` overrides the server's. An optional `head` selects the
 normalisation head per request. An optional integer `episode_seed` starts a new episode: the connection's noise
 generator is seeded with it and the previous chunk forgotten (`hf_vla.evaluate --server` sends it, so a remote episode
-is the same function of its seed as an in-process one).
+is the same function of its seed as an in-process one) and, for a MEM policy, forgets the past observations.
+
+Observation memory (MEM checkpoints, docs/memory.md): each connection keeps its episode's past observations, one per
+control step at the data's fps (the contract's `memory`). A request is one step; at the steps where the robot needs no
+chunk, send the observation with `observe_only: true` (reply `{"observed": true}`, no inference), so the past matches
+training's frames.
 
 The server's metadata carries the checkpoint's deployment contract under `deployment` (`hf_vla.deployment.contract`: cameras
 with their recorded sizes, actions per chunk, heads, benchmark settings), and its cameras default to the contract's.

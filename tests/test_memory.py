@@ -199,3 +199,49 @@ def test_a_model_without_memory_computes_what_it_did():
     assert model.model.proprio_history_proj is None
     assert not any("Memory" in type(m).__name__ for m in model.modules())
     assert "memory_state" not in json.dumps(model.config.to_dict()) or not model.config.uses_memory
+
+
+@needs_oracle
+def test_the_server_keeps_one_memory_per_session(oracle):
+    """Two openpi clients interleaving their episodes (with observe-only steps) get what each gets alone in-process:
+    each connection keeps its own past."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+    from test_serve import Server
+
+    from hf_vla.serving.policy import load_policy
+
+    base, o = oracle
+    camera = "observation.images.cam"
+    episodes = {7: list(range(7)), 8: [6, 5, 4, 3, 2, 1, 0]}  # episode seed -> which oracle observations, in order
+
+    def request(index, **extra):
+        return {camera: o["episode_images"][index], "observation.state": o["episode_states"][index],
+                "prompt": "pick the cube", **extra}
+
+    def alone(seed, order):
+        runner = load_policy(base / "hf")
+        runner.reset(seed=seed)
+        chunks = []
+        for step, index in enumerate(order):
+            if step % 2:  # every other step only observed
+                runner.observe(request(index))
+            else:
+                chunks.append(runner(request(index), task="pick the cube"))
+        return chunks
+
+    server = Server("--checkpoint", str(base / "hf"))
+    try:
+        clients = {seed: WebsocketClientPolicy(server.uri) for seed in episodes}
+        got = {seed: [] for seed in episodes}
+        for step in range(7):
+            for seed, order in episodes.items():
+                extra = {"episode_seed": seed} if step == 0 else {}
+                if step % 2:
+                    assert clients[seed].infer(request(order[step], observe_only=True, **extra))["observed"]
+                else:
+                    got[seed].append(clients[seed].infer(request(order[step], **extra))["actions"])
+    finally:
+        server.stop()
+    for seed, order in episodes.items():
+        np.testing.assert_allclose(np.stack(got[seed]), np.stack(alone(seed, order)), rtol=0, atol=1e-5)
+    assert np.abs(np.stack(got[7]) - np.stack(got[8])).max() > 1e-3  # the sessions did differ

@@ -309,6 +309,11 @@ class PolicyRunner:
         per env slot, one per server session)."""
         return replace(self)
 
+    def prepare_observation_check(self, observation: dict, head=None) -> None:
+        """`RequestError` for an observation the policy could not act on (its cameras and state), without acting."""
+        self._camera_images(observation)
+        self._check_state(self.obs_map.state_vector(observation), self.head_name(head))
+
     def observe(self, observation: dict) -> None:
         """One control step's observation, where no chunk is asked for: a MEM policy keeps it as the past of later
         chunks (the episode loop calls this at every step; `prepare` records the step it is given unless this did).

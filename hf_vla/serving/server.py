@@ -130,6 +130,14 @@ class PolicyServer:
             if episode_end:
                 self._end_episode(session, success, "episode_end")
             return {"episode_end": bool(episode_end), "recorded_episode": episode}
+        if _optional_bool(request.pop("observe_only", None), "observe_only"):
+            # a control step with no chunk asked for: a MEM policy keeps it as the past of the session's next chunks
+            if runner.memory is None:
+                raise RequestError("observe_only: this policy keeps no past observations (no MEM memory); send "
+                                   "observations only to get actions")
+            runner.prepare_observation_check(request, head)
+            runner.observe(request)
+            return {"observed": True}
         delay = _optional_int(request.get("rtc/inference_delay", 0), "rtc/inference_delay")
         cfg_beta = self._cfg_beta(request.get("cfg_beta"))
         subtask = request.get("subtask")
