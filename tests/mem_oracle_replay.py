@@ -18,11 +18,11 @@ def main(export: Path, episode: Path, out: Path, tokenizer_dir: Path) -> None:
     import lerobot
     import lerobot.policies.pi05.modeling_pi05 as module
     from lerobot.policies.factory import make_pre_post_processors
+    from mem_oracle import CAMERA, VISION
+    from test_lerobot_export import _PaliGemmaTokenizer
     from transformers import AutoTokenizer
 
     from hf_vla.models.reference import Dims, _tiny_lerobot
-    from mem_oracle import CAMERA, VISION
-    from test_lerobot_export import _PaliGemmaTokenizer
 
     assert "lerobot-7427f31" in lerobot.__file__, lerobot.__file__
     with _tiny_lerobot(module, Dims(vision=dict(VISION))):

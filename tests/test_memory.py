@@ -7,7 +7,6 @@ included; the server keeps one memory per session; a memory-free checkpoint comp
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -160,8 +159,9 @@ def test_the_stream_reads_lerobots_past_frames(tmp_path):
 
 
 def test_past_frames_are_decoded_once_per_block(tmp_path, monkeypatch):
-    from hf_vla.data import video
     from test_data import CAM, make_dataset
+
+    from hf_vla.data import video
 
     root = make_dataset(tmp_path / "data", 2, cameras={CAM: (32, 32)}, lengths=[20, 15])
     mixture = WeightedDatasetMixture([dict(root=str(root), name="a", cameras=[CAM], control_mode="joint")],

@@ -10,6 +10,7 @@ envs resize (PIL bilinear), so a 480 px lerobot Meta-World frame becomes the rec
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from pathlib import Path
 
@@ -97,6 +98,18 @@ class HFVLAPolicy(PreTrainedPolicy):
     def reset(self):
         self._queue.clear()
         self.runner.reset()
+        self._row_runners = []  # a MEM policy's per-row runners (each env's own past), made at the episode's first call
+
+    def _runners(self, rows: int) -> list:
+        """The runner of each batch row: the policy's own, or for a MEM policy one per row (lerobot's vector envs:
+        each its episode's past observations; reset with the policy at a rollout's start)."""
+        if self.runner.memory is None:
+            return [self.runner] * rows
+        runners = getattr(self, "_row_runners", None) or []
+        if len(runners) != rows:
+            runners = self._row_runners = [dataclasses.replace(self.runner, seed=self.runner.seed + row)
+                                           for row in range(rows)]
+        return runners
 
     def forward(self, batch, **kwargs):
         raise NotImplementedError("an hf_vla policy trains with python -m hf_vla.train, not lerobot-train")
@@ -106,9 +119,10 @@ class HFVLAPolicy(PreTrainedPolicy):
         """`[B, chunk_size, action_dim]` actions in robot units, for lerobot's batch (images `[B, 3, H, W]` in [0, 1],
         `observation.state` `[B, D]`, `task`)."""
         observations, tasks = self._observations(batch)
-        prepared = [self.runner.prepare(obs, task) for obs, task in zip(observations, tasks)]
+        runners = self._runners(len(observations))
+        prepared = [runner.prepare(obs, task) for runner, obs, task in zip(runners, observations, tasks)]
         chunks = self.runner.sample_batch(prepared)
-        actions = [self.runner.finish(request, chunk) for request, chunk in zip(prepared, chunks)]
+        actions = [runner.finish(request, chunk) for runner, request, chunk in zip(runners, prepared, chunks)]
         return torch.as_tensor(np.stack(actions), dtype=torch.float32)
 
     @torch.no_grad()
@@ -117,6 +131,10 @@ class HFVLAPolicy(PreTrainedPolicy):
         if not self._queue:
             chunk = self.predict_action_chunk(batch)[:, : self.n_action_steps]
             self._queue.extend(chunk.transpose(0, 1))
+        elif self.runner.memory is not None:  # a step between chunks: a MEM policy keeps its observation
+            observations, _ = self._observations(batch)
+            for runner, observation in zip(self._runners(len(observations)), observations):
+                runner.observe(observation)
         return self._queue.popleft()
 
     # ---- lerobot's batch -> hf_vla observations -------------------------------------------------------------------
