@@ -134,8 +134,10 @@ def test_the_top_level_holds_the_commands_and_public_entry_modules_only():
 
 # transformers' interfaces, whose parameters are fixed from outside: a model's `forward` / `sample_actions` take the
 # batch's keys as keywords (the batch contract: `model(**batch)`), a decoder layer's `forward` is `GemmaDecoderLayer`'s,
-# and a processor's `__init__` / `__call__` take what `processor_config.json` saves and what a caller passes per call
+# and a processor's `__init__` / `__call__` take what `processor_config.json` saves and what a caller passes per call;
+# likewise a gymnasium env's `__init__` takes `gym.make(id, **kwargs)`'s keywords
 TRANSFORMERS_INTERFACES = {
+    ("envs/reach.py", "__init__"),
     ("models/pi05/modeling_pi05.py", "forward"), ("models/pi05/modeling_pi05.py", "sample_actions"),
     ("models/pi05/processing_pi05.py", "__init__"), ("models/pi05/processing_pi05.py", "__call__"),
     ("models/pi0_adapter.py", "__init__"),

@@ -11,6 +11,10 @@ target is easy for a small vision tower while choosing it still needs the instru
 them anywhere. `start="random"` (the default) starts the agent anywhere at least 0.35 from every target;
 `start="center"` always at the centre.
 
+`cue_steps=k` (> 0) makes a task that needs memory (docs/memory.md): the instruction no longer names the colour ("move
+to the target shown first"), and the first k frames show the goal target alone; from then on every target is drawn,
+so a single later frame cannot tell which one to reach.
+
 Why random starts: from a fixed start, every frame after the first shows how far the agent has already moved, and
 the state alone then tells which way to keep going. Only first frames would need the instruction, a small share of
 the training signal. With random starts every frame needs both the instruction and the image.
@@ -38,14 +42,16 @@ class ColorReachEnv(gym.Env):
 
     def __init__(self, image_size: int = 32, num_targets: int = 3, max_steps: int = 40, step_size: float = 0.1,
                  success_radius: float = 0.18, layout: str = "corners", start: str = "random",
-                 render_mode: str = "rgb_array"):
+                 render_mode: str = "rgb_array", cue_steps: int = 0):
         if num_targets > len(COLORS):
             raise ValueError(f"num_targets={num_targets}: at most {len(COLORS)} colours")
         if layout not in ("corners", "random"):
             raise ValueError(f"layout={layout!r}: 'corners' or 'random'")
         if start not in ("center", "random"):
             raise ValueError(f"start={start!r}: 'center' or 'random'")
-        self.layout, self.start = layout, start
+        if cue_steps < 0:
+            raise ValueError(f"cue_steps={cue_steps}: 0 (the instruction names the colour) or more frames of cue")
+        self.layout, self.start, self.cue_steps = layout, start, int(cue_steps)
         self.image_size, self.num_targets, self.max_steps = image_size, num_targets, max_steps
         self.step_size, self.success_radius, self.render_mode = step_size, success_radius, render_mode
         self.observation_space = spaces.Dict({
@@ -75,7 +81,7 @@ class ColorReachEnv(gym.Env):
                 break
         self.agent = agent.astype(np.float32)
         self.steps = 0
-        self.task = f"move to the {self.goal} target"
+        self.task = "move to the target shown first" if self.cue_steps else f"move to the {self.goal} target"
         return self._observation(), {"task": self.task, "is_success": False}
 
     def distance(self) -> float:
@@ -103,7 +109,10 @@ class ColorReachEnv(gym.Env):
         image = np.full((size, size, 3), BACKGROUND, dtype=np.uint8)
         rows, cols = np.mgrid[0:size, 0:size]
         radius = 0.09 * size
+        cue = self.steps < self.cue_steps  # the cue: the goal alone in the first frames
         for name, position in self.targets.items():
+            if cue and name != self.goal:
+                continue
             col, row = self._pixel(position)
             image[(rows - row) ** 2 + (cols - col) ** 2 <= radius**2] = COLORS[name]
         col, row = self._pixel(self.agent)
@@ -151,6 +160,8 @@ def recording_plan(tasks: str | None, image_size: int | None, max_episode_steps:
     from hf_vla.errors import ConfigError
     from hf_vla.registry import RecordingPlan
 
+    if "cue_steps" in (env_kwargs or {}) and int(env_kwargs["cue_steps"]) < 0:
+        raise ConfigError(f"--cue_steps {env_kwargs['cue_steps']}: frames of cue, 0 or more")
     for key, why in (("crop", "ColorReach renders its 32 px scene whole"),
                      ("action_mode", "ColorReach's actions are its own"), ("cameras", "ColorReach draws one image")):
         if (env_kwargs or {}).get(key) is not None:

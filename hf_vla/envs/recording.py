@@ -133,7 +133,8 @@ def record(args: RecordArguments, env_kwargs: dict | None = None, progress: bool
                                                       args.policy)
     image_size, seed, max_episode_steps, max_tries = args.image_size, args.seed, args.max_episode_steps, args.max_tries
     overwrite, device, round_index = args.overwrite, args.device, 1 if args.round is None else args.round
-    flags = {k: v for k, v in (("crop", args.crop), ("action_mode", args.action_mode), ("cameras", args.cameras)) if v}
+    flags = {k: v for k, v in (("crop", args.crop), ("action_mode", args.action_mode), ("cameras", args.cameras),
+                               ("cue_steps", args.cue_steps)) if v}
     env_kwargs = (flags | dict(env_kwargs or {})) or None
     dagger = DaggerSettings(args.beta or 0.0, args.takeover_threshold,
                             10 if args.takeover_steps is None else args.takeover_steps,
@@ -518,6 +519,9 @@ class RecordArguments:
         "help": "Meta-World: the scene's cameras to record, comma-separated, in slot order (corner2, corner, corner3, "
         "topview, behindGripper, gripperPOV: the wrist view), each a video feature observation.images.<name> "
         "(default: corner2 alone, as lerobot's observation.image); --crop cuts corner2 only; kept in the contract"})
+    cue_steps: int | None = field(default=None, metadata={
+        "help": "ColorReach: the task that needs memory: the instruction does not name the colour and only the first "
+        "N frames show which target to reach (docs/memory.md); kept in the contract, so evaluation shows the same"})
     add_locations: str | None = field(default=None, metadata={
         "help": "Meta-World: instead of recording, write --output as this recording (one of this command without the "
         "per-frame locations column) with it, by replaying each episode from its seed; refused where the replay "
