@@ -245,3 +245,34 @@ def test_the_server_keeps_one_memory_per_session(oracle):
     for seed, order in episodes.items():
         np.testing.assert_allclose(np.stack(got[seed]), np.stack(alone(seed, order)), rtol=0, atol=1e-5)
     assert np.abs(np.stack(got[7]) - np.stack(got[8])).max() > 1e-3  # the sessions did differ
+
+
+@needs_oracle
+def test_the_lerobot_plugin_keeps_one_memory_per_env(oracle, tmp_path):
+    """lerobot's tools run a MEM checkpoint through the plugin with a batch of two envs: each row acts as a runner of
+    its own that saw every step of its env (chunks at the contract's n_action_steps, observations between)."""
+    from test_lerobot_plugin import lerobot_frame, lerobot_policy, plugin_dir
+
+    from hf_vla.serving.policy import load_policy
+
+    base, o = oracle
+    policy, pre, post = lerobot_policy(plugin_dir(base / "hf", tmp_path / "plugin"))
+    camera, steps = "observation.images.cam", policy.n_action_steps
+    orders = [list(range(7)), [6, 5, 4, 3, 2, 1, 0]]
+    policy.reset()
+    executed = []
+    for step in range(7):
+        rows = [order[step] for order in orders]
+        batch = {camera: torch.stack([lerobot_frame(o["episode_images"][i]) for i in rows]),
+                 "observation.state": torch.from_numpy(o["episode_states"][rows]), "task": ["pick the cube"] * 2}
+        executed.append(post(policy.select_action(pre(batch))).numpy())
+    for row, order in enumerate(orders):
+        runner = load_policy(base / "hf", seed=policy.runner.seed + row)
+        runner.reset()
+        for step, index in enumerate(order):
+            observation = {camera: o["episode_images"][index], "observation.state": o["episode_states"][index]}
+            if step % steps == 0:
+                chunk = runner(observation, task="pick the cube")
+            else:
+                runner.observe(observation)
+            np.testing.assert_allclose(executed[step][row], chunk[step % steps], atol=1e-5, rtol=0)
