@@ -276,3 +276,19 @@ def test_the_lerobot_plugin_keeps_one_memory_per_env(oracle, tmp_path):
             else:
                 runner.observe(observation)
             np.testing.assert_allclose(executed[step][row], chunk[step % steps], atol=1e-5, rtol=0)
+
+
+def test_the_stride_is_the_same_time_at_the_robots_rate():
+    """The contract's stride counts the data's frames; at another control rate it is converted where whole, else
+    refused in one line naming both rates."""
+    from hf_vla.deployment.contract import DeploymentConfig, memory_stride
+    from hf_vla.errors import ConfigError
+
+    contract = DeploymentConfig(policy="pi05", chunk_size=10, n_action_steps=5, image_size=32, heads={"a": {}},
+                                memory={"frames": 6, "stride": 30, "visual": True, "proprio": True, "fps": 30.0})
+    assert memory_stride(contract, 30, "env") == 30
+    assert memory_stride(contract, 20, "env") == 20  # one second either way
+    assert memory_stride(contract, None, "env") is None  # a rate unknown: the checkpoint's stride
+    with pytest.raises(ConfigError, match=r"30 data frames back \(1 s at the data's 30 fps\).*12.5 control steps at 12.5 Hz"):
+        memory_stride(contract, 12.5, "--env x")
+    assert DeploymentConfig.from_dict(contract.to_dict()).memory == contract.memory

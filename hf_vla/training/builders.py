@@ -164,7 +164,8 @@ def _base_model_config(model_args: ModelArguments):
         if config.model_type in family.starts_from:
             # e.g. a value model from a pi0.5 checkpoint: its backbone's config (the weights follow in build_model)
             fields = {k: v for k, v in config.to_dict().items() if k in config_class.__dataclass_fields__ and k not in (
-                "model_type", "transformers_version", "architectures", "auto_map", "discrete_state_input")}
+                "model_type", "transformers_version", "architectures", "auto_map", "discrete_state_input")
+                and not (k in MEMORY_FIELDS and not family.memory)}  # a family without MEM reads one observation
             config = config_class(**fields, **{k: v for k, v in (model_args.model_config or {}).items()})
             return config
         if config.model_type != config_class.model_type:
