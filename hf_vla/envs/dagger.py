@@ -131,6 +131,8 @@ class DaggerActor:
         if not self.queue and not self.takeover:
             chunk = np.asarray(self.policy(observation, task))[:self.n_action_steps]
             self.queue = [np.asarray(a, dtype=np.float32) for a in chunk]
+        else:
+            self._observe(observation)
         proposed = self.queue[0] if self.queue else expert
         by_expert = self.takeover > 0
         if not by_expert and settings.takeover_threshold is not None and \
@@ -163,6 +165,8 @@ class DaggerActor:
         if not self.queue:
             chunk = np.asarray(self.policy(observation, task))[:self.n_action_steps]
             self.queue = [np.asarray(a, dtype=np.float32) for a in chunk]
+        else:
+            self._observe(observation)
         action = self.queue.pop(0)
         frame = {"images": {key: observation[key] for key in self.cameras}, "state": observation[self.state],
                  "action": action, "task": task,
@@ -171,6 +175,11 @@ class DaggerActor:
             frame["text"] = self.text(self.env)
         self.frames.append(frame)
         return action[None]
+
+    def _observe(self, observation) -> None:
+        """A step without a policy call: a MEM policy still keeps the observation (`PolicyRunner.observe`)."""
+        if getattr(self.policy, "memory", None) is not None:
+            self.policy.observe(observation)
 
     def after_step(self, action, outcome) -> None:
         _, reward, _, _, info = outcome
