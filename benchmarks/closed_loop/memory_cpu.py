@@ -45,24 +45,15 @@ def _merge(output: Path, figures: dict) -> None:
 
 
 def _train(config: Path, out: Path, overrides: list[str]) -> dict:
-    """One arm in a subprocess (its own threads); -> seconds, steps/s and the final training loss."""
-    summary = out / "bench_train.json"
-    if summary.is_file():
-        return json.loads(summary.read_text())
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hf_vla.train", str(config), "--output_dir", str(out), *overrides],
-                   check=True, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    seconds = time.perf_counter() - started
-    state = json.loads((out / "trainer_state.json").read_text()) if (out / "trainer_state.json").is_file() else {}
-    history = state.get("log_history", [])
-    losses = [entry["loss"] for entry in history if "loss" in entry]
-    runtime = next((entry["train_runtime"] for entry in history if "train_runtime" in entry), None)
-    steps = state.get("global_step")
-    result = {"seconds": round(seconds, 1), "train_runtime": runtime, "steps": steps,
-              "seconds_per_step": round(runtime / steps, 4) if runtime and steps else None,
-              "final_loss": losses[-1] if losses else None}
-    summary.write_text(json.dumps(result, indent=2))
-    return result
+    """One arm in a subprocess (its own threads); -> its training time and steps/s, final losses (trainer's
+    `all_results.json`)."""
+    results = out / "all_results.json"
+    if not results.is_file():
+        subprocess.run([sys.executable, "-m", "hf_vla.train", str(config), "--output_dir", str(out), *overrides],
+                       check=True, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    saved = json.loads(results.read_text())
+    keep = ("train_runtime", "train_steps_per_second", "train_loss", "eval_loss", "eval_mse")
+    return {key: saved[key] for key in keep if key in saved}
 
 
 def _evaluate(checkpoint: Path, episodes: int, out: Path, extra: list[str] | None = None) -> dict:
@@ -72,22 +63,29 @@ def _evaluate(checkpoint: Path, episodes: int, out: Path, extra: list[str] | Non
                        stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
     saved = json.loads((out / "eval_result.json").read_text())
     return {"mean_success": saved["success_rate"], "episodes": episodes,
-            "tasks": {name: r["success_rate"] for name, r in saved["tasks"].items()}}
+            "tasks": {name: r["success_rate"] for name, r in saved.get("tasks", {}).items()}}
 
 
-def colorreach(work: Path, episodes: int, steps: int) -> dict:
-    data = REPO / "data_cache" / "color_reach_cue"
+def colorreach(work: Path, episodes: int, steps: int, cue_steps: int = 3, n_action_steps: int | None = None) -> dict:
+    data = REPO / "data_cache" / ("color_reach_cue" if cue_steps == 3 else f"color_reach_cue{cue_steps}")
     if not (data / "meta" / "info.json").is_file():
-        subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "color_reach", "--cue_steps", "3",
+        subprocess.run([sys.executable, "-m", "hf_vla.record", "--env", "color_reach", "--cue_steps", str(cue_steps),
                         "--episodes", "1000", "--output", str(data)], check=True, cwd=REPO)
     config = REPO / "configs" / "color_reach_memory.json"
+    dataset = json.loads(config.read_text())["datasets"][0] | {"root": str(data)}
+    variant = "" if cue_steps == 3 and n_action_steps is None else f"_cue{cue_steps}_n{n_action_steps}"
+    common = ["--max_steps", str(steps), "--datasets", json.dumps([dataset])]
+    if n_action_steps:
+        common += ["--n_action_steps", str(n_action_steps)]
     out = {}
     for arm, overrides in (("memory", []), ("no_memory", MEMORY_OFF)):
-        trained = _train(config, work / "colorreach" / arm, ["--max_steps", str(steps), *overrides])
-        result = _evaluate(work / "colorreach" / arm, episodes, work / "colorreach" / f"eval_{arm}")
+        trained = _train(config, work / f"colorreach{variant}" / arm, [*common, *overrides])
+        result = _evaluate(work / f"colorreach{variant}" / arm, episodes,
+                           work / f"colorreach{variant}" / f"eval_{arm}")
         out[arm] = {"mean_success": result["mean_success"], "episodes": episodes, "training": trained}
-    out["setup"] = {"config": "configs/color_reach_memory.json", "recorded_episodes": 1000, "cue_steps": 3,
-                    "steps_per_arm": steps, "memory": "6 observations, stride 2, visual + proprioceptive"}
+    out["setup"] = {"config": "configs/color_reach_memory.json", "recorded_episodes": 1000, "cue_steps": cue_steps,
+                    "n_action_steps": n_action_steps or 4, "steps_per_arm": steps,
+                    "memory": "6 observations, stride 2, visual + proprioceptive"}
     return out
 
 
@@ -119,30 +117,47 @@ def metaworld(work: Path, episodes: int, steps: int) -> dict:
 
 
 def stream(samples: int) -> dict:
-    """Samples/s of the episode-shuffle stream on the teleop dataset, one process (no DataLoader workers)."""
+    """Samples/s of the episode-shuffle stream on the teleop dataset in one process (no DataLoader workers): the samples
+    alone, and collated into batches of 32 through the processor (normalisation, prompt, the frames to [-1, 1])."""
     from hf_vla.data import WeightedDatasetMixture
+    from hf_vla.data.collator import VLACollator
     from hf_vla.data.stream import StreamSettings
+    from hf_vla.models.pi05 import PI05Processor
+    from hf_vla.tiny import build_tiny_tokenizer
 
     spec = {"root": str(TELEOP), "name": "teleop", "cameras": ["image"], "state_key": "state", "action_key": "actions",
             "control_mode": "joint"}
+    tokenizer = build_tiny_tokenizer()
     out = {}
     for arm, memory in (("no_memory", None), ("memory_6x30", {"frames": 6, "stride": 30, "visual": True,
                                                                 "proprio": True})):
         started = time.perf_counter()
         mixture = WeightedDatasetMixture([spec])
-        train = mixture.train_stream(StreamSettings(224, 50, open_blocks=8, memory=memory))
-        iterator = iter(train)
+        iterator = iter(mixture.train_stream(StreamSettings(224, 50, open_blocks=8, memory=memory)))
         next(iterator)
         first = time.perf_counter() - started
         started = time.perf_counter()
         for _ in range(samples):
             next(iterator)
         seconds = time.perf_counter() - started
+        processor = PI05Processor(tokenizer, norm_stats=mixture.norm_stats, head_names=mixture.head_names,
+                                  image_size=224, max_state_dim=34, max_action_dim=34, prompt_max_length=48,
+                                  memory=memory)
+        batches = iter(mixture.train_stream(StreamSettings(224, 50, batch_size=32, collate_fn=VLACollator(processor),
+                                                           open_blocks=8, memory=memory, seed=1)))
+        next(batches)
+        started = time.perf_counter()
+        count = max(1, samples // 32)
+        for _ in range(count):
+            next(batches)
+        collated = time.perf_counter() - started
         out[arm] = {"samples_per_s": round(samples / seconds, 1), "first_sample_s": round(first, 2),
-                    "samples": samples}
+                    "collated_samples_per_s": round(32 * count / collated, 1), "samples": samples}
     out["ratio"] = round(out["memory_6x30"]["samples_per_s"] / out["no_memory"]["samples_per_s"], 3)
-    out["setup"] = {"dataset": "humanoid_teleop_24 (640x480, 30 fps)", "image_size": 224, "open_blocks": 8,
-                    "workers": 0}
+    out["collated_ratio"] = round(out["memory_6x30"]["collated_samples_per_s"]
+                                  / out["no_memory"]["collated_samples_per_s"], 3)
+    out["setup"] = {"dataset": "humanoid_teleop_24 (640x480, 30 fps, 34-dim state)", "image_size": 224,
+                    "open_blocks": 8, "workers": 0, "batch_size": 32}
     return out
 
 
@@ -190,10 +205,18 @@ def main(argv=None):
     parser.add_argument("--episodes", type=int, default=None, help="evaluation episodes (per task for metaworld)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per arm")
     parser.add_argument("--samples", type=int, default=300, help="stream samples timed per arm")
+    parser.add_argument("--cue_steps", type=int, default=3, help="colorreach: frames that show the goal")
+    parser.add_argument("--n_action_steps", type=int, default=None, help="colorreach: actions executed per chunk")
     args = parser.parse_args(argv)
     if args.stage == "colorreach":
-        result = colorreach(args.work, args.episodes or 50, args.steps or 3000)
-        _merge(args.output, {"memory_task": result})
+        result = colorreach(args.work, args.episodes or 50, args.steps or 4000, args.cue_steps, args.n_action_steps)
+        if args.cue_steps == 3 and args.n_action_steps is None:
+            _merge(args.output, {"memory_task": result})
+        else:
+            current = json.loads(args.output.read_text()) if args.output.is_file() else {}
+            variants = current.get("memory_task_variants", {})
+            variants[f"cue{args.cue_steps}_n{args.n_action_steps}"] = result
+            _merge(args.output, {"memory_task_variants": variants})
     elif args.stage == "metaworld":
         result = metaworld(args.work, args.episodes or 10, args.steps or 2000)
         _merge(args.output, {"five_task": result})

@@ -448,7 +448,10 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             data["cfg_beta"] = torch.tensor(betas, dtype=torch.float32)
         if images is not None:
             images = as_image_batch(images, len(texts))
-            data["pixel_values"] = resize_with_pad(images, self.image_size)
+            if self.memory and self.memory["visual"]:  # MEM: the past frames and the current one, `[B, n_cams, T, ...]`
+                data["pixel_values"] = self._frames(images, memory)
+            else:
+                data["pixel_values"] = resize_with_pad(images, self.image_size)
             mask = torch.ones(images.shape[:2], dtype=torch.bool) if camera_mask is None else _as_tensor(camera_mask, torch.bool)
             data["pixel_attention_mask"] = mask
         if self.memory:
@@ -482,18 +485,6 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         mask = memory.get("mask")
         mask = torch.zeros(rows, past, dtype=torch.bool) if mask is None else _as_tensor(mask, torch.bool).reshape(rows, past)
         out = {"memory_mask": torch.cat([mask, torch.ones(rows, 1, dtype=torch.bool)], dim=1)}
-        if self.memory["visual"] and "pixel_values" in data:
-            current = data["pixel_values"]
-            if memory.get("images") is None:
-                history = current[:, :, None].expand(-1, -1, past, -1, -1, -1)
-            else:
-                images = memory["images"]
-                images = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images
-                if images.ndim != 6 or images.shape[:3] != (rows, current.shape[1], past):
-                    raise ValueError(f"memory['images'] must be [B={rows}, n_cams={current.shape[1]}, "
-                                     f"T-1={past}, 3, H, W], got {tuple(images.shape)}")
-                history = resize_with_pad(images, self.image_size)
-            out["pixel_values"] = torch.cat([history, current[:, :, None]], dim=2)
         if self.memory["proprio"]:
             given = memory.get("state")
             rows_states = []
@@ -506,6 +497,24 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             out["memory_state"], _ = self._normalize_rows(rows_states, "state", rows_by_head, self.max_state_dim,
                                                           normalized)
         return out
+
+    def _frames(self, images: torch.Tensor, memory: dict | None) -> torch.Tensor:
+        """Visual memory's `pixel_values` `[B, n_cams, T, 3, S, S]`: the past frames (`memory["images"]`; none: the
+        current frame, masked) and the current ones, joined before the one resize and scaling pass."""
+        rows, cameras = images.shape[:2]
+        past = self.memory["frames"] - 1
+        history = (memory or {}).get("images")
+        if history is None:
+            history = images[:, :, None].expand(-1, -1, past, -1, -1, -1)
+        else:
+            history = torch.as_tensor(np.asarray(history)) if not isinstance(history, torch.Tensor) else history
+            if history.ndim != 6 or tuple(history.shape[:3]) != (rows, cameras, past) or history.shape[3:] != images.shape[2:]:
+                raise ValueError(f"memory['images'] must be [B={rows}, n_cams={cameras}, T-1={past}, "
+                                 f"{', '.join(map(str, images.shape[2:]))}] (as the current images), got "
+                                 f"{tuple(history.shape)}")
+            if history.dtype != images.dtype:  # one uint8, the other float in [0, 1]: both as floats in [0, 1]
+                history, images = (x.float().div(255.0) if x.dtype == torch.uint8 else x for x in (history, images))
+        return resize_with_pad(torch.cat([history, images[:, :, None]], dim=2), self.image_size)
 
     # ---- the token objective's targets (training only) ----------------------------------------------------------
     @property
