@@ -99,6 +99,8 @@ class RemotePolicy:
         self.last_rtc_method: str | None = None
         self.uri, self.api_key = uri, api_key
         self._episode_seed: int | None = None
+        # a MEM policy (its contract's `memory`): the server keeps this connection's past, so every step goes to it
+        self.memory = ((self.metadata or {}).get("deployment") or {}).get("memory")
 
     def fork(self) -> RemotePolicy:
         """Another connection to the same server (one per env slot: each keeps its own noise and last chunk)."""
@@ -107,6 +109,13 @@ class RemotePolicy:
     def reset(self, seed: int | None = None) -> None:
         """A new episode: the next request carries `episode_seed`, which re-seeds this connection's noise."""
         self._episode_seed = seed
+
+    def observe(self, observation: dict) -> None:
+        """A step without a chunk, for a MEM policy's past (`observe_only`; the episode loop calls it)."""
+        request = {**observation, "observe_only": True}
+        if self._episode_seed is not None:
+            request["episode_seed"], self._episode_seed = int(self._episode_seed), None
+        self.client.infer(request)
 
     def __call__(self, observation: dict, task: str, inference_delay: int = 0, executed_steps: int | None = None):
         request = {**observation, "prompt": task, "rtc/inference_delay": int(inference_delay)}
