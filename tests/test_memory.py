@@ -292,3 +292,28 @@ def test_the_stride_is_the_same_time_at_the_robots_rate():
     with pytest.raises(ConfigError, match=r"30 data frames back \(1 s at the data's 30 fps\).*12.5 control steps at 12.5 Hz"):
         memory_stride(contract, 12.5, "--env x")
     assert DeploymentConfig.from_dict(contract.to_dict()).memory == contract.memory
+
+
+@pytest.mark.slow  # flex_attention's first call on the CPU compiles for ~30 s
+def test_flex_attention_computes_what_eager_does_with_memory():
+    from hf_vla.models.pi05 import PI05ForConditionalGeneration
+    from hf_vla.tiny import tiny_pi05_config, tiny_vlm_config
+
+    vlm = tiny_vlm_config()
+    vlm["vision_config"]["num_hidden_layers"] = 4
+    torch.manual_seed(0)
+    model = PI05ForConditionalGeneration(tiny_pi05_config(
+        vlm_config=vlm, use_visual_memory=True, use_proprioceptive_memory=True, memory_frames=3, memory_stride=2,
+        memory_temporal_attention_every=2)).eval()
+    generator = torch.Generator().manual_seed(1)
+    inputs = {"input_ids": torch.randint(2, 100, (2, 10), generator=generator),
+              "pixel_values": torch.rand(2, 2, 3, 3, 32, 32, generator=generator) * 2 - 1,
+              "memory_state": torch.randn(2, 3, 8, generator=generator),
+              "memory_mask": torch.tensor([[False, True, True], [True, True, True]]),
+              "noise": torch.randn(2, 5, 6, generator=generator), "timestep": torch.tensor([0.3, 0.7])}
+    out = {}
+    for backend in ("eager", "flex_attention"):
+        model.set_attn_implementation(backend)
+        with torch.no_grad():
+            out[backend] = model(**inputs).logits
+    assert (out["eager"] - out["flex_attention"]).abs().max() < 1e-5
