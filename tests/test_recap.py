@@ -434,12 +434,12 @@ def test_a_policy_trained_on_the_annotation_asks_for_positive(recap_policy):
     contract = json.loads((out / "deployment_config.json").read_text())
     assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0}
     runner = load_policy(out)
-    inputs, _ = runner._inputs(torch.zeros(1, 1, 3, 24, 24, dtype=torch.uint8), np.zeros((1, 2), np.float32),
-                               ["move to the red target"], torch.ones(1, 1, dtype=torch.bool), runner.head_name())
+    rows = {"images": torch.zeros(1, 1, 3, 24, 24, dtype=torch.uint8), "states": np.zeros((1, 2), np.float32),
+            "tasks": ["move to the red target"], "camera_mask": torch.ones(1, 1, dtype=torch.bool)}
+    inputs, _ = runner._inputs(rows, runner.head_name())
     text = runner.processor.tokenizer.decode(inputs["input_ids"][0], skip_special_tokens=True)
     assert "Advantage: positive" in text and "uncond_input_ids" not in inputs
-    guided, _ = runner._inputs(torch.zeros(1, 1, 3, 24, 24, dtype=torch.uint8), np.zeros((1, 2), np.float32),
-                               ["move to the red target"], torch.ones(1, 1, dtype=torch.bool), runner.head_name(), 2.0)
+    guided, _ = runner._inputs(rows, runner.head_name(), 2.0)
     assert guided["cfg_beta"].tolist() == [2.0] and "Advantage" not in runner.processor.tokenizer.decode(
         guided["uncond_input_ids"][0], skip_special_tokens=True)
 
@@ -587,8 +587,9 @@ def test_advantage_conditioning_trains_with_the_token_objective_relative_actions
     contract = json.loads((out / "deployment_config.json").read_text())
     assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0}
     runner = load_policy(out)
-    inputs, _ = runner._inputs(torch.zeros(1, 1, 3, 48, 64, dtype=torch.uint8), np.zeros((1, 3), np.float32),
-                               ["reach target 0"], torch.ones(1, 1, dtype=torch.bool), runner.head_name())
+    inputs, _ = runner._inputs({"images": torch.zeros(1, 1, 3, 48, 64, dtype=torch.uint8),
+                                "states": np.zeros((1, 3), np.float32), "tasks": ["reach target 0"],
+                                "camera_mask": torch.ones(1, 1, dtype=torch.bool)}, runner.head_name())
     assert "Advantage: positive" in runner.processor.tokenizer.decode(inputs["input_ids"][0], skip_special_tokens=True)
     chunk = runner.model.sample_actions(**inputs)
     assert torch.isfinite(chunk).all()

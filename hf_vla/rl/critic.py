@@ -82,7 +82,8 @@ class PrefixValue:
         attention_mask, pixel_attention_mask = self.policy._default_masks(
             inputs["input_ids"], inputs.get("pixel_values"), inputs.get("attention_mask"),
             inputs.get("pixel_attention_mask"))
-        return self.policy.value_head(self.hidden, self.policy.model.prefix_mask(pixel_attention_mask, attention_mask))
+        return self.policy.value_head(self.hidden, self.policy.model.prefix_mask(pixel_attention_mask, attention_mask,
+                                                                                  _memory(inputs)))
 
     def value(self, inputs: dict) -> torch.Tensor:
         if self.result is not None:
@@ -96,8 +97,13 @@ def prefix_value(model, inputs: dict) -> torch.Tensor:
     """The critic's value `[B]` of the observations in `inputs` (prompt, images), from one prefix pass."""
     with PrefixValue(model) as critic:
         base_policy(model).prefix_cache(inputs["input_ids"], inputs["pixel_values"], inputs["pixel_attention_mask"],
-                                        inputs["attention_mask"])
+                                        inputs["attention_mask"], memory=_memory(inputs))
     return critic.value(inputs)
+
+
+def _memory(inputs: dict) -> dict:
+    """MEM's past observations among a policy's inputs (none without memory)."""
+    return {key: inputs[key] for key in ("memory_state", "memory_mask") if key in inputs}
 
 
 __all__ = ["PI05ValueHead", "PrefixValue", "ValuedOutput", "add_value_head", "base_policy", "prefix_value"]
