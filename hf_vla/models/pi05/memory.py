@@ -10,8 +10,9 @@ as without memory.
 
 The layers that attend across frames are `PI05MemoryEncoderLayer`s (a `SiglipEncoderLayer` with the same weights and
 names), called through their own module call, so FSDP's per-layer units and gradient checkpointing see them. Both
-stages dispatch through the attention interface of the vision config (eager, sdpa, flex); flash kernels take no
-additive mask, so with them the temporal stage runs on sdpa.
+stages dispatch through the attention interface of the vision config (eager, sdpa, flex, flash); the temporal stage
+(T <= a few frames per patch, with an additive causal and padding mask) runs on sdpa under flex and flash: flash takes
+no additive mask, and flex's CPU kernel turns a row block with every key masked into NaN.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def temporal_mask(frame_mask: torch.Tensor, num_patches: int, dtype) -> torch.Te
 
 def _interface(attention: nn.Module, masked: bool):
     implementation = attention.config._attn_implementation or "eager"
-    if masked and implementation.startswith("flash"):
-        implementation = "sdpa"  # flash kernels take a padding mask, not the temporal stage's additive one
+    if masked and (implementation.startswith("flash") or implementation == "flex_attention"):
+        implementation = "sdpa"  # the temporal stage's additive mask: see the module docstring
     return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
 
 
