@@ -1,4 +1,4 @@
-"""MEM's short-horizon visual memory inside SigLIP (Torne et al. 2026, arXiv 2603.03596, as lerobot's pi0.5 has it).
+"""MEM's short-horizon visual memory inside SigLIP (arXiv 2603.03596, as lerobot's pi0.5 has it).
 
 A camera input holds T frames, oldest first, the current one last. Every `every`-th encoder layer replaces its spatial
 attention with MEM's space-time attention: the values are first mixed causally across the frames of each patch
