@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_vla.cli import check_writable_dir
 from hf_vla.errors import ConfigError, DataError, MissingFileError
+from hf_vla.models.pi05.configuration_pi05 import MEMORY_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -322,8 +323,7 @@ HONOURED = {"type", "paligemma_variant", "action_expert_variant", "chunk_size", 
             "time_sampling_scale", "time_sampling_offset", "min_period", "max_period", "image_resolution",
             "empty_cameras", "tokenizer_max_length", "normalization_mapping", "use_relative_actions",
             "relative_exclude_joints", "action_feature_names", "rtc_training_max_delay", "input_features",
-            "output_features", "use_visual_memory", "use_proprioceptive_memory", "memory_frames", "memory_stride",
-            "memory_temporal_attention_every"}
+            "output_features", *MEMORY_FIELDS}
 # no effect on the actions a checkpoint computes: training settings, compute placement and logging
 IGNORED = {"dtype", "device", "use_amp", "gradient_checkpointing", "compile_model", "compile_mode",
            "freeze_vision_encoder", "train_expert_only", "optimizer_lr", "optimizer_betas", "optimizer_eps",
@@ -333,8 +333,7 @@ IGNORED = {"dtype", "device", "use_amp", "gradient_checkpointing", "compile_mode
            "use_peft", "n_obs_steps", "rtc_config"}
 # change what the policy does and hf_vla cannot do it: refused rather than converted into a policy that acts otherwise
 REFUSED: dict[str, str] = {}
-MEMORY_FIELDS = ("use_visual_memory", "use_proprioceptive_memory", "memory_frames", "memory_stride",
-                 "memory_temporal_attention_every")
+
 
 
 def lerobot_pipeline(lerobot_config: dict, stats: dict | None, where: str) -> dict | None:

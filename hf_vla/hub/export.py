@@ -24,6 +24,7 @@ from hf_vla.hub.convert import (  # lerobot's variants and SigLIP So400m, as the
     _GEMMA_VARIANTS,
     _VISION_DIMS,
 )
+from hf_vla.models.pi05.configuration_pi05 import MEMORY_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -270,8 +271,7 @@ def _memory_fields(config) -> dict:
     """MEM's settings as lerobot's main branch names them (empty without memory)."""
     if not (config.use_visual_memory or config.use_proprioceptive_memory):
         return {}
-    return {key: getattr(config, key) for key in ("use_visual_memory", "use_proprioceptive_memory", "memory_frames",
-                                                  "memory_stride", "memory_temporal_attention_every")}
+    return {key: getattr(config, key) for key in MEMORY_FIELDS}
 
 
 def _write_memory_fields(directory: Path, memory: dict) -> None:

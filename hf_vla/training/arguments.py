@@ -12,6 +12,7 @@ from pathlib import Path
 from hf_vla.cli import check_writable_dir
 from hf_vla.errors import ConfigError
 from hf_vla.lora import PRESETS
+from hf_vla.models.pi05.configuration_pi05 import MEMORY_FIELDS
 from hf_vla.parser import CommandParser, HelpStyle
 from hf_vla.registry import families_with, get_policy
 from hf_vla.training.config_checks import check_dataset_specs, check_model_config, normalize_training_config
@@ -19,8 +20,6 @@ from hf_vla.training.trainer import VLATrainingArguments
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
-MEMORY_FIELDS = ("use_visual_memory", "use_proprioceptive_memory", "memory_frames", "memory_stride",
-                 "memory_temporal_attention_every")
 
 
 @dataclass

@@ -11,6 +11,9 @@ PALIGEMMA_VOCAB_SIZE = 257152
 
 
 SUBTASK_LAYOUTS = (None, "joint", "factorised")
+# MEM's fields, lerobot's names: the training arguments, the lerobot conversion and its export name them all
+MEMORY_FIELDS = ("use_visual_memory", "use_proprioceptive_memory", "memory_frames", "memory_stride",
+                 "memory_temporal_attention_every")
 
 
 @strict
@@ -219,4 +222,4 @@ class PI05Config(PreTrainedConfig):
 # hf_vla is not installed; set where the class is defined, so every path that saves one writes it
 PI05Config.register_for_auto_class()
 
-__all__ = ["PI05Config"]
+__all__ = ["MEMORY_FIELDS", "PI05Config"]

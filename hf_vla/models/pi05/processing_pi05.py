@@ -221,7 +221,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         if self.memory and self.memory["proprio"]:
             return f"Task: {cleaned};\n{answer}: "
         state = " ".join(map(str, self.discretize_state(normalized_state).tolist()))
-        return f"Task: {cleaned}, State: {state};\n{'Subtask' if subtask_next else 'Action'}: "
+        return f"Task: {cleaned}, State: {state};\n{answer}: "
 
     def _prompt_tokens(self, texts: list[str], padded_state: torch.Tensor, states: list[torch.Tensor],
                        subtask_next: list[bool] | None = None) -> dict:
