@@ -75,6 +75,9 @@ class ConvertArguments:
                                        "per chunk, 1..chunk_size (default: the checkpoint's contract)", "min": 1})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing --output (after the new one is "
                             "complete)"})
+    vision_heads: int | None = field(default=None, metadata={"help": "--to hf_vla from a lerobot checkpoint whose "
+                                     "SigLIP tower is not pi0's So400m: its attention heads (not stored in the weights; "
+                                     "default: heads of 64 dims, with a warning)", "min": 1})
 
 
 def main(argv=None):
@@ -90,6 +93,9 @@ def main(argv=None):
     if args.n_action_steps is not None and args.to == "hf_vla":
         raise ConfigError(f"--n_action_steps {args.n_action_steps}: taken with --to lerobot_plugin or --to lerobot; "
                           "a converted or merged checkpoint keeps its source's (change it at evaluate / serve time)")
+    if args.vision_heads is not None and args.to != "hf_vla":
+        raise ConfigError(f"--vision_heads {args.vision_heads}: taken when converting a lerobot checkpoint (--to "
+                          f"hf_vla); --to {args.to} keeps the checkpoint's own config")
     if args.tokenizer is not None and args.to != "hf_vla":
         raise ConfigError(f"--tokenizer {args.tokenizer}: taken when converting a lerobot checkpoint (--to hf_vla); "
                           f"--to {args.to} uses the checkpoint's own tokenizer")
@@ -124,7 +130,7 @@ def main(argv=None):
 
     setup_logging()
     return convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer or "google/paligemma-3b-pt-224",
-                              head=head, overwrite=args.overwrite)
+                              head=head, overwrite=args.overwrite, vision_heads=args.vision_heads)
 
 
 def _check_action_steps(source: Path, n_action_steps: int) -> None:

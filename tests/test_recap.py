@@ -4,7 +4,9 @@ forwards; the indicator's dropout in the episode-shuffle stream."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -655,3 +657,132 @@ def test_advantage_conditioning_trains_under_every_engine_with_the_per_indicator
     for value in ("positive", "negative"):
         assert math.isfinite(metrics[f"eval_by_advantage/{value}/mse"]), sorted(metrics)
     assert json.loads((out / "deployment_config.json").read_text())["advantage"]["conditioned"] is True
+
+
+# ---- what a probe of annotate and value training found (#104) -------------------------------------------------------
+def test_annotate_values_are_cached_by_model_data_prompt_and_settings(round_data, monkeypatch, tmp_path):
+    """A killed run's cached values are reused only where everything they depend on is the same: a source re-recorded
+    at the same path, or the dataset entry's task corrected, starts them over (a kill leaves the cache)."""
+    import json
+
+    import hf_vla.recap.annotate as module
+    from hf_vla.models.value import PI05ValueModel
+
+    source = tmp_path / "rollouts"
+    shutil.copytree(round_data["rollouts"]["root"], source)
+    entry = dict(round_data["rollouts"], root=str(source))
+    out = tmp_path / "annotated"
+
+    def run(spec):
+        from hf_vla.recap.__main__ import main
+
+        main(["annotate", "--value", str(round_data["value"]), "--datasets", json.dumps([spec]), "--output", str(out),
+              "--lookahead", "5", "--overwrite"])
+
+    real_write = module._write
+    monkeypatch.setattr(module, "_write", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        run(entry)  # killed after the values: they stay cached
+    monkeypatch.setattr(module, "_write", real_write)
+    calls = []
+    original = PI05ValueModel.value
+    monkeypatch.setattr(PI05ValueModel, "value", lambda self, **kw: calls.append(1) or original(self, **kw))
+    run(entry | {"task": "move to the blue target"})  # the prompt changed: the cache is not reused
+    assert calls
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        monkeypatch.setattr(module, "_write", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        run(entry)
+    monkeypatch.setattr(module, "_write", real_write)
+    calls.clear()
+    shutil.rmtree(source)  # re-recorded at the same path with fewer, shorter episodes
+    from hf_vla.envs.recording import RecordArguments, record
+
+    record(RecordArguments(env="color_reach", output=source, episodes=2, image_size=24, max_episode_steps=20,
+                           strategy="policy", policy=str(round_data["run"])), progress=False)
+    run(entry)
+    assert calls and out.is_dir()
+
+
+def test_a_nan_success_is_unknown_never_a_success(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from test_data import CAM, make_dataset
+
+    from hf_vla.data.dataset_config import DatasetConfig
+    from hf_vla.data.sources import LeRobotSource
+    from hf_vla.errors import DataError
+
+    root = make_dataset(tmp_path / "data", 3)
+    path = sorted((root / "data").rglob("*.parquet"))[0]
+    table = pq.read_table(path)
+    episodes = table["episode_index"].to_numpy()
+    last = np.r_[episodes[1:] != episodes[:-1], True]
+    success = np.zeros(len(episodes), np.float32)
+    success[last & (episodes == 0)] = 1.0  # episode 0: success at its last frame
+    success[last & (episodes == 1)] = np.nan  # episode 1: failed, its last frame's value missing (NaN)
+    pq.write_table(table.append_column("next.success", pa.array(success)), path)
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["features"]["next.success"] = {"dtype": "float32", "shape": [1], "names": None}
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    source = LeRobotSource(DatasetConfig(root=str(root), name="nan", cameras=[CAM]), 0)
+    with pytest.raises(DataError, match=r"episode\(s\) \[1\] \(1 of 3\) have no outcome"):
+        source.episode_outcomes()
+    outcomes = source.episode_outcomes(allow_unlabelled=True)
+    assert outcomes[0] == 1.0 and np.isnan(outcomes[1]) and outcomes[2] == 0.0
+
+
+def test_an_episode_of_zero_frames_is_skipped_by_annotate(round_data, tmp_path, caplog):
+    import json
+    import logging
+
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    source = tmp_path / "rollouts"
+    shutil.copytree(round_data["rollouts"]["root"], source)
+    episodes_file = sorted((source / "meta" / "episodes").rglob("*.parquet"))[0]
+    table = pq.read_table(episodes_file).to_pandas()
+    empty = table.iloc[[-1]].copy()
+    empty["episode_index"] = int(table["episode_index"].max()) + 1
+    empty["length"] = 0
+    for column in ("dataset_from_index", "dataset_to_index"):
+        if column in empty:
+            empty[column] = int(table[column].max())
+    pq.write_table(pa_table(pd.concat([table, empty], ignore_index=True)), episodes_file)
+    info = json.loads((source / "meta" / "info.json").read_text())
+    info["total_episodes"] += 1
+    (source / "meta" / "info.json").write_text(json.dumps(info))
+    with caplog.at_level(logging.WARNING, logger="hf_vla"):
+        out = _annotate(round_data | {"rollouts": dict(round_data["rollouts"], root=str(source))},
+                        tmp_path / "annotated")
+    assert "1 episode(s) of zero frames in meta/episodes, skipped" in caplog.text
+    summary = json.loads((out / "meta" / "hf_vla_recap.json").read_text())
+    assert summary["frames"] == info["total_frames"]
+
+
+def pa_table(frame):
+    import pyarrow as pa
+
+    return pa.Table.from_pandas(frame, preserve_index=False)
+
+
+def test_a_value_model_started_from_a_bf16_policy_trains(round_data, tmp_path):
+    """Step 2 of a RECAP round in bf16: the value readout, new in the checkpoint, is built in fp32 like the rest of
+    the modules the model keeps in fp32, and the first step runs."""
+    import json
+
+    from conftest import REPO
+
+    from hf_vla.train import main as train_main
+
+    train_main([str(REPO / "configs/demo.json"), "--policy", "pi05_value", "--model_name_or_path",
+                str(round_data["run"]), "--dtype", "bfloat16", "--datasets", json.dumps([round_data["rollouts"]]),
+                "--output_dir", str(tmp_path / "value"), "--generate_demo_data", "false", "--validation_ratio", "0",
+                "--per_device_train_batch_size", "4", "--stream_open_blocks", "2", "--max_steps", "1",
+                "--warmup_steps", "0", "--disable_tqdm", "true", "--dataloader_num_workers", "0",
+                "--model_config", "null"])
+    from hf_vla.models.value import PI05ValueModel
+
+    model = PI05ValueModel.from_pretrained(tmp_path / "value")
+    assert model.value_readout[0].weight.dtype == torch.float32

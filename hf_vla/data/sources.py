@@ -581,9 +581,12 @@ class LeRobotSource:
             outcomes[:] = float(self.config.success)
         elif "next.success" in features:
             for row, episode in enumerate(self.episodes["episode_index"]):
+                if int(self.episodes["length"][row]) == 0:  # no frame: no outcome, and none needed
+                    continue
                 table = self._episode_rows(int(episode), row, int(self.episodes["length"][row]),
                                            ["next.success", "episode_index"])
-                outcomes[row] = float(_indicator_column(table["next.success"]).any())
+                outcomes[row] = _episode_success(table["next.success"], f"dataset {self.name!r}: episode "
+                                                 f"{int(episode)}'s next.success")
         elif (self.root / "meta" / "hf_vla_serve_record.json").is_file():  # serve --record: success per episode
             outcomes = self._served_outcomes(outcomes)
         else:
@@ -596,7 +599,7 @@ class LeRobotSource:
                 record = {}
             if record and record.get("strategy", "expert") == "expert":
                 outcomes[:] = 1.0
-        unknown = np.flatnonzero(np.isnan(outcomes))
+        unknown = np.flatnonzero(np.isnan(outcomes) & (np.asarray(self.episodes["length"]) > 0))
         if len(unknown) and not allow_unlabelled:
             examples = [int(self.episodes["episode_index"][r]) for r in unknown[:5]]
             raise DataError(f"dataset {self.name!r}: episode(s) {examples}{' ...' if len(unknown) > 5 else ''} "
@@ -675,7 +678,24 @@ class LeRobotSource:
         return {"state": result.state, "actions": result.actions, "frames": result.frames}
 
 
+def _episode_success(column, where: str) -> float:
+    """An episode's outcome from its per-frame `next.success` (bool or 0/1, scalar or 1-element lists): 1.0 where a
+    frame says success, 0.0 where every frame says no, NaN (unknown) where no frame says success and some are missing
+    (None or NaN: `bool(nan)` is True, so a missing value must never count as a success); other values refused."""
+    values = np.asarray([np.nan if v is None else float(v[0] if isinstance(v, list | tuple) else v)
+                         for v in column.to_pylist()], dtype=np.float64)
+    known = values[np.isfinite(values)]
+    odd = known[(known != 0) & (known != 1)]
+    if len(odd):
+        raise DataError(f"{where}: value {odd[0]:g}; success is 0/1 or a bool per frame")
+    if (known == 1).any():
+        return 1.0
+    return 0.0 if len(known) == len(values) else float("nan")
+
+
 def _indicator_column(column) -> np.ndarray:
     """A per-frame bool indicator column (bool or 0/1, scalar or a 1-element list per frame) as bool `[n]`."""
-    values = column.to_pylist()
-    return np.asarray([bool(v[0] if isinstance(v, list | tuple) else v) for v in values], dtype=bool)
+    values = [v[0] if isinstance(v, list | tuple) else v for v in column.to_pylist()]
+    if any(v is None or (isinstance(v, float) and not np.isfinite(v)) for v in values):  # bool(nan) is True
+        raise DataError("an indicator column (advantage) has a missing or NaN value; each frame needs true/false (0/1)")
+    return np.asarray([bool(v) for v in values], dtype=bool)

@@ -112,6 +112,7 @@ class _Slot:
     task: str = ""
     observation: dict | None = None
     pending_observation: dict | None = None  # with an inference delay: what the next chunk is predicted from
+    pending_at: int = 0  # the step that observation was taken at (a MEM policy's past is sampled from it)
     queue: deque = field(default_factory=deque)  # actions to execute before the next policy call
     request: dict | None = None  # the next policy call: observation and RTC arguments (None: still executing)
     after_queue: str = "request"  # what follows the queue: "request", "delay" (execute the delay, then request)
@@ -283,22 +284,25 @@ class EpisodeRunner:
         observation, info = slot.env.reset(seed=slot.seed)
         if hasattr(slot.policy, "reset"):
             slot.policy.reset(seed=slot.noise_seed)  # the episode's noise: a function of its seed alone
-        _observe(slot.policy, observation)
+        _observe(slot.policy, observation, self.inference_delay)
         slot.task = info.get("task") or getattr(getattr(slot.env, "unwrapped", slot.env), "task", "") or ""
         slot.frames = [slot.env.render()] if slot.index < save_videos else None
         slot.observation, slot.done, slot.success, slot.reward = observation, False, False, 0.0
         slot.executed, slot.switches, slot.queue, slot.chunk = [], [], deque(), None
         slot.subtasks, slot.expert_stages, slot.subtask_checks, slot.subtask_hits = [], True, 0, 0
-        slot.request = {"observation": observation, "inference_delay": 0, "executed_steps": None, "first": True}
+        slot.request = {"observation": observation, "inference_delay": 0, "executed_steps": None, "first": True,
+                        "taken_at": 0}
 
     def _serve_requests(self, slots: list[_Slot]) -> None:
         if not slots:
             return
         stages = [_expert_stage(s) if getattr(s.policy, "subtask", None) in ("auto", "oracle") else None
                   for s in slots]
+        # every step was observed (`_observe`): the request's observation is `lag` steps behind the newest
         chunks = _call_policies([(s.policy, s.request["observation"], s.task, s.request["inference_delay"],
                                   s.request["executed_steps"],
-                                  stage if getattr(s.policy, "subtask", None) == "oracle" else None)
+                                  stage if getattr(s.policy, "subtask", None) == "oracle" else None,
+                                  len(s.executed) - s.request["taken_at"])
                                  for s, stage in zip(slots, stages)])
         for slot, chunk, stage in zip(slots, chunks, stages):
             if slot.request["inference_delay"] or slot.request["executed_steps"] is not None:
@@ -325,16 +329,17 @@ class EpisodeRunner:
         while not slot.queue and not slot.done and slot.request is None:
             if slot.after_queue == "delay":
                 # the observation the next chunk is predicted from; the robot executes d more actions meanwhile
-                slot.pending_observation = slot.observation
+                slot.pending_observation, slot.pending_at = slot.observation, len(slot.executed)
                 slot.queue = deque(slot.chunk[self.n_action_steps:self.n_action_steps + self.inference_delay])
                 slot.after_queue = "delayed request"
             elif slot.after_queue == "delayed request":
                 slot.request = {"observation": slot.pending_observation, "first": False,
                                 "inference_delay": self.inference_delay if self.rtc else 0,
-                                "executed_steps": self.n_action_steps if self.rtc else None}
+                                "executed_steps": self.n_action_steps if self.rtc else None,
+                                "taken_at": slot.pending_at}
             else:
                 slot.request = {"observation": slot.observation, "inference_delay": 0, "executed_steps": None,
-                                "first": False}
+                                "first": False, "taken_at": len(slot.executed)}
 
     def _after_step(self, slot: _Slot, outcome) -> None:
         observation, reward, terminated, truncated, info = outcome
@@ -375,9 +380,11 @@ class EpisodeRunner:
         return episode
 
 
-def _observe(policy, observation) -> None:
-    """Every control step's observation to a policy that keeps the past (MEM: `PolicyRunner.observe`), once."""
+def _observe(policy, observation, lag: int = 0) -> None:
+    """Every control step's observation to a policy that keeps the past (MEM: `PolicyRunner.observe`), once; `lag`:
+    the steps a request's observation may lie behind the newest (the inference delay)."""
     if getattr(policy, "memory", None) is not None and hasattr(policy, "observe"):
+        policy.memory.reserve(lag)
         policy.observe(observation)
 
 
@@ -410,17 +417,20 @@ def _expert_stage(slot: _Slot) -> str | None:
 
 
 def _call_policies(requests: list[tuple]) -> list[np.ndarray]:
-    """One chunk per (policy, observation, task, inference_delay, executed_steps, subtask). `PolicyRunner`s:
+    """One chunk per (policy, observation, task, inference_delay, executed_steps, subtask, lag). `PolicyRunner`s:
     validated and pre-processed each, then every group of requests that can share a forward (no RTC, equal input
     shapes) runs as one `sample_actions`; other policies are called one by one. `subtask`: the text a runner set to
-    "oracle" acts on (the env expert's stage), else None."""
+    "oracle" acts on (the env expert's stage), else None; `lag`: steps the observation is behind the newest one the
+    loop observed (a MEM policy's past is sampled from it)."""
     from hf_vla.serving.policy import Continuation, PolicyRunner
 
     chunks: list = [None] * len(requests)
     groups: dict = {}
-    for i, (policy, observation, task, delay, executed, subtask) in enumerate(requests):
+    for i, (policy, observation, task, delay, executed, subtask, lag) in enumerate(requests):
         if isinstance(policy, PolicyRunner):
-            prepared = policy.prepare(observation, task, continuation=Continuation(delay, executed), subtask=subtask)
+            recorded = lag if policy.memory is not None else None
+            prepared = policy.prepare(observation, task, continuation=Continuation(delay, executed, recorded=recorded),
+                                      subtask=subtask)
             key = prepared.batch_key()
             groups.setdefault((id(policy.model), key) if key is not None else ("alone", i), []).append((i, prepared))
         elif delay or executed is not None:

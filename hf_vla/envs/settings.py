@@ -86,6 +86,10 @@ def evaluation_settings(contract, request: EnvRequest, chunk_size: int | None = 
     bench = (spec or {}).get("benchmark") or {}
     settings = {"env": choose("env", env_id, bench.get("env"), DEFAULT_ENV, overrides, equal=lambda a, b: True)}
     env_id = settings["env"].value
+    from hf_vla.registry.envs import check_gym_id
+
+    source = "the checkpoint's deployment contract: env " if settings["env"].source == "checkpoint" else "--env "
+    check_gym_id(env_id, source)  # an unknown env: one line naming the envs there are, before anything is built
     same_env = bench.get("env") == env_id  # the benchmark settings apply to the env the data was recorded in
     recorded_tasks = ",".join(bench["tasks"]) if same_env and bench.get("tasks") else None
     settings["task"] = choose("task", task, recorded_tasks, None, overrides, equal=lambda a, b: True)

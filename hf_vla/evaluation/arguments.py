@@ -76,8 +76,10 @@ class EvaluateArguments:
                         "cuda, cuda:N, mps; auto: cuda where available, else cpu"})
 
     def __post_init__(self):
-        if self.cfg_beta is not None and not (math.isfinite(self.cfg_beta) and self.cfg_beta >= 0):
-            raise ConfigError(f"--cfg_beta {self.cfg_beta}: a finite number >= 0 (1: plain conditioning)")
+        from hf_vla.models.common.flow import MAX_CFG_BETA
+
+        if self.cfg_beta is not None and not (math.isfinite(self.cfg_beta) and 0 <= self.cfg_beta <= MAX_CFG_BETA):
+            raise ConfigError(f"--cfg_beta {self.cfg_beta}: a number in [0, {MAX_CFG_BETA:g}] (1: plain conditioning)")
         if self.cfg_beta is not None and self.server is not None:
             raise ConfigError("--cfg_beta: an in-process setting; a server's policy is guided by the server "
                               "(serve --cfg_beta, or each request's cfg_beta)")

@@ -10,6 +10,7 @@ import gymnasium as gym
 from hf_vla.deployment.contract import FILE_NAME, ContractError, refuse_repeated_cameras
 from hf_vla.errors import ConfigError
 from hf_vla.registry import env_names, task_env
+from hf_vla.registry.envs import check_gym_id
 
 logger = logging.getLogger("hf_vla.evaluate")
 
@@ -85,15 +86,10 @@ def check_env(env: str, task: str | None, env_label: str = "env=", task_label: s
         if family.check:
             family.call("check")
         return
-    import hf_vla.envs  # noqa: F401  (registers the demo env)
-
     if task is not None:
         raise ConfigError(f"{task_label}{task!r}: only a benchmark env ({', '.join(env_names(with_tasks=True))}) has "
                           "tasks")
-    try:
-        gym.spec(env)
-    except gym.error.Error as error:
-        raise ConfigError(f"{env_label}{env!r}: {error}") from error
+    check_gym_id(env, env_label)
 
 
 def env_camera_keys(env: str, env_kwargs: dict | None = None) -> list[str]:

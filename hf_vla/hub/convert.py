@@ -249,9 +249,15 @@ def read_weights(path: str | Path) -> dict:
         raise _unreadable(path, error) from error
 
 
-def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = None):
+def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = None, vision_heads: int | None = None,
+                        where: str = "config.json"):
     """Build the hf_vla/transformers config from a lerobot policy `config.json`, with the tower dims read from the
-    weights' shapes when given (`dims_from_weights`); without them, the published dims of the named variants."""
+    weights' shapes when given (`dims_from_weights`); without them, the published dims of the named variants.
+
+    SigLIP's head count is in neither the weights nor lerobot's config: So400m's 16 for its width, else
+    `vision_heads` (`--vision_heads`), else heads of 64 dims (SigLIP's base and large towers) with a warning. A
+    config the model refuses (e.g. MEM's temporal layers beyond the tower's depth) is one `ConfigError` naming
+    `where` (the file)."""
     from hf_vla.registry import load_object
 
     form = lerobot_format(lerobot_config.get("type"), "config.json")
@@ -264,9 +270,20 @@ def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = 
     text.update(measured.get("text", {}))
     expert.update(measured.get("expert", {}))
     if "vision" in measured:
-        if measured["vision"]["hidden_size"] != vision["hidden_size"]:  # not So400m: heads of 64 dims (SigLIP's)
-            vision["num_attention_heads"] = max(1, measured["vision"]["hidden_size"] // 64)
+        width = measured["vision"]["hidden_size"]
+        if vision_heads is not None:
+            vision["num_attention_heads"] = int(vision_heads)
+        elif width != vision["hidden_size"]:  # not So400m: the heads are not in the weights
+            vision["num_attention_heads"] = max(1, width // 64)
+            logger.warning("%s: a SigLIP tower %d wide is not pi0's So400m; its attention heads are not stored, so %d "
+                           "heads of 64 dims are assumed: pass --vision_heads N (vision_heads=) if it has others",
+                           where, width, vision["num_attention_heads"])
         vision.update(measured["vision"])
+        if width % vision["num_attention_heads"]:
+            raise ConfigError(f"--vision_heads {vision['num_attention_heads']}: does not divide the vision tower's "
+                              f"width {width} ({where})")
+    elif vision_heads is not None:
+        vision["num_attention_heads"] = int(vision_heads)
     vocab = measured.get("vocab_size", vocab)
     vlm_config = {
         "model_type": "paligemma",
@@ -298,7 +315,14 @@ def config_from_lerobot(lerobot_config: dict, shapes: dict[str, tuple] | None = 
         for key in MEMORY_FIELDS:  # MEM's observation memory, lerobot's names
             if key in lerobot_config:
                 common[key] = lerobot_config[key]
-    return load_object(form.config)(vlm_config=vlm_config, dit_config=dit_config, **common)
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        return load_object(form.config)(vlm_config=vlm_config, dit_config=dit_config, **common)
+    except (ValueError, TypeError, StrictDataclassError) as error:  # the config's own validation (MEM's layers)
+        cause = error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ else error
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ConfigError(f"{where}: {first}") from error
 
 
 def read_lerobot_norm_stats(checkpoint_dir: Path) -> dict | None:
@@ -443,7 +467,7 @@ def _check_paths(input_dir: Path, output_dir: Path, overwrite: bool, kind: str =
 
 def convert_checkpoint(
     input_dir: str | Path, output_dir: str | Path, tokenizer="google/paligemma-3b-pt-224", head: str = "default",
-    overwrite: bool = False, require_stats: bool = True,
+    overwrite: bool = False, require_stats: bool = True, vision_heads: int | None = None,
 ) -> Path:
     """Convert a lerobot checkpoint directory and write model + processor to `output_dir`.
 
@@ -452,7 +476,8 @@ def convert_checkpoint(
     failure leaves no output and never touches the input. `output_dir` must not be, contain or lie inside the input,
     and an existing non-empty one is replaced only with `overwrite`. `require_stats`: refuse a checkpoint without
     the normaliser statistics its modes need (the command's conversion: the result must act); a base checkpoint
-    converted on load for fine-tuning gets its statistics from the data.
+    converted on load for fine-tuning gets its statistics from the data. `vision_heads`: SigLIP's attention heads
+    where the tower is not So400m (`config_from_lerobot`).
     """
     from transformers import AutoTokenizer
 
@@ -468,7 +493,7 @@ def convert_checkpoint(
         lerobot_config = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise ConfigError(f"{config_file}: not valid JSON ({error})") from error
-    config = config_from_lerobot(lerobot_config, weight_shapes(weights_file))
+    config = config_from_lerobot(lerobot_config, weight_shapes(weights_file), vision_heads, str(config_file))
     if isinstance(tokenizer, str | os.PathLike):
         try:
             tok = AutoTokenizer.from_pretrained(tokenizer)

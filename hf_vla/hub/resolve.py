@@ -343,6 +343,16 @@ def is_remote(reference) -> bool:
     return isinstance(reference, str) and reference.startswith(("hf://", "gs://", "http://", "https://"))
 
 
+def _declared_model_type(checkpoint: str | Path) -> str | None:
+    """The `model_type` a local checkpoint's config.json declares (None: not a local directory, or none declared)."""
+    path = Path(checkpoint) / "config.json"
+    try:
+        declared = json.loads(path.read_text()).get("model_type") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None  # transformers reports an unreadable config itself
+    return declared if isinstance(declared, str) else None
+
+
 def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=None):
     """The policy and its processor from a directory or Hub id, as every command loads them: the model and processor
     classes of the family registered for its config's model_type (`hf_vla.registry`; for transformers' pi0 its
@@ -354,7 +364,17 @@ def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=N
     from hf_vla.hub.convert import check_weight_files
     from hf_vla.registry import get_policy
 
-    config = AutoConfig.from_pretrained(checkpoint, revision=revision)
+    from huggingface_hub.errors import StrictDataclassError
+
+    declared = _declared_model_type(checkpoint)
+    if declared is not None:  # an unknown type: transformers would ask for remote code instead of naming it
+        get_policy(declared, f"{checkpoint}: config.json model_type")
+    try:
+        config = AutoConfig.from_pretrained(checkpoint, revision=revision)
+    except StrictDataclassError as error:  # a field the config class refuses (e.g. subtask_max_tokens 0): one line
+        cause = error.__cause__ or error
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ValueError(f"{checkpoint}/config.json: {first}") from error
     family = get_policy(config.model_type, f"{checkpoint}: config.json model_type")
     check_weight_files(checkpoint)  # missing or cut-off weights: one line naming the file, not safetensors' error
     if family.value_model:

@@ -17,7 +17,9 @@ import torch
 VOCAB = 257152  # lerobot hard-codes PaliGemma's vocabulary
 TEXT = dict(width=64, depth=2, mlp_dim=128, num_heads=8, num_kv_heads=1, head_dim=8)
 EXPERT = dict(width=32, depth=2, mlp_dim=64, num_heads=8, num_kv_heads=1, head_dim=8)
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=8)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, patch_size=8)
+# one vision head (32 dims): a conversion cannot read the head count from the weights and assumes SigLIP's 64-dim heads
+# (at least one) for a tower that is not So400m; the MEM oracles build 2 heads and convert with --vision_heads 2
 IMAGE_SIZE = 32
 CHUNK, MAX_STATE, MAX_ACTION = 5, 8, 6
 

@@ -11,7 +11,8 @@ copies otherwise: the parquet files are rewritten, so the source's stay as they 
 `meta/hf_vla_recap.json` with the settings, each threshold and the positive fraction it gave.
 
 Stage then rename (`hf_vla.storage`): a killed run leaves no output, and the values computed so far in
-`.<output>.annotating-values/` beside it, which a rerun with the same value model reuses.
+`.<output>.annotating-values/` beside it, which a rerun reuses where the value model, the dataset entry and the data
+files are the same (`_cache_key`).
 """
 
 from __future__ import annotations
@@ -148,7 +149,13 @@ def _annotate_one(config, target: Path, model, processor, args: AnnotateArgument
     lengths = source.episodes["length"]
     per_frame: dict[int, dict[str, np.ndarray]] = {}
     tasks: dict[int, str] = {}
+    empty = 0
     for row, episode in enumerate(episodes.tolist()):
+        if int(lengths[row]) == 0:  # listed in meta/episodes with no frame: nothing to annotate
+            per_frame[episode] = {key: np.zeros(0, dtype=bool if key in ("intervention", "positive") else np.float64)
+                                  for key in ("return", "value", "advantage", "intervention")}
+            empty += 1
+            continue
         table = source._episode_rows(episode, row, int(lengths[row]), _columns(source))
         task_index = table["task_index"].to_numpy()
         tasks[episode] = source.task(int(task_index[0]), episode)
@@ -170,9 +177,12 @@ def _annotate_one(config, target: Path, model, processor, args: AnnotateArgument
         pooled = pooled[np.isfinite(pooled)]
         thresholds[task] = positive_threshold(pooled, args.positive_fraction) if len(pooled) else float("inf")
     positives = 0
+    if empty:
+        logger.warning("dataset %r: %d episode(s) of zero frames in meta/episodes, skipped", source.name, empty)
     for episode, frames in per_frame.items():
         advantage = frames["advantage"]
-        frames["positive"] = (np.isfinite(advantage) & (advantage > thresholds[tasks[episode]])) | frames["intervention"]
+        threshold = thresholds.get(tasks.get(episode), float("inf"))  # an empty episode has no task
+        frames["positive"] = (np.isfinite(advantage) & (advantage > threshold)) | frames["intervention"]
         positives += int(frames["positive"].sum())
     frames_total = int(sum(len(f["value"]) for f in per_frame.values()))
     summary = {"dataset": source.name, "source": str(source.root), "value": str(args.value),
@@ -205,7 +215,8 @@ def _values(source, model, processor, args: AnnotateArguments, cache: Path, fing
 
     cache.mkdir(parents=True, exist_ok=True)
     stamp = cache / "value_model.txt"
-    if not stamp.is_file() or stamp.read_text() != fingerprint:  # another value model's: start over
+    fingerprint = _cache_key(source, processor, fingerprint)
+    if not stamp.is_file() or stamp.read_text() != fingerprint:  # another model, data, prompt or setting: start over
         shutil.rmtree(cache)
         cache.mkdir(parents=True)
         stamp.write_text(fingerprint)
@@ -220,6 +231,9 @@ def _values(source, model, processor, args: AnnotateArguments, cache: Path, fing
     try:
         for episode, length in zip(episodes, lengths):
             path = cache / f"episode_{episode}.npy"
+            if length == 0:  # listed with no frame
+                out[episode] = np.zeros(0)
+                continue
             if episode in done:
                 out[episode] = np.load(path)
                 continue
@@ -243,6 +257,25 @@ def _values(source, model, processor, args: AnnotateArguments, cache: Path, fing
         reader.close()
         bar.close()
     return out
+
+
+def _cache_key(source, processor, model_fingerprint: str) -> str:
+    """What an episode's cached values depend on: the value model's weights, the dataset entry (its task, cameras,
+    keys, head), the processor's image size, and the data itself (every file's path, size and modification time under
+    data/, videos/ and meta/, and each episode's length): a source re-recorded at the same path, or a corrected task,
+    starts the values over."""
+    import hashlib
+    from dataclasses import asdict
+
+    files = []
+    for folder in ("data", "videos", "meta"):
+        for path in sorted((source.root / folder).rglob("*")) if (source.root / folder).is_dir() else []:
+            if path.is_file():
+                stat = path.stat()
+                files.append([str(path.relative_to(source.root)), stat.st_size, stat.st_mtime_ns])
+    key = {"model": model_fingerprint, "dataset": asdict(source.config), "image_size": processor.image_size,
+           "lengths": [int(n) for n in source.episodes["length"].tolist()], "files": files}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _write(source, target: Path, per_frame: dict, summary: dict) -> None:

@@ -114,6 +114,20 @@ def env_names(with_tasks: bool = False, recordable: bool = False) -> list[str]:
             and (not recordable or family.recording)]
 
 
+def check_gym_id(env: str, label: str = "env=") -> None:
+    """A registered env, or a gymnasium id (hf_vla's own registered first); else one `ConfigError` naming `label`, the
+    id and the envs there are."""
+    if find_env(env) is not None:
+        return
+    import gymnasium as gym
+
+    try:
+        gym.spec(env)
+    except gym.error.Error as error:
+        raise ConfigError(f"{label}{env!r}: not an env ({str(error).splitlines()[0]}); hf_vla's envs: "
+                          f"{', '.join(env_names())}, or a gymnasium id that an installed package registers") from None
+
+
 def task_env(name: str | None) -> EnvFamily | None:
     """The registered env `name` when it has tasks (a benchmark), else None."""
     family = find_env(name)

@@ -88,7 +88,7 @@ class StochasticPolicy(PolicyRunner):
             raise RequestError("RL rollouts sample independent chunks (no real-time chunking)")
         # an advantage-conditioned policy (RECAP) acts on "positive" as everywhere; without guidance (cfg_beta 1):
         # the chain's likelihood is that of the one velocity it sampled with
-        request = super().prepare(observation, task, head, cfg_beta=1.0, subtask=subtask)
+        request = super().prepare(observation, task, head, continuation, cfg_beta=1.0, subtask=subtask)
         config = self.model.config
         # the Gaussian steps' normals, from this slot's generator: the episode does not depend on its batch-mates
         request.step_noise = torch.randn(1, self.sde.num_steps, config.chunk_size, config.max_action_dim,

@@ -51,8 +51,11 @@ def serve_checkpoint(args: ServeArguments, rtc: RTCArguments) -> None:
 
 def _check_guidance(runner, cfg_beta, max_cfg_beta) -> None:
     """`--cfg_beta` within [0, --max_cfg_beta], and only for an advantage-conditioned policy (before listening)."""
-    if not (math.isfinite(max_cfg_beta) and max_cfg_beta >= 0):
-        raise ConfigError(f"--max_cfg_beta {max_cfg_beta}: a finite number >= 0")
+    from hf_vla.models.common.flow import MAX_CFG_BETA
+
+    if not (math.isfinite(max_cfg_beta) and 0 <= max_cfg_beta <= MAX_CFG_BETA):
+        raise ConfigError(f"--max_cfg_beta {max_cfg_beta}: a number in [0, {MAX_CFG_BETA:g}] (guidance beyond "
+                          "leaves any action range)")
     if cfg_beta is None:
         return
     if not (math.isfinite(cfg_beta) and 0 <= cfg_beta <= max_cfg_beta):

@@ -175,12 +175,17 @@ class Continuation:
     """How a request continues the chunk the robot is executing (real-time chunking): `inference_delay` actions of it
     run while the call does, `executed_steps` of it were executed when the observation was taken (the runner then
     continues its own last chunk), or the client sends what is left of it (`prev_chunk_left_over`); the new chunk is
-    blended with `execution_horizon` of its actions. The defaults: an independent chunk."""
+    blended with `execution_horizon` of its actions. The defaults: an independent chunk.
+
+    `recorded` (a MEM policy's past): None, the observation is this control step's and the call records it; an
+    integer, `observe` recorded it already, that many steps before the newest recorded observation (the episode
+    loop observes every step; with an inference delay it acts on an observation some steps old)."""
 
     inference_delay: int = 0
     executed_steps: int | None = None
     prev_chunk_left_over: object = None
     execution_horizon: int | None = None
+    recorded: int | None = None
 
 
 @dataclass
@@ -288,7 +293,6 @@ class PolicyRunner:
             raise ValueError(f"subtask_every={self.subtask_every}: decode a subtask every 1 or more chunks")
         # MEM: the episode's observations, one per control step (a stride in the env's steps: `memory_stride`)
         self.memory = ObservationMemory.from_settings(getattr(self.processor, "memory", None), self.memory_stride)
-        self._observed = False  # the current observation is recorded already (`observe`)
         self.last_subtask: str | None = None  # the subtask the last chunk acted on (None: none)
         self._subtask_age = 0  # chunks acted on the last decoded subtask
         self._decoded: tuple | None = None  # the last decoded subtask's tokens (ids, mask), acted on between decodes
@@ -300,7 +304,6 @@ class PolicyRunner:
         self.last_subtask, self._subtask_age, self._decoded = None, 0, None
         if self.memory is not None:
             self.memory.reset()
-        self._observed = False
         if seed is not None:
             self.generator.manual_seed(int(seed))
 
@@ -315,14 +318,23 @@ class PolicyRunner:
         self._check_state(self.obs_map.state_vector(observation), self.head_name(head))
 
     def observe(self, observation: dict) -> None:
-        """One control step's observation, where no chunk is asked for: a MEM policy keeps it as the past of later
-        chunks (the episode loop calls this at every step; `prepare` records the step it is given unless this did).
-        Without memory: nothing."""
+        """One control step's observation where no chunk is asked for: a MEM policy keeps it as the past of later
+        chunks (a call that acts records its own observation; `Continuation.recorded` says it was observed here
+        already). Without memory: nothing."""
         if self.memory is None:
             return
         images, state = self._camera_images(observation)[0], self.obs_map.state_vector(observation)
+        self._check_memory_shape(images)
         self.memory.record(images, state)
-        self._observed = True
+
+    def _check_memory_shape(self, images: torch.Tensor) -> None:
+        """A MEM policy's cameras keep their size through an episode (its past frames are stacked with the new one)."""
+        if self.memory is not None and self.memory.visual and self.memory.history:
+            before = tuple(self.memory.history[-1][0].shape)
+            if tuple(images.shape) != before:
+                raise RequestError(f"camera images of shape {tuple(images.shape)} [cams, 3, H, W]; this episode's "
+                                   f"earlier observations were {before}: a MEM policy's cameras keep one size within "
+                                   "an episode (start a new one: reset, or a new episode_seed)")
 
     def sample_batch(self, requests: list[PreparedRequest]) -> torch.Tensor:
         """The normalised chunks of prepared requests that share one forward (`sample_batch`); the one place the
@@ -396,11 +408,19 @@ class PolicyRunner:
         reuse = (not decode and text is not None and subtask in (None, "auto") and self._decoded is not None
                  and self.model.config.subtask_layout == "joint")
         rows = {"images": images[None], "states": state[None], "tasks": [task], "camera_mask": mask[None]}
-        if self.memory is not None:  # MEM: this step joins the episode's history (unless `observe` added it)
-            if not self._observed:
+        if self.memory is not None:  # MEM: this step joins the episode's history (unless `observe` recorded it)
+            lag = continuation.recorded
+            if lag is None:
+                self._check_memory_shape(images)
+            elif isinstance(lag, bool) or not isinstance(lag, int | np.integer) or lag < 0:
+                raise RequestError(f"recorded={lag!r}: how many steps before the newest observation this one was "
+                                   "recorded (an integer >= 0), or None")
+            if lag is None:
                 self.memory.record(images, state)
-            self._observed = False
-            rows["memory"] = self.memory.past()
+            try:
+                rows["memory"] = self.memory.past(lag or 0)
+            except ValueError as error:
+                raise RequestError(str(error)) from error
         inputs, noise = self._inputs(rows, head, cfg_beta, "auto" if decode or reuse else text)
         if reuse:
             valid = self._decoded[1]

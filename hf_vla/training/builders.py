@@ -200,17 +200,37 @@ def build_model(model_args: ModelArguments, config=None, seed: int | None = None
     if model_args.model_name_or_path:
         try:  # the checkpoint's weights with its config as model_config() read it (rtc_max_delay applied); a family
             # that starts from another's checkpoint (the value model from pi0.5's) reads the weights it shares
-            return model_class.from_pretrained(
+            return keep_fp32_modules(model_class.from_pretrained(
                 model_args.model_name_or_path, config=config, dtype=dtype, revision=model_args.model_revision,
                 attn_implementation=model_args.attn_implementation
-            )
+            ))
         except OSError as error:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: {error}") from error
     config._attn_implementation = model_args.attn_implementation
     with built_without_zero3_init():  # whole, then partitioned by DeepSpeed (see its docstring)
         model = model_class(config)
     model.set_attn_implementation(model_args.attn_implementation)
-    return model.to(dtype)
+    return keep_fp32_modules(model.to(dtype))
+
+
+def keep_fp32_modules(model):
+    """The parameters a model keeps in fp32 (`_keep_in_fp32_modules_strict`, matched as transformers matches them) in
+    fp32 after a load in another dtype: transformers casts the loaded ones, but builds the ones missing from the
+    checkpoint (a value model's readout started from a policy, MEM's projection from a memory-free checkpoint) in the
+    load dtype, and their first matmul then meets an fp32 input."""
+    import re
+
+    import torch
+
+    patterns = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    if not patterns:
+        return model
+    keep = re.compile("|".join(re.escape(pattern) for pattern in patterns))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and param.dtype != torch.float32 and keep.search(name):
+                param.data = param.data.float()
+    return model
 
 
 def check_token_objective(config, model_args: ModelArguments, args, what: str = "token_loss") -> None:

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import torch
 
+# classifier-free guidance's largest beta, v_u + beta (v_c - v_u): RECAP uses about 1..3; far beyond, the guided
+# velocity leaves any action range and, near float's limit, overflows to inf / NaN actions
+MAX_CFG_BETA = 100.0
+
 
 def sample_time(config, batch_size: int, device) -> torch.Tensor:
     """`[batch_size]` flow-matching times from `config`'s Beta(time_sampling_beta_alpha, time_sampling_beta_beta),
@@ -16,4 +20,4 @@ def sample_time(config, batch_size: int, device) -> torch.Tensor:
     return (beta.sample((batch_size,)) * config.time_sampling_scale + config.time_sampling_offset).to(device)
 
 
-__all__ = ["sample_time"]
+__all__ = ["MAX_CFG_BETA", "sample_time"]

@@ -3,6 +3,7 @@ and relative actions of `hf_vla.models.common.normalization`), un-normalization.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from transformers import BatchFeature, ProcessorMixin
 
 from hf_vla.models.common.contract_io import DeploymentContractMixin
+from hf_vla.models.common.flow import MAX_CFG_BETA
 from hf_vla.models.common.images import as_image_batch, resize_with_pad
 from hf_vla.models.common.normalization import normalize as _normalize
 from hf_vla.models.common.normalization import relative_mask as _relative_mask
@@ -51,9 +53,16 @@ def advantage_task(task: str, advantage: bool | None) -> str:
     return f"{task}\n{tag}" if task else tag
 
 
+logger = logging.getLogger("hf_vla")
+
+
 class IndicatorCutError(ValueError):
     """A prompt too long for `tokenizer_max_length` once RECAP's advantage indicator is in it (the indicator would be
     cut off). Its own type, so a trainer can report it as a data error (this file also runs without hf_vla)."""
+
+
+class PromptCutError(ValueError):
+    """A prompt too long for `tokenizer_max_length` once the `Subtask: ` marker that a subtask follows is in it."""
 
 
 class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
@@ -114,6 +123,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         cfg_beta: float = 1.0,
         subtask_layout: str | None = None,
         memory: dict | None = None,
+        subtask_max_tokens: int | None = None,
         **kwargs,
     ):
         self.norm_stats = norm_stats or {}
@@ -130,6 +140,8 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         self.advantage_conditioned = bool(advantage_conditioned)
         self.cfg_beta = float(cfg_beta)
         self.subtask_layout = subtask_layout
+        self.subtask_max_tokens = None if subtask_max_tokens is None else int(subtask_max_tokens)
+        self._subtask_cut_warned = False
         self.memory = _memory_settings(memory)
         self._last_state = None  # the raw states of the last call (relative actions are offsets from them)
         super().__init__(tokenizer, **kwargs)
@@ -149,6 +161,8 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             discrete_state_input=getattr(config, "discrete_state_input", True),
             subtask_layout=getattr(config, "subtask_layout", None),
             memory=memory_settings_of(config),
+            subtask_max_tokens=getattr(config, "subtask_max_tokens", None) if getattr(config, "subtask_layout", None)
+            else None,
         )
 
     # ---- normalization -------------------------------------------------------------------------------------------
@@ -236,6 +250,21 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         return self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.prompt_max_length,
                               padding_side="right")
 
+    def _check_subtask_marker_fits(self, texts: list[str], subtask_next: list[bool], padded_state, states,
+                                   tokens: dict) -> None:
+        """A prompt followed by a subtask must keep its `Subtask: ` marker through the truncation to
+        `prompt_max_length` tokens: cut, the subtask would be decoded (or trained) after half a task. Only a row that
+        fills the length can have been cut, so only such a row is tokenized again, whole."""
+        for row, text in enumerate(texts):
+            if not subtask_next[row] or sum(tokens["attention_mask"][row]) < self.prompt_max_length:
+                continue
+            prompt = self.build_prompt(text, padded_state[row, : states[row].shape[-1]], subtask_next=True)
+            length = len(self.tokenizer(prompt)["input_ids"])
+            if length > self.prompt_max_length:
+                raise PromptCutError(f"the prompt is {length} tokens, longer than tokenizer_max_length="
+                                     f"{self.prompt_max_length}, which cuts its 'Subtask: ' marker off; shorten the "
+                                     "task (or train with a larger tokenizer_max_length)")
+
     def _check_indicator_fits(self, texts: list[str], advantages: list, padded_state, states, tokens: dict) -> None:
         """The advantage indicator must survive the prompt's truncation to `prompt_max_length` tokens: a cut one
         would train (and run) a policy that never reads it. Only a row that fills the length can have been cut, so
@@ -270,8 +299,9 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             cfg_beta = self.cfg_beta
         betas = [float(b) for b in cfg_beta] if isinstance(cfg_beta, list | tuple | torch.Tensor) else (
             [float(cfg_beta)] * rows)
-        if len(betas) != rows or not all(math.isfinite(b) and b >= 0 for b in betas):
-            raise ValueError(f"cfg_beta={cfg_beta!r}: a finite beta >= 0 per row (1: plain conditioning)")
+        if len(betas) != rows or not all(math.isfinite(b) and 0 <= b <= MAX_CFG_BETA for b in betas):
+            raise ValueError(f"cfg_beta={cfg_beta!r}: a beta in [0, {MAX_CFG_BETA:g}] per row (1: plain "
+                             "conditioning)")
         guided = [b != 1.0 for b in betas]
         if not any(guided):
             return values, None
@@ -303,6 +333,15 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         eos = self.tokenizer.eos_token_id
         rows = [[] if s is None else self.tokenizer(s, add_special_tokens=False)["input_ids"] + [eos]
                 for s in subtasks]
+        bound = self.subtask_max_tokens
+        if bound is not None and any(len(r) > bound for r in rows):  # the model decodes at most `bound` tokens
+            longest = max(range(len(rows)), key=lambda i: len(rows[i]))
+            if not self._subtask_cut_warned:
+                logger.warning("a subtask of %d tokens (EOS included; %r...) is cut to subtask_max_tokens=%d, the most "
+                               "the model decodes; shorten the annotations or raise subtask_max_tokens",
+                               len(rows[longest]), str(subtasks[longest])[:40], bound)
+                self._subtask_cut_warned = True
+            rows = [r if len(r) <= bound else r[: bound - 1] + [eos] for r in rows]
         width = max(1, max(len(r) for r in rows))
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -436,6 +475,9 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
                                      subtask_next)
         if any(a is not None for a in advantages):
             self._check_indicator_fits(texts, advantages, padded_state, states, tokens)
+        if any(subtask_next):
+            self._check_subtask_marker_fits([advantage_task(t, a) for t, a in zip(texts, advantages)], subtask_next,
+                                            padded_state, states, tokens)
         data = {"input_ids": torch.tensor(tokens["input_ids"], dtype=torch.long),
                 "attention_mask": torch.tensor(tokens["attention_mask"], dtype=torch.bool), "state": padded_state}
         if self.subtask_layout == "joint" and any(s not in (None, "auto") for s in subtasks):

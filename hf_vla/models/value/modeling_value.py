@@ -113,7 +113,7 @@ class PI05ValueModel(PreTrainedModel):
         positions = valid.long().cumsum(-1) - 1  # the query right after the last real prompt token
         hidden = text_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).last_hidden_state
         logits = self.value_readout(hidden[:, -1].float())
-        value = logits.softmax(-1) @ self.bin_values
+        value = logits.softmax(-1) @ self.bin_values.float()  # a load in bf16 casts the buffer too
         loss = per_sample = None
         if value_targets is not None:
             target = self.target_distribution(value_targets)
