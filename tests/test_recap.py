@@ -19,21 +19,31 @@ from hf_vla.recap import advantages, bin_centers, episode_returns, hl_gauss_targ
 
 
 # ---- the arithmetic -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cost", [None, 1000.0])
 @pytest.mark.parametrize("success", [True, False])
-def test_returns_against_a_float64_sum_of_rewards(success):
-    length, limit, cost = 37, 50, 1000.0
+def test_returns_against_a_float64_sum_of_rewards(success, cost):
+    """The sum of the rewards from each frame, over the episode limit plus the failure cost (default: the limit)."""
+    length, limit = 37, 50
+    paid = limit if cost is None else cost
     expected = []
     for t in range(length):
         total = 0.0
         for k in range(t, length):
-            total += (0.0 if success else -cost) if k == length - 1 else -1.0
-        expected.append(min(0.0, max(-1.0, total / limit)))
+            total += (0.0 if success else -paid) if k == length - 1 else -1.0
+        expected.append(min(0.0, max(-1.0, total / (limit + paid))))
     got = episode_returns(length, success, limit, cost)
     assert got.dtype == np.float64 and got.tolist() == expected
     if success:
-        assert got[-1] == 0.0 and got[0] == -(length - 1) / limit
-    else:
-        assert (got == -1.0).all()  # a failure costs more than any limit: the bottom bin
+        assert got[-1] == 0.0 and got[0] == -(length - 1) / (limit + paid)
+    else:  # failures keep their time order (an earlier frame is worse), all below every success
+        assert (np.diff(got) > 0).all() and got.max() < -(limit - 1) / (limit + paid) + 1e-12
+
+
+def test_a_failure_is_worse_than_any_success_within_the_limit():
+    limit = 40
+    worst_success = episode_returns(limit, True, limit)[0]
+    best_failure = episode_returns(1, False, limit)[0]
+    assert best_failure < worst_success and episode_returns(limit, False, limit)[0] == -(2 * limit - 1) / (2 * limit)
 
 
 def test_bins_are_the_nearest_centre_and_hl_gauss_sums_to_one():
@@ -53,19 +63,24 @@ def test_bins_are_the_nearest_centre_and_hl_gauss_sums_to_one():
 
 
 def test_the_n_step_advantage_on_a_hand_made_episode():
-    """5 frames, success, limit 10, N = 2, values chosen by hand: A_t = r_t/10 + r_{t+1}/10 + V_{t+2} - V_t, and the
-    Monte-Carlo rest of the return where t + 2 passes the end."""
-    returns = episode_returns(5, True, 10)  # [-0.4, -0.3, -0.2, -0.1, 0.0]
+    """5 frames, success, limit 10 and failure cost 10 (the scale 20), N = 2, values chosen by hand:
+    A_t = r_t/20 + r_{t+1}/20 + V_{t+2} - V_t, and the Monte-Carlo rest of the return where t + 2 passes the end."""
+    returns = episode_returns(5, True, 10)  # [-0.2, -0.15, -0.1, -0.05, 0.0]
+    np.testing.assert_allclose(returns, [-0.2, -0.15, -0.1, -0.05, 0.0], atol=1e-15)
     values = np.array([-0.5, -0.2, -0.25, -0.05, -0.02])
     got = advantages(returns, values, True, 10, lookahead=2)
-    expected = [-0.1 - 0.1 + values[2] - values[0], -0.1 - 0.1 + values[3] - values[1],
-                -0.1 - 0.1 + values[4] - values[2], returns[3] - values[3], returns[4] - values[4]]
+    step = -1 / 20
+    expected = [2 * step + values[2] - values[0], 2 * step + values[3] - values[1],
+                2 * step + values[4] - values[2], returns[3] - values[3], returns[4] - values[4]]
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-15)
     np.testing.assert_array_equal(advantages(returns, values, True, 10, lookahead=None), returns - values)
-    failed = advantages(episode_returns(5, False, 10), values, False, 10, lookahead=2)
-    # the failure's cost sits in the last step: inside a window only through the (clipped) return
-    np.testing.assert_allclose(failed, [-0.2 + values[2] - values[0], -0.2 + values[3] - values[1],
-                                        -0.2 + values[4] - values[2], -1 - values[3], -1 - values[4]], atol=1e-15)
+    failing = episode_returns(5, False, 10)  # the last step costs 10: [-0.7, -0.65, -0.6, -0.55, -0.5]
+    np.testing.assert_allclose(failing, [-0.7, -0.65, -0.6, -0.55, -0.5], atol=1e-15)
+    failed = advantages(failing, values, False, 10, lookahead=2)
+    # the failure's cost sits in the last step: inside a window only through the rest of the return
+    np.testing.assert_allclose(failed, [2 * step + values[2] - values[0], 2 * step + values[3] - values[1],
+                                        2 * step + values[4] - values[2], failing[3] - values[3],
+                                        failing[4] - values[4]], atol=1e-15)
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.4, 0.55])
@@ -98,22 +113,108 @@ def _inputs(processor, rows=2, **kwargs):
     return processor(images=images, text=["pick the cube"] * rows, state=state, **kwargs)
 
 
-def test_the_indicator_follows_the_task_as_lerobots_branch_writes_it(policy):
+def test_the_indicator_is_a_segment_of_its_own_before_the_answer(policy):
     _, processor = policy
-    state = torch.zeros(2)
     decode = processor.tokenizer.decode
     positive = _inputs(processor, 1, advantage=True)
     text = decode(positive["input_ids"][0][positive["attention_mask"][0]], skip_special_tokens=True)
-    plain = processor.build_prompt("pick the cube", state).split(", State:")[0]
-    assert plain == "Task: pick the cube"
-    assert text.startswith("Task: pick the cube Advantage: positive, State: "), text
+    assert text.startswith("Task: pick the cube, State: ") and "Advantage: positive;" in text, text
+    assert text.index("State:") < text.index("Advantage") < text.index("Action:")
     negative = _inputs(processor, 1, advantage=False)
-    assert "Advantage: negative, State:" in decode(negative["input_ids"][0], skip_special_tokens=True)
+    assert "Advantage: negative;" in decode(negative["input_ids"][0], skip_special_tokens=True)
     none = _inputs(processor, 1, advantage=None)
     assert "Advantage" not in decode(none["input_ids"][0], skip_special_tokens=True)
     # inference ("auto"): an advantage-conditioned processor asks for positive, with no flag
     assert torch.equal(_inputs(processor, 1)["input_ids"], positive["input_ids"])
     assert "uncond_input_ids" not in _inputs(processor, 1)  # beta = 1: one prompt, one forward
+
+
+def _paligemma_style_tokenizer():
+    """A tokenizer shaped as PaliGemma's (Gemma's SentencePiece BPE): spaces become "▁" in the normalizer and nothing
+    splits the text first, so merges may cross words and punctuation ("▁drawer," can be one token), trained here on
+    task-like text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.decoder = decoders.Replace("▁", " ")
+    words = ["open the drawer,", "pick the red cube,", "move to the target,", "Advantage: positive;",
+             "State: 12 200 7;\n", "Action: ", "Task: "]
+    corpus = [" ".join(words[i % len(words)] for i in range(start, start + 6)) for start in range(200)]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"],
+                                  show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    from tokenizers import processors
+
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[
+        ("<bos>", tokenizer.token_to_id("<bos>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["demo", "paligemma_style"])
+def test_the_indicator_leaves_the_tasks_token_ids_unchanged(policy, kind):
+    """The task's and the state's token ids are those of the plain prompt, with either indicator: appended to the
+    task (the form before), "drawer," re-tokenized and every later token moved."""
+    from hf_vla.models.pi05 import PI05Processor
+
+    model, demo = policy
+    tokenizer = demo.tokenizer if kind == "demo" else _paligemma_style_tokenizer()
+    processor = PI05Processor.from_config(model.config, tokenizer, norm_stats=demo.norm_stats)
+    processor.advantage_conditioned = True
+    state = torch.tensor([[0.2, -0.4]])
+    images = torch.zeros(1, 2, 3, 32, 32, dtype=torch.uint8)
+    for task in ("open the drawer", "pick the red cube", "move to the target"):
+        plain = processor(images=images, text=[task], state=state, advantage=None)
+        head = processor.build_prompt(task, processor.normalize(state, "state", "arm")[0]).rpartition("\n")[0]
+        kept = len(tokenizer(head)["input_ids"]) - 1  # the task and the state, up to the prompt's last newline
+        for advantage in (True, False):
+            tagged = processor(images=images, text=[task], state=state, advantage=advantage)
+            assert tagged["input_ids"][0, :kept].tolist() == plain["input_ids"][0, :kept].tolist(), (task, advantage)
+    processor.advantage_indicator = "appended"  # the form the review found: the task's own tokens move
+    appended = processor(images=images, text=["open the drawer"], state=state, advantage=True)
+    plain = processor(images=images, text=["open the drawer"], state=state, advantage=None)
+    head = len(tokenizer("Task: open the drawer, State:")["input_ids"])
+    assert appended["input_ids"][0, :head].tolist() != plain["input_ids"][0, :head].tolist()
+
+
+def test_the_embedding_indicator_is_read_by_the_expert_and_guided_with_one_prompt(tiny_tokenizer):
+    """`advantage_indicator="embedding"`: the prompt is the plain one, `advantage_ids` reach the expert's time
+    conditioning (zero at the start: the policy as it was), and guidance's two halves share the prompt."""
+    from hf_vla.models.pi05 import PI05ForConditionalGeneration, PI05Processor
+    from hf_vla.tiny import tiny_pi05_config
+
+    config = tiny_pi05_config(tokenizer_max_length=64, advantage_indicator="embedding")
+    model = randomize_(PI05ForConditionalGeneration(config), seed=3).eval()
+    fresh = PI05ForConditionalGeneration(config)
+    assert fresh.advantage_embedding.weight.abs().sum() == 0
+    stats = {"arm": {"state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0]}, "actions": {"q01": [-1.0] * 3, "q99": [1.0] * 3}}}
+    processor = PI05Processor.from_config(config, tiny_tokenizer, norm_stats=stats)
+    processor.advantage_conditioned = True
+    positive, none = _inputs(processor, 2, advantage=True), _inputs(processor, 2, advantage=None)
+    assert torch.equal(positive["input_ids"], none["input_ids"]) and positive["advantage_ids"].tolist() == [2, 2]
+    noise = _noise(model)
+    keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "advantage_ids")
+    with torch.no_grad():
+        conditioned = model.sample_actions(**{k: positive[k] for k in keys}, noise=noise)
+        plain = model.sample_actions(**{k: none[k] for k in keys}, noise=noise)
+        guided = _inputs(processor, 2, cfg_beta=2.0)
+        assert torch.equal(guided["uncond_input_ids"], guided["input_ids"])
+        both = model.sample_actions(**{k: v for k, v in guided.items() if k not in ("state",)}, noise=noise)
+        beta_one = model.sample_actions(**{k: v for k, v in _inputs(processor, 2, cfg_beta=1.0).items()
+                                           if k != "state"}, noise=noise)
+    assert (conditioned - plain).abs().max() > 1e-4  # the expert reads the indicator
+    assert torch.allclose(beta_one, conditioned, atol=1e-6)
+    assert (both - conditioned).abs().max() > 1e-5  # beta 2 moves further from the unconditioned sample
+    # one Euler step by hand: v_u + 2 (v_c - v_u) from two separate forwards
+    with torch.no_grad():
+        t = torch.ones(2)
+        common = {k: positive[k] for k in keys if k != "advantage_ids"}
+        v_c = model(noise=noise, timestep=t, advantage_ids=positive["advantage_ids"], **common).logits
+        v_u = model(noise=noise, timestep=t, advantage_ids=torch.zeros(2, dtype=torch.long), **common).logits
+        one_step = model.sample_actions(**{k: v for k, v in guided.items() if k != "state"}, noise=noise, num_steps=1)
+    torch.testing.assert_close(one_step, noise - (v_u + 2.0 * (v_c - v_u)), atol=2e-5, rtol=0)
 
 
 def test_guidance_is_refused_where_it_cannot_apply(policy, tiny_tokenizer):
@@ -123,7 +224,7 @@ def test_guidance_is_refused_where_it_cannot_apply(policy, tiny_tokenizer):
     plain = PI05Processor.from_config(policy[0].config, tiny_tokenizer, norm_stats=processor.norm_stats)
     with pytest.raises(ValueError, match="guidance needs an advantage-conditioned policy"):
         _inputs(plain, 1, cfg_beta=2.0)
-    with pytest.raises(ValueError, match="a finite beta >= 0"):
+    with pytest.raises(ValueError, match="a beta in \\[0, 100\\]"):
         _inputs(processor, 1, cfg_beta=float("nan"))
     with pytest.raises(ValueError, match="must ask for it"):
         _inputs(processor, 1, cfg_beta=2.0, advantage=False)
@@ -328,9 +429,11 @@ def test_annotate_writes_the_indicator_and_leaves_the_source_byte_identical(roun
         advantage = table["recap.advantage"].to_numpy()[rows]
         assert abs(int((advantage > entry["threshold"]).sum()) - 0.3 * rows.sum()) <= 0.5
     # returns as the float64 computation gives them (stored as float32)
+    (limit,) = set(summary["episode_limits"].values())  # every colour's task: the recording's 20 steps
+    assert limit == 20
     for _, frames in table.groupby("episode_index"):
         success = bool(frames["next.success"].any())
-        expected = episode_returns(len(frames), success, summary["max_episode_steps"])
+        expected = episode_returns(len(frames), success, limit)
         np.testing.assert_allclose(frames["recap.return"].to_numpy(), expected.astype(np.float32), rtol=0, atol=0)
     info = json.loads((out / "meta" / "info.json").read_text())
     assert info["features"]["advantage_positive"]["dtype"] == "bool"
@@ -390,7 +493,7 @@ def recap_policy(round_data):
     # the demo's 16-token prompts would cut the indicator off: refused, never trained on in silence
     with pytest.raises(Exception, match="cuts the indicator off; raise the model's tokenizer_max_length"):
         train_main(common)
-    trainer = train_main([*common, "--model_config.tokenizer_max_length", "32", "--validation_ratio", "0.3"])
+    trainer = train_main([*common, "--model_config.tokenizer_max_length", "40", "--validation_ratio", "0.3"])
     return out, trainer.evaluate()  # the provenance evaluation, per indicator value too
 
 
@@ -434,7 +537,7 @@ def test_a_policy_trained_on_the_annotation_asks_for_positive(recap_policy):
     out, metrics = recap_policy  # metrics: validation episodes of the demonstrations and the annotated rollouts
     assert {"eval_by_advantage/positive/mse", "eval_by_advantage/negative/mse"} <= set(metrics), sorted(metrics)
     contract = json.loads((out / "deployment_config.json").read_text())
-    assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0}
+    assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0, "indicator": "text"}
     runner = load_policy(out)
     rows = {"images": torch.zeros(1, 1, 3, 24, 24, dtype=torch.uint8), "states": np.zeros((1, 2), np.float32),
             "tasks": ["move to the red target"], "camera_mask": torch.ones(1, 1, dtype=torch.bool)}
@@ -479,7 +582,7 @@ def test_the_server_guides_per_request_as_the_runner_does(recap_policy):
     server = Server("--checkpoint", str(recap_policy), "--seed", "5", "--max_cfg_beta", "2.5")
     try:
         client = WebsocketClientPolicy(server.uri)
-        assert client.get_server_metadata()["advantage"] == {"conditioned": True, "cfg_beta": 1.0,
+        assert client.get_server_metadata()["advantage"] == {"conditioned": True, "cfg_beta": 1.0, "indicator": "text",
                                                              "max_cfg_beta": 2.5}
         image = np.random.default_rng(0).integers(0, 255, (24, 24, 3), dtype=np.uint8)
         request = {"observation.image": image, "observation.state": np.array([0.1, -0.2], np.float32),
@@ -587,7 +690,7 @@ def test_advantage_conditioning_trains_with_the_token_objective_relative_actions
     if combo == "token_loss":
         assert "eval_fast_ce" in metrics and trainer.model.config.token_loss
     contract = json.loads((out / "deployment_config.json").read_text())
-    assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0}
+    assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0, "indicator": "text"}
     runner = load_policy(out)
     inputs, _ = runner._inputs({"images": torch.zeros(1, 1, 3, 48, 64, dtype=torch.uint8),
                                 "states": np.zeros((1, 3), np.float32), "tasks": ["reach target 0"],
@@ -786,3 +889,106 @@ def test_a_value_model_started_from_a_bf16_policy_trains(round_data, tmp_path):
 
     model = PI05ValueModel.from_pretrained(tmp_path / "value")
     assert model.value_readout[0].weight.dtype == torch.float32
+
+
+# ---- one episode limit per task, cross-fitting, decoys (#105) -------------------------------------------------------
+def test_one_episode_limit_per_task_across_the_mixture(tmp_path):
+    """Demonstrations recorded with the env's 500-step default and rollouts with 200: one task on two scales is
+    refused naming both; the dataset field settles it; undeclared, the task's longest episode in any dataset."""
+    from test_data import CAM, make_dataset
+
+    from hf_vla.data.dataset_config import DatasetConfig
+    from hf_vla.data.sources import LeRobotSource, resolve_episode_limits
+    from hf_vla.deployment.contract import RECORD_MARKER
+    from hf_vla.errors import ConfigError
+
+    demos, rollouts = make_dataset(tmp_path / "demos", 3), make_dataset(tmp_path / "rollouts", 3, lengths=[5, 6, 7])
+    for root, limit in ((demos, 500), (rollouts, 200)):
+        (root / "meta" / RECORD_MARKER).write_text(json.dumps({"env": "x", "max_episode_steps": limit}))
+
+    def sources(**fields):
+        return [LeRobotSource(DatasetConfig(root=str(root), name=name, cameras=[CAM], task="reach",
+                                            **fields.get(name, {})), 0)
+                for root, name in ((demos, "demos"), (rollouts, "rollouts"))]
+
+    with pytest.raises(ConfigError, match=r"task 'reach': dataset 'rollouts' has episode limit 200 \(its recording\) "
+                                          r"and dataset 'demos' 500 \(its recording\)"):
+        resolve_episode_limits(sources())
+    fixed = sources(demos={"max_episode_steps": 200})
+    assert resolve_episode_limits(fixed) == {"reach": 200}
+    assert fixed[0].episode_limit(0) == fixed[1].episode_limit(0) == 200
+    for root in (demos, rollouts):
+        (root / "meta" / RECORD_MARKER).unlink()
+    undeclared = sources()
+    longest = max(int(s.episodes["length"].max()) for s in undeclared)
+    assert resolve_episode_limits(undeclared) == {"reach": longest}
+    assert resolve_episode_limits(sources(), given={"reach": 300}) == {"reach": 300}  # a value model's own
+
+
+def test_cross_fitted_annotation_judges_each_episode_with_the_model_that_held_it_out(round_data, tmp_path):
+    """Two value models, each trained holding out one fold (`hold_out_fold`), annotate the rollouts: episode e's
+    values are the model of fold e mod 2's; a model that trained on every episode is refused as a judge of them."""
+    import json as json_module
+
+    from conftest import REPO
+
+    from hf_vla.errors import ConfigError
+    from hf_vla.recap.annotate import AnnotateArguments, _judges_of, _load_value_model
+    from hf_vla.train import main as train_main
+
+    rollouts = round_data["rollouts"]
+    models = []
+    for fold in range(2):
+        out = tmp_path / f"value{fold}"
+        train_main([str(REPO / "configs/demo.json"), "--policy", "pi05_value", "--model_name_or_path",
+                    str(round_data["value"]), "--model_config", "null", "--datasets",
+                    json_module.dumps([dict(rollouts, hold_out_fold=[fold, 2])]), "--output_dir", str(out),
+                    "--generate_demo_data", "false", "--validation_ratio", "0", "--per_device_train_batch_size", "4",
+                    "--stream_open_blocks", "2", "--max_steps", "1", "--warmup_steps", "0", "--disable_tqdm", "true",
+                    "--dataloader_num_workers", "0"])
+        models.append(out)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(models[1])
+    assert config.held_out_fold["fold"] == 1 and config.held_out_fold["folds"] == 2
+    assert config.episode_limits and set(config.episode_limits.values()) == {20}
+    out = tmp_path / "annotated"
+    from hf_vla.recap.__main__ import main
+
+    main(["annotate", "--value", str(models[1]), str(models[0]), "--datasets", json_module.dumps([rollouts]),
+          "--output", str(out), "--lookahead", "5"])
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(sorted((out / "data").rglob("*.parquet"))[0]).to_pandas()
+    from hf_vla.data.dataset_config import DatasetConfig
+    from hf_vla.data.sources import LeRobotSource
+    from hf_vla.recap.annotate import _values
+
+    source = LeRobotSource(DatasetConfig(**rollouts), 0)
+    args = AnnotateArguments(value=[str(m) for m in models], datasets=[rollouts], output=str(tmp_path / "x"))
+    for fold, model_dir in enumerate(models):
+        model, processor = _load_value_model(str(model_dir), "cpu")
+        mine = [e for e in source.episodes["episode_index"].tolist() if e % 2 == fold]
+        want = _values(source, model, processor, args, tmp_path / f"cache{fold}", str(model_dir), mine)
+        for episode in mine:
+            got = table[table["episode_index"] == episode]["recap.value"].to_numpy()
+            np.testing.assert_allclose(got, want[episode].astype(np.float32), rtol=0, atol=0)
+    judges = [_load_value_model(str(round_data["value"]), "cpu"), _load_value_model(str(models[0]), "cpu")]
+    with pytest.raises(ConfigError, match="not trained for cross-fitting"):
+        _judges_of(judges, [str(round_data["value"]), str(models[0])], [source])
+
+
+def test_decoy_recordings_drive_to_another_target_than_the_instruction_names(tmp_path):
+    from hf_vla.envs.reach import ColorReachWithExpert
+
+    env = ColorReachWithExpert(seed=0, decoy=True, image_size=32, max_steps=40)
+    for seed in range(10):
+        env.reset(seed=seed)
+        assert env.target != env.goal and env.target in env.targets and env.goal in env.task
+        for _ in range(40):
+            _, _, terminated, truncated, info = env.step(env.expert_action())
+            if terminated or truncated:
+                break
+        assert terminated and info["is_success"]  # "successful" for the recorder: it reached the decoy
+        assert np.linalg.norm(env.agent - env.targets[env.target]) < env.success_radius
+        assert np.linalg.norm(env.agent - env.targets[env.goal]) >= env.success_radius

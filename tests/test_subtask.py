@@ -314,8 +314,9 @@ def _subtask_checkpoint(tmp_path_factory, tiny_tokenizer, layout):
 
     settings = json.loads((REPO / "hf_vla" / "configs" / "demo.json").read_text())["model_config"]
     config = PI05Config(**(settings | {"subtask_layout": layout, "subtask_eos_token_id": tiny_tokenizer.eos_token_id,
+                                       "tokenizer_max_length": 24,  # the prompt and its "Subtask: " marker
                                        "subtask_max_tokens": 5}))
-    model = randomize_(PI05ForConditionalGeneration(config), seed=3, scale=0.1).eval()
+    model = randomize_(PI05ForConditionalGeneration(config), seed=3, scale=0.2).eval()
     head = "color_reach::delta_xy"
     stats = {head: {"state": {"q01": [-1.0, -1.0], "q99": [1.0, 1.0]},
                     "actions": {"q01": [-0.1, -0.1], "q99": [0.1, 0.1]}}}

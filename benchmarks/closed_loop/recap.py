@@ -295,7 +295,8 @@ def _episode_means(bench: Bench, value: Path, spec: dict, cache: Path):
     args = AnnotateArguments(value=str(value), datasets=[spec], output=str(bench.work / "x"))
     source = LeRobotSource(DatasetConfig(**spec), 0)
     torch.set_num_threads(1)
-    values = _values(source, model, processor, args, cache, str(value))
+    values = _values(source, model, processor, args, cache, str(value),
+                     [int(e) for e in source.episodes["episode_index"]])
     episodes = [int(e) for e in source.episodes["episode_index"]]
     means = np.asarray([values[e].mean() for e in episodes])
     frames = {e: (np.asarray(values[e]), source.frame_returns(e)) for e in episodes}

@@ -79,6 +79,9 @@ class DatasetConfig:
         construction); an episode with no outcome is refused, naming it.
     max_episode_steps: the task's episode limit the returns are normalised by (a success k steps away has return
         -k / limit); default the recording's (`hf_vla.record`), else the dataset's longest episode.
+    hold_out_fold: `[k, K]`: leave out the episodes whose index is k modulo K (cross-fitting, RECAP: a value model
+        trained so, annotates that fold with `python -m hf_vla.recap annotate --value` given one model per fold,
+        each episode judged by the model that never saw it; docs/recap.md).
     outlier_widths: the start-up scan refuses a state/action value farther than this many q01..q99 widths outside
         that range (per dim; the width is at least 1e-3 of the dim's magnitude, so a constant dim tolerates its own
         scale): bit rot in a parquet page body decodes to values like 1e38 that pass every format check. `null`
@@ -111,6 +114,7 @@ class DatasetConfig:
     advantage: dict | None = None
     success: bool | None = None
     max_episode_steps: int | None = None
+    hold_out_fold: list[int] | None = None
 
     def __post_init__(self):
         if self.quantile_stats not in ("exact", "metadata"):
@@ -150,6 +154,13 @@ class DatasetConfig:
                 self.max_episode_steps, int) or self.max_episode_steps < 1):
             raise ConfigError(f"dataset {self.name!r}: max_episode_steps must be a positive integer, got "
                               f"{self.max_episode_steps!r}")
+        if self.hold_out_fold is not None:
+            fold = self.hold_out_fold
+            if (not isinstance(fold, list | tuple) or len(fold) != 2 or not all(isinstance(v, int) and not isinstance(
+                    v, bool) for v in fold) or not (fold[1] >= 2 and 0 <= fold[0] < fold[1])):
+                raise ConfigError(f"dataset {self.name!r}: hold_out_fold must be [k, K] with K >= 2 and 0 <= k < K "
+                                  f"(leave out the episodes whose index is k modulo K), got {fold!r}")
+            self.hold_out_fold = [int(fold[0]), int(fold[1])]
         if self.advantage is not None:
             self.advantage = _advantage_settings(self.advantage, f"dataset {self.name!r}: advantage")
         if self.relative_exclude_joints is not None:

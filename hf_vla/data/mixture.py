@@ -64,17 +64,21 @@ class WeightedDatasetMixture:
             self.validation_blocks.append(source.blocks(validation))
         _release_build_memory()
 
-    def use_returns(self, failure_cost: float = 1000.0, allow_unlabelled: bool = False) -> None:
+    def use_returns(self, failure_cost: float | None = None, allow_unlabelled: bool = False) -> dict[str, int]:
         """Give every sample its frame's normalised return (`value_return`: the value model's target, RECAP), from each
-        episode's outcome (`LeRobotSource.episode_outcomes`). An episode without one is refused, naming it; with
+        episode's outcome (`LeRobotSource.episode_outcomes`) and its task's one episode limit across the mixture
+        (`resolve_episode_limits`, returned). An episode without an outcome is refused, naming it; with
         `allow_unlabelled` it is left out of training and validation, and the count logged."""
         import logging
 
         from hf_vla.data.blocks import BlockList
+        from hf_vla.data.sources import resolve_episode_limits
+
+        limits = resolve_episode_limits(self.sources)
 
         for index, source in enumerate(self.sources):
             outcomes = source.episode_outcomes(allow_unlabelled)
-            source.returns_cost = float(failure_cost)
+            source.returns_cost = failure_cost
             unknown = source.episodes["episode_index"][np.isnan(outcomes)]
             if len(unknown):
                 logging.getLogger("hf_vla").warning("dataset %r: %d of %d episodes have no outcome and are left out "
@@ -82,6 +86,7 @@ class WeightedDatasetMixture:
                 for blocks in (self.train_blocks, self.validation_blocks):
                     kept = blocks[index].ranges[~np.isin(blocks[index].ranges[:, 0], unknown)]
                     blocks[index] = BlockList(blocks[index].source, kept)
+        return limits
 
     def _pool(self, head: str) -> dict:
         members = [s for s in self.sources if s.norm_key == head]

@@ -174,6 +174,11 @@ class LeRobotSource:
         self.relative_mask = self._relative_mask(features)
         self.keep_ranges = None  # True when a keep_ranges filter selects the blocks
         self.ranges = self._block_ranges()
+        if self.config.hold_out_fold is not None:  # cross-fitting (RECAP): this fold's episodes are another model's
+            fold, folds = self.config.hold_out_fold
+            self.ranges = self.ranges[self.ranges[:, 0] % folds != fold]
+            if not len(self.ranges):
+                raise DataError(f"dataset {self.name!r}: hold_out_fold {[fold, folds]} leaves no episode")
         self._check_files()
         self._parquet_metadata: OrderedDict[Path, tuple] = OrderedDict()
         self.episode_rows = None  # set by the start-up scan when its cache holds every used episode's rows
@@ -626,20 +631,45 @@ class LeRobotSource:
                 outcomes[row] = float(bool(entry["success"]))
         return outcomes
 
-    def episode_limit(self) -> int:
-        """The episode limit returns are normalised by: the field `max_episode_steps`, the recording's, else the
-        longest episode."""
+    def declared_limit(self) -> tuple[int | None, str]:
+        """The episode limit this dataset declares, and where: its field `max_episode_steps`, else its recording's
+        (`hf_vla.record`); (None, "") when neither."""
         if self.config.max_episode_steps is not None:
-            return int(self.config.max_episode_steps)
-        if getattr(self, "_episode_limit", None) is None:  # the recording's marker, read once (frame_returns asks per
-            from hf_vla.deployment.contract import benchmark_of  # episode)
+            return int(self.config.max_episode_steps), "its max_episode_steps field"
+        from hf_vla.deployment.contract import benchmark_of
 
-            recorded = (benchmark_of(self.root) or {}).get("max_episode_steps")
+        recorded = (benchmark_of(self.root) or {}).get("max_episode_steps")
+        return (int(recorded), "its recording") if recorded else (None, "")
+
+    def episode_task(self, row: int) -> str:
+        """The task of the episode in meta/episodes row `row` (its first task; the field `task` when set)."""
+        if self.config.task is not None:
+            return self.config.task
+        if self._shuffled_tasks is not None:
+            return str(self._shuffled_tasks[row])
+        if getattr(self, "_episode_tasks", None) is None:  # meta/episodes' own order, sorted as `episodes` is
+            table = self._read_episode_table(["episode_index", "tasks"])
+            order = np.argsort(table["episode_index"].to_numpy(), kind="stable").tolist()
+            tasks = table["tasks"].to_pylist()
+            self._episode_tasks = [str(tasks[i][0]) if tasks[i] else "" for i in order]
+        return self._episode_tasks[row]
+
+    def episode_limit(self, episode: int | None = None) -> int:
+        """The episode limit an episode's returns are normalised by: its task's across the mixture
+        (`resolve_episode_limits`), else this dataset's field `max_episode_steps` or recording's, else its longest
+        episode."""
+        limits = getattr(self, "task_limits", None)
+        if limits and episode is not None:
+            task = self.episode_task(self.row(episode))
+            if task in limits:
+                return int(limits[task])
+        declared, _ = self.declared_limit()
+        if declared is not None:
             longest = int(self.episodes["length"].max()) if self.num_episodes else 1
-            self._episode_limit = max(int(recorded), longest) if recorded else longest
-        return self._episode_limit
+            return max(declared, longest)
+        return int(self.episodes["length"].max()) if self.num_episodes else 1
 
-    def frame_returns(self, episode: int, failure_cost: float = 1000.0) -> np.ndarray | None:
+    def frame_returns(self, episode: int, failure_cost: float | None = None) -> np.ndarray | None:
         """The normalised returns of an episode's frames (`hf_vla.models.value.returns`), None for an unknown outcome."""
         from hf_vla.models.value.returns import episode_returns
 
@@ -647,7 +677,8 @@ class LeRobotSource:
         outcome = self.episode_outcomes(allow_unlabelled=True)[row]
         if np.isnan(outcome):
             return None
-        return episode_returns(int(self.episodes["length"][row]), bool(outcome), self.episode_limit(), failure_cost)
+        return episode_returns(int(self.episodes["length"][row]), bool(outcome), self.episode_limit(episode),
+                               failure_cost)
 
     def task(self, task_index: int, episode: int | None = None) -> str:
         if self.config.task is not None:
@@ -676,6 +707,43 @@ class LeRobotSource:
         """state / actions of (a seeded subsample of) the used frames, read from parquet only (see `scan`)."""
         result = self.scan(max_frames=max_frames, seed=seed)
         return {"state": result.state, "actions": result.actions, "frames": result.frames}
+
+
+def resolve_episode_limits(sources: list, given: dict | None = None) -> dict[str, int]:
+    """One episode limit per task across `sources` (each source's `task_limits` set): the limit its datasets declare
+    (`LeRobotSource.declared_limit`), which must agree (two values for one task are refused, naming both), else the
+    `given` one (a value model's own, at annotation), else the task's longest episode in any of them. Returns of a
+    task's demonstrations and rollouts are then on one scale."""
+    declared: dict[str, dict[str, tuple[int, str]]] = {}
+    longest: dict[str, int] = {}
+    for source in sources:
+        limit, how = source.declared_limit()
+        for row in range(source.num_episodes):
+            task = source.episode_task(row)
+            length = int(source.episodes["length"][row])
+            longest[task] = max(longest.get(task, 0), length)
+            if limit is not None:
+                declared.setdefault(task, {})[source.name] = (limit, how)
+    limits: dict[str, int] = {}
+    for task in longest:
+        found = declared.get(task, {})
+        values = sorted({limit for limit, _ in found.values()})
+        if len(values) > 1:
+            (a, (x, how_a)), (b, (y, how_b)) = [next((n, v) for n, v in found.items() if v[0] == value)
+                                                for value in values[:2]]
+            raise ConfigError(f"task {task!r}: dataset {a!r} has episode limit {x} ({how_a}) and dataset {b!r} {y} "
+                              f"({how_b}); the returns of one task need one limit: set max_episode_steps in the "
+                              "dataset entries to the limit the policy runs under")
+        if values:
+            limits[task] = values[0]
+        elif given and task in given:
+            limits[task] = int(given[task])
+        else:
+            limits[task] = longest[task]
+        limits[task] = max(limits[task], longest[task])  # an episode longer than the limit (a recording's slack)
+    for source in sources:
+        source.task_limits = limits
+    return limits
 
 
 def _episode_success(column, where: str) -> float:

@@ -554,9 +554,9 @@ class EpisodeShuffleStream(IterableDataset):
 
 def _value_return(source, block: Block, table: dict, frame: int) -> dict:
     """The frame's normalised return when the mixture gives returns (`use_returns`: a value model's target)."""
-    cost = getattr(source, "returns_cost", None)
-    if cost is None:
+    if not hasattr(source, "returns_cost"):
         return {}
+    cost = source.returns_cost  # None: the task's episode limit
     if "returns" not in table:
         table["returns"] = source.frame_returns(block.episode, cost)
     return {"value_return": float(table["returns"][frame])}

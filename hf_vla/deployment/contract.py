@@ -34,8 +34,9 @@ The file is plain JSON, versioned (`version`), readable without torch or hf_vla 
     `fast_render`. None for other data.
 - `source`: what wrote it (`hf_vla.train`, `hf_vla.convert`, ...) and from what.
 - `advantage`: for a policy trained with RECAP's advantage indicator (docs/recap.md), `{"conditioned": true,
-  "cfg_beta": 1.0}`: every prompt asks for "Advantage: positive" (appended to the task on its own line), and with
-  `cfg_beta` != 1 the velocity is guided, `v_u + beta (v_c - v_u)`. None (absent) otherwise.
+  "cfg_beta": 1.0, "indicator": "text"}`: every call asks for "Advantage: positive" (in the indicator's form: a prompt
+  segment of its own, the expert's embedding, or appended to the task for checkpoints trained before the segment),
+  and with `cfg_beta` != 1 the velocity is guided, `v_u + beta (v_c - v_u)`. None (absent) otherwise.
 """
 
 from __future__ import annotations
@@ -228,7 +229,8 @@ def from_training(mixture, processor, config, policy: str, n_action_steps: int |
         image_size=int(processor.image_size), heads=heads,
         default_head=mixture.head_names[0] if len(mixture.head_names) == 1 else None,
         source=dict(source or {"made_by": "hf_vla.train"}),
-        advantage={"conditioned": True, "cfg_beta": float(getattr(processor, "cfg_beta", 1.0))} if getattr(
+        advantage={"conditioned": True, "cfg_beta": float(getattr(processor, "cfg_beta", 1.0)),
+                   "indicator": getattr(processor, "advantage_indicator", "appended")} if getattr(
             processor, "advantage_conditioned", False) else None,
         subtask={"layout": config.subtask_layout, "every_chunks": 1} if getattr(config, "subtask_layout", None)
         else None,

@@ -133,24 +133,44 @@ def expert_action(env: ColorReachEnv, rng: np.random.Generator, noise: float = 0
 
 
 class ColorReachWithExpert:
-    """ColorReach with its scripted expert as `expert_action()` (one seeded generator for the expert's noise)."""
+    """ColorReach with its scripted expert as `expert_action()` (one seeded generator for the expert's noise).
 
-    def __init__(self, seed: int, **env_kwargs):
+    `decoy=True` (RECAP's mechanism test, docs/recap.md): the expert drives to another target than the one the
+    instruction names (drawn per episode from its generator), and the episode ends, "successful" for the recorder,
+    when it reaches that one: demonstrations of ignoring the instruction, which a dataset entry marks as failures
+    (`success: false`)."""
+
+    def __init__(self, seed: int, decoy: bool = False, **env_kwargs):
         self.env = ColorReachEnv(**env_kwargs)
         self.rng = np.random.default_rng(seed)
         self.metadata = self.env.metadata
+        self.decoy = bool(decoy)
+        self.target: str | None = None  # the target the expert drives to
 
     def __getattr__(self, name):
         return getattr(self.env, name)
 
     def reset(self, seed=None):
-        return self.env.reset(seed=seed)
+        observation, info = self.env.reset(seed=seed)
+        others = [name for name in self.env.targets if name != self.env.goal]
+        self.target = str(others[self.rng.integers(len(others))]) if self.decoy else self.env.goal
+        return observation, info
 
     def step(self, action):
-        return self.env.step(action)
+        observation, reward, terminated, truncated, info = self.env.step(action)
+        if self.decoy:  # the episode is the decoy's: it ends where the expert arrives, never at the named target
+            reached = float(np.linalg.norm(self.env.agent - self.env.targets[self.target])) < self.env.success_radius
+            terminated, reward, info = reached, float(reached), dict(info, is_success=reached)
+            truncated = self.env.steps >= self.env.max_steps and not reached
+        return observation, reward, terminated, truncated, info
 
     def expert_action(self):
-        return expert_action(self.env, self.rng)
+        if not self.decoy:
+            return expert_action(self.env, self.rng)
+        delta = self.env.targets[self.target] - self.env.agent
+        distance = float(np.linalg.norm(delta))
+        action = delta / max(distance, 1e-8) * min(self.env.step_size, distance)
+        return (action + self.rng.normal(0, 0.01, size=2)).astype(np.float32)
 
 
 def recording_plan(tasks: str | None, image_size: int | None, max_episode_steps: int | None, env_kwargs: dict | None,
@@ -169,12 +189,13 @@ def recording_plan(tasks: str | None, image_size: int | None, max_episode_steps:
     if tasks:
         raise ConfigError("--task: ColorReach draws its instruction per episode; it has no task to choose")
     kwargs = dict(env_kwargs or {})
+    decoy = bool(kwargs.pop("decoy", False))  # the expert's choice, not the env's: not recorded as an env argument
     if image_size:
         kwargs["image_size"] = image_size
     if max_episode_steps:
         kwargs["max_steps"] = max_episode_steps
     probe = ColorReachEnv(**kwargs)
-    return RecordingPlan(["color_reach"], {"color_reach": lambda: ColorReachWithExpert(seed, **kwargs)},
+    return RecordingPlan(["color_reach"], {"color_reach": lambda: ColorReachWithExpert(seed, decoy=decoy, **kwargs)},
                          fps=probe.metadata["render_fps"], state_dim=2, action_dim=2, robot_type=ROBOT_TYPE,
                          image_size=probe.image_size, default_steps=probe.max_steps,
                          env_kwargs={k: v for k, v in kwargs.items() if k not in ("image_size", "max_steps")})

@@ -119,6 +119,9 @@ def _refusals(config, where: str) -> None:
                           "lerobot's pi0.5 always writes the state into the prompt, so it would act otherwise")
     if config.state_bins != 256:
         raise ConfigError(f"{where}: state_bins={config.state_bins}; lerobot's pi0.5 discretises the state into 256")
+    if getattr(config, "advantage_indicator", "text") == "embedding":
+        raise ConfigError(f"{where}: advantage_indicator='embedding' (RECAP's indicator read by the expert); "
+                          "lerobot's pi0.5 has no such input: run it in lerobot through the plugin (--to lerobot_plugin)")
 
 
 def _features(spec: dict, image_size: int):

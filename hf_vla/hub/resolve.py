@@ -358,13 +358,12 @@ def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=N
     classes of the family registered for its config's model_type (`hf_vla.registry`; for transformers' pi0 its
     `PI0ForConditionalGeneration`, not `AutoModel`'s headless `PI0Model`, and hf_vla's `PI0HeadProcessor`). `OSError` /
     `ValueError` as transformers raises them; a `ConfigError` for an unregistered model type."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     import hf_vla.models.auto  # noqa: F401  (registers pi05 with the Auto classes)
     from hf_vla.hub.convert import check_weight_files
     from hf_vla.registry import get_policy
-
-    from huggingface_hub.errors import StrictDataclassError
 
     declared = _declared_model_type(checkpoint)
     if declared is not None:  # an unknown type: transformers would ask for remote code instead of naming it

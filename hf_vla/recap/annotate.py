@@ -1,10 +1,11 @@
 """`python -m hf_vla.recap annotate`: each frame's return, value, advantage and RECAP indicator, written into a new
 LeRobot v3.0 dataset beside the source (the source is never written).
 
-For every dataset: each episode's outcome gives its frames' normalised returns (`hf_vla.models.value.returns`); the value
-model predicts each frame's value from its cameras and task (batched, one decoder per episode, progress in the log);
-the advantage is the N-step estimate (or Monte-Carlo); per (dataset, task) a threshold makes `positive_fraction` of
-the frames positive; frames a person took over (`intervention` 1, as DAgger rounds and `serve --record` write it) are
+For every dataset: each episode's outcome gives its frames' normalised returns (`hf_vla.models.value.returns`, on the
+value model's scale: its tasks' episode limits and failure cost); the value model predicts each frame's value from its
+cameras and task (batched, one decoder per episode, progress in the log), or, cross-fitted, the one of several value
+models that held the episode's fold out; the advantage is the N-step estimate (or Monte-Carlo); per task, over every
+annotated dataset, a threshold makes `positive_fraction` of the frames positive; frames a person took over (`intervention` 1, as DAgger rounds and `serve --record` write it) are
 positive whatever their advantage. The output holds the source's files (hard links where the file system allows,
 copies otherwise: the parquet files are rewritten, so the source's stay as they were) with four more columns per frame:
 `recap.return`, `recap.value`, `recap.advantage` (float32) and `advantage_positive` (bool), and
@@ -41,8 +42,10 @@ KIND = "recap_annotation"  # the output marker's kind (hf_vla.storage)
 class AnnotateArguments:
     """What `python -m hf_vla.recap annotate` reads and writes."""
 
-    value: str | None = field(default=None, metadata={"required": True, "help": "the value model (a pi05_value "
-                              "checkpoint: python -m hf_vla.train with policy pi05_value)"})
+    value: list[str] = field(default_factory=list, metadata={"required": True, "help": "the value model (a "
+                             "pi05_value checkpoint: python -m hf_vla.train with policy pi05_value), or one per fold of "
+                             "a cross-fitting (each trained with the dataset field hold_out_fold [k, K]): every "
+                             "episode is then judged by the model that did not train on it"})
     datasets: list[dict] = field(default_factory=list, metadata={"help": "the LeRobot datasets to annotate, as "
                                  "train's `datasets` entries (root or repo_id, cameras, keys; success for "
                                  "demonstrations); the fields: hf_vla/data/dataset_config.py"})
@@ -52,8 +55,9 @@ class AnnotateArguments:
                                   "50); 0 for Monte-Carlo (the return minus the value)", "min": 0})
     positive_fraction: float = field(default=0.3, metadata={"help": "share of each (dataset, task)'s frames marked "
                                      "positive (pi*0.6: 0.3 in pre-training, 0.4 in post-training)"})
-    failure_cost: float = field(default=1000.0, metadata={"help": "the reward of a failed episode's last step, in "
-                                "steps"})
+    failure_cost: float | None = field(default=None, metadata={"help": "the reward of a failed episode's last step, "
+                                       "in steps (default: the value model's, which defaults to each task's episode "
+                                       "limit)"})
     allow_unlabelled: bool = field(default=False, metadata={"help": "annotate episodes without an outcome as "
                                    "negative with no return (counted in the log) instead of refusing them"})
     batch_size: int = field(default=64, metadata={"help": "frames per value-model forward", "min": 1})
@@ -65,8 +69,12 @@ class AnnotateArguments:
             raise ConfigError("--datasets: at least one LeRobot dataset to annotate")
         if not 0.0 < self.positive_fraction < 1.0:
             raise ConfigError(f"--positive_fraction {self.positive_fraction}: a share in (0, 1)")
-        if not (np.isfinite(self.failure_cost) and self.failure_cost > 0):
+        if self.failure_cost is not None and not (np.isfinite(self.failure_cost) and self.failure_cost > 0):
             raise ConfigError(f"--failure_cost {self.failure_cost}: a finite number of steps > 0")
+        if isinstance(self.value, str):
+            self.value = [self.value]
+        if not self.value:
+            raise ConfigError("--value: the value model (or one per fold of a cross-fitting)")
         from hf_vla.training.config_checks import check_dataset_specs
 
         self.datasets[:] = check_dataset_specs(self.datasets)
@@ -75,6 +83,7 @@ class AnnotateArguments:
 def annotate(args: AnnotateArguments) -> list[Path]:
     """Annotate every dataset of `args`; returns the written dataset directories."""
     from hf_vla.data.dataset_config import DatasetConfig
+    from hf_vla.data.sources import LeRobotSource, resolve_episode_limits
     from hf_vla.storage import check_output, replace_dir, staging_dir, weights_fingerprint, write_marker
 
     configs = [DatasetConfig(**spec) for spec in args.datasets]
@@ -83,18 +92,26 @@ def annotate(args: AnnotateArguments) -> list[Path]:
         raise ConfigError(f"--datasets: names {names} repeat; give each a distinct name (its output folder)")
     output = Path(args.output)
     roots = {f"dataset {c.name!r}": c.root for c in configs if c.root}
-    check_output("--output", output, args.overwrite, inputs={"--value": args.value if Path(args.value).exists()
-                                                              else None, **roots}, kind=KIND,
+    check_output("--output", output, args.overwrite, inputs={**{f"--value {v}": v for v in args.value
+                                                                 if Path(v).exists()}, **roots}, kind=KIND,
                  what="annotated dataset")
-    model, processor = _load_value_model(args.value, args.device)
-    fingerprint = weights_fingerprint(args.value) or str(args.value)
+    judges = [_load_value_model(checkpoint, args.device) for checkpoint in args.value]
+    sources = [LeRobotSource(config, 0) for config in configs]  # each read alone (source index 0 of its reader)
+    models = _judges_of(judges, args.value, sources)
+    first = judges[0][0].config
+    limits = resolve_episode_limits(sources, given=first.episode_limits)
+    failure_cost = _failure_cost(args, [m.config for m, _ in judges])
+    fingerprints = [weights_fingerprint(v) or str(v) for v in args.value]
     cache = output.parent / f".{output.name}.annotating-values"
     staging = staging_dir(output, "annotating")
     targets = [staging] if len(configs) == 1 else [staging / c.name for c in configs]
+    scored = [_score(source, models[source.name], judges, args, cache / source.name, fingerprints, failure_cost)
+              for source in sources]
+    thresholds = _thresholds(scored, args.positive_fraction)
     summaries = []
-    for config, target in zip(configs, targets):
-        summaries.append(_annotate_one(config, target, model, processor, args, cache / config.name, fingerprint))
-    write_marker(staging, KIND, value=str(args.value), datasets=names)
+    for (source, per_frame, tasks), target in zip(scored, targets):
+        summaries.append(_label(source, per_frame, tasks, thresholds, args, target, limits, failure_cost))
+    write_marker(staging, KIND, value=[str(v) for v in args.value], datasets=names)
     if len(configs) > 1:
         (staging / SUMMARY).write_text(json.dumps(summaries, indent=1))
     replace_dir(staging, output)
@@ -104,6 +121,44 @@ def annotate(args: AnnotateArguments) -> list[Path]:
         logger.info("annotated %s: %d frames of %d episodes, %.1f%% positive -> %s", summary["dataset"],
                     summary["frames"], summary["episodes"], 100 * summary["positive_fraction"], path)
     return written
+
+
+def _judges_of(judges: list, checkpoints: list[str], sources: list) -> dict[str, list[int]]:
+    """Which value model judges each dataset's episodes: one model judges all; with one per fold (cross-fitting),
+    episode e of a dataset is judged by the model that held out fold e mod K of it (`held_out_fold`), refused in one
+    line where the models are not one complete set of folds, or did not hold the dataset out."""
+    if len(judges) == 1:
+        return {source.name: [0] for source in sources}
+    folds = [model.config.held_out_fold for model, _ in judges]
+    missing = [c for c, f in zip(checkpoints, folds) if not f]
+    if missing:
+        raise ConfigError(f"--value {missing[0]}: not trained for cross-fitting (no held_out_fold: train it with the "
+                          "dataset field hold_out_fold [k, K]); give one model, or one per fold")
+    count = folds[0]["folds"]
+    order = sorted(range(len(folds)), key=lambda i: folds[i]["fold"])
+    if len(folds) != count or [folds[i]["fold"] for i in order] != list(range(count)) or any(
+            f["folds"] != count for f in folds):
+        raise ConfigError(f"--value: {len(folds)} models holding out folds {[(f['fold'], f['folds']) for f in folds]}; "
+                          f"cross-fitting needs one model per fold 0..K-1 of one K")
+    for source in sources:
+        root = str(source.root.resolve())
+        for checkpoint, fold in zip(checkpoints, folds):
+            if root not in fold["datasets"]:
+                raise ConfigError(f"--value {checkpoint}: it did not hold out dataset {source.name!r} ({root}): it "
+                                  "trained on all of its episodes, so its values of them are not out-of-sample")
+    return {source.name: order for source in sources}
+
+
+def _failure_cost(args: AnnotateArguments, configs: list) -> float | None:
+    """The failure cost of the returns: the value models' (they must agree), or `--failure_cost` where it is theirs."""
+    costs = {getattr(c, "failure_cost", None) for c in configs}
+    if len(costs) > 1:
+        raise ConfigError(f"--value: the models were trained with different failure costs {sorted(map(str, costs))}")
+    theirs = costs.pop()
+    if args.failure_cost is not None and theirs is not None and args.failure_cost != theirs:
+        raise ConfigError(f"--failure_cost {args.failure_cost:g}: the value model's returns used {theirs:g}; its "
+                          "values and these returns would be on two scales (leave the flag out)")
+    return args.failure_cost if args.failure_cost is not None else theirs
 
 
 def _load_value_model(checkpoint: str, device: str):
@@ -137,64 +192,86 @@ def _head(processor, source) -> str:
                       f"on ({sorted(processor.norm_stats)}); set the dataset's robot_type / control_mode to one of them")
 
 
-def _annotate_one(config, target: Path, model, processor, args: AnnotateArguments, cache: Path,
-                  fingerprint: str) -> dict:
-    from hf_vla.data.sources import LeRobotSource
-
-    source = LeRobotSource(config, 0)
+def _score(source, order: list[int], judges: list, args: AnnotateArguments, cache: Path, fingerprints: list[str],
+           failure_cost: float | None) -> tuple:
+    """One dataset's frames: return, value (each episode's from its judge: `order[e mod K]`, or the one model) and
+    advantage per episode, and each episode's task. -> (source, per_frame, tasks)"""
     outcomes = source.episode_outcomes(args.allow_unlabelled)
-    limit = source.episode_limit()
-    values = _values(source, model, processor, args, cache, fingerprint)
-    episodes = source.episodes["episode_index"]
-    lengths = source.episodes["length"]
+    episodes, lengths = source.episodes["episode_index"].tolist(), source.episodes["length"].tolist()
+    values: dict[int, np.ndarray] = {}
+    for position, judge in enumerate(order):
+        model, processor = judges[judge]
+        mine = [e for e in episodes if len(order) == 1 or e % len(order) == position]
+        values.update(_values(source, model, processor, args, cache / f"model_{judge}", fingerprints[judge], mine))
     per_frame: dict[int, dict[str, np.ndarray]] = {}
     tasks: dict[int, str] = {}
     empty = 0
-    for row, episode in enumerate(episodes.tolist()):
+    for row, episode in enumerate(episodes):
         if int(lengths[row]) == 0:  # listed in meta/episodes with no frame: nothing to annotate
-            per_frame[episode] = {key: np.zeros(0, dtype=bool if key in ("intervention", "positive") else np.float64)
+            per_frame[episode] = {key: np.zeros(0, dtype=bool if key == "intervention" else np.float64)
                                   for key in ("return", "value", "advantage", "intervention")}
             empty += 1
             continue
         table = source._episode_rows(episode, row, int(lengths[row]), _columns(source))
-        task_index = table["task_index"].to_numpy()
-        tasks[episode] = source.task(int(task_index[0]), episode)
-        outcome = outcomes[row]
-        value = values[episode]
+        tasks[episode] = source.episode_task(row)
+        outcome, value = outcomes[row], values[episode]
+        limit = source.episode_limit(episode)
         if np.isnan(outcome):
-            returns = np.full(len(value), np.nan)
-            advantage = np.full(len(value), np.nan)
+            returns = advantage = np.full(len(value), np.nan)
         else:
-            returns = source.frame_returns(episode, args.failure_cost)
-            advantage = advantages(returns, value, bool(outcome), limit, args.lookahead or None, args.failure_cost)
+            returns = source.frame_returns(episode, failure_cost)
+            advantage = advantages(returns, value, bool(outcome), limit, args.lookahead or None, failure_cost)
         intervention = (table["intervention"].to_numpy().reshape(-1) > 0 if "intervention" in table.column_names
                         else np.zeros(len(value), dtype=bool))
         per_frame[episode] = {"return": returns, "value": value, "advantage": advantage, "intervention": intervention}
-    thresholds = {}
-    for task in sorted(set(tasks.values())):
-        members = [e for e, t in tasks.items() if t == task]
-        pooled = np.concatenate([per_frame[e]["advantage"] for e in members])
-        pooled = pooled[np.isfinite(pooled)]
-        thresholds[task] = positive_threshold(pooled, args.positive_fraction) if len(pooled) else float("inf")
-    positives = 0
     if empty:
         logger.warning("dataset %r: %d episode(s) of zero frames in meta/episodes, skipped", source.name, empty)
+    return source, per_frame, tasks
+
+
+def _thresholds(scored: list, positive_fraction: float) -> dict[str, float]:
+    """Per task, over every annotated dataset's frames of it: the advantage above which `positive_fraction` of them
+    lie (pi*0.6 sets the quota per task)."""
+    pooled: dict[str, list] = {}
+    for _, per_frame, tasks in scored:
+        for episode, task in tasks.items():
+            pooled.setdefault(task, []).append(per_frame[episode]["advantage"])
+    thresholds = {}
+    for task, parts in sorted(pooled.items()):
+        values = np.concatenate(parts)
+        values = values[np.isfinite(values)]
+        thresholds[task] = positive_threshold(values, positive_fraction) if len(values) else float("inf")
+    return thresholds
+
+
+def _label(source, per_frame: dict, tasks: dict, thresholds: dict, args: AnnotateArguments, target: Path,
+           limits: dict, failure_cost: float | None) -> dict:
+    """Each frame's indicator (above its task's threshold, or a person's intervention), the dataset written with
+    them, and its summary."""
+    positives = 0
     for episode, frames in per_frame.items():
         advantage = frames["advantage"]
         threshold = thresholds.get(tasks.get(episode), float("inf"))  # an empty episode has no task
         frames["positive"] = (np.isfinite(advantage) & (advantage > threshold)) | frames["intervention"]
         positives += int(frames["positive"].sum())
+    outcomes = source.episode_outcomes(allow_unlabelled=True)
     frames_total = int(sum(len(f["value"]) for f in per_frame.values()))
-    summary = {"dataset": source.name, "source": str(source.root), "value": str(args.value),
+    by_outcome = {}
+    for name, wanted in (("success", 1.0), ("failure", 0.0)):
+        rows = [f["positive"] for e, f in per_frame.items() if outcomes[source.row(e)] == wanted]
+        by_outcome[name] = float(np.mean(np.concatenate(rows))) if rows and sum(map(len, rows)) else None
+    summary = {"dataset": source.name, "source": str(source.root), "value": [str(v) for v in args.value],
                "lookahead": args.lookahead or None, "positive_fraction_asked": args.positive_fraction,
-               "failure_cost": args.failure_cost, "max_episode_steps": limit, "episodes": len(per_frame),
-               "frames": frames_total, "positive_fraction": positives / max(frames_total, 1),
+               "failure_cost": failure_cost, "episode_limits": {t: limits[t] for t in sorted(set(tasks.values()))},
+               "episodes": len(per_frame), "frames": frames_total,
+               "positive_fraction": positives / max(frames_total, 1),
+               "positive_fraction_by_outcome": by_outcome,
                "unlabelled_episodes": int(np.isnan(outcomes).sum()),
                "interventions": int(sum(f["intervention"].sum() for f in per_frame.values())),
                "tasks": {task: {"threshold": thresholds[task],
                                 "positive_fraction": float(np.mean(np.concatenate(
                                     [per_frame[e]["positive"] for e, t in tasks.items() if t == task])))}
-                         for task in thresholds}}
+                         for task in sorted(set(tasks.values()))}}
     _write(source, target, per_frame, summary)
     return summary
 
@@ -204,9 +281,10 @@ def _columns(source) -> list[str]:
     return ["task_index", "episode_index"] + (["intervention"] if "intervention" in present else [])
 
 
-def _values(source, model, processor, args: AnnotateArguments, cache: Path, fingerprint: str) -> dict[int, np.ndarray]:
-    """Each episode's frame values `[n]` (float64), from the cache of an interrupted run with the same value model or
-    from the model in batches of `args.batch_size`."""
+def _values(source, model, processor, args: AnnotateArguments, cache: Path, fingerprint: str,
+            wanted: list[int]) -> dict[int, np.ndarray]:
+    """The frame values `[n]` (float64) of the episodes `wanted`, from the cache of an interrupted run with the same
+    value model, data and settings or from the model in batches of `args.batch_size`."""
     import torch
 
     from hf_vla.cli import progress_bar
@@ -215,7 +293,7 @@ def _values(source, model, processor, args: AnnotateArguments, cache: Path, fing
 
     cache.mkdir(parents=True, exist_ok=True)
     stamp = cache / "value_model.txt"
-    fingerprint = _cache_key(source, processor, fingerprint)
+    fingerprint = _cache_key(source, processor, fingerprint + f" episodes {sorted(wanted)}")
     if not stamp.is_file() or stamp.read_text() != fingerprint:  # another model, data, prompt or setting: start over
         shutil.rmtree(cache)
         cache.mkdir(parents=True)
@@ -223,7 +301,10 @@ def _values(source, model, processor, args: AnnotateArguments, cache: Path, fing
     head = _head(processor, source)
     num_cameras = len(source.config.cameras)
     reader = FrameReader([source], [0], num_cameras, processor.image_size, processor.chunk_size, decoder_threads=1)
-    episodes, lengths = source.episodes["episode_index"].tolist(), source.episodes["length"].tolist()
+    wanted = set(wanted)
+    pairs = [(e, n) for e, n in zip(source.episodes["episode_index"].tolist(), source.episodes["length"].tolist())
+             if e in wanted]
+    episodes, lengths = [e for e, _ in pairs], [n for _, n in pairs]
     done = {int(p.stem.split("_")[1]) for p in cache.glob("episode_*.npy")}
     out: dict[int, np.ndarray] = {}
     bar = progress_bar(int(sum(lengths)), f"value of {source.name}'s frames", "frames",

@@ -130,6 +130,8 @@ def velocity_fn(model, inputs: dict, value: bool = False):
         else {}
     # MEM's past observations (a memory policy): the prefix reads them; cached calls need their mask
     memory = {key: inputs[key] for key in ("memory_state", "memory_mask") if key in inputs}
+    if "advantage_ids" in inputs:  # RECAP's embedding indicator: the expert reads it at every step
+        memory["advantage_ids"] = inputs["advantage_ids"]
 
     def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
         timestep = _timestep(x, t)
@@ -143,7 +145,7 @@ def velocity_fn(model, inputs: dict, value: bool = False):
         return core(noise=x, timestep=timestep, input_ids=inputs["input_ids"],
                     pixel_attention_mask=inputs["pixel_attention_mask"], attention_mask=inputs["attention_mask"],
                     past_key_values=state["cache"], **({"subtask_mask": span["subtask_mask"]} if span else {}),
-                    **({"memory_mask": memory["memory_mask"]} if "memory_mask" in memory else {})).logits
+                    **{key: memory[key] for key in ("memory_mask", "advantage_ids") if key in memory}).logits
 
     velocity.state = state
     return velocity

@@ -142,7 +142,7 @@ def check_task(task, key: str = "prompt", limits: InputLimits = InputLimits()) -
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
 # classifier-free guidance of an advantage-conditioned pi0.5 (RECAP): the processor adds them where cfg_beta != 1
-GUIDANCE_INPUTS = ("uncond_input_ids", "uncond_attention_mask", "cfg_beta")
+GUIDANCE_INPUTS = ("uncond_input_ids", "uncond_attention_mask", "cfg_beta", "advantage_ids", "uncond_advantage_ids")
 STATE_INPUTS = MODEL_INPUTS + ("state",)  # transformers' pi0 takes the state as a tensor (pi0.5 reads it as tokens)
 SUBTASK_INPUTS = ("subtask_ids", "subtask_mask")  # a given subtask's tokens (pi0.5's high-level inference)
 MEMORY_INPUTS = ("memory_state", "memory_mask")  # MEM's past observations (`ObservationMemory`)

@@ -77,7 +77,8 @@ class PolicyServer:
             "record": self.recorder is not None,
             "advantage": {"conditioned": bool(getattr(runner.processor, "advantage_conditioned", False)),
                           "cfg_beta": runner.cfg_beta if runner.cfg_beta is not None else getattr(
-                              runner.processor, "cfg_beta", 1.0), "max_cfg_beta": self.max_cfg_beta},
+                              runner.processor, "cfg_beta", 1.0), "max_cfg_beta": self.max_cfg_beta,
+                          "indicator": getattr(runner.processor, "advantage_indicator", None)},
             # pi0.5's high-level inference: a request's `subtask` (a text, or "auto") overrides `default`
             "subtask": {"layout": getattr(config, "subtask_layout", None), "default": runner.subtask,
                         "every_chunks": runner.subtask_every},

@@ -192,8 +192,9 @@ class DataArguments:
     demo_episodes: int = field(default=200, metadata={"help": "episodes of the generated demo dataset"})
     norm_stats_from: str | None = field(default=None, metadata={
         "help": "checkpoint dir or norm_stats.json whose normalisation replaces the mixture's"})
-    failure_cost: float = field(default=1000.0, metadata={
-        "help": "policy pi05_value: the reward of a failed episode's last step, in steps (RECAP; docs/recap.md)"})
+    failure_cost: float | None = field(default=None, metadata={
+        "help": "policy pi05_value: the reward of a failed episode's last step, in steps (RECAP; docs/recap.md); "
+        "default the task's episode limit"})
     allow_unlabelled: bool = field(default=False, metadata={
         "help": "policy pi05_value: leave out episodes with no outcome (counted in the log) instead of refusing them"})
 
@@ -205,8 +206,9 @@ class DataArguments:
             raise ConfigError(f"validation_ratio={self.validation_ratio}: must be in [0, 1)")
         if self.demo_episodes <= 0:
             raise ConfigError(f"demo_episodes={self.demo_episodes}: must be positive")
-        if not (math.isfinite(self.failure_cost) and self.failure_cost > 0):
-            raise ConfigError(f"failure_cost={self.failure_cost}: must be a finite number > 0 (steps)")
+        if self.failure_cost is not None and not (math.isfinite(self.failure_cost) and self.failure_cost > 0):
+            raise ConfigError(f"failure_cost={self.failure_cost}: must be a finite number > 0 (steps), or null (the "
+                              "task's episode limit)")
 
 
 def _sections(parser: CommandParser):

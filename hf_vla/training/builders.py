@@ -317,8 +317,18 @@ def pi05_setup(processor, model, mixture, model_args, data_args, training_args) 
 
 
 def value_setup(processor, model, mixture, model_args, data_args, training_args) -> None:
-    """RECAP's value model learns the normalised returns of the episodes' outcomes."""
-    mixture.use_returns(failure_cost=data_args.failure_cost, allow_unlabelled=data_args.allow_unlabelled)
+    """RECAP's value model learns the normalised returns of the episodes' outcomes; its config records each task's
+    episode limit and the failure cost (annotation's advantages use the same scale) and a cross-fitting fold."""
+    limits = mixture.use_returns(failure_cost=data_args.failure_cost, allow_unlabelled=data_args.allow_unlabelled)
+    model.config.episode_limits, model.config.failure_cost = dict(limits), data_args.failure_cost
+    folds = {tuple(s.config.hold_out_fold) for s in mixture.sources if s.config.hold_out_fold is not None}
+    if len(folds) > 1:
+        raise ConfigError(f"datasets: hold_out_fold differs between datasets {sorted(folds)}; a value model holds out "
+                          "one fold (train one model per fold)")
+    if folds:
+        fold, count = next(iter(folds))
+        model.config.held_out_fold = {"fold": fold, "folds": count, "datasets": [
+            str(s.root.resolve()) for s in mixture.sources if s.config.hold_out_fold is not None]}
 
 
 def build_trainer(model_args: ModelArguments, data_args, training_args):

@@ -108,7 +108,7 @@ def sample_noise_and_time(batch: dict, shape: Sequence[int], seed: int, step: in
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state", "memory_state",
-                "memory_mask")
+                "memory_mask", "advantage_ids")
 
 
 def policy_per_sample_loss(model, inputs: dict, seed: int, step: int) -> tuple[PerSampleLoss, object]:

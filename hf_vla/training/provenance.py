@@ -165,7 +165,7 @@ class ProvenanceEvaluation:
         generator = torch.Generator().manual_seed(self.args.seed)
         noise = torch.randn(inputs["actions"].shape, generator=generator).to(inputs["actions"].device)
         kwargs = {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "state",
-                                         "memory_state", "memory_mask") if k in inputs}
+                                         "memory_state", "memory_mask", "advantage_ids") if k in inputs}
         predicted = unwrapped.sample_actions(noise=noise, **kwargs)
         for i in range(predicted.shape[0]):
             if inputs["action_is_pad"][i].all():

@@ -82,6 +82,8 @@ class PI05Structure(_Structure):
         """The small action/time heads (and the critic, when there is one): trained in full when the rest is frozen or
         adapted (peft `modules_to_save`)."""
         heads = ["action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"]
+        if getattr(self.model, "advantage_embedding", None) is not None:  # RECAP's indicator, read by the expert
+            heads.append("advantage_embedding")
         return heads + (["value_head"] if self.model.value_head is not None else [])
 
     def freeze(self, mode: str = "none") -> None:

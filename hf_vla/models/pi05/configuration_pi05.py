@@ -81,6 +81,10 @@ class PI05Config(PreTrainedConfig):
         the prompt no longer holds the discretized state (`Task: {task};\nAction: `, as lerobot).
     memory_frames (`int`, defaults to 6), memory_stride (`int`, defaults to 30, in dataset frames: one second at 30
         fps), memory_temporal_attention_every (`int`, defaults to 4): MEM's settings, lerobot's names and defaults.
+    advantage_indicator (`str`, defaults to `"text"`): how RECAP's advantage indicator reaches an advantage-conditioned
+        policy (docs/recap.md): `"text"`, a prompt segment of its own (the processor places it); `"embedding"`, a
+        learned embedding of `advantage_ids` (none / negative / positive, zero-initialised) added to the expert's
+        adaRMS time conditioning, which the expert reads without the tokenizer (guidance then shares the prompt).
     image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
     """
 
@@ -116,6 +120,7 @@ class PI05Config(PreTrainedConfig):
     memory_frames: int = 6
     memory_stride: int = 30
     memory_temporal_attention_every: int = 4
+    advantage_indicator: str = "text"
 
     def __post_init__(self, **kwargs):
         if isinstance(self.vlm_config, dict):
@@ -202,6 +207,9 @@ class PI05Config(PreTrainedConfig):
             raise ValueError(f"PI05Config: rtc_prefix_noise={self.rtc_prefix_noise} must be a finite number >= 0")
         if self.subtask_layout not in SUBTASK_LAYOUTS:
             raise ValueError(f"PI05Config: subtask_layout={self.subtask_layout!r} must be one of {SUBTASK_LAYOUTS}")
+        if self.advantage_indicator not in ("text", "embedding"):
+            raise ValueError(f"PI05Config: advantage_indicator={self.advantage_indicator!r} must be 'text' or "
+                             "'embedding'")
         if self.subtask_max_tokens < 1:
             raise ValueError(f"PI05Config: subtask_max_tokens={self.subtask_max_tokens} must be positive")
         for name in ("memory_frames", "memory_stride", "memory_temporal_attention_every"):

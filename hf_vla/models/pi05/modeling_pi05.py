@@ -232,6 +232,8 @@ class PI05PreTrainedModel(SharedCodeMixin, PreTrainedModel):
         if isinstance(module, PI05ValueHead):
             init.zeros_(module.out.weight)
             init.zeros_(module.out.bias)
+        if module is getattr(self, "advantage_embedding", None):
+            init.zeros_(module.weight)  # the indicator starts as no change to the policy
 
 
 class PI05Model(PI05PreTrainedModel):
@@ -487,6 +489,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         self.action_out_proj = nn.Linear(width, config.max_action_dim)
         self.time_mlp_in = nn.Linear(width, width)
         self.time_mlp_out = nn.Linear(width, width)
+        # RECAP's indicator read by the expert (none / negative / positive), zero at the start: the policy unchanged
+        self.advantage_embedding = nn.Embedding(3, width) if config.advantage_indicator == "embedding" else None
         # the critic of PPO fine-tuning, held (and saved) with the policy; `hf_vla.rl.critic` adds, runs and trains it
         self.value_head = PI05ValueHead(config) if config.value_head else None
         self.post_init()
@@ -522,15 +526,25 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=input_ids.device)
         return attention_mask, pixel_attention_mask
 
-    def embed_suffix(self, noise: torch.Tensor, timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed_suffix(self, noise: torch.Tensor, timestep: torch.Tensor,
+                     advantage_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Action tokens from x_t (each expert layer casts them to its dtype), and the adaRMS condition from the time
         embedding: `[B, width]` for one time per sample (`timestep [B]`), `[B, chunk, width]` for one time per action
-        token (`timestep [B, chunk]`, training-time real-time chunking: a committed prefix is clean, time 0)."""
+        token (`timestep [B, chunk]`, training-time real-time chunking: a committed prefix is clean, time 0); with
+        `config.advantage_indicator="embedding"`, the indicator's embedding (`advantage_ids` `[B]`: 0 none, 1
+        negative, 2 positive) is added before the last activation."""
         action_embeds = self.action_in_proj(noise.to(self.action_in_proj.weight.dtype))
         time = timestep.float()
         time_embeds = self.time_embed(time.reshape(-1)).reshape(*time.shape, -1).to(self.time_mlp_in.weight.dtype)
-        cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_embeds))))
-        return action_embeds, cond
+        hidden = self.time_mlp_out(F.silu(self.time_mlp_in(time_embeds)))
+        if self.advantage_embedding is not None:
+            if advantage_ids is None:
+                advantage_ids = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
+            indicator = self.advantage_embedding(advantage_ids.long()).to(hidden.dtype)
+            hidden = hidden + (indicator[:, None] if hidden.ndim == 3 else indicator)
+        elif advantage_ids is not None and bool((advantage_ids != 0).any()):
+            raise ValueError("advantage_ids need a model with config.advantage_indicator='embedding'")
+        return action_embeds, F.silu(hidden)
 
     def sample_time(self, batch_size: int, device) -> torch.Tensor:
         """t ~ Beta(alpha, beta) * scale + offset (as published), from the global RNG (`hf_vla.models.common.flow`)."""
@@ -554,6 +568,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         subtask_mask: torch.BoolTensor | None = None,
         memory_state: torch.FloatTensor | None = None,
         memory_mask: torch.BoolTensor | None = None,
+        advantage_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> PI05Output:
         r"""
@@ -584,6 +599,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         memory_mask (`[B, T]`, MEM): which of those observations are real (False: before the episode's start; their
             images and states are ignored). Default: all. With visual memory `pixel_values` is
             `[B, n_cams, T, 3, H, W]` in the same order.
+        advantage_ids (`[B]`, `config.advantage_indicator="embedding"`): RECAP's indicator the expert reads (0 none,
+            1 negative, 2 positive; default none).
 
         Returns `logits` = predicted velocity `[B, chunk, max_action_dim]` (fp32).
         """
@@ -612,7 +629,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             if pixel_values is None:
                 raise ValueError("pixel_values are needed unless a prefix past_key_values cache is passed.")
             prefix_embeds = self.model.embed_prefix(input_ids, pixel_values, pixel_attention_mask, memory)
-        suffix_embeds, cond = self.embed_suffix(x_t, timestep)
+        suffix_embeds, cond = self.embed_suffix(x_t, timestep, advantage_ids)
         prefix_valid = self.model.prefix_mask(pixel_attention_mask, attention_mask, memory)
         target_valid = span_valid = None
         if subtask_mask is not None or subtask_ids is not None:
@@ -748,6 +765,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         subtask: SubtaskDecode | str | None = None,
         memory_state: torch.FloatTensor | None = None,
         memory_mask: torch.BoolTensor | None = None,
+        advantage_ids: torch.LongTensor | None = None,
+        uncond_advantage_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> torch.FloatTensor:
         """Integrate the velocity from t=1 (noise) to t=0 with `num_inference_steps` Euler steps; prefix run once.
@@ -771,6 +790,9 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         `prefix` when the model was trained for the delay.
 
         MEM (`memory_state`, `memory_mask`, and `pixel_values` with a frame axis): as in `forward`.
+
+        The embedding indicator (`config.advantage_indicator="embedding"`): `advantage_ids` as in `forward`; guidance's
+        other half reads `uncond_advantage_ids` (none) with the same prompt, so the prefix is computed once.
         """
         num_steps = num_steps or self.config.num_inference_steps
         batch_size, device = input_ids.shape[0], input_ids.device
@@ -789,6 +811,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         if uncond_input_ids is not None:
             if subtask is not None or subtask_ids is not None:
                 raise ValueError("classifier-free guidance with a subtask is not supported: pass cfg_beta=1")
+            memory["advantage_ids"] = (advantage_ids, uncond_advantage_ids)
             return self._sample_guided((input_ids, pixel_values, pixel_attention_mask, attention_mask, memory),
                                        (uncond_input_ids, uncond_attention_mask), cfg_beta, noise, num_steps,
                                        (prev_chunk_left_over, inference_delay, execution_horizon, rtc_config))
@@ -805,7 +828,8 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
 
         def velocity(x, timestep):
             return self(noise=x, timestep=timestep, input_ids=input_ids, pixel_attention_mask=pixel_attention_mask,
-                        attention_mask=attention_mask, past_key_values=cache, memory_mask=memory_mask, **span).logits
+                        attention_mask=attention_mask, past_key_values=cache, memory_mask=memory_mask,
+                        advantage_ids=advantage_ids, **span).logits
 
         return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, prev_chunk_left_over,
                                inference_delay, execution_horizon, rtc_config)
@@ -816,8 +840,14 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         pixel_values, pixel_attention_mask, attention_mask), [B, 2B) on `unconditioned_prompt` (its input_ids and
         attention_mask, the same images)."""
         input_ids, pixel_values, pixel_attention_mask, attention_mask, memory = prefix
+        memory = dict(memory)
+        advantage_ids, uncond_advantage_ids = memory.pop("advantage_ids", (None, None))
         uncond_input_ids, uncond_attention_mask = unconditioned_prompt
         batch_size = input_ids.shape[0]
+        both_advantages = None
+        if advantage_ids is not None:  # the embedding indicator: the other half reads none (0) unless told
+            other = uncond_advantage_ids if uncond_advantage_ids is not None else torch.zeros_like(advantage_ids)
+            both_advantages = torch.cat([advantage_ids, other])
         if uncond_input_ids.shape[0] != batch_size:
             raise ValueError(f"uncond_input_ids has {uncond_input_ids.shape[0]} rows for {batch_size} prompts")
         if uncond_attention_mask is None:
@@ -842,7 +872,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         def velocity(x, timestep):
             v = self(noise=torch.cat([x, x]), timestep=torch.cat([timestep, timestep]), input_ids=both_ids,
                      pixel_attention_mask=both_cameras, attention_mask=both_mask, past_key_values=cache,
-                     memory_mask=both_memory["memory_mask"]).logits
+                     memory_mask=both_memory["memory_mask"], advantage_ids=both_advantages).logits
             conditioned, unconditioned = v[:batch_size].float(), v[batch_size:].float()
             return unconditioned + beta * (conditioned - unconditioned)
 

@@ -39,14 +39,19 @@ def _as_tensor(value, dtype=torch.float32) -> torch.Tensor:
     return torch.as_tensor(array, dtype=dtype)
 
 
-# RECAP's advantage indicator (pi*0.6, arXiv 2511.14759, Sec. V-B: "Advantage: positive" / "Advantage: negative"),
-# appended to the task on a line of its own as lerobot's `feat/add-recap` branch (`lerobot.rl.acp_tags`), Evo-RL and
-# RLinf's openpi CFG prompts do; pi0.5's prompt then cleans the newline to a space, as lerobot's pi0.5 processor does.
+# RECAP's advantage indicator (pi*0.6, arXiv 2511.14759, Sec. V-B: "Advantage: positive" / "Advantage: negative").
+# "text" (the default): a prompt segment of its own, tokenized apart and placed after the task and state, right before
+# the answer marker, so the task's and the state's token ids are those of the plain prompt (docs/recap.md: appended to
+# the task, the indicator re-tokenized the task's last word and moved every later token). "appended": the task with
+# the indicator on a line of its own, as lerobot's `feat/add-recap` branch writes it (checkpoints trained before the
+# segment). "embedding": no text; the expert reads a learned embedding of the indicator (`advantage_ids`).
 ADVANTAGE_TAGS = {True: "Advantage: positive", False: "Advantage: negative"}
+INDICATOR_FORMS = ("text", "appended", "embedding")
+ADVANTAGE_IDS = {None: 0, False: 1, True: 2}  # the embedding form's ids: none (dropped), negative, positive
 
 
 def advantage_task(task: str, advantage: bool | None) -> str:
-    """`task` with the advantage indicator appended (None: the unconditioned prompt, the task alone)."""
+    """`task` with the advantage indicator appended on a line of its own (the "appended" form; None: the task alone)."""
     if advantage is None:
         return task
     tag = ADVANTAGE_TAGS[bool(advantage)]
@@ -83,8 +88,13 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         `to_dict()`; `PI05Config.token_loss`), saved in `processor_config.json`. Training batches then carry `labels`
         (`target_labels`); inference never uses it.
     fast_token_offset (`int`, *optional*): the language-model id of FAST id 0 (`set_fast_tokenizer` chooses it).
-    advantage_conditioned (`bool`): the policy was trained with RECAP's advantage indicator in its prompt
-        (`advantage_task`); at inference every prompt asks for "Advantage: positive" unless a call says otherwise.
+    advantage_conditioned (`bool`): the policy was trained with RECAP's advantage indicator; at inference every prompt
+        asks for "Advantage: positive" unless a call says otherwise.
+    advantage_indicator (`str`): how the indicator reaches the model (`INDICATOR_FORMS`): "text", a prompt segment of
+        its own before the answer marker (the task's and state's token ids unchanged); "embedding", `advantage_ids`
+        (0 none, 1 negative, 2 positive) the expert reads as a learned embedding in its time conditioning (the
+        prompt is the plain one); "appended", the task with the indicator appended (checkpoints trained before the
+        segment; the default of a saved processor that does not name one).
     memory (`dict`, *optional*): MEM's observation memory of the policy (`PI05Config.use_visual_memory` /
         `use_proprioceptive_memory`): `{"frames", "stride", "visual", "proprio"}`. Calls then take the past
         observations (`memory=`) and build `pixel_values` with a frame axis and/or `memory_state`, and `memory_mask`;
@@ -124,6 +134,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         subtask_layout: str | None = None,
         memory: dict | None = None,
         subtask_max_tokens: int | None = None,
+        advantage_indicator: str = "appended",
         **kwargs,
     ):
         self.norm_stats = norm_stats or {}
@@ -141,6 +152,9 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         self.cfg_beta = float(cfg_beta)
         self.subtask_layout = subtask_layout
         self.subtask_max_tokens = None if subtask_max_tokens is None else int(subtask_max_tokens)
+        if advantage_indicator not in INDICATOR_FORMS:
+            raise ValueError(f"advantage_indicator={advantage_indicator!r}: one of {INDICATOR_FORMS}")
+        self.advantage_indicator = advantage_indicator
         self._subtask_cut_warned = False
         self.memory = _memory_settings(memory)
         self._last_state = None  # the raw states of the last call (relative actions are offsets from them)
@@ -163,6 +177,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             memory=memory_settings_of(config),
             subtask_max_tokens=getattr(config, "subtask_max_tokens", None) if getattr(config, "subtask_layout", None)
             else None,
+            advantage_indicator=getattr(config, "advantage_indicator", "text"),
         )
 
     # ---- normalization -------------------------------------------------------------------------------------------
@@ -238,17 +253,48 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         return f"Task: {cleaned}, State: {state};\n{answer}: "
 
     def _prompt_tokens(self, texts: list[str], padded_state: torch.Tensor, states: list[torch.Tensor],
-                       subtask_next: list[bool] | None = None) -> dict:
+                       subtask_next: list[bool] | None = None, advantages: list | None = None) -> dict:
+        """The prompts' token ids and attention masks (plain lists), right-padded to `prompt_max_length`; a row's
+        advantage indicator (True / False; None: none) in the processor's `advantage_indicator` form."""
+        advantages = advantages or [None] * len(texts)
+        form = self.advantage_indicator
+        if form == "appended":
+            texts, advantages = [advantage_task(t, a) for t, a in zip(texts, advantages)], [None] * len(texts)
+        elif form == "embedding":  # the expert reads it (`advantage_ids`); the prompt is the plain one
+            advantages = [None] * len(texts)
         if not self.discrete_state_input and not (self.memory and self.memory["proprio"]):
             if subtask_next and any(subtask_next):
                 raise ValueError("a subtask follows the prompt's state: it needs discrete_state_input")
-            return self._task_only_tokens(texts)
+            return self._task_only_tokens(texts, advantages)
         subtask_next = subtask_next or [False] * len(texts)
         prompts = [self.build_prompt(t, padded_state[i, : states[i].shape[-1]], subtask_next[i])
                    for i, t in enumerate(texts)]
         # plain lists, then one tensor: about twice as fast as the tokenizer's own tensor conversion
-        return self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.prompt_max_length,
-                              padding_side="right")
+        tokens = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.prompt_max_length,
+                                padding_side="right")
+        for row, advantage in enumerate(advantages):
+            if advantage is not None:  # the indicator as a segment of its own before the answer marker
+                head, _, answer = prompts[row].rpartition("\n")
+                ids = (self.tokenizer(head + "\n")["input_ids"] + self._indicator_ids(advantage, "\n")
+                       + self.tokenizer(answer, add_special_tokens=False)["input_ids"])
+                self._set_row(tokens, row, ids)
+        return tokens
+
+    def _indicator_ids(self, advantage: bool, end: str) -> list[int]:
+        """The indicator's own tokens: `Advantage: positive;` (or negative) and `end`, tokenized apart."""
+        return self.tokenizer(f"{ADVANTAGE_TAGS[bool(advantage)]};{end}", add_special_tokens=False)["input_ids"]
+
+    def _set_row(self, tokens: dict, row: int, ids: list[int]) -> None:
+        """Row `row` of `tokens` becomes `ids`, right-padded; an indicator the length would cut is refused."""
+        length = self.prompt_max_length
+        if len(ids) > length:
+            raise IndicatorCutError(f"the prompt with its advantage indicator is {len(ids)} tokens, longer than "
+                                    f"tokenizer_max_length={length}, which cuts the indicator off; raise the model's "
+                                    f"tokenizer_max_length (e.g. --model_config.tokenizer_max_length {len(ids) + 8} for "
+                                    "a model built from a config, or a fine-tune of one)")
+        pad = self.tokenizer.pad_token_id or 0
+        tokens["input_ids"][row] = ids + [pad] * (length - len(ids))
+        tokens["attention_mask"][row] = [1] * len(ids) + [0] * (length - len(ids))
 
     def _check_subtask_marker_fits(self, texts: list[str], subtask_next: list[bool], padded_state, states,
                                    tokens: dict) -> None:
@@ -266,9 +312,10 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
                                      "task (or train with a larger tokenizer_max_length)")
 
     def _check_indicator_fits(self, texts: list[str], advantages: list, padded_state, states, tokens: dict) -> None:
-        """The advantage indicator must survive the prompt's truncation to `prompt_max_length` tokens: a cut one
-        would train (and run) a policy that never reads it. Only a row that fills the length can have been cut, so
-        only such a row is tokenized again, whole, to say how long it is."""
+        """The "appended" form: the indicator must survive the prompt's truncation to `prompt_max_length` tokens (a
+        cut one would train, and run, a policy that never reads it). Only a row that fills the length can have been
+        cut, so only such a row is tokenized again, whole, to say how long it is. (The "text" form is checked where
+        its segment is placed.)"""
         for row, (text, advantage) in enumerate(zip(texts, advantages)):
             if advantage is None or sum(tokens["attention_mask"][row]) < self.prompt_max_length:
                 continue
@@ -281,9 +328,10 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
                 length = len(self.tokenizer(cleaned)["input_ids"]) + 1
             if length > self.prompt_max_length:
                 raise IndicatorCutError(f"the prompt with its advantage indicator is {length} tokens, longer than "
-                                 f"tokenizer_max_length={self.prompt_max_length}, which cuts the indicator off; raise "
-                                 "the model's tokenizer_max_length (e.g. --model_config.tokenizer_max_length "
-                                 f"{length + 8} for a model built from a config, or a fine-tune of one)")
+                                        f"tokenizer_max_length={self.prompt_max_length}, which cuts the indicator off; "
+                                        "raise the model's tokenizer_max_length (e.g. --model_config."
+                                        f"tokenizer_max_length {length + 8} for a model built from a config, or a "
+                                        "fine-tune of one)")
 
     def _advantages(self, advantage, cfg_beta, rows: int) -> tuple[list, list[float] | None]:
         """Each row's advantage indicator, and the rows' guidance betas when any is not 1 (else None)."""
@@ -360,17 +408,25 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
                          if tokens else None)
         return texts
 
-    def _task_only_tokens(self, texts: list[str]) -> dict:
+    def _task_only_tokens(self, texts: list[str], advantages: list | None = None) -> dict:
         """Prompts without the state (`discrete_state_input=False`), as openpi's tokenizer builds them: the cleaned
         task with BOS, then "\n" tokenized on its own (its start-of-answer token), right-padded to the prompt
-        length."""
+        length; a row's indicator (the "text" form) between them, tokenized apart."""
         newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
         cleaned = [t.strip().replace("_", " ").replace("\n", " ") for t in texts]
-        ids = [row + newline for row in self.tokenizer(cleaned)["input_ids"]]
+        advantages = advantages or [None] * len(texts)
+        ids = [row + ([] if a is None else self._indicator_ids(a, "")) + newline
+               for row, a in zip(self.tokenizer(cleaned)["input_ids"], advantages)]
         length, pad = self.prompt_max_length, self.tokenizer.pad_token_id or 0
-        ids = [row[:length] for row in ids]
-        return {"input_ids": [row + [pad] * (length - len(row)) for row in ids],
-                "attention_mask": [[1] * len(row) + [0] * (length - len(row)) for row in ids]}
+        tokens = {"input_ids": [None] * len(ids), "attention_mask": [None] * len(ids)}
+        for row, (advantage, row_ids) in enumerate(zip(advantages, ids)):
+            if advantage is not None:
+                self._set_row(tokens, row, row_ids)  # refused where the length would cut the indicator
+                continue
+            row_ids = row_ids[:length]
+            tokens["input_ids"][row] = row_ids + [pad] * (length - len(row_ids))
+            tokens["attention_mask"][row] = [1] * len(row_ids) + [0] * (length - len(row_ids))
+        return tokens
 
     def pad(self, values: torch.Tensor, size: int) -> torch.Tensor:
         if values.shape[-1] > size:
@@ -471,15 +527,18 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         if self.subtask_layout == "factorised":  # a given subtask replaces the task; "auto" asks for it after the task
             texts = [s if s not in (None, "auto") else t for t, s in zip(texts, subtasks)]
             subtask_next = [s == "auto" for s in subtasks]
-        tokens = self._prompt_tokens([advantage_task(t, a) for t, a in zip(texts, advantages)], padded_state, states,
-                                     subtask_next)
-        if any(a is not None for a in advantages):
+        tokens = self._prompt_tokens(texts, padded_state, states, subtask_next, advantages)
+        appended = self.advantage_indicator == "appended"
+        if appended and any(a is not None for a in advantages):
             self._check_indicator_fits(texts, advantages, padded_state, states, tokens)
         if any(subtask_next):
-            self._check_subtask_marker_fits([advantage_task(t, a) for t, a in zip(texts, advantages)], subtask_next,
+            self._check_subtask_marker_fits([advantage_task(t, a) if appended else t
+                                             for t, a in zip(texts, advantages)], subtask_next,
                                             padded_state, states, tokens)
         data = {"input_ids": torch.tensor(tokens["input_ids"], dtype=torch.long),
                 "attention_mask": torch.tensor(tokens["attention_mask"], dtype=torch.bool), "state": padded_state}
+        if self.advantage_indicator == "embedding":  # what the expert reads instead of a prompt segment
+            data["advantage_ids"] = torch.tensor([ADVANTAGE_IDS[a] for a in advantages], dtype=torch.long)
         if self.subtask_layout == "joint" and any(s not in (None, "auto") for s in subtasks):
             data["subtask_ids"], data["subtask_mask"] = self.subtask_tokens(
                 [s if s != "auto" else None for s in subtasks])
@@ -488,6 +547,8 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             data["uncond_input_ids"] = torch.tensor(uncond["input_ids"], dtype=torch.long)
             data["uncond_attention_mask"] = torch.tensor(uncond["attention_mask"], dtype=torch.bool)
             data["cfg_beta"] = torch.tensor(betas, dtype=torch.float32)
+            if "advantage_ids" in data:  # the embedding form: the same prompt, no indicator for the other half
+                data["uncond_advantage_ids"] = torch.zeros_like(data["advantage_ids"])
         if images is not None:
             images = as_image_batch(images, len(texts))
             if self.memory and self.memory["visual"]:  # MEM: the past frames and the current one, `[B, n_cams, T, ...]`

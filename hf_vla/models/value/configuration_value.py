@@ -19,6 +19,12 @@ class PI05ValueConfig(PI05Config):
     discrete_state_input (`bool`, defaults to `False` here): the value prompt is pi0.5's state-free one (the task,
         then a newline token; lerobot's branch documents "Task: {task}." for its value model); True adds pi0.5's
         discretised state.
+    episode_limits (`dict`, *optional*): `{task: limit}`, each task's one episode limit its returns were normalised
+        by (set by training; annotation reads them, so its advantages are on the same scale).
+    failure_cost (`float`, *optional*): the failure cost its returns used, in steps (None: each task's limit).
+    held_out_fold (`dict`, *optional*): cross-fitting, `{"fold": k, "folds": K, "datasets": [roots]}`: the episodes of
+        these datasets whose index is k modulo K were left out of its training (`hold_out_fold`), so it may annotate
+        them.
     """
 
     model_type = "pi05_value"
@@ -27,6 +33,9 @@ class PI05ValueConfig(PI05Config):
     value_targets: str = "dirac"
     hl_gauss_sigma: float = 0.75
     discrete_state_input: bool = False
+    episode_limits: dict | None = None
+    failure_cost: float | None = None
+    held_out_fold: dict | None = None
 
     def validate_architecture(self):
         super().validate_architecture()

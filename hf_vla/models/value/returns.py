@@ -1,9 +1,12 @@
 """RECAP's arithmetic (pi*0.6, arXiv 2511.14759, Sec. IV-V and its Appendix; constants as lerobot's `feat/add-recap`
 branch and OpenTau document them, docs/recap.md):
 
-- rewards: -1 per step, 0 at the last step of a successful episode, `-failure_cost` at the last step of a failed one;
-- the return of frame t is the sum of the rewards from t to the end, normalised by the task's episode limit
-  (`max_episode_steps`) and clipped to [-1, 0]: a success k steps away is -k / limit, a failure is -1 (or near it);
+- rewards: -1 per step, 0 at the last step of a successful episode, `-failure_cost` at the last step of a failed one
+  (default: the task's episode limit, so any failure is worse than any success);
+- the return of frame t is the sum of the rewards from t to the end, normalised by the task's episode limit plus the
+  failure cost (OpenTau's normalisation) and clipped to [-1, 0]: a success k steps away is -k / (limit + cost), a
+  failure k steps away -(k - 1 + cost) / (limit + cost), so failures keep their time order (an earlier frame of a
+  failed episode is worse) instead of all clipping to -1;
 - the value model predicts a distribution over `num_bins` bins on [-1, 0] (201: a bin every 0.005), trained with
   cross-entropy against the bin of the return (one-hot, "Dirac") or a Gaussian smeared over neighbouring bins
   ("HL-Gauss");
@@ -25,27 +28,40 @@ import numpy as np
 @dataclass(frozen=True)
 class RecapSettings:
     """RECAP's constants. num_bins: the value distribution's bins on [-1, 0]; failure_cost: the reward of a failed
-    episode's last step, in steps (large: a failure is worse than any success); lookahead: N of the N-step advantage
+    episode's last step, in steps (None: the task's episode limit; a failure is then worse than any success); lookahead: N of the N-step advantage
     (None: Monte-Carlo); positive_fraction: the share of each task's frames marked positive; targets: "dirac" or
     "hl_gauss" (sigma in bins, `hl_gauss_sigma`)."""
 
     num_bins: int = 201
-    failure_cost: float = 1000.0
+    failure_cost: float | None = None
     lookahead: int | None = 50
     positive_fraction: float = 0.3
     targets: str = "dirac"
     hl_gauss_sigma: float = 0.75
 
 
-def episode_returns(length: int, success: bool, max_episode_steps: int, failure_cost: float = 1000.0) -> np.ndarray:
+def failure_cost_of(max_episode_steps: int, failure_cost: float | None = None) -> float:
+    """The failure cost in steps: the given one, else the task's episode limit."""
+    return float(max_episode_steps if failure_cost is None else failure_cost)
+
+
+def return_scale(max_episode_steps: int, failure_cost: float | None = None) -> float:
+    """What returns are divided by: the episode limit plus the failure cost (the lowest return of an episode within
+    its limit is then -1)."""
+    if max_episode_steps < 1:
+        raise ValueError(f"max_episode_steps={max_episode_steps}: the task's episode limit must be positive")
+    return float(max_episode_steps) + failure_cost_of(max_episode_steps, failure_cost)
+
+
+def episode_returns(length: int, success: bool, max_episode_steps: int,
+                    failure_cost: float | None = None) -> np.ndarray:
     """Each frame's normalised return `[length]` on [-1, 0] (float64)."""
     if length < 1:
         raise ValueError(f"an episode of {length} frames")
-    if max_episode_steps < 1:
-        raise ValueError(f"max_episode_steps={max_episode_steps}: the task's episode limit must be positive")
-    rewards = step_rewards(length, success, failure_cost)
+    scale = return_scale(max_episode_steps, failure_cost)
+    rewards = step_rewards(length, success, failure_cost_of(max_episode_steps, failure_cost))
     returns = np.cumsum(rewards[::-1])[::-1]
-    return np.clip(returns / float(max_episode_steps), -1.0, 0.0)
+    return np.clip(returns / scale, -1.0, 0.0)
 
 
 def step_rewards(length: int, success: bool, failure_cost: float = 1000.0) -> np.ndarray:
@@ -81,7 +97,7 @@ def hl_gauss_targets(values: np.ndarray, num_bins: int = 201, sigma_bins: float 
 
 
 def advantages(returns: np.ndarray, values: np.ndarray, success: bool, max_episode_steps: int,
-               lookahead: int | None = 50, failure_cost: float = 1000.0) -> np.ndarray:
+               lookahead: int | None = 50, failure_cost: float | None = None) -> np.ndarray:
     """Each frame's advantage `[n]` (float64): `lookahead` None is Monte-Carlo (return - value); otherwise the N-step
     estimate, the normalised rewards of the next N steps plus the value N steps on, minus the value here; where the
     episode ends within N steps the rest of the return stands in for the bootstrap."""
@@ -93,7 +109,8 @@ def advantages(returns: np.ndarray, values: np.ndarray, success: bool, max_episo
         return returns - values
     if lookahead < 1:
         raise ValueError(f"lookahead={lookahead}: at least 1 step")
-    rewards = step_rewards(n, success, failure_cost) / float(max_episode_steps)
+    rewards = (step_rewards(n, success, failure_cost_of(max_episode_steps, failure_cost))
+               / return_scale(max_episode_steps, failure_cost))
     partial = np.concatenate([np.cumsum(rewards[::-1])[::-1], [0.0]])  # partial[t] = sum of rewards t..end
     t = np.arange(n)
     ahead = t + lookahead
@@ -117,5 +134,5 @@ def positive_threshold(values: np.ndarray, positive_fraction: float) -> float:
     return float((values[k - 1] + values[k]) / 2)
 
 
-__all__ = ["RecapSettings", "advantages", "bin_centers", "episode_returns", "hl_gauss_targets", "positive_threshold",
-           "step_rewards", "value_to_bin"]
+__all__ = ["RecapSettings", "advantages", "bin_centers", "episode_returns", "failure_cost_of", "hl_gauss_targets",
+           "positive_threshold", "return_scale", "step_rewards", "value_to_bin"]

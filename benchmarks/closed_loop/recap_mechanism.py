@@ -1,0 +1,316 @@
+"""RECAP's mechanism on ColorReach (docs/recap.md), from a start that reads its prompt:
+
+    python -m benchmarks.closed_loop.recap_mechanism                 # every stage, resumable
+    python -m benchmarks.closed_loop.recap_mechanism --stage probe   # one stage
+
+Stages (each skipped where its output exists; figures merged into `benchmarks/results/recap_cpu.json` under
+`mechanism`):
+- `start`: the demo recipe (`configs/demo.json`: 1,000 expert episodes, 5,000 steps) with room in the prompt for the
+  indicator (`tokenizer_max_length` 40);
+- `probe`: does the start read its prompt? On held-out seeds, the same scene asked for its true colour and for another
+  present one: the first chunk's aim (open loop: the target its summed displacement points at) and the closed-loop
+  outcome (the first target reached) for each;
+- `data`: 200 expert episodes and 200 decoys (the scripted expert drives to another target while the prompt names
+  the true one: `ColorReachWithExpert(decoy=True)`);
+- `arms`: from the start, at equal steps and one schedule: behaviour cloning on the mixture (`bc_mixture`); the
+  advantage-conditioned policy on the true labels (`oracle_text`: experts positive, decoys negative; and
+  `oracle_embedding`, the indicator read by the expert instead of the prompt); and on a learned value model's
+  annotation (`learned_value`: value model trained cross-fitted on both, `recap annotate`, text form);
+- `evaluate`: each conditioned arm asked "positive", "negative", with no indicator and "positive" at beta 2.5; the
+  named-target rate (success), the decoy rate (reached another target first), per arm, on `--episodes` held-out
+  seeds; plus the diagnostics (held-out flow MSE with the true and the flipped indicator, ||v_c - v_u|| / ||v_u||).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+WORK = REPO / "data_cache" / "recap_mechanism"
+RESULTS = REPO / "benchmarks" / "results" / "recap_cpu.json"
+SEED = 10_000  # held-out evaluation seeds from here (recordings use others)
+PROMPT_TOKENS = 40
+CONTROL = "delta_xy"
+
+
+def _env() -> dict:
+    return dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS=os.environ.get(
+        "OMP_NUM_THREADS", "2"))
+
+
+def _run(command: list[str], log: Path) -> float:
+    started = time.perf_counter()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        done = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=_env())
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command[:5])} ... failed (exit {done.returncode}); its output: {log}")
+    return time.perf_counter() - started
+
+
+def _dataset(root: Path, name: str, **extra) -> dict:
+    return {"root": str(root), "name": name, "cameras": ["observation.image"], "state_key": "observation.state",
+            "action_key": "action", "control_mode": CONTROL, **extra}
+
+
+def stage_start(results: dict) -> None:
+    from hf_vla.envs.recording import RecordArguments, record
+
+    if not (WORK / "expert_1000" / "meta" / "info.json").exists():
+        record(RecordArguments(env="color_reach", output=WORK / "expert_1000", episodes=1000, seed=0), progress=True)
+    if (WORK / "start" / "model.safetensors").exists():
+        return
+    seconds = _run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"),
+                    "--datasets", json.dumps([_dataset(WORK / "expert_1000", "color_reach")]),
+                    "--generate_demo_data", "false", "--model_config.tokenizer_max_length", str(PROMPT_TOKENS),
+                    "--output_dir", str(WORK / "start"), "--disable_tqdm", "true"], WORK / "start.log")
+    results["start_run"] = {"recorded_episodes": 1000, "steps": 5000, "wall_seconds": round(seconds, 1)}
+
+
+# ---- closed-loop evaluation with the named target tracked -----------------------------------------------------------
+class _Tracked:
+    """ColorReach that records which target the agent reaches first (within the success radius), and asks for
+    `ask` instead of the env's own goal: "true", or "swapped" (another present colour, drawn from the seed)."""
+
+    def __init__(self, ask: str = "true", **kwargs):
+        from hf_vla.envs.reach import ColorReachEnv
+
+        self.env, self.ask = ColorReachEnv(**kwargs), ask
+        self.metadata, self.observation_space, self.action_space = (self.env.metadata, self.env.observation_space,
+                                                                    self.env.action_space)
+        self.first: str | None = None
+        self.named: str | None = None
+        self.start_agent = None
+
+    def reset(self, seed=None, options=None):
+        observation, info = self.env.reset(seed=seed)
+        if self.ask == "swapped":
+            others = sorted(name for name in self.env.targets if name != self.env.goal)
+            self.env.goal = others[np.random.default_rng([seed, 7]).integers(len(others))]
+            self.env.task = f"move to the {self.env.goal} target"
+            info = dict(info, task=self.env.task)
+        self.first, self.named, self.start_agent = None, self.env.goal, self.env.agent.copy()
+        return observation, info
+
+    def step(self, action):
+        observation, _, _, truncated, info = self.env.step(action)
+        for name, position in self.env.targets.items():
+            if self.first is None and np.linalg.norm(self.env.agent - position) < self.env.success_radius:
+                self.first = name
+        done = self.first is not None
+        info = dict(info, is_success=self.first == self.named)
+        return observation, float(done), done, truncated and not done, info
+
+    def render(self):
+        return self.env.render()
+
+    def close(self):
+        pass
+
+    @property
+    def unwrapped(self):
+        return self.env
+
+
+class _Asking:
+    """A processor that asks for one advantage indicator (True, False, None) in every call."""
+
+    def __init__(self, processor, advantage):
+        self._processor, self._advantage = processor, advantage
+
+    def __getattr__(self, name):
+        return getattr(self._processor, name)
+
+    def __call__(self, *args, **kwargs):
+        kwargs["advantage"] = self._advantage
+        return self._processor(*args, **kwargs)
+
+
+def closed_loop(weights: Path, episodes: int, ask: str = "true", advantage="auto", cfg_beta=None,
+                envs: int = 16) -> dict:
+    """`episodes` held-out episodes; the named-target rate (success), the other-target rate, none reached."""
+    import torch
+
+    from hf_vla.deployment.contract import read
+    from hf_vla.envs.episodes import EpisodeRunner
+    from hf_vla.serving.policy import ObservationMap, load_policy
+
+    torch.set_num_threads(int(_env()["OMP_NUM_THREADS"]))
+    contract = read(weights)
+    runner = load_policy(weights, obs_map=ObservationMap(cameras=["observation.image"]), cfg_beta=cfg_beta)
+    if advantage != "auto":
+        runner.processor = _Asking(runner.processor, advantage)
+    slots = [_Tracked(ask, image_size=32, max_steps=40) for _ in range(envs)]
+    outcomes = []
+    loop = EpisodeRunner(slots, runner, n_action_steps=contract.n_action_steps, chunk_size=runner.model.config.chunk_size)
+    original = loop._finish
+
+    def finish(slot, output_dir):
+        outcomes.append("named" if slot.env.first == slot.env.named else "none" if slot.env.first is None else "other")
+        return original(slot, output_dir)
+
+    loop._finish = finish
+    loop.run(list(range(SEED, SEED + episodes)), progress=False)
+    counts = {key: outcomes.count(key) / len(outcomes) for key in ("named", "other", "none")}
+    return {"named_target_rate": round(counts["named"], 4), "decoy_rate": round(counts["other"], 4),
+            "none_rate": round(counts["none"], 4), "success": round(counts["named"], 4), "episodes": len(outcomes)}
+
+
+def first_chunk_aim(weights: Path, episodes: int, ask: str) -> float:
+    """Open loop: the share of scenes whose first chunk's summed displacement points (highest cosine) at the target
+    the prompt names."""
+    import torch
+
+    from hf_vla.serving.policy import ObservationMap, load_policy
+
+    torch.set_num_threads(int(_env()["OMP_NUM_THREADS"]))
+    runner = load_policy(weights, obs_map=ObservationMap(cameras=["observation.image"]))
+    hits = 0
+    for seed in range(SEED, SEED + episodes):
+        env = _Tracked(ask, image_size=32, max_steps=40)
+        observation, info = env.reset(seed=seed)
+        runner.reset(seed=seed)
+        chunk = runner(observation, task=info["task"])
+        move = np.asarray(chunk).sum(0)
+        aims = {name: float(np.dot(move, p - env.env.agent) / (np.linalg.norm(move) * np.linalg.norm(p - env.env.agent)
+                                                                + 1e-9)) for name, p in env.env.targets.items()}
+        hits += max(aims, key=aims.get) == env.named
+    return round(hits / episodes, 4)
+
+
+def stage_probe(results: dict, episodes: int) -> None:
+    start = WORK / "start"
+    results["start"] = {"prompt_probe": {
+        "first_chunk_aims_at_named_true": first_chunk_aim(start, episodes, "true"),
+        "first_chunk_aims_at_named_swapped": first_chunk_aim(start, episodes, "swapped"),
+        "closed_loop_true": closed_loop(start, episodes, "true"),
+        "closed_loop_swapped": closed_loop(start, episodes, "swapped"),
+        "aims_at_swapped_target": None}}
+    probe = results["start"]["prompt_probe"]
+    probe["aims_at_swapped_target"] = probe["closed_loop_swapped"]["named_target_rate"]
+
+
+def stage_data() -> None:
+    from hf_vla.envs.recording import RecordArguments, record
+
+    if not (WORK / "expert_200" / "meta" / "info.json").exists():
+        record(RecordArguments(env="color_reach", output=WORK / "expert_200", episodes=200, seed=20_000),
+               progress=True)
+    if not (WORK / "decoy_200" / "meta" / "info.json").exists():
+        record(RecordArguments(env="color_reach", output=WORK / "decoy_200", episodes=200, seed=30_000),
+               env_kwargs={"decoy": True}, progress=True)
+
+
+def _train(datasets: list[dict], out: Path, steps: int, *extra: str) -> float:
+    """From the start at one schedule: warmup 100 steps to a peak of 3e-4, cosine to 10% (`--arm_steps`)."""
+    if (out / "model.safetensors").exists():
+        return 0.0
+    return _run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"), "--model_name_or_path",
+                 str(WORK / "start"), "--model_config", "null", "--norm_stats_from", str(WORK / "start"),
+                 "--datasets", json.dumps(datasets), "--generate_demo_data", "false", "--validation_ratio", "0",
+                 "--max_steps", str(steps), "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine_with_min_lr",
+                 "--lr_scheduler_kwargs", json.dumps({"min_lr_rate": 0.1}), "--warmup_steps", "100",
+                 "--output_dir", str(out), "--disable_tqdm", "true", "--stream_open_blocks", "64", *extra],
+                out.with_suffix(".log"))
+
+
+def stage_arms(results: dict, steps: int) -> None:
+    expert, decoy = WORK / "expert_200", WORK / "decoy_200"
+    timings = results.setdefault("arm_seconds", {})
+    timings["bc_mixture"] = _train([_dataset(expert, "expert"), _dataset(decoy, "decoy")], WORK / "bc_mixture", steps)
+    oracle = [_dataset(expert, "expert", advantage={"value": True, "dropout": 0.3}),
+              _dataset(decoy, "decoy", advantage={"value": False, "dropout": 0.3})]
+    timings["oracle_text"] = _train(oracle, WORK / "oracle_text", steps)
+    timings["oracle_embedding"] = _train(oracle, WORK / "oracle_embedding", steps, "--model_config",
+                                         json.dumps({"advantage_indicator": "embedding"}))
+    # the learned value: two value models, each holding out one fold of both datasets, then annotate
+    folds = []
+    for fold in range(2):
+        out = WORK / f"value_fold{fold}"
+        folds.append(out)
+        if not (out / "model.safetensors").exists():
+            value_data = [_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
+                          _dataset(decoy, "decoy", success=False, hold_out_fold=[fold, 2])]
+            timings[f"value_fold{fold}"] = _run(
+                [sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"), "--policy", "pi05_value",
+                 "--model_name_or_path", str(WORK / "start"), "--model_config", "null", "--datasets",
+                 json.dumps(value_data), "--generate_demo_data", "false", "--validation_ratio", "0",
+                 "--max_steps", "600", "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine",
+                 "--warmup_steps", "50", "--output_dir", str(out), "--disable_tqdm", "true"], out.with_suffix(".log"))
+    annotated = WORK / "annotated"
+    if not annotated.exists():
+        timings["annotate"] = _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds),
+                                    "--datasets", json.dumps([_dataset(expert, "expert", success=True),
+                                                              _dataset(decoy, "decoy", success=False)]),
+                                    "--positive_fraction", "0.5", "--output", str(annotated)],
+                                   WORK / "annotate.log")
+    learned = [_dataset(annotated / "expert", "expert", advantage={"key": "advantage_positive", "dropout": 0.3}),
+               _dataset(annotated / "decoy", "decoy", advantage={"key": "advantage_positive", "dropout": 0.3})]
+    timings["learned_value"] = _train(learned, WORK / "learned_value", steps)
+    results["label_agreement"] = _label_agreement(annotated)
+
+
+def _label_agreement(annotated: Path) -> dict:
+    """How often the learned annotation says positive on the experts' frames and on the decoys' frames."""
+    import pyarrow.parquet as pq
+
+    rates = {}
+    for name in ("expert", "decoy"):
+        values = np.concatenate([pq.read_table(p, columns=["advantage_positive"])["advantage_positive"].to_numpy()
+                                 for p in sorted((annotated / name / "data").rglob("*.parquet"))])
+        rates[f"positive_rate_{name}"] = round(float(values.mean()), 4)
+    return rates
+
+
+def stage_evaluate(results: dict, episodes: int) -> None:
+    arms = results.setdefault("arms", {})
+    arms["bc_mixture"] = closed_loop(WORK / "bc_mixture", episodes, advantage="auto")
+    for arm in ("oracle_text", "oracle_embedding", "learned_value"):
+        weights = WORK / arm
+        arms[arm] = {"positive": closed_loop(weights, episodes, advantage=True),
+                     "negative": closed_loop(weights, episodes, advantage=False),
+                     "no_indicator": closed_loop(weights, episodes, advantage=None),
+                     "guided": closed_loop(weights, episodes, advantage="auto", cfg_beta=2.5)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=["start", "probe", "data", "arms", "evaluate", "all"], default="all")
+    parser.add_argument("--episodes", type=int, default=200, help="held-out episodes per evaluation")
+    parser.add_argument("--arm_steps", type=int, default=1500, help="training steps of every arm")
+    args = parser.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    everything = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results = everything.setdefault("mechanism", {})
+    results["settings"] = {"episodes": args.episodes, "arm_steps": args.arm_steps, "prompt_tokens": PROMPT_TOKENS,
+                           "machine": "2-core CPU, no GPU"}
+
+    def save():
+        RESULTS.write_text(json.dumps(everything, indent=1) + "\n")
+
+    stages = ["start", "probe", "data", "arms", "evaluate"] if args.stage == "all" else [args.stage]
+    for stage in stages:
+        if stage == "start":
+            stage_start(results)
+        elif stage == "probe":
+            stage_probe(results, args.episodes)
+        elif stage == "data":
+            stage_data()
+        elif stage == "arms":
+            stage_arms(results, args.arm_steps)
+        elif stage == "evaluate":
+            stage_evaluate(results, args.episodes)
+        save()
+        print(json.dumps({stage: {k: v for k, v in results.items() if k != "settings"}}, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
