@@ -270,11 +270,70 @@ def _label_agreement(annotated: Path) -> dict:
     return rates
 
 
+def _scene_chunks(seed: int, chunk: int):
+    """A held-out scene (its first observation and task) with the scripted expert's first `chunk` actions towards the
+    named target and a decoy expert's towards another one."""
+    import copy
+
+    from hf_vla.envs.reach import ColorReachWithExpert
+
+    out = []
+    for decoy in (False, True):
+        env = ColorReachWithExpert(seed, decoy=decoy, image_size=32, max_steps=40)
+        observation, info = env.reset(seed=seed)
+        rollout, actions = copy.deepcopy(env), []
+        for _ in range(chunk):
+            action = rollout.expert_action()
+            actions.append(action)
+            rollout.step(action)
+        out.append((observation, info["task"], np.stack(actions)))
+    return out
+
+
+def diagnostics(weights: Path, scenes: int) -> dict:
+    """On held-out scenes, with one noise and time per sample: the flow MSE of the expert's chunk (label positive) and
+    of a decoy's (label negative) with the true and the flipped indicator, and ||v_c - v_u|| / ||v_u|| (asked positive
+    against no indicator) on the expert's."""
+    import torch
+
+    from hf_vla.hub.resolve import load_pretrained
+
+    torch.set_num_threads(int(_env()["OMP_NUM_THREADS"]))
+    model, processor = load_pretrained(weights)
+    model.eval()
+    config, generator = model.config, torch.Generator().manual_seed(0)
+    sums = {"true": [], "flipped": []}
+    ratios = []
+    for seed in range(SEED, SEED + scenes):
+        for label, (observation, task, actions) in zip((True, False), _scene_chunks(seed, config.chunk_size)):
+            noise = torch.randn(1, config.chunk_size, config.max_action_dim, generator=generator)
+            t = torch.rand(1, generator=generator) * 0.9 + 0.05
+            velocities = {}
+            for name, asked in (("true", label), ("flipped", not label), ("none", None)):
+                inputs = processor(images=torch.from_numpy(observation["observation.image"]).permute(2, 0, 1)[None],
+                                   text=[task], state=observation["observation.state"][None],
+                                   actions=torch.from_numpy(actions)[None], advantage=asked)
+                target = inputs["actions"]
+                x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * target
+                keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "advantage_ids")
+                with torch.no_grad():
+                    v = model(noise=x_t, timestep=t, **{k: inputs[k] for k in keys if k in inputs}).logits
+                velocities[name] = v
+                if name != "none":
+                    sums[name].append(float(((noise - target - v)[..., : actions.shape[-1]] ** 2).mean()))
+            if label:
+                ratios.append(float((velocities["true"] - velocities["none"]).norm() / velocities["none"].norm()))
+    return {"flow_mse_true_indicator": round(float(np.mean(sums["true"])), 5),
+            "flow_mse_flipped_indicator": round(float(np.mean(sums["flipped"])), 5),
+            "velocity_change_positive_vs_none": round(float(np.mean(ratios)), 4), "scenes": scenes}
+
+
 def stage_evaluate(results: dict, episodes: int) -> None:
     arms = results.setdefault("arms", {})
     arms["bc_mixture"] = closed_loop(WORK / "bc_mixture", episodes, advantage="auto")
     for arm in ("oracle_text", "oracle_embedding", "learned_value"):
         weights = WORK / arm
+        results.setdefault("diagnostics", {})[arm] = diagnostics(weights, min(episodes, 100))
         arms[arm] = {"positive": closed_loop(weights, episodes, advantage=True),
                      "negative": closed_loop(weights, episodes, advantage=False),
                      "no_indicator": closed_loop(weights, episodes, advantage=None),

@@ -1,11 +1,12 @@
 """Learning from experience with RECAP (pi*0.6): docs/recap.md has the method and a round's commands.
 
-    python -m hf_vla.recap annotate [CONFIG.json] --value VALUE_CKPT --datasets '[{...}, ...]' --output DIR
-        [--lookahead 50] [--positive_fraction 0.3] [--failure_cost 1000] [--allow_unlabelled] [--overwrite]
+    python -m hf_vla.recap annotate [CONFIG.json] --value VALUE_CKPT [VALUE_CKPT ...] --datasets '[{...}, ...]'
+        --output DIR [--lookahead 50] [--positive_fraction 0.3] [--allow_unlabelled] [--overwrite]
 
 writes each frame's return, value, advantage and `advantage_positive` into a new LeRobot dataset (the source is
 never written); train the policy on it with the dataset field `"advantage": {"key": "advantage_positive"}`. The value
-model is trained with `python -m hf_vla.train` and `"policy": "pi05_value"`.
+model is trained with `python -m hf_vla.train` and `"policy": "pi05_value"`; several `--value` models, each trained
+with the dataset field `hold_out_fold` [k, K], annotate cross-fitted (each episode by the model that did not see it).
 """
 
 from __future__ import annotations

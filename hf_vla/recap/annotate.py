@@ -151,14 +151,18 @@ def _judges_of(judges: list, checkpoints: list[str], sources: list) -> dict[str,
 
 def _failure_cost(args: AnnotateArguments, configs: list) -> float | None:
     """The failure cost of the returns: the value models' (they must agree), or `--failure_cost` where it is theirs."""
+    if any(getattr(c, "episode_limits", None) is None for c in configs):
+        raise ConfigError("--value: a value model trained before hf_vla recorded its returns' scale (episode limits, "
+                          "failure cost); train it again with python -m hf_vla.train (policy pi05_value)")
     costs = {getattr(c, "failure_cost", None) for c in configs}
     if len(costs) > 1:
         raise ConfigError(f"--value: the models were trained with different failure costs {sorted(map(str, costs))}")
     theirs = costs.pop()
-    if args.failure_cost is not None and theirs is not None and args.failure_cost != theirs:
-        raise ConfigError(f"--failure_cost {args.failure_cost:g}: the value model's returns used {theirs:g}; its "
-                          "values and these returns would be on two scales (leave the flag out)")
-    return args.failure_cost if args.failure_cost is not None else theirs
+    if args.failure_cost is not None and args.failure_cost != theirs:
+        used = "each task's episode limit" if theirs is None else f"{theirs:g}"
+        raise ConfigError(f"--failure_cost {args.failure_cost:g}: the value model's returns used {used}; its values "
+                          "and these returns would be on two scales (leave the flag out)")
+    return theirs
 
 
 def _load_value_model(checkpoint: str, device: str):
