@@ -135,7 +135,7 @@ class _Asking:
 
 
 def closed_loop(weights: Path, episodes: int, ask: str = "true", advantage="auto", cfg_beta=None,
-                envs: int = 16) -> dict:
+                envs: int = 16, env_kwargs: dict | None = None) -> dict:
     """`episodes` held-out episodes; the named-target rate (success), the other-target rate, none reached."""
     import torch
 
@@ -148,7 +148,7 @@ def closed_loop(weights: Path, episodes: int, ask: str = "true", advantage="auto
     runner = load_policy(weights, obs_map=ObservationMap(cameras=["observation.image"]), cfg_beta=cfg_beta)
     if advantage != "auto":
         runner.processor = _Asking(runner.processor, advantage)
-    slots = [_Tracked(ask, image_size=32, max_steps=40) for _ in range(envs)]
+    slots = [_Tracked(ask, image_size=32, max_steps=40, **(env_kwargs or {})) for _ in range(envs)]
     outcomes = []
     loop = EpisodeRunner(slots, runner, n_action_steps=contract.n_action_steps, chunk_size=runner.model.config.chunk_size)
     original = loop._finish
@@ -340,9 +340,131 @@ def stage_evaluate(results: dict, episodes: int) -> None:
                      "guided": closed_loop(weights, episodes, advantage="auto", cfg_beta=2.5)}
 
 
+# ---- the plateau: a start that reads its prompt, on targets anywhere (layout "random") ------------------------------
+PLATEAU = {"layout": "random"}
+
+
+def stage_collect(results: dict, episodes: int) -> None:
+    """The start acting alone on the plateau (`--strategy policy`): every episode kept with `next.success`."""
+    from hf_vla.envs.recording import RecordArguments, record
+
+    out = WORK / "collected"
+    if not (out / "meta" / "info.json").exists():
+        record(RecordArguments(env="color_reach", output=out, episodes=episodes, seed=40_000, strategy="policy",
+                               policy=str(WORK / "start")), env_kwargs=dict(PLATEAU), progress=True)
+    results["collected"] = {"episodes": episodes, "success": round(_success_rate(out), 4)}
+
+
+def _success_rate(root: Path) -> float:
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    frame = pd.concat(pq.read_table(p, columns=["episode_index", "next.success"]).to_pandas()
+                      for p in sorted((root / "data").rglob("*.parquet")))
+    return float(frame.groupby("episode_index")["next.success"].any().mean())
+
+
+def _labelled_copy(root: Path, out: Path, label) -> Path:
+    """`root` with a per-frame `advantage_positive` column from `label(episode, frames)` -> bool `[n]` (frames: the
+    episode's table), written as annotate writes it."""
+    if (out / "meta" / "info.json").exists():
+        return out
+    from hf_vla.data.dataset_config import DatasetConfig
+    from hf_vla.data.sources import LeRobotSource
+    from hf_vla.recap.annotate import _write
+
+    source = LeRobotSource(DatasetConfig(**_dataset(root, "x")), 0)
+    per_frame = {}
+    for row, episode in enumerate(source.episodes["episode_index"].tolist()):
+        table = source._episode_rows(episode, row, int(source.episodes["length"][row]),
+                                     ["episode_index", "observation.state", "next.success"]).to_pandas()
+        nan = np.full(len(table), np.nan)
+        per_frame[episode] = {"return": nan, "value": nan, "advantage": nan,
+                              "positive": np.asarray(label(episode, table), dtype=bool)}
+    _write(source, out, per_frame, {"labels": "benchmark oracle"})
+    return out
+
+
+def _dense_labels(seed0: int):
+    """A step is positive where it moved at least 0.05 towards the named target (the scene from its episode seed:
+    `--strategy policy` keeps every episode, so episode e ran seed `seed0 + e`)."""
+    from hf_vla.envs.reach import ColorReachEnv
+
+    def label(episode, table):
+        env = ColorReachEnv(image_size=32, max_steps=40, **PLATEAU)
+        env.reset(seed=seed0 + episode)
+        goal = env.targets[env.goal]
+        states = np.stack(table["observation.state"].to_numpy())
+        distance = np.linalg.norm(states - goal, axis=1)
+        progress = np.r_[distance[:-1] - distance[1:], 0.0]  # the last frame: no next state
+        return progress >= 0.05
+
+    return label
+
+
+def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int], save) -> None:
+    """From the start at matched steps and data, on the demonstrations and the collected episodes: BC with collected,
+    filtered BC, episode-outcome labels, dense per-step labels, constant "positive" and a learned (cross-fitted)
+    value model's annotation; each evaluated on the plateau."""
+    expert, collected = WORK / "expert_200", WORK / "collected"
+    outcome = _labelled_copy(collected, WORK / "labels_outcome", lambda e, t: np.full(
+        len(t), bool(t["next.success"].any())))
+    dense = _labelled_copy(collected, WORK / "labels_dense", _dense_labels(40_000))
+    constant = _labelled_copy(collected, WORK / "labels_constant", lambda e, t: np.ones(len(t), bool))
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    table = pd.concat(pq.read_table(p, columns=["episode_index", "next.success"]).to_pandas()
+                      for p in sorted((collected / "data").rglob("*.parquet")))
+    wins = sorted(int(e) for e, ok in table.groupby("episode_index")["next.success"].any().items() if ok)
+    keep = {str(e): [[0, 10_000]] for e in wins}
+    folds = []
+    for fold in range(2):
+        out = WORK / f"plateau_value_fold{fold}"
+        folds.append(out)
+        if not (out / "model.safetensors").exists():
+            value_data = [_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
+                          _dataset(collected, "collected", hold_out_fold=[fold, 2])]
+            _run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"), "--policy", "pi05_value",
+                  "--model_name_or_path", str(WORK / "start"), "--model_config", "null", "--datasets",
+                  json.dumps(value_data), "--generate_demo_data", "false", "--validation_ratio", "0",
+                  "--max_steps", "600", "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine",
+                  "--warmup_steps", "50", "--output_dir", str(out), "--disable_tqdm", "true"], out.with_suffix(".log"))
+    learned = WORK / "plateau_annotated"
+    if not learned.exists():
+        _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
+              json.dumps([_dataset(collected, "collected")]), "--positive_fraction", "0.4", "--output", str(learned)],
+             WORK / "plateau_annotate.log")
+    results["learned_value_positive_by_outcome"] = json.loads(
+        (learned / "meta" / "hf_vla_recap.json").read_text())["positive_fraction_by_outcome"]
+    positive = {"advantage": {"value": True, "dropout": 0.3}}
+    by_key = {"advantage": {"key": "advantage_positive", "dropout": 0.3}}
+    arms = {
+        "bc_with_collected": [_dataset(expert, "expert"), _dataset(collected, "collected")],
+        "filtered_bc": [_dataset(expert, "expert"), _dataset(collected, "collected", keep_ranges=keep)],
+        "outcome_labels": [_dataset(expert, "expert", **positive), _dataset(outcome, "collected", **by_key)],
+        "dense_oracle": [_dataset(expert, "expert", **positive), _dataset(dense, "collected", **by_key)],
+        "constant_positive": [_dataset(expert, "expert", **positive), _dataset(constant, "collected", **by_key)],
+        "learned_value": [_dataset(expert, "expert", **positive), _dataset(learned, "collected", **by_key)],
+    }
+    found = results.setdefault("oracle_arms", {})
+    for name, datasets in arms.items():
+        per_seed = []
+        for seed in seeds:
+            out = WORK / f"arm_{name}_seed{seed}"
+            _train(datasets, out, steps, "--seed", str(seed))
+            per_seed.append(closed_loop(out, episodes, env_kwargs=PLATEAU)["success"])
+        found[name] = {"mean_success": round(float(np.mean(per_seed)), 4), "per_seed": per_seed,
+                       "episodes": episodes, "seeds": seeds, "steps": steps}
+        save()  # each arm as it ends
+        print(json.dumps({name: found[name]}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["start", "probe", "data", "arms", "evaluate", "all"], default="all")
+    parser.add_argument("--stage", choices=["start", "probe", "data", "arms", "evaluate", "plateau", "collect",
+                                            "oracle_arms", "all"], default="all")
+    parser.add_argument("--seeds", default="0,1", help="training seeds of the oracle arms")
     parser.add_argument("--episodes", type=int, default=200, help="held-out episodes per evaluation")
     parser.add_argument("--arm_steps", type=int, default=1500, help="training steps of every arm")
     args = parser.parse_args()
@@ -355,7 +477,8 @@ def main() -> None:
     def save():
         RESULTS.write_text(json.dumps(everything, indent=1) + "\n")
 
-    stages = ["start", "probe", "data", "arms", "evaluate"] if args.stage == "all" else [args.stage]
+    stages = ["start", "probe", "data", "arms", "evaluate", "plateau", "collect", "oracle_arms"] \
+        if args.stage == "all" else [args.stage]
     for stage in stages:
         if stage == "start":
             stage_start(results)
@@ -367,6 +490,12 @@ def main() -> None:
             stage_arms(results, args.arm_steps)
         elif stage == "evaluate":
             stage_evaluate(results, args.episodes)
+        elif stage == "plateau":  # the start on the plateau: targets anywhere
+            results["plateau_start"] = closed_loop(WORK / "start", args.episodes, env_kwargs=PLATEAU)
+        elif stage == "collect":
+            stage_collect(results, 200)
+        elif stage == "oracle_arms":
+            stage_oracle_arms(results, args.arm_steps, args.episodes, [int(s) for s in args.seeds.split(",")], save)
         save()
         print(json.dumps({stage: {k: v for k, v in results.items() if k != "settings"}}, indent=1), flush=True)
 

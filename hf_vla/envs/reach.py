@@ -148,6 +148,8 @@ class ColorReachWithExpert:
         self.target: str | None = None  # the target the expert drives to
 
     def __getattr__(self, name):
+        if name == "env" or name.startswith("__"):  # not set yet (a copy being built): no recursion through it
+            raise AttributeError(name)
         return getattr(self.env, name)
 
     def reset(self, seed=None):
