@@ -460,10 +460,93 @@ def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int]
         print(json.dumps({name: found[name]}), flush=True)
 
 
+def _runtime(out: Path) -> float:
+    """A training run's own wall seconds (`all_results.json`'s train_runtime)."""
+    return float(json.loads((out / "all_results.json").read_text())["train_runtime"])
+
+
+def stage_headline(results: dict, steps: int, episodes: int, save) -> None:
+    """RECAP two rounds on the plateau against continued BC and BC with RECAP's collected episodes, each given RECAP's
+    wall minutes (every job alone, the same threads): a round collects 200 episodes of the current policy, trains two
+    cross-fitted value models on the demonstrations and everything collected, annotates everything collected, and
+    trains the policy from the start (the base) on all of it. BC arms get the steps their measured rate fits in those
+    minutes (less the collection for BC with collected: the episodes are RECAP's)."""
+    from hf_vla.envs.recording import RecordArguments, record
+
+    expert = WORK / "expert_200"
+    found = results.setdefault("headline", {})
+    seconds = {"collection": 0.0, "value": 0.0, "annotate": 0.0, "policy": 0.0}
+    policy, collected = WORK / "start", []
+    rounds = []
+    for index in (1, 2):
+        base = WORK / f"headline_round{index}"
+        rollouts = base / "collected"
+        if not (rollouts / "meta" / "info.json").exists():
+            started = time.perf_counter()
+            record(RecordArguments(env="color_reach", output=rollouts, episodes=200, seed=50_000 + 1_000 * index,
+                                   strategy="policy", policy=str(policy)), env_kwargs=dict(PLATEAU), progress=False)
+            seconds["collection"] += time.perf_counter() - started
+        collected.append(rollouts)
+        names = [f"round{i + 1}" for i in range(len(collected))]
+        folds = []
+        for fold in range(2):
+            out = base / f"value_fold{fold}"
+            folds.append(out)
+            if not (out / "model.safetensors").exists():
+                data = [_dataset(expert, "expert", success=True)] + [
+                    _dataset(root, name, hold_out_fold=[fold, 2]) for root, name in zip(collected, names)]
+                seconds["value"] += _run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"),
+                                          "--policy", "pi05_value", "--model_name_or_path", str(WORK / "start"),
+                                          "--model_config", "null", "--datasets", json.dumps(data),
+                                          "--generate_demo_data", "false", "--validation_ratio", "0", "--max_steps",
+                                          "600", "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine",
+                                          "--warmup_steps", "50", "--output_dir", str(out), "--disable_tqdm", "true"],
+                                         out.with_suffix(".log"))
+        annotated = base / "annotated"
+        if not annotated.exists():
+            seconds["annotate"] += _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value",
+                                         *map(str, folds), "--datasets",
+                                         json.dumps([_dataset(r, n) for r, n in zip(collected, names)]),
+                                         "--positive_fraction", "0.4", "--output", str(annotated)],
+                                        base / "annotate.log")
+        parts = [annotated] if len(collected) == 1 else [annotated / name for name in names]
+        datasets = [_dataset(expert, "expert", advantage={"value": True, "dropout": 0.3})] + [
+            _dataset(part, name, advantage={"key": "advantage_positive", "dropout": 0.3})
+            for part, name in zip(parts, names)]
+        policy = base / "policy"
+        _train(datasets, policy, steps)
+        seconds["policy"] += _runtime(policy)
+        rounds.append({"collected_success": round(_success_rate(rollouts), 4),
+                       "positive_by_outcome": _positive_by_outcome(annotated, names)})
+    total = sum(seconds.values())
+    found["recap"] = {**closed_loop(policy, episodes, env_kwargs=PLATEAU), "rounds": rounds,
+                      "seconds": {k: round(v, 1) for k, v in seconds.items()}, "minutes": round(total / 60, 2)}
+    save()
+    rate = steps / _runtime(policy)  # BC trains at the rate the RECAP policy did (the same model and batch)
+    arms = {"continued_bc": ([_dataset(expert, "expert")], total),
+            "bc_with_collected": ([_dataset(expert, "expert")] + [_dataset(r, n) for r, n in zip(collected, names)],
+                                  total - seconds["collection"])}
+    for name, (datasets, budget) in arms.items():
+        out = WORK / f"headline_{name}"
+        budget_steps = int(rate * budget)
+        _train(datasets, out, budget_steps)
+        found[name] = {**closed_loop(out, episodes, env_kwargs=PLATEAU), "steps": budget_steps,
+                       "minutes": round(budget / 60, 2)}
+        save()
+
+
+def _positive_by_outcome(annotated: Path, names: list[str]) -> dict:
+    summary = annotated / "meta" / "hf_vla_recap.json"
+    entries = json.loads(summary.read_text()) if summary.exists() else json.loads(
+        (annotated / "hf_vla_recap.json").read_text())
+    entries = entries if isinstance(entries, list) else [entries]
+    return {entry["dataset"]: entry["positive_fraction_by_outcome"] for entry in entries}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=["start", "probe", "data", "arms", "evaluate", "plateau", "collect",
-                                            "oracle_arms", "all"], default="all")
+                                            "oracle_arms", "headline", "all"], default="all")
     parser.add_argument("--seeds", default="0,1", help="training seeds of the oracle arms")
     parser.add_argument("--episodes", type=int, default=200, help="held-out episodes per evaluation")
     parser.add_argument("--arm_steps", type=int, default=1500, help="training steps of every arm")
@@ -477,7 +560,7 @@ def main() -> None:
     def save():
         RESULTS.write_text(json.dumps(everything, indent=1) + "\n")
 
-    stages = ["start", "probe", "data", "arms", "evaluate", "plateau", "collect", "oracle_arms"] \
+    stages = ["start", "probe", "data", "arms", "evaluate", "plateau", "collect", "oracle_arms", "headline"] \
         if args.stage == "all" else [args.stage]
     for stage in stages:
         if stage == "start":
@@ -496,6 +579,8 @@ def main() -> None:
             stage_collect(results, 200)
         elif stage == "oracle_arms":
             stage_oracle_arms(results, args.arm_steps, args.episodes, [int(s) for s in args.seeds.split(",")], save)
+        elif stage == "headline":
+            stage_headline(results, args.arm_steps, args.episodes, save)
         save()
         print(json.dumps({stage: {k: v for k, v in results.items() if k != "settings"}}, indent=1), flush=True)
 
