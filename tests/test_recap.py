@@ -992,3 +992,27 @@ def test_decoy_recordings_drive_to_another_target_than_the_instruction_names(tmp
         assert terminated and info["is_success"]  # "successful" for the recorder: it reached the decoy
         assert np.linalg.norm(env.agent - env.targets[env.target]) < env.success_radius
         assert np.linalg.norm(env.agent - env.targets[env.goal]) >= env.success_radius
+
+
+def test_a_policy_fine_tuned_with_the_embedding_indicator_starts_as_its_checkpoint(round_data, tmp_path):
+    """`--model_config '{"advantage_indicator": "embedding"}'` on a fine-tune: the one field that adds a module (zero
+    at the start, so the first forward is the checkpoint's), trained by the indicator's datasets."""
+    import json as json_module
+
+    from conftest import REPO
+    from safetensors.torch import load_file
+
+    from hf_vla.train import main as train_main
+
+    demos = dict(round_data["demos"], advantage={"value": True})
+    rollouts = dict(round_data["rollouts"], advantage={"value": False})
+    out = tmp_path / "embedding"
+    train_main([str(REPO / "configs/demo.json"), "--model_name_or_path", str(round_data["run"]), "--model_config",
+                json_module.dumps({"advantage_indicator": "embedding"}), "--datasets",
+                json_module.dumps([demos, rollouts]), "--output_dir", str(out), "--generate_demo_data", "false",
+                "--validation_ratio", "0", "--per_device_train_batch_size", "4", "--stream_open_blocks", "2",
+                "--max_steps", "3", "--warmup_steps", "0", "--disable_tqdm", "true", "--dataloader_num_workers", "0"])
+    weights = load_file(out / "model.safetensors")
+    assert weights["advantage_embedding.weight"].abs().sum() > 0  # trained from zero
+    contract = json_module.loads((out / "deployment_config.json").read_text())
+    assert contract["advantage"]["indicator"] == "embedding"

@@ -256,6 +256,27 @@ def stage_arms(results: dict, steps: int) -> None:
                _dataset(annotated / "decoy", "decoy", advantage={"key": "advantage_positive", "dropout": 0.3})]
     timings["learned_value"] = _train(learned, WORK / "learned_value", steps)
     results["label_agreement"] = _label_agreement(annotated)
+    results.setdefault("diagnostics", {})["mechanism_annotation"] = positive_rates(annotated)
+
+
+def positive_rates(annotated: Path) -> dict:
+    """An annotation's positive rate by episode outcome and by frame index (tenths of the 40-step limit)."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    columns = ["episode_index", "frame_index", "advantage_positive", "next.success"]
+    parts = [p for p in sorted(annotated.rglob("*.parquet")) if "data" in p.parts]
+    frame = pd.concat(pq.read_table(p, columns=[c for c in columns if c in pq.read_schema(p).names]).to_pandas()
+                      for p in parts)
+    out = {"positive_rate": round(float(frame["advantage_positive"].mean()), 4)}
+    if "next.success" in frame:
+        success = frame.groupby("episode_index")["next.success"].transform("any")
+        out["by_outcome"] = {"success": round(float(frame["advantage_positive"][success].mean()), 4),
+                             "failure": round(float(frame["advantage_positive"][~success].mean()), 4)}
+    bins = (frame["frame_index"] // 4).clip(upper=9) * 4
+    out["by_frame_index"] = {f"{int(b)}-{int(b) + 3}": round(float(v), 4)
+                             for b, v in frame.groupby(bins)["advantage_positive"].mean().items()}
+    return out
 
 
 def _label_agreement(annotated: Path) -> dict:
@@ -337,7 +358,8 @@ def stage_evaluate(results: dict, episodes: int) -> None:
         arms[arm] = {"positive": closed_loop(weights, episodes, advantage=True),
                      "negative": closed_loop(weights, episodes, advantage=False),
                      "no_indicator": closed_loop(weights, episodes, advantage=None),
-                     "guided": closed_loop(weights, episodes, advantage="auto", cfg_beta=2.5)}
+                     "guided": closed_loop(weights, episodes, advantage="auto", cfg_beta=2.5),
+                     "cfg_beta_0": closed_loop(weights, episodes, advantage="auto", cfg_beta=0.0)}
 
 
 # ---- the plateau: a start that reads its prompt, on targets anywhere (layout "random") ------------------------------
@@ -435,8 +457,7 @@ def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int]
         _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
               json.dumps([_dataset(collected, "collected")]), "--positive_fraction", "0.4", "--output", str(learned)],
              WORK / "plateau_annotate.log")
-    results["learned_value_positive_by_outcome"] = json.loads(
-        (learned / "meta" / "hf_vla_recap.json").read_text())["positive_fraction_by_outcome"]
+    results.setdefault("diagnostics", {})["plateau_annotation"] = positive_rates(learned)
     positive = {"advantage": {"value": True, "dropout": 0.3}}
     by_key = {"advantage": {"key": "advantage_positive", "dropout": 0.3}}
     arms = {

@@ -165,7 +165,9 @@ class ModelArguments:
 # config fields a fine-tune may set over its checkpoint's: none changes a weight's shape
 FINE_TUNE_OVERRIDES = {"chunk_size", "num_inference_steps", "tokenizer_max_length", "discrete_state_input",
                        "time_sampling_beta_alpha", "time_sampling_beta_beta", "time_sampling_scale",
-                       "time_sampling_offset"}
+                       "time_sampling_offset",
+                       # RECAP's indicator form: "embedding" adds a zero-initialised module, the checkpoint's unchanged
+                       "advantage_indicator"}
 
 
 def policy_config_class(policy: str):
