@@ -490,9 +490,9 @@ def recap_policy(round_data):
               "--generate_demo_data", "false", "--per_device_train_batch_size", "4",
               "--stream_open_blocks", "2", "--max_steps", "2", "--warmup_steps", "0", "--disable_tqdm", "true",
               "--dataloader_num_workers", "0"]
-    # the demo's 16-token prompts would cut the indicator off: refused, never trained on in silence
+    # in the prompt, the indicator would not fit the demo's 16 tokens: refused, never trained on in silence
     with pytest.raises(Exception, match="cuts the indicator off; raise the model's tokenizer_max_length"):
-        train_main(common)
+        train_main([*common, "--model_config.advantage_indicator", "text"])
     trainer = train_main([*common, "--model_config.tokenizer_max_length", "40", "--validation_ratio", "0.3"])
     return out, trainer.evaluate()  # the provenance evaluation, per indicator value too
 
@@ -511,7 +511,8 @@ def test_a_data_error_in_a_dataloader_worker_ends_the_command_in_one_line_withou
     command = [sys.executable, "-m", "hf_vla.train", str(REPO / "configs/demo.json"), "--datasets", json.dumps([demos]),
                "--output_dir", str(tmp_path / "out"), "--generate_demo_data", "false",
                "--per_device_train_batch_size", "4", "--stream_open_blocks", "2", "--max_steps", "2",
-               "--warmup_steps", "0", "--disable_tqdm", "true", "--dataloader_num_workers", "1"]
+               "--warmup_steps", "0", "--disable_tqdm", "true", "--dataloader_num_workers", "1",
+               "--model_config.advantage_indicator", "text"]  # in the prompt, where the demo's 16 tokens cut it
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
                           env=dict(__import__("os").environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
     assert done.returncode == 1, done.stderr[-3000:]
@@ -537,16 +538,17 @@ def test_a_policy_trained_on_the_annotation_asks_for_positive(recap_policy):
     out, metrics = recap_policy  # metrics: validation episodes of the demonstrations and the annotated rollouts
     assert {"eval_by_advantage/positive/mse", "eval_by_advantage/negative/mse"} <= set(metrics), sorted(metrics)
     contract = json.loads((out / "deployment_config.json").read_text())
-    assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0, "indicator": "text"}
+    assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0, "indicator": "embedding"}
     runner = load_policy(out)
     rows = {"images": torch.zeros(1, 1, 3, 24, 24, dtype=torch.uint8), "states": np.zeros((1, 2), np.float32),
             "tasks": ["move to the red target"], "camera_mask": torch.ones(1, 1, dtype=torch.bool)}
     inputs, _ = runner._inputs(rows, runner.head_name())
+    # the default form: the expert's embedding of "positive" (2), the prompt the plain one
     text = runner.processor.tokenizer.decode(inputs["input_ids"][0], skip_special_tokens=True)
-    assert "Advantage: positive" in text and "uncond_input_ids" not in inputs
+    assert inputs["advantage_ids"].tolist() == [2] and "Advantage" not in text and "uncond_input_ids" not in inputs
     guided, _ = runner._inputs(rows, runner.head_name(), 2.0)
-    assert guided["cfg_beta"].tolist() == [2.0] and "Advantage" not in runner.processor.tokenizer.decode(
-        guided["uncond_input_ids"][0], skip_special_tokens=True)
+    assert guided["cfg_beta"].tolist() == [2.0] and guided["uncond_advantage_ids"].tolist() == [0]
+    assert torch.equal(guided["uncond_input_ids"], guided["input_ids"])  # one prompt for both halves
 
 
 def test_record_strategy_policy_keeps_every_episode_with_the_policys_own_actions(round_data, monkeypatch):
@@ -582,7 +584,7 @@ def test_the_server_guides_per_request_as_the_runner_does(recap_policy):
     server = Server("--checkpoint", str(recap_policy), "--seed", "5", "--max_cfg_beta", "2.5")
     try:
         client = WebsocketClientPolicy(server.uri)
-        assert client.get_server_metadata()["advantage"] == {"conditioned": True, "cfg_beta": 1.0, "indicator": "text",
+        assert client.get_server_metadata()["advantage"] == {"conditioned": True, "cfg_beta": 1.0, "indicator": "embedding",
                                                              "max_cfg_beta": 2.5}
         image = np.random.default_rng(0).integers(0, 255, (24, 24, 3), dtype=np.uint8)
         request = {"observation.image": image, "observation.state": np.array([0.1, -0.2], np.float32),
@@ -690,12 +692,12 @@ def test_advantage_conditioning_trains_with_the_token_objective_relative_actions
     if combo == "token_loss":
         assert "eval_fast_ce" in metrics and trainer.model.config.token_loss
     contract = json.loads((out / "deployment_config.json").read_text())
-    assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0, "indicator": "text"}
+    assert contract["advantage"] == {"conditioned": True, "cfg_beta": 1.0, "indicator": "embedding"}
     runner = load_policy(out)
     inputs, _ = runner._inputs({"images": torch.zeros(1, 1, 3, 48, 64, dtype=torch.uint8),
                                 "states": np.zeros((1, 3), np.float32), "tasks": ["reach target 0"],
                                 "camera_mask": torch.ones(1, 1, dtype=torch.bool)}, runner.head_name())
-    assert "Advantage: positive" in runner.processor.tokenizer.decode(inputs["input_ids"][0], skip_special_tokens=True)
+    assert inputs["advantage_ids"].tolist() == [2]  # "positive", read by the expert
     chunk = runner.model.sample_actions(**inputs)
     assert torch.isfinite(chunk).all()
 
@@ -715,8 +717,7 @@ def test_rl_rollouts_act_on_positive_unguided_without_a_flag(recap_policy):
     observation = {"observation.image": np.zeros((24, 24, 3), np.uint8),
                    "observation.state": np.zeros(2, np.float32)}
     request = policy.prepare(observation, "move to the red target")
-    text = runner.processor.tokenizer.decode(request.inputs["input_ids"][0], skip_special_tokens=True)
-    assert "Advantage: positive" in text and "uncond_input_ids" not in request.inputs
+    assert request.inputs["advantage_ids"].tolist() == [2] and "uncond_input_ids" not in request.inputs
     chunk = policy.sample_batch([request])
     assert torch.isfinite(chunk).all() and len(policy.transitions) == 0  # recorded in finish(), not here
 

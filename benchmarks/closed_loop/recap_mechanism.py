@@ -13,9 +13,9 @@ Stages (each skipped where its output exists; figures merged into `benchmarks/re
 - `data`: 200 expert episodes and 200 decoys (the scripted expert drives to another target while the prompt names
   the true one: `ColorReachWithExpert(decoy=True)`);
 - `arms`: from the start, at equal steps and one schedule: behaviour cloning on the mixture (`bc_mixture`); the
-  advantage-conditioned policy on the true labels (`oracle_text`: experts positive, decoys negative; and
-  `oracle_embedding`, the indicator read by the expert instead of the prompt); and on a learned value model's
-  annotation (`learned_value`: value model trained cross-fitted on both, `recap annotate`, text form);
+  advantage-conditioned policy on the true labels (`oracle_text`: experts positive, decoys negative, the indicator
+  in the prompt; and `oracle_embedding`, the indicator read by the expert); and on a learned value model's annotation
+  (`learned_value`: value models trained cross-fitted on both, `recap annotate`, the default form: the embedding);
 - `evaluate`: each conditioned arm asked "positive", "negative", with no indicator and "positive" at beta 2.5; the
   named-target rate (success), the decoy rate (reached another target first), per arm, on `--episodes` held-out
   seeds; plus the diagnostics (held-out flow MSE with the true and the flipped indicator, ||v_c - v_u|| / ||v_u||).
@@ -228,7 +228,8 @@ def stage_arms(results: dict, steps: int) -> None:
     timings["bc_mixture"] = _train([_dataset(expert, "expert"), _dataset(decoy, "decoy")], WORK / "bc_mixture", steps)
     oracle = [_dataset(expert, "expert", advantage={"value": True, "dropout": 0.3}),
               _dataset(decoy, "decoy", advantage={"value": False, "dropout": 0.3})]
-    timings["oracle_text"] = _train(oracle, WORK / "oracle_text", steps)
+    timings["oracle_text"] = _train(oracle, WORK / "oracle_text", steps, "--model_config",
+                                    json.dumps({"advantage_indicator": "text"}))
     timings["oracle_embedding"] = _train(oracle, WORK / "oracle_embedding", steps, "--model_config",
                                          json.dumps({"advantage_indicator": "embedding"}))
     # the learned value: two value models, each holding out one fold of both datasets, then annotate
@@ -244,6 +245,7 @@ def stage_arms(results: dict, steps: int) -> None:
                  "--model_name_or_path", str(WORK / "start"), "--model_config", "null", "--datasets",
                  json.dumps(value_data), "--generate_demo_data", "false", "--validation_ratio", "0",
                  "--max_steps", "600", "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine",
+                 "--lr_scheduler_kwargs", "{}",
                  "--warmup_steps", "50", "--output_dir", str(out), "--disable_tqdm", "true"], out.with_suffix(".log"))
     annotated = WORK / "annotated"
     if not annotated.exists():
@@ -451,6 +453,7 @@ def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int]
                   "--model_name_or_path", str(WORK / "start"), "--model_config", "null", "--datasets",
                   json.dumps(value_data), "--generate_demo_data", "false", "--validation_ratio", "0",
                   "--max_steps", "600", "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine",
+                 "--lr_scheduler_kwargs", "{}",
                   "--warmup_steps", "50", "--output_dir", str(out), "--disable_tqdm", "true"], out.with_suffix(".log"))
     learned = WORK / "plateau_annotated"
     if not learned.exists():
@@ -521,7 +524,8 @@ def stage_headline(results: dict, steps: int, episodes: int, save) -> None:
                                           "--model_config", "null", "--datasets", json.dumps(data),
                                           "--generate_demo_data", "false", "--validation_ratio", "0", "--max_steps",
                                           "600", "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine",
-                                          "--warmup_steps", "50", "--output_dir", str(out), "--disable_tqdm", "true"],
+                                          "--lr_scheduler_kwargs", "{}", "--warmup_steps", "50", "--output_dir",
+                                          str(out), "--disable_tqdm", "true"],
                                          out.with_suffix(".log"))
         annotated = base / "annotated"
         if not annotated.exists():

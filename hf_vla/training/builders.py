@@ -354,6 +354,11 @@ def build_trainer(model_args: ModelArguments, data_args, training_args):
     if getattr(config, "token_loss", False):
         check_token_objective(config, model_args, training_args)
     check_data_for_policy(config, model_args, data_args)
+    if any(d.get("advantage") for d in data_args.datasets) and hasattr(config, "advantage_indicator") and \
+            config.advantage_indicator is None:  # RECAP's indicator in the form the decoy test chose
+        from hf_vla.models.pi05.configuration_pi05 import ADVANTAGE_INDICATOR_DEFAULT
+
+        config.advantage_indicator = ADVANTAGE_INDICATOR_DEFAULT
     check_subtasks(config, data_args, training_args)
     if getattr(config, "subtask_layout", None):
         check_token_objective(config, model_args, training_args, what=f"subtask_layout={config.subtask_layout!r}")

@@ -16,6 +16,11 @@ MEMORY_FIELDS = ("use_visual_memory", "use_proprioceptive_memory", "memory_frame
                  "memory_temporal_attention_every")
 
 
+# RECAP's indicator form when a run trains with one and the config names none: the decoy test chose it
+# (docs/recap.md, docs/measurements.md)
+ADVANTAGE_INDICATOR_DEFAULT = "embedding"
+
+
 @strict
 class PI05Config(PreTrainedConfig):
     r"""
@@ -81,10 +86,12 @@ class PI05Config(PreTrainedConfig):
         the prompt no longer holds the discretized state (`Task: {task};\nAction: `, as lerobot).
     memory_frames (`int`, defaults to 6), memory_stride (`int`, defaults to 30, in dataset frames: one second at 30
         fps), memory_temporal_attention_every (`int`, defaults to 4): MEM's settings, lerobot's names and defaults.
-    advantage_indicator (`str`, defaults to `"text"`): how RECAP's advantage indicator reaches an advantage-conditioned
-        policy (docs/recap.md): `"text"`, a prompt segment of its own (the processor places it); `"embedding"`, a
-        learned embedding of `advantage_ids` (none / negative / positive, zero-initialised) added to the expert's
-        adaRMS time conditioning, which the expert reads without the tokenizer (guidance then shares the prompt).
+    advantage_indicator (`str`, *optional*): how RECAP's advantage indicator reaches an advantage-conditioned policy
+        (docs/recap.md): `"embedding"`, a learned embedding of `advantage_ids` (none / negative / positive,
+        zero-initialised) added to the expert's adaRMS time conditioning, which the expert reads without the tokenizer
+        (guidance then shares the prompt); `"text"`, a prompt segment of its own (the processor places it). None (the
+        default): a policy trained without the indicator; training with it chooses `ADVANTAGE_INDICATOR_DEFAULT`, the
+        form the decoy test chose (docs/measurements.md).
     image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
     """
 
@@ -120,7 +127,7 @@ class PI05Config(PreTrainedConfig):
     memory_frames: int = 6
     memory_stride: int = 30
     memory_temporal_attention_every: int = 4
-    advantage_indicator: str = "text"
+    advantage_indicator: str | None = None
 
     def __post_init__(self, **kwargs):
         if isinstance(self.vlm_config, dict):
@@ -207,9 +214,9 @@ class PI05Config(PreTrainedConfig):
             raise ValueError(f"PI05Config: rtc_prefix_noise={self.rtc_prefix_noise} must be a finite number >= 0")
         if self.subtask_layout not in SUBTASK_LAYOUTS:
             raise ValueError(f"PI05Config: subtask_layout={self.subtask_layout!r} must be one of {SUBTASK_LAYOUTS}")
-        if self.advantage_indicator not in ("text", "embedding"):
-            raise ValueError(f"PI05Config: advantage_indicator={self.advantage_indicator!r} must be 'text' or "
-                             "'embedding'")
+        if self.advantage_indicator not in (None, "text", "embedding"):
+            raise ValueError(f"PI05Config: advantage_indicator={self.advantage_indicator!r} must be 'text', "
+                             "'embedding' or null")
         if self.subtask_max_tokens < 1:
             raise ValueError(f"PI05Config: subtask_max_tokens={self.subtask_max_tokens} must be positive")
         for name in ("memory_frames", "memory_stride", "memory_temporal_attention_every"):
@@ -230,4 +237,4 @@ class PI05Config(PreTrainedConfig):
 # hf_vla is not installed; set where the class is defined, so every path that saves one writes it
 PI05Config.register_for_auto_class()
 
-__all__ = ["MEMORY_FIELDS", "PI05Config"]
+__all__ = ["ADVANTAGE_INDICATOR_DEFAULT", "MEMORY_FIELDS", "PI05Config"]

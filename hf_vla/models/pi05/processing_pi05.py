@@ -177,7 +177,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             memory=memory_settings_of(config),
             subtask_max_tokens=getattr(config, "subtask_max_tokens", None) if getattr(config, "subtask_layout", None)
             else None,
-            advantage_indicator=getattr(config, "advantage_indicator", "text"),
+            advantage_indicator=getattr(config, "advantage_indicator", None) or "text",
         )
 
     # ---- normalization -------------------------------------------------------------------------------------------
