@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
@@ -28,27 +27,13 @@ TASK = "pick the cube"
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, patch_size=8)
 
 
-def stats(rng):
-    out = {}
-    for key, dim in (("observation.state", STATE_DIM), ("action", ACTION_DIM)):
-        low, high = rng.uniform(-2, -0.5, dim), rng.uniform(0.5, 2, dim)
-        out[key] = {"min": low - 0.5, "max": high + 0.5, "mean": (low + high) / 2 + 0.1, "std": (high - low) / 3,
-                    "q01": low, "q10": low + 0.2, "q90": high - 0.2, "q99": high, "count": np.array([1000])}
-        out[key] = {k: torch.tensor(v, dtype=torch.float32) for k, v in out[key].items()}
-    return out
-
-
 def main(out: Path, tokenizer_dir: Path) -> None:
     import lerobot
-    import lerobot.policies.pi05.modeling_pi05 as module
-    import lerobot.policies.pi05.processor_pi05 as processor_module
     from lerobot.configs.types import FeatureType, PolicyFeature
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
-    from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
-    from lerobot.processor import TokenizerProcessorStep
-    from transformers import AutoTokenizer
+    from mem_oracle import saved_policy  # built, randomised and saved as that oracle's (the same state/action dims)
 
-    from hf_vla.models.reference import Dims, _randomize, _tiny_lerobot
+    from hf_vla.models.reference import Dims
 
     assert "lerobot-7427f31" in lerobot.__file__, lerobot.__file__  # the oracle, not the installed release
     d = Dims(vision=dict(VISION), chunk=CHUNK)
@@ -61,20 +46,7 @@ def main(out: Path, tokenizer_dir: Path) -> None:
                         input_features={**features,
                                         "observation.state": PolicyFeature(FeatureType.STATE, (STATE_DIM,))},
                         output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION_DIM,))})
-    with _tiny_lerobot(module, d):
-        policy = module.PI05Policy(config)
-    _randomize(policy.model, 13)
-    policy.eval()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-
-    def tiny(tokenizer_name=None, **kwargs):  # the tiny tokenizer instead of PaliGemma's (no download here)
-        return TokenizerProcessorStep(tokenizer=tokenizer, **kwargs)
-
-    with mock.patch.object(processor_module, "TokenizerProcessorStep", tiny):
-        pre, post = make_pi05_pre_post_processors(config, dataset_stats=stats(np.random.default_rng(13)))
-    policy.save_pretrained(out / "lerobot")
-    pre.save_pretrained(out / "lerobot")
-    post.save_pretrained(out / "lerobot")
+    policy, pre, post = saved_policy(config, d, out / "lerobot", tokenizer_dir, 13)
 
     rng = np.random.default_rng(17)
     images = rng.integers(0, 256, (STEPS, len(CAMERAS), size, size, 3), dtype=np.uint8)

@@ -32,17 +32,39 @@ def stats(rng):
     return out
 
 
-def main(out: Path, tokenizer_dir: Path) -> None:
-    import lerobot
+def saved_policy(config, d, out: Path, tokenizer_dir: Path, seed: int):
+    """lerobot's tiny PI05Policy of `config` at dims `d`, random weights from `seed`, its pre/post-processors with the
+    tiny tokenizer and `stats`, all saved to `out` by lerobot's own `save_pretrained`. -> (policy, pre, post)"""
     import lerobot.policies.pi05.modeling_pi05 as module
     import lerobot.policies.pi05.processor_pi05 as processor_module
-    from lerobot.configs.types import FeatureType, PolicyFeature
-    from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
     from lerobot.processor import TokenizerProcessorStep
     from transformers import AutoTokenizer
 
-    from hf_vla.models.reference import Dims, _randomize, _tiny_lerobot
+    from hf_vla.models.reference import _randomize, _tiny_lerobot
+
+    with _tiny_lerobot(module, d):
+        policy = module.PI05Policy(config)
+    _randomize(policy.model, seed)
+    policy.eval()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def tiny(tokenizer_name=None, **kwargs):  # the tiny tokenizer instead of PaliGemma's (no download here)
+        return TokenizerProcessorStep(tokenizer=tokenizer, **kwargs)
+
+    with mock.patch.object(processor_module, "TokenizerProcessorStep", tiny):
+        pre, post = make_pi05_pre_post_processors(config, dataset_stats=stats(np.random.default_rng(seed)))
+    for part in (policy, pre, post):
+        part.save_pretrained(out)
+    return policy, pre, post
+
+
+def main(out: Path, tokenizer_dir: Path) -> None:
+    import lerobot
+    from lerobot.configs.types import FeatureType, PolicyFeature
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config
+
+    from hf_vla.models.reference import Dims
 
     assert "lerobot-7427f31" in lerobot.__file__, lerobot.__file__  # the oracle, not the installed release
     d = Dims(vision=dict(VISION))
@@ -53,20 +75,7 @@ def main(out: Path, tokenizer_dir: Path) -> None:
                         input_features={CAMERA: PolicyFeature(FeatureType.VISUAL, (3, d.image_size, d.image_size)),
                                         "observation.state": PolicyFeature(FeatureType.STATE, (STATE_DIM,))},
                         output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION_DIM,))})
-    with _tiny_lerobot(module, d):
-        policy = module.PI05Policy(config)
-    _randomize(policy.model, 11)
-    policy.eval()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-
-    def tiny(tokenizer_name=None, **kwargs):  # the tiny tokenizer instead of PaliGemma's (no download here)
-        return TokenizerProcessorStep(tokenizer=tokenizer, **kwargs)
-
-    with mock.patch.object(processor_module, "TokenizerProcessorStep", tiny):
-        pre, post = make_pi05_pre_post_processors(config, dataset_stats=stats(np.random.default_rng(11)))
-    policy.save_pretrained(out / "lerobot")
-    pre.save_pretrained(out / "lerobot")
-    post.save_pretrained(out / "lerobot")
+    policy, pre, post = saved_policy(config, d, out / "lerobot", tokenizer_dir, 11)
 
     rng = np.random.default_rng(5)
     results = {}

@@ -222,6 +222,17 @@ def _train(datasets: list[dict], out: Path, steps: int, *extra: str) -> float:
                 out.with_suffix(".log"))
 
 
+def _train_value(datasets: list[dict], out: Path) -> float:
+    """A value model from the start's backbone: 600 steps, warmup 50 to 3e-4, cosine (skipped where it exists)."""
+    if (out / "model.safetensors").exists():
+        return 0.0
+    return _run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"), "--policy", "pi05_value",
+                 "--model_name_or_path", str(WORK / "start"), "--model_config", "null", "--datasets",
+                 json.dumps(datasets), "--generate_demo_data", "false", "--validation_ratio", "0", "--max_steps", "600",
+                 "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", "{}",
+                 "--warmup_steps", "50", "--output_dir", str(out), "--disable_tqdm", "true"], out.with_suffix(".log"))
+
+
 def stage_arms(results: dict, steps: int) -> None:
     expert, decoy = WORK / "expert_200", WORK / "decoy_200"
     timings = results.setdefault("arm_seconds", {})
@@ -237,16 +248,9 @@ def stage_arms(results: dict, steps: int) -> None:
     for fold in range(2):
         out = WORK / f"value_fold{fold}"
         folds.append(out)
-        if not (out / "model.safetensors").exists():
-            value_data = [_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
-                          _dataset(decoy, "decoy", success=False, hold_out_fold=[fold, 2])]
-            timings[f"value_fold{fold}"] = _run(
-                [sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"), "--policy", "pi05_value",
-                 "--model_name_or_path", str(WORK / "start"), "--model_config", "null", "--datasets",
-                 json.dumps(value_data), "--generate_demo_data", "false", "--validation_ratio", "0",
-                 "--max_steps", "600", "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine",
-                 "--lr_scheduler_kwargs", "{}",
-                 "--warmup_steps", "50", "--output_dir", str(out), "--disable_tqdm", "true"], out.with_suffix(".log"))
+        timings[f"value_fold{fold}"] = _train_value([_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
+                                                     _dataset(decoy, "decoy", success=False,
+                                                              hold_out_fold=[fold, 2])], out)
     annotated = WORK / "annotated"
     if not annotated.exists():
         timings["annotate"] = _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds),
@@ -446,15 +450,8 @@ def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int]
     for fold in range(2):
         out = WORK / f"plateau_value_fold{fold}"
         folds.append(out)
-        if not (out / "model.safetensors").exists():
-            value_data = [_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
-                          _dataset(collected, "collected", hold_out_fold=[fold, 2])]
-            _run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"), "--policy", "pi05_value",
-                  "--model_name_or_path", str(WORK / "start"), "--model_config", "null", "--datasets",
-                  json.dumps(value_data), "--generate_demo_data", "false", "--validation_ratio", "0",
-                  "--max_steps", "600", "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine",
-                 "--lr_scheduler_kwargs", "{}",
-                  "--warmup_steps", "50", "--output_dir", str(out), "--disable_tqdm", "true"], out.with_suffix(".log"))
+        _train_value([_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
+                      _dataset(collected, "collected", hold_out_fold=[fold, 2])], out)
     learned = WORK / "plateau_annotated"
     if not learned.exists():
         _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
@@ -516,17 +513,8 @@ def stage_headline(results: dict, steps: int, episodes: int, save) -> None:
         for fold in range(2):
             out = base / f"value_fold{fold}"
             folds.append(out)
-            if not (out / "model.safetensors").exists():
-                data = [_dataset(expert, "expert", success=True)] + [
-                    _dataset(root, name, hold_out_fold=[fold, 2]) for root, name in zip(collected, names)]
-                seconds["value"] += _run([sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"),
-                                          "--policy", "pi05_value", "--model_name_or_path", str(WORK / "start"),
-                                          "--model_config", "null", "--datasets", json.dumps(data),
-                                          "--generate_demo_data", "false", "--validation_ratio", "0", "--max_steps",
-                                          "600", "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine",
-                                          "--lr_scheduler_kwargs", "{}", "--warmup_steps", "50", "--output_dir",
-                                          str(out), "--disable_tqdm", "true"],
-                                         out.with_suffix(".log"))
+            seconds["value"] += _train_value([_dataset(expert, "expert", success=True)] + [
+                _dataset(root, name, hold_out_fold=[fold, 2]) for root, name in zip(collected, names)], out)
         annotated = base / "annotated"
         if not annotated.exists():
             seconds["annotate"] += _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value",
