@@ -17,12 +17,13 @@ Starts:
 Arms:
 - `recap`: two rounds; each collects `--collect` episodes (per task) of the current policy acting alone (ColorReach:
   `hf_vla.record --strategy dagger --beta 0`, the executed action `policy_action`; Meta-World: `--strategy policy`,
-  its own actions), every episode kept with `next.success`; trains a value model (`policy: pi05_value`, from the
-  start's backbone, or the previous round's value model) on the demonstrations (successes) and every episode
-  collected so far; annotates the collected episodes (`python -m hf_vla.recap annotate`, N-step advantage,
-  `--positive_fraction` per task); trains the policy from the previous round's weights on the demonstrations
-  ("Advantage: positive") and the collected episodes (their own indicator, their executed actions), indicator
-  dropout 0.3;
+  its own actions), every episode kept with `next.success`; trains two value models (`policy: pi05_value`, from the
+  start's backbone) on the demonstrations (successes) and every episode collected so far, each holding out one fold of
+  the collected episodes (`hold_out_fold`); annotates the collected episodes cross-fitted (`python -m hf_vla.recap
+  annotate` with both, N-step advantage, `--positive_fraction` per task); trains the policy from the start (the
+  base, as each of the paper's iterations does) on the demonstrations ("Advantage: positive") and every collected
+  episode (their own indicator, their executed actions), indicator dropout 0.3; every dataset of a task under one
+  episode limit (Meta-World's demonstrations, recorded at the env's 500 steps, get the policy's 200);
 - `continued_bc`: behaviour cloning on the demonstrations from the start, for RECAP's total minutes;
 - `bc_with_collected`: behaviour cloning from the start on the demonstrations and RECAP's collected episodes (their
   executed actions, failures included, no indicator) for RECAP's minutes less its collection (the episodes are
@@ -32,8 +33,8 @@ Arms:
 - `judge`: the last value model's mean predicted value over episodes of each arm's policy acting alone, ranked against
   the arms' held-out success (Spearman).
 
-Every policy keeps the start's normalisation (`norm_stats_from`), trains at the start's last rate (1e-4, constant) and
-is evaluated by `python -m hf_vla.evaluate` on held-out seeds from 10,000. The value model is also judged offline:
+Every policy keeps the start's normalisation (`norm_stats_from`), trains with a warmup of 100 steps to a peak of 3e-4
+(cosine to 10% over a run of known steps; constant after the warmup in a budgeted one) and is evaluated by `python -m hf_vla.evaluate` on held-out seeds from 10,000. The value model is also judged offline:
 the AUC of each held-out episode's mean predicted value for its success (the round-2 collection's episodes, which the
 round-1 value model never saw). JSON (`--output`, default `benchmarks/results/recap_cpu.json`, under the bench's key):
 `{"start", "recap", "continued_bc", "bc_with_collected": {"mean_success", "minutes", "episodes_collected", ...},
@@ -145,8 +146,10 @@ def _demos(bench: Bench, **extra) -> list[dict]:
         return [{"root": str(bench.work / "data"), "name": "demos", "cameras": ["observation.image"],
                  "state_key": "observation.state", "action_key": "action", "control_mode": bench.control_mode,
                  **extra}]
+    # recorded with the env's 500-step default; the policy runs (and its rollouts are recorded) under 200: one limit
     return [{"root": str(bench.work / "data" / task), "name": task, "cameras": ["observation.image"],
-             "robot_type": "metaworld", "control_mode": bench.control_mode, **extra} for task in bench.tasks]
+             "robot_type": "metaworld", "control_mode": bench.control_mode, "max_episode_steps": 200, **extra}
+            for task in bench.tasks]
 
 
 def _collected(bench: Bench, root: Path, name: str, **extra) -> dict:
@@ -159,13 +162,16 @@ def _collected(bench: Bench, root: Path, name: str, **extra) -> dict:
 
 def _train_policy(bench: Bench, start: Path, datasets: list[dict], out: Path, log: Path, steps: int | None = None,
                   budget_s: float | None = None) -> tuple[float, float, int]:
-    """Behaviour cloning (or advantage-conditioned training) from `start` at 1e-4 constant, the start's
-    normalisation; `steps`, or SIGTERM after `budget_s` (its last complete checkpoint is the result)."""
+    """Behaviour cloning (or advantage-conditioned training) from `start` with the start's normalisation: warmup 100
+    steps to a peak of 3e-4, cosine to 10% over `steps` (a budgeted run: constant at the peak after the warmup);
+    `steps`, or SIGTERM after `budget_s` (its last complete checkpoint is the result)."""
+    schedule = (["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", json.dumps({"min_lr_rate": 0.1})]
+                if steps else ["--lr_scheduler_type", "constant_with_warmup", "--lr_scheduler_kwargs", "{}"])
     command = [sys.executable, "-m", "hf_vla.train", str(bench.config), "--model_name_or_path", str(start),
                "--model_config", json.dumps({"tokenizer_max_length": bench.prompt_tokens}), "--datasets", json.dumps(datasets),
                "--norm_stats_from", str(bench.work / "start"), "--generate_demo_data", "false",
-               "--validation_ratio", "0", "--max_steps", str(steps or 10_000_000), "--learning_rate", "1e-4",
-               "--lr_scheduler_type", "constant", "--lr_scheduler_kwargs", "{}", "--warmup_steps", "0",
+               "--validation_ratio", "0", "--max_steps", str(steps or 10_000_000), "--learning_rate", "3e-4",
+               *schedule, "--warmup_steps", "100",
                "--eval_strategy", "no", "--disable_tqdm", "true", "--save_strategy", "no" if steps else "steps",
                "--save_steps", "250" if bench.name == "metaworld" else "500", "--output_dir", str(out)]
     return _run(command, log, budget_s, cpu=bench.cpu_budget)
@@ -234,20 +240,25 @@ def arm_recap(bench: Bench, rounds: int, name: str = "recap", demo_weight: float
         collection_s, collection_cpu, cpu_total = collection_s + seconds, collection_cpu + cpu, cpu_total + cpu
         collected.append(rollouts)
         successes = _successes(rollouts)
-        value_out = round_dir / "value"
-        datasets = _demos(bench) + [_collected(bench, root, f"round{i + 1}") for i, root in enumerate(collected)]
-        value_source = value or work / "start"
-        _, cpu, _ = _run([sys.executable, "-m", "hf_vla.train", str(bench.config), "--policy", "pi05_value",
-                          "--model_name_or_path", str(value_source), "--model_config", "null", "--datasets",
-                          json.dumps(datasets), "--generate_demo_data", "false", "--validation_ratio", "0",
-                          "--max_steps", str(bench.value_steps), "--learning_rate", "3e-4",
-                          "--lr_scheduler_type", "constant", "--lr_scheduler_kwargs", "{}", "--warmup_steps", "0",
-                          "--eval_strategy", "no", "--save_strategy", "no", "--disable_tqdm", "true",
-                          "--output_dir", str(value_out)], round_dir / "value.log")
-        cpu_total += cpu
-        value = value_out
+        # two value models from the start's backbone, each holding out one fold of the collected episodes
+        # (cross-fitting: every collected episode is annotated by a model that never trained on it)
+        folds = []
+        for fold in range(2):
+            value_out = round_dir / f"value_fold{fold}"
+            datasets = _demos(bench, success=True) + [_collected(bench, root, f"round{i + 1}", hold_out_fold=[fold, 2])
+                                                      for i, root in enumerate(collected)]
+            _, cpu, _ = _run([sys.executable, "-m", "hf_vla.train", str(bench.config), "--policy", "pi05_value",
+                              "--model_name_or_path", str(work / "start"), "--model_config", "null", "--datasets",
+                              json.dumps(datasets), "--generate_demo_data", "false", "--validation_ratio", "0",
+                              "--max_steps", str(bench.value_steps), "--learning_rate", "3e-4",
+                              "--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", "{}", "--warmup_steps", "50",
+                              "--eval_strategy", "no", "--save_strategy", "no", "--disable_tqdm", "true",
+                              "--output_dir", str(value_out)], round_dir / f"value_fold{fold}.log")
+            cpu_total += cpu
+            folds.append(value_out)
+        value = folds[0]
         annotated = round_dir / "annotated"
-        _, cpu, _ = _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", str(value), "--datasets",
+        _, cpu, _ = _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
                           json.dumps([_collected(bench, root, f"round{i + 1}") for i, root in enumerate(collected)]),
                           "--positive_fraction", str(bench.positive_fraction), "--output", str(annotated),
                           "--overwrite", "true"], round_dir / "annotate.log")
@@ -255,7 +266,8 @@ def arm_recap(bench: Bench, rounds: int, name: str = "recap", demo_weight: float
         conditioned = _demos(bench, advantage={"value": True}, weight=demo_weight) + [
             _collected(bench, annotated / f"round{i + 1}" if len(collected) > 1 else annotated, f"round{i + 1}",
                        advantage={"key": "advantage_positive"}) for i in range(len(collected))]
-        _, cpu, _ = _train_policy(bench, policy, conditioned, round_dir / "policy", round_dir / "policy.log",
+        # from the base (the start) on all the data so far, as each of the paper's iterations fine-tunes
+        _, cpu, _ = _train_policy(bench, work / "start", conditioned, round_dir / "policy", round_dir / "policy.log",
                                   steps=bench.policy_steps)
         cpu_total += cpu
         policy = round_dir / "policy"
@@ -303,6 +315,20 @@ def _episode_means(bench: Bench, value: Path, spec: dict, cache: Path):
     return means, np.asarray(source.episode_outcomes()), episodes, frames
 
 
+def _cross_fitted_auc(annotated: Path) -> dict:
+    """The AUC of each collected episode's mean cross-fitted value (`recap.value`: from the value model that held its
+    fold out) for its success, over the last round's annotation (every round's episodes)."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    parts = [p for p in sorted(annotated.rglob("*.parquet")) if "data" in p.parts]
+    frame = pd.concat(pq.read_table(p, columns=["episode_index", "recap.value", "next.success"]).to_pandas().assign(
+        part=str(p.parent.parent.parent)) for p in parts)
+    episodes = frame.groupby(["part", "episode_index"]).agg(value=("recap.value", "mean"), success=("next.success", "any"))
+    positive, negative = episodes["value"][episodes["success"]].to_numpy(), episodes["value"][~episodes["success"]].to_numpy()
+    return {"auc": _auc(positive, negative), "episodes": len(episodes), "successes": int(len(positive))}
+
+
 def _auc(positive: np.ndarray, negative: np.ndarray) -> float | None:
     if not len(positive) or not len(negative):
         return None
@@ -315,11 +341,11 @@ def value_auc(bench: Bench) -> dict:
     mean predicted value for its success (per task too on Meta-World)."""
     work = bench.work
     spec = _collected(bench, work / "recap_round2" / "rollouts", "round2")
-    means, outcomes, episodes, frames = _episode_means(bench, work / "recap_round1" / "value", spec,
+    means, outcomes, episodes, frames = _episode_means(bench, work / "recap_round1" / "value_fold0", spec,
                                                        work / "auc_values")
     positive, negative = means[outcomes == 1], means[outcomes == 0]
     found = {"auc": _auc(positive, negative), "episodes": len(means), "successes": int(len(positive)),
-             "failures": int(len(negative))}
+             "failures": int(len(negative)), "cross_fitted": _cross_fitted_auc(work / "recap_round2" / "annotated")}
     if len(positive) and len(negative):
         found |= {"mean_value_success": float(positive.mean()), "mean_value_failure": float(negative.mean())}
     if bench.tasks:  # per task: the recording keeps each episode's task
