@@ -864,7 +864,13 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         both_pixels = torch.cat([pixel_values, pixel_values])
         both_cameras = torch.cat([pixel_attention_mask, pixel_attention_mask])
         both_memory = {key: None if value is None else torch.cat([value, value]) for key, value in memory.items()}
-        cache = self.prefix_cache(both_ids, both_pixels, both_cameras, both_mask, memory=both_memory)
+        if torch.equal(ids_c, ids_u) and torch.equal(mask_c, mask_u):  # one prompt (the expert reads the indicator)
+            half = self.prefix_cache(ids_c, pixel_values, pixel_attention_mask, mask_c, memory=memory)
+            cache = DynamicCache()
+            for index, layer in enumerate(half.layers):  # the prefix once, its keys/values for both halves
+                cache.update(torch.cat([layer.keys, layer.keys]), torch.cat([layer.values, layer.values]), index)
+        else:
+            cache = self.prefix_cache(both_ids, both_pixels, both_cameras, both_mask, memory=both_memory)
         beta = torch.as_tensor(1.0 if cfg_beta is None else cfg_beta, dtype=torch.float32, device=noise.device)
         beta = beta.expand(batch_size) if beta.ndim == 0 else beta
         beta = beta.view(batch_size, *([1] * (noise.ndim - 1)))
