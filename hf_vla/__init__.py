@@ -26,7 +26,8 @@ __all__ = [*_PUBLIC, "__version__"]
 __getattr__ = lazy_attributes(__name__, _PUBLIC)
 
 
-# `import hf_vla` makes "pi05" and "pi05_value" first-class transformers model types (hf_vla.models.auto registers them).
+# `import hf_vla` makes "hf_vla_pi05" and "pi05_value" first-class transformers model types (hf_vla.models.auto registers
+# them; transformers' own "pi05" is left in place).
 # While `python -m hf_vla.<command>` locates its module, sys.argv[0] is "-m": a command imports the models where it
 # builds or loads one, so its --help and its argument errors answer before torch is imported.
 if sys.argv[:1] != ["-m"]:

@@ -48,6 +48,7 @@ from hf_vla.hub.convert import (  # noqa: F401  (public here: hf_vla.convert.con
     read_weights,
     weight_shapes,
 )
+from hf_vla.models.pi05.configuration_pi05 import LEGACY_MODEL_TYPE
 from hf_vla.parser import CommandParser
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,12 @@ def main(argv=None):
         return _merge_adapter(source, Path(args.output), args.overwrite)
     if (source / "config.json").is_file():
         model_type = checkpoint_model_type(source, f"--input {str(source)!r}")
+        if model_type == LEGACY_MODEL_TYPE:
+            unused = [flag for flag, value in (("--head", args.head), ("--tokenizer", args.tokenizer)) if value]
+            if unused:
+                raise ConfigError(f"{', '.join(unused)}: rewriting a checkpoint of hf_vla's former model type keeps "
+                                  "its heads and tokenizer; leave the flag out")
+            return _upgrade_legacy(source, Path(args.output), args.overwrite)
         if model_type:
             raise ConfigError(f"--input {args.input!r}: already a transformers checkpoint (model_type {model_type!r}), "
                               "nothing to convert: load it with AutoModel.from_pretrained, or pass it to evaluate / "
@@ -131,6 +138,29 @@ def main(argv=None):
     setup_logging()
     return convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer or "google/paligemma-3b-pt-224",
                               head=head, overwrite=args.overwrite, vision_heads=args.vision_heads)
+
+
+def _upgrade_legacy(source: Path, output: Path, overwrite: bool) -> Path:
+    """`--input` is a checkpoint hf_vla wrote as model type "pi05" (before its own, `hf_vla_pi05`): the same checkpoint
+    (weights, processor, contract, every other file) with the current model type and remote code, so plain transformers
+    (whose own pi0.5 is "pi05") never reads it as its own. transformers' own pi0.5 is refused naming its config."""
+    from hf_vla.hub.convert import _check_paths
+    from hf_vla.hub.resolve import load_pretrained
+    from hf_vla.storage import replace_dir, staging_dir, write_marker
+
+    _check_paths(source, output, overwrite)
+    try:
+        model, processor = load_pretrained(source)
+    except ValueError as error:  # transformers' own pi0.5: one line naming the file
+        raise ConfigError(f"--input {str(source)!r}: {str(error).splitlines()[0]}") from None
+    staging = staging_dir(output, "rewriting")
+    shutil.copytree(source, staging)
+    model.save_pretrained(staging)  # config.json (the new model type), weights as they were, the remote code
+    processor.save_pretrained(staging)
+    write_marker(staging, "hf_vla_checkpoint", source=str(source))
+    replace_dir(staging, output)
+    logger.info("rewrote %s (model type %r) as %s (%r)", source, LEGACY_MODEL_TYPE, output, model.config.model_type)
+    return output
 
 
 def _check_action_steps(source: Path, n_action_steps: int) -> None:

@@ -49,7 +49,7 @@ def test_command_list_and_unknown_key_import_no_torch(tmp_path):
 
 def test_import_hf_vla_still_registers_the_auto_classes():
     code = ("import hf_vla; from transformers import AutoConfig; "
-            "print(type(AutoConfig.for_model('pi05')).__name__, type(AutoConfig.for_model('pi05_value')).__name__)")
+            "print(type(AutoConfig.for_model('hf_vla_pi05')).__name__, type(AutoConfig.for_model('pi05_value')).__name__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["PI05Config", "PI05ValueConfig"], done.stderr[-2000:]
 

@@ -169,7 +169,7 @@ def test_convert_merges_adapters_and_explains_what_needs_no_conversion(lora_run,
     base = PeftModel.from_pretrained(AutoModel.from_pretrained(root / "base"), root / "lora" / "checkpoint-2").eval()
     torch.testing.assert_close(_actions(AutoModel.from_pretrained(tmp_path / "merged").eval(), processor),
                                _actions(base, processor), atol=1e-5, rtol=1e-5)
-    for given, expected in ((str(root / "base"), "already a transformers checkpoint (model_type 'pi05'), nothing to "
+    for given, expected in ((str(root / "base"), "already a transformers checkpoint (model_type 'hf_vla_pi05'), nothing to "
                                                  "convert"),
                             ("lerobot/pi05_base", "a Hub id needs no conversion step")):
         with pytest.raises(SystemExit) as exited:

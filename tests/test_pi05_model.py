@@ -222,10 +222,11 @@ def test_auto_classes_and_save_load(tmp_path, tiny_model):
 
     tiny_model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["model_type"] == "pi05"
+    assert config["model_type"] == "hf_vla_pi05"
     assert config["auto_map"] == {
         "AutoConfig": "configuration_pi05.PI05Config",
         "AutoModel": "modeling_pi05.PI05ForConditionalGeneration",
+        "AutoModelForImageTextToText": "modeling_pi05.PI05ForConditionalGeneration",
     }
     assert isinstance(AutoConfig.from_pretrained(tmp_path), PI05Config)
     loaded = AutoModel.from_pretrained(tmp_path).eval()

@@ -42,6 +42,10 @@ def model_card(config, datasets: list[dict], facts: RunFacts | None = None, mode
     if not MODEL_CARD_TEMPLATE.is_file():
         raise FileNotFoundError(f"model card template {MODEL_CARD_TEMPLATE} not found")
     metrics = eval_metrics or {}
+    from hf_vla.registry import find_policy
+
+    family = find_policy(config.model_type)
+    policy = family.name if family is not None else config.model_type  # "pi05" for hf_vla's pi0.5 (hf_vla_pi05)
     base_model = base_model or getattr(config, "_name_or_path", None) or None
     if base_model and (os.path.isdir(base_model) or base_model.startswith((".", "/"))):
         base_model = None  # a local path is not a Hub reference
@@ -57,7 +61,8 @@ def model_card(config, datasets: list[dict], facts: RunFacts | None = None, mode
     token_loss = bool(getattr(config, "token_loss", False)) or "eval_ce" in metrics  # pi0.5's token objective
     card_data = ModelCardData(
         library_name="transformers", license="apache-2.0", pipeline_tag="robotics",
-        tags=["robotics", "vla", "lerobot", "hf_vla", config.model_type],
+        tags=["robotics", "vla", "lerobot", "hf_vla", config.model_type, *(
+            [policy] if policy != config.model_type else [])],
         datasets=[d["source"] for d in datasets if d.get("source") not in (None, "local")] or None,
         base_model=base_model,
     )
@@ -79,7 +84,7 @@ def model_card(config, datasets: list[dict], facts: RunFacts | None = None, mode
     first = datasets[0] if datasets else {}
     return ModelCard.from_template(
         card_data, template_path=str(MODEL_CARD_TEMPLATE), model_name=model_name,
-        policy_name=POLICY_NAMES.get(config.model_type, config.model_type), base_model=base_model,
+        policy_name=POLICY_NAMES.get(policy, policy), base_model=base_model,
         chunk_size=config.chunk_size, num_inference_steps=config.num_inference_steps, repo_id=repo_id or model_name,
         example_task=first.get("example_task", "..."), example_head=first.get("head", "..."),
         datasets=[{k: d.get(k) for k in ("name", "source", "weight", "head", "cameras")} for d in datasets],

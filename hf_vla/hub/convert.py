@@ -98,7 +98,11 @@ def convert_lerobot_state_dict(state_dict: dict[str, torch.Tensor], config) -> d
     those are absent. pi0.5's expert has adaRMS norms, so plain `...expert...layernorm.weight` keys (a pi0 expert
     loaded as pi0.5) are refused. Unknown keys raise instead of being silently dropped.
     """
-    form = lerobot_format(getattr(config, "model_type", None), "convert_lerobot_state_dict: config.model_type")
+    from hf_vla.registry import find_policy
+
+    family = find_policy(getattr(config, "model_type", None))  # hf_vla's pi0.5 (hf_vla_pi05) converts lerobot's pi05
+    form = lerobot_format(family.lerobot_type if family is not None else getattr(config, "model_type", None),
+                          "convert_lerobot_state_dict: config.model_type")
     rules, embed_key = form.rules, _EMBED_KEY
     converted: dict[str, torch.Tensor] = {}
     lm_head = None

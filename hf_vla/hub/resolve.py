@@ -353,27 +353,37 @@ def _declared_model_type(checkpoint: str | Path) -> str | None:
     return declared if isinstance(declared, str) else None
 
 
+def load_config(checkpoint: str | Path, revision: str | None = None):
+    """A checkpoint's config, as every command reads it: by the config class of the family registered for the model
+    type its config.json declares (an unregistered one: a `ConfigError` naming the registered families, where
+    transformers would ask for remote code; transformers' own pi0.5 is "pi05" too, which hf_vla's config refuses
+    naming the file), `AutoConfig` for a Hub id; a field the class refuses is one line naming the file."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    import hf_vla.models.auto  # noqa: F401  (registers hf_vla's model types with the Auto classes)
+    from hf_vla.registry import get_policy
+
+    declared = _declared_model_type(checkpoint)
+    config_class = get_policy(declared, f"{checkpoint}: config.json model_type").load("config") \
+        if declared is not None else AutoConfig
+    try:
+        return config_class.from_pretrained(checkpoint, revision=revision)
+    except StrictDataclassError as error:  # a field the config class refuses (e.g. subtask_max_tokens 0): one line
+        cause = error.__cause__ or error
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ValueError(f"{checkpoint}/config.json: {first}") from error
+
+
 def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=None):
     """The policy and its processor from a directory or Hub id, as every command loads them: the model and processor
     classes of the family registered for its config's model_type (`hf_vla.registry`; for transformers' pi0 its
     `PI0ForConditionalGeneration`, not `AutoModel`'s headless `PI0Model`, and hf_vla's `PI0HeadProcessor`). `OSError` /
     `ValueError` as transformers raises them; a `ConfigError` for an unregistered model type."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
-
-    import hf_vla.models.auto  # noqa: F401  (registers pi05 with the Auto classes)
     from hf_vla.hub.convert import check_weight_files
     from hf_vla.registry import get_policy
 
-    declared = _declared_model_type(checkpoint)
-    if declared is not None:  # an unknown type: transformers would ask for remote code instead of naming it
-        get_policy(declared, f"{checkpoint}: config.json model_type")
-    try:
-        config = AutoConfig.from_pretrained(checkpoint, revision=revision)
-    except StrictDataclassError as error:  # a field the config class refuses (e.g. subtask_max_tokens 0): one line
-        cause = error.__cause__ or error
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise ValueError(f"{checkpoint}/config.json: {first}") from error
+    config = load_config(checkpoint, revision)
     family = get_policy(config.model_type, f"{checkpoint}: config.json model_type")
     check_weight_files(checkpoint)  # missing or cut-off weights: one line naming the file, not safetensors' error
     if family.value_model:
@@ -383,5 +393,5 @@ def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=N
     return model, family.load("processor").from_pretrained(checkpoint, revision=revision)
 
 
-__all__ = ["cache_dir", "download_dataset_files", "fetch_file", "is_lerobot_checkpoint", "load_pretrained", "resolve_contract",
+__all__ = ["cache_dir", "download_dataset_files", "fetch_file", "is_lerobot_checkpoint", "load_config", "load_pretrained", "resolve_contract",
            "resolve_pretrained"]

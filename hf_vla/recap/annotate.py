@@ -178,7 +178,8 @@ def _load_value_model(checkpoint: str, device: str):
 
     family = find_policy(config.model_type)
     if family is None or not family.value_model:
-        raise ConfigError(f"--value {checkpoint!r}: a {config.model_type!r} checkpoint, not a value model (train one "
+        name = family.name if family is not None else config.model_type
+        raise ConfigError(f"--value {checkpoint!r}: a {name!r} checkpoint, not a value model (train one "
                           "with python -m hf_vla.train and policy pi05_value)")
     from hf_vla.hub.convert import check_weight_files
 

@@ -25,11 +25,12 @@ from hf_vla.registry.policies import (
     lerobot_types,
     load_object,
     load_plugins,
+    policy_name,
     policy_names,
     register_policy,
     replace,
 )
 
 __all__ = ["PLUGINS_ENV", "EnvFamily", "PolicyFamily", "RecordingPlan", "contract_env", "env_names", "families_with", "family_of",
-           "find_env", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_names",
+           "find_env", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_name", "policy_names",
            "register_env", "register_policy", "replace", "task_env"]

@@ -36,7 +36,11 @@ def load_object(reference: str):
 class PolicyFamily:
     """A policy family: its classes, and what training, conversion, serving and RL may ask of it.
 
-    name: `policy` in a training config, and the `model_type` of its checkpoints' config.json.
+    name: `policy` in a training config, and the `model_type` of its checkpoints' config.json unless `model_types`
+        names them.
+    model_types: the `model_type`s its checkpoints' config.json may declare (unset: its name), the first the one its
+        config class writes; hf_vla's pi0.5 writes `hf_vla_pi05` and reads the `pi05` it wrote before (transformers'
+        own pi0.5 is `pi05` too: its config refuses that format).
     config / model / processor: `"module:Class"`: a `PreTrainedConfig`, the `PreTrainedModel` trained and loaded
         (`from_pretrained(path, config=...)` and `Class(config)`), and its processor (`from_config(config, tokenizer,
         norm_stats=..., head_names=...)`, `from_pretrained(path)`).
@@ -93,6 +97,7 @@ class PolicyFamily:
     state_input: bool = False
     rl_velocity: str | None = None
     extra: dict = field(default_factory=dict)
+    model_types: tuple[str, ...] = ()
 
     def load(self, part: str):
         """The class (or function) of `part` ("config", "model", "processor", "collator", "structure", "setup")."""
@@ -153,13 +158,14 @@ def policy_names() -> list[str]:
 
 
 def get_policy(name: str | None, where: str = "policy") -> PolicyFamily:
-    """The family registered as `name`; a `ConfigError` naming `where` and the registered families otherwise."""
-    _ensure_registered()
-    if name not in _FAMILIES:
+    """The family registered as `name` (or whose checkpoints declare `name` as their model type); a `ConfigError`
+    naming `where` and the registered families otherwise."""
+    family = find_policy(name)
+    if family is None:
         raise ConfigError(f"{where}={name!r}: not a registered policy; registered: {', '.join(_FAMILIES)} (a new "
                           f"family registers with hf_vla.registry.register_policy, from a module named in "
                           f"{PLUGINS_ENV})")
-    return _FAMILIES[name]
+    return family
 
 
 def family_of(model) -> PolicyFamily | None:
@@ -168,10 +174,22 @@ def family_of(model) -> PolicyFamily | None:
     return find_policy(getattr(getattr(core, "config", None), "model_type", None))
 
 
+def policy_name(model) -> str | None:
+    """The registered family's name of a model (a peft, DDP or remote-code copy too), else its config's model_type:
+    what metadata and model cards call the policy ("pi05" for hf_vla's pi0.5, whatever its model type)."""
+    family = family_of(model)
+    if family is not None:
+        return family.name
+    core = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", model)
+    return getattr(getattr(core, "config", None), "model_type", None)
+
+
 def find_policy(name: str | None) -> PolicyFamily | None:
-    """The family registered as `name`, or None."""
+    """The family registered as `name`, or whose checkpoints declare `name` as their `model_type`; None otherwise."""
     _ensure_registered()
-    return _FAMILIES.get(name)
+    if name in _FAMILIES:
+        return _FAMILIES[name]
+    return next((family for family in _FAMILIES.values() if name in family.model_types), None)
 
 
 def families_with(capability: str) -> str:
@@ -191,5 +209,5 @@ def replace(family: PolicyFamily, **changes) -> PolicyFamily:
     return dataclasses.replace(family, **changes)
 
 
-__all__ = ["PLUGINS_ENV", "PolicyFamily", "families_with", "family_of", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_names",
+__all__ = ["PLUGINS_ENV", "PolicyFamily", "families_with", "family_of", "find_policy", "get_policy", "lerobot_types", "load_object", "load_plugins", "policy_name", "policy_names",
            "register_policy", "replace"]

@@ -15,6 +15,7 @@ import uuid
 
 import numpy as np
 
+from hf_vla.registry import policy_name
 from hf_vla.serving.batcher import Batcher
 from hf_vla.serving.codec import packb, refused_arrays, unpackb
 from hf_vla.serving.limits import (  # noqa: F401  (importable from here, as before)
@@ -63,7 +64,7 @@ class PolicyServer:
 
         heads = {name: stat_dims(stats["actions"]) for name, stats in runner.processor.norm_stats.items()}
         return {
-            "policy": config.model_type, "chunk_size": int(config.chunk_size), "action_dims": heads,
+            "policy": policy_name(runner.model), "chunk_size": int(config.chunk_size), "action_dims": heads,
             "default_head": runner.head, "num_inference_steps": int(config.num_inference_steps),
             "cameras": runner.obs_map.cameras, "state": runner.obs_map.state, "prompt": runner.obs_map.prompt,
             "rtc": {"execution_horizon": runner.rtc.execution_horizon,

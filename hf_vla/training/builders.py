@@ -152,23 +152,23 @@ def _base_model_config(model_args: ModelArguments):
     family = get_policy(model_args.policy)
     config_class = family.load("config")
     if model_args.model_name_or_path:
-        from transformers import AutoConfig
-
-        import hf_vla.models.auto  # noqa: F401  (registers pi05 / pi05_value with AutoConfig)
+        from hf_vla.hub.resolve import load_config
+        from hf_vla.registry import find_policy
 
         try:
-            config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+            config = load_config(model_args.model_name_or_path, model_args.model_revision)
         except (OSError, ValueError) as error:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r}: no loadable config ({error})") \
                 from error
-        if config.model_type in family.starts_from:
+        source = find_policy(config.model_type)
+        if source is not None and source.name in family.starts_from:
             # e.g. a value model from a pi0.5 checkpoint: its backbone's config (the weights follow in build_model)
             fields = {k: v for k, v in config.to_dict().items() if k in config_class.__dataclass_fields__ and k not in (
                 "model_type", "transformers_version", "architectures", "auto_map", "discrete_state_input")
                 and not (k in MEMORY_FIELDS and not family.memory)}  # a family without MEM reads one observation
             config = config_class(**fields, **{k: v for k, v in (model_args.model_config or {}).items()})
             return config
-        if config.model_type != config_class.model_type:
+        if source is not family:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r} is a {config.model_type!r} "
                               f"checkpoint but policy={model_args.policy!r}")
         for name, value in (model_args.model_config or {}).items():

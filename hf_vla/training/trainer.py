@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from hf_vla import registry
 from hf_vla.data import ForkFriendlyDataLoader, PI05Collator
 from hf_vla.errors import CheckpointError, ConfigError, NonFiniteError
 from hf_vla.hub.card import render_model_card
@@ -88,7 +89,9 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         # What a checkpoint of this run is (compared on resume): recorded before accelerate wraps or upcasts anything.
         core = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._run_info = {
-            "model_type": getattr(core.config, "model_type", type(core).__name__),
+            # the family's name: a run resumed across hf_vla's own model type ("pi05" -> "hf_vla_pi05") matches
+            "model_type": getattr(registry.family_of(core), "name", None) or getattr(core.config, "model_type",
+                                                                            type(core).__name__),
             "lora": hasattr(model, "get_base_model"),  # a PeftModel (its base model gets a peft_config too)
             "dtype": "bfloat16" if any(p.dtype == torch.bfloat16 for p in model.parameters()) else "float32",
         }

@@ -20,6 +20,26 @@ MEMORY_FIELDS = ("use_visual_memory", "use_proprioceptive_memory", "memory_frame
 # (docs/recap.md, docs/measurements.md)
 ADVANTAGE_INDICATOR_DEFAULT = "embedding"
 
+# hf_vla's pi0.5 has a model type of its own: transformers (5.25+) ships its own pi0.5 as "pi05", with other weight
+# names, and a checkpoint of either read as the other would load with random tensors (docs/transformers.md).
+MODEL_TYPE = "hf_vla_pi05"
+# what hf_vla wrote before: read as MODEL_TYPE where the file has fields only hf_vla's config writes
+LEGACY_MODEL_TYPE = "pi05"
+_OWN_FIELDS = ("discrete_state_input", "state_bins", "tokenizer_max_length")
+
+
+def upgrade_config_dict(config_dict: dict, where: str = "config.json") -> dict:
+    """`config_dict` as hf_vla's pi0.5 reads it: a checkpoint hf_vla wrote as "pi05" (before its own model type) gets
+    `MODEL_TYPE`; transformers' own pi0.5 (model type "pi05" without hf_vla's fields) is refused in one line, since
+    its weights have other names (it would load with random tensors)."""
+    if not isinstance(config_dict, dict) or config_dict.get("model_type") != LEGACY_MODEL_TYPE:
+        return config_dict
+    if not any(name in config_dict for name in _OWN_FIELDS):
+        raise ValueError(f"{where}: transformers' own pi0.5 (model_type 'pi05' without hf_vla's fields): hf_vla does "
+                         "not read that format; load it with transformers' PI05ForConditionalGeneration "
+                         "(transformers >= 5.25)")
+    return {**config_dict, "model_type": MODEL_TYPE}
+
 
 @strict
 class PI05Config(PreTrainedConfig):
@@ -95,7 +115,7 @@ class PI05Config(PreTrainedConfig):
     image_size (`int`, defaults to 224): side of the square model image (taken from the vision config).
     """
 
-    model_type = "pi05"
+    model_type = MODEL_TYPE
     sub_configs = {"vlm_config": AutoConfig, "dit_config": AutoConfig}
 
     vlm_config: dict | PreTrainedConfig | None = None
@@ -178,6 +198,24 @@ class PI05Config(PreTrainedConfig):
         self.vlm_config.text_config.use_bidirectional_attention = True
         super().__post_init__(**kwargs)
 
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return upgrade_config_dict(config_dict, f"{pretrained_model_name_or_path}/config.json"), kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        return super().from_dict(upgrade_config_dict(config_dict), **kwargs)
+
+    def to_dict(self):
+        output = super().to_dict()
+        auto_map = output.get("auto_map")
+        if isinstance(auto_map, dict) and str(auto_map.get("AutoModel", "")).endswith(".PI05ForConditionalGeneration"):
+            # transformers maps the policy class to AutoModelForImageTextToText (as its pi0): without this entry, a
+            # remote-code config named PI05Config would resolve by name to transformers' own pi0.5 there
+            output["auto_map"] = {**auto_map, "AutoModelForImageTextToText": auto_map["AutoModel"]}
+        return output
+
     @property
     def image_size(self) -> int:
         return self.vlm_config.vision_config.image_size
@@ -237,4 +275,16 @@ class PI05Config(PreTrainedConfig):
 # hf_vla is not installed; set where the class is defined, so every path that saves one writes it
 PI05Config.register_for_auto_class()
 
-__all__ = ["ADVANTAGE_INDICATOR_DEFAULT", "MEMORY_FIELDS", "PI05Config"]
+class LegacyPI05Config(PI05Config):
+    """Registered with `AutoConfig` as "pi05" only where transformers has no pi0.5 of its own: a checkpoint hf_vla
+    wrote before its own model type loads through the Auto classes as a `PI05Config` (never an instance of this)."""
+
+    model_type = LEGACY_MODEL_TYPE
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        return PI05Config.from_dict(config_dict, **kwargs)
+
+
+__all__ = ["ADVANTAGE_INDICATOR_DEFAULT", "LEGACY_MODEL_TYPE", "MEMORY_FIELDS", "MODEL_TYPE", "LegacyPI05Config",
+           "PI05Config", "upgrade_config_dict"]
