@@ -26,6 +26,11 @@ an existing one is replaced only with `--overwrite`, and only when hf_vla wrote 
 
 exports an hf_vla pi0.5 checkpoint to lerobot's own `pi05` format (weights, `config.json`, processor files with one
 head's statistics), which lerobot's `PI05Policy.from_pretrained` and its async-inference server load without hf_vla.
+
+    python -m hf_vla.convert --input outputs/pi05_droid --to transformers --output exported [--head HEAD]
+
+exports it to transformers' own pi0.5 format (5.25+: `PI05ForConditionalGeneration`, `PI05Processor`;
+docs/transformers.md).
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ class ConvertArguments:
     to: str = field(default="hf_vla", metadata={"help": "hf_vla: a lerobot checkpoint (or LoRA adapters) to an hf_vla "
                     "checkpoint; lerobot_plugin: an hf_vla checkpoint's lerobot-side directory (lerobot's tools run "
                     "it through the hf_vla plugin); lerobot: an hf_vla pi0.5 checkpoint in lerobot's native pi05 "
-                    "format", "choices": ("hf_vla", "lerobot_plugin", "lerobot")})
+                    "format; transformers: an hf_vla pi0.5 checkpoint in transformers' own pi0.5 format (5.25+)",
+                    "choices": ("hf_vla", "lerobot_plugin", "lerobot", "transformers")})
     head: str | None = field(default=None, metadata={"help": "normalization head: the name given to a lerobot "
                              "checkpoint's stats (default 'default'), or the head a lerobot_plugin directory runs "
                              "or a lerobot export holds (default: the checkpoint's only or default head)"})
@@ -102,6 +108,15 @@ def main(argv=None):
                           f"--to {args.to} uses the checkpoint's own tokenizer")
     if args.to == "lerobot_plugin":
         return _plugin_dir(source, Path(args.output), args)
+    if args.to == "transformers":
+        if args.n_action_steps is not None:
+            raise ConfigError(f"--n_action_steps {args.n_action_steps}: transformers' pi0.5 returns whole chunks; "
+                              "leave the flag out")
+        from hf_vla.cli import setup_logging
+        from hf_vla.hub.export_transformers import export_transformers
+
+        setup_logging()
+        return export_transformers(source, Path(args.output), head=args.head, overwrite=args.overwrite)
     if args.to == "lerobot":
         from hf_vla.cli import setup_logging
         from hf_vla.hub.export import export_lerobot

@@ -49,14 +49,24 @@ def _run_overlay(overlay: Path, *args: str) -> dict:
     return json.loads(done.stdout.rsplit("\nRESULT ", 1)[-1])
 
 
+def _bos_tokenizer():
+    """The tiny tokenizer, starting every text with BOS as PaliGemma's does (lerobot's and hf_vla's prompts get it from
+    the tokenizer; transformers' processor writes it into the prompt and turns the tokenizer's off)."""
+    from tokenizers import processors
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tokenizer.convert_tokens_to_ids("<bos>"))])
+    return tokenizer
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     """A tiny hf_vla pi0.5 with its processor, and the same files as hf_vla wrote them before its own model type."""
     root = tmp_path_factory.mktemp("pi05_types")
     model = randomize_(PI05ForConditionalGeneration(tiny_pi05_config(chunk_size=4, max_state_dim=2,
                                                                      max_action_dim=2)), seed=1).eval()
-    processor = PI05Processor.from_config(model.config, build_tiny_tokenizer(), norm_stats={"h": STATS},
-                                          head_names=["h"])
+    processor = PI05Processor.from_config(model.config, _bos_tokenizer(), norm_stats={"h": STATS}, head_names=["h"])
     model.save_pretrained(root / "hf_vla")
     processor.save_pretrained(root / "hf_vla")
     shutil.copytree(root / "hf_vla", root / "legacy")
@@ -166,3 +176,52 @@ def test_hf_vla_imported_leaves_transformers_pi05_in_place(overlay, checkpoints,
     for key in ("hf_vla:AutoModel", "hf_vla:AutoModelForImageTextToText", "hf_vla:load_pretrained",
                 "legacy:load_pretrained"):
         assert found[key] == {"class": ours}, (key, found[key])
+
+
+def test_an_export_runs_in_transformers_own_pi05_with_hf_vlas_actions(overlay, checkpoints, tmp_path):
+    """`convert --to transformers`: transformers 5.25's own `PI05ForConditionalGeneration` loads it with no key
+    missing or unexpected, and its `PI05Processor` + `sample_actions` on the same observations and noise give hf_vla's
+    velocity, chunk and robot-unit actions; two cameras, one absent in one sample, prompts of different lengths."""
+    import numpy as np
+
+    from hf_vla.convert import cli
+
+    exported = cli(["--input", str(checkpoints["hf_vla"]), "--to", "transformers", "--output", str(tmp_path / "tf")])
+    model = checkpoints["model"]
+    processor = PI05Processor.from_pretrained(checkpoints["hf_vla"])
+    size, config = processor.image_size, model.config
+    rng = np.random.default_rng(3)
+    images = rng.integers(0, 256, (2, 2, size, size, 3), dtype=np.uint8)
+    present = torch.tensor([[True, True], [True, False]])
+    tasks, state = ["pick up the red cube", "open it"], torch.tensor([[0.3, -0.7], [-0.2, 0.9]])
+    noise = torch.randn(2, config.chunk_size, config.max_action_dim, generator=torch.Generator().manual_seed(4))
+    timestep = torch.tensor([0.7, 0.3])
+    torch.save({"images": [[images[0, 0], images[0, 1]], [images[1, 0]]], "tasks": tasks, "state": state,
+                "noise": noise, "timestep": timestep}, tmp_path / "observations.pt")
+    found = _run_overlay(overlay, "parity", str(exported), str(tmp_path / "observations.pt"), str(tmp_path / "theirs"))
+    assert found["loading"] == {}, found  # strict: every tensor has its place
+    theirs = torch.load(tmp_path / "theirs.pt")
+    ours = processor(images=torch.from_numpy(images).permute(0, 1, 4, 2, 3), text=tasks, state=state, head="h",
+                     camera_mask=present)
+    inputs = {key: ours[key] for key in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")}
+    with torch.no_grad():
+        velocity = model(**inputs, noise=noise, timestep=timestep).logits
+        chunk = model.sample_actions(**inputs, noise=noise)
+    robot = processor.unnormalize_actions(chunk, "h")
+    torch.testing.assert_close(theirs["velocity"], velocity, rtol=0, atol=1e-5)
+    torch.testing.assert_close(theirs["chunk"], chunk, rtol=0, atol=1e-5)
+    torch.testing.assert_close(theirs["robot"], torch.as_tensor(robot)[..., :2], rtol=0, atol=1e-5)
+
+
+def test_what_transformers_pi05_cannot_express_is_refused_in_one_line(checkpoints, tmp_path, capsys):
+    from hf_vla.convert import cli
+
+    root = tmp_path / "memory"
+    shutil.copytree(checkpoints["hf_vla"], root)
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "advantage_indicator": "text"}))
+    with pytest.raises(SystemExit) as exited:
+        cli(["--input", str(root), "--to", "transformers", "--output", str(tmp_path / "x")])
+    line = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(line.splitlines()) == 1, line
+    assert "transformers' pi0.5 cannot express RECAP's advantage indicator (advantage_indicator='text')" in line

@@ -4,11 +4,16 @@ checkpoints and with transformers' own.
 
     python tests/transformers_overlay.py plain HF_VLA_CHECKPOINT INPUTS OUT
     python tests/transformers_overlay.py with_hf_vla HF_VLA_CHECKPOINT LEGACY_CHECKPOINT WORK
+    python tests/transformers_overlay.py parity EXPORTED OBSERVATIONS OUT
 
 `plain` never imports hf_vla: each Auto class with and without `trust_remote_code`, and the remote-code model's logits
 on INPUTS (a `torch.save`d dict of model inputs) into OUT.pt. `with_hf_vla` imports hf_vla first: the Auto mappings'
 `pi05`, a tiny checkpoint saved by transformers' own `PI05ForConditionalGeneration` (in WORK) loaded by the Auto
-classes and by hf_vla's loader, and both hf_vla checkpoints loaded by both. Prints one JSON object.
+classes and by hf_vla's loader, and both hf_vla checkpoints loaded by both. `parity` runs an hf_vla checkpoint exported
+`--to transformers` in transformers' own `PI05Processor` and `PI05ForConditionalGeneration` (loaded strictly) on
+OBSERVATIONS (a `torch.save`d dict: uint8 HWC images per sample and camera, tasks, states, noise, a timestep): the
+velocity at the timestep, `sample_actions` and its actions in robot units (un-normalised with the processor's own
+statistics, which transformers' processor leaves to the user) into OUT.pt. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -74,7 +79,28 @@ def with_hf_vla(checkpoint: str, legacy: str, work: str) -> dict:
     return found
 
 
+def parity(exported: str, observations: str, out: str) -> dict:
+    import torch
+    from transformers import PI05ForConditionalGeneration, PI05Processor
+
+    model, info = PI05ForConditionalGeneration.from_pretrained(exported, output_loading_info=True)
+    processor = PI05Processor.from_pretrained(exported)
+    given = torch.load(observations, weights_only=False)  # numpy images, written by the test
+    inputs = processor(images=given["images"], text=given["tasks"], state=given["state"], return_tensors="pt")
+    keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
+    inputs = {key: inputs[key] for key in keys}
+    with torch.no_grad():
+        velocity = model.eval()(**inputs, noise=given["noise"], timestep=given["timestep"]).logits
+        chunk = model.sample_actions(**inputs, noise=given["noise"])
+    dims = given["state"].shape[-1]
+    q01, q99 = torch.tensor(processor.actions_q01), torch.tensor(processor.actions_q99)
+    robot = (chunk[..., :dims] + 1.0) / 2.0 * (q99 - q01) + q01
+    torch.save({"velocity": velocity, "chunk": chunk, "robot": robot}, out + ".pt")
+    return {"loading": {key: sorted(map(str, value)) for key, value in info.items() if value},
+            "image_token_id": int(processor.image_token_id)}
+
+
 if __name__ == "__main__":
     mode, *paths = sys.argv[1:]
-    result = plain(*paths) if mode == "plain" else with_hf_vla(*paths)
+    result = {"plain": plain, "with_hf_vla": with_hf_vla, "parity": parity}[mode](*paths)
     print("\nRESULT " + json.dumps(result), flush=True)  # after transformers' own prompts on stdout
