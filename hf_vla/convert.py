@@ -30,7 +30,8 @@ head's statistics), which lerobot's `PI05Policy.from_pretrained` and its async-i
     python -m hf_vla.convert --input outputs/pi05_droid --to transformers --output exported [--head HEAD]
 
 exports it to transformers' own pi0.5 format (5.25+: `PI05ForConditionalGeneration`, `PI05Processor`;
-docs/transformers.md).
+docs/transformers.md); the other way, `--input` a directory transformers' pi0.5 and its processor were saved to
+writes an hf_vla checkpoint (one head, `--head`, default "default"), which trains as any other.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from hf_vla.hub.convert import (  # noqa: F401  (public here: hf_vla.convert.con
     read_weights,
     weight_shapes,
 )
+from hf_vla.hub.transformers_format import import_transformers, is_transformers_pi05
 from hf_vla.models.pi05.configuration_pi05 import LEGACY_MODEL_TYPE
 from hf_vla.parser import CommandParser
 
@@ -64,8 +66,8 @@ class ConvertArguments:
     """What `python -m hf_vla.convert` reads and writes."""
 
     input: str | None = field(default=None, metadata={"required": True, "help": "lerobot checkpoint directory "
-                              "(config.json + model.safetensors), or LoRA adapters (a checkpoint of a LoRA run): "
-                              "merged with their base"})
+                              "(config.json + model.safetensors), transformers' own pi0.5 saved with its processor, "
+                              "or LoRA adapters (a checkpoint of a LoRA run): merged with their base"})
     output: str | None = field(default=None, metadata={"required": True, "help": "directory to write (new, or "
                                "replaced with --overwrite); never the input or a directory inside or around it"})
     tokenizer: str | None = field(default=None, metadata={"help": "--to hf_vla from a lerobot checkpoint: the tokenizer "
@@ -113,7 +115,7 @@ def main(argv=None):
             raise ConfigError(f"--n_action_steps {args.n_action_steps}: transformers' pi0.5 returns whole chunks; "
                               "leave the flag out")
         from hf_vla.cli import setup_logging
-        from hf_vla.hub.export_transformers import export_transformers
+        from hf_vla.hub.transformers_format import export_transformers
 
         setup_logging()
         return export_transformers(source, Path(args.output), head=args.head, overwrite=args.overwrite)
@@ -132,6 +134,14 @@ def main(argv=None):
         return _merge_adapter(source, Path(args.output), args.overwrite)
     if (source / "config.json").is_file():
         model_type = checkpoint_model_type(source, f"--input {str(source)!r}")
+        if model_type == LEGACY_MODEL_TYPE and is_transformers_pi05(json.loads((source / "config.json").read_text())):
+            if args.tokenizer is not None:
+                raise ConfigError(f"--tokenizer {args.tokenizer}: transformers' pi0.5 is imported with the tokenizer "
+                                  "saved beside it; leave the flag out")
+            from hf_vla.cli import setup_logging
+
+            setup_logging()
+            return import_transformers(source, Path(args.output), head=args.head, overwrite=args.overwrite)
         if model_type == LEGACY_MODEL_TYPE:
             unused = [flag for flag, value in (("--head", args.head), ("--tokenizer", args.tokenizer)) if value]
             if unused:

@@ -225,3 +225,69 @@ def test_what_transformers_pi05_cannot_express_is_refused_in_one_line(checkpoint
     line = capsys.readouterr().err.strip()
     assert exited.value.code == 2 and len(line.splitlines()) == 1, line
     assert "transformers' pi0.5 cannot express RECAP's advantage indicator (advantage_indicator='text')" in line
+
+
+@pytest.fixture(scope="module")
+def theirs(overlay, tmp_path_factory) -> Path:
+    """A tiny pi0.5 saved by transformers 5.25's own `PI05ForConditionalGeneration` and `PI05Processor`."""
+    root = tmp_path_factory.mktemp("theirs")
+    _bos_tokenizer().save_pretrained(root / "tokenizer")
+    _run_overlay(overlay, "save_theirs", str(root / "tokenizer"), str(root / "pi05"))
+    return root / "pi05"
+
+
+def _observations(size: int, chunk: int, dims: int, path: Path):
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    images = rng.integers(0, 256, (2, 2, size, size, 3), dtype=np.uint8)
+    given = {"images": [[images[0, 0], images[0, 1]], [images[1, 0]]], "tasks": ["pick up the red cube", "open it"],
+             "state": torch.tensor([[0.3, -0.7], [-0.2, 1.9]]), "timestep": torch.tensor([0.7, 0.3]),
+             "noise": torch.randn(2, chunk, dims, generator=torch.Generator().manual_seed(4))}
+    torch.save(given, path)
+    return given, images
+
+
+def _ours(checkpoint: Path, given: dict, images):
+    model, processor = load_pretrained(checkpoint)
+    head = processor.head_names[0]
+    ours = processor(images=torch.from_numpy(images).permute(0, 1, 4, 2, 3), text=given["tasks"],
+                     state=given["state"], head=head, camera_mask=torch.tensor([[True, True], [True, False]]))
+    inputs = {key: ours[key] for key in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")}
+    with torch.no_grad():
+        velocity = model.eval()(**inputs, noise=given["noise"], timestep=given["timestep"]).logits
+        chunk = model.sample_actions(**inputs, noise=given["noise"])
+    return velocity, chunk, torch.as_tensor(processor.unnormalize_actions(chunk, head))[..., :2]
+
+
+def test_transformers_own_checkpoint_converts_into_hf_vla_with_its_actions(overlay, theirs, tmp_path):
+    """A checkpoint transformers' own classes saved converts (`hf_vla.convert --input`) into one hf_vla acts with as
+    transformers does: its velocity, chunk and robot-unit actions on the same observations and noise."""
+    from hf_vla.convert import cli
+
+    imported = cli(["--input", str(theirs), "--output", str(tmp_path / "imported"), "--head", "arm"])
+    assert json.loads((imported / "config.json").read_text())["model_type"] == "hf_vla_pi05"
+    model, _ = load_pretrained(imported)
+    given, images = _observations(model.config.image_size, model.config.chunk_size, model.config.max_action_dim,
+                                  tmp_path / "observations.pt")
+    found = _run_overlay(overlay, "parity", str(theirs), str(tmp_path / "observations.pt"), str(tmp_path / "theirs"))
+    assert found["loading"] == {}, found
+    expected = torch.load(tmp_path / "theirs.pt")
+    velocity, chunk, robot = _ours(imported, given, images)
+    torch.testing.assert_close(velocity, expected["velocity"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(chunk, expected["chunk"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(robot, expected["robot"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_imported_transformers_checkpoint_trains(theirs, tmp_path, lora):
+    from conftest import colorreach_run
+
+    from hf_vla.convert import cli
+
+    imported = cli(["--input", str(theirs), "--output", str(tmp_path / "imported")])
+    flags = ["--lora_preset", "expert", "--lora_r", "4"] if lora else []
+    run, _ = colorreach_run(tmp_path, 40, "--model_name_or_path", str(imported), "--model_config", "null", *flags)
+    trained, _ = load_pretrained(run)
+    assert trained.config.model_type == "hf_vla_pi05"
+    assert json.loads((run / "all_results.json").read_text())["train_loss"] > 0

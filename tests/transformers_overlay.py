@@ -5,6 +5,7 @@ checkpoints and with transformers' own.
     python tests/transformers_overlay.py plain HF_VLA_CHECKPOINT INPUTS OUT
     python tests/transformers_overlay.py with_hf_vla HF_VLA_CHECKPOINT LEGACY_CHECKPOINT WORK
     python tests/transformers_overlay.py parity EXPORTED OBSERVATIONS OUT
+    python tests/transformers_overlay.py save_theirs TOKENIZER OUT
 
 `plain` never imports hf_vla: each Auto class with and without `trust_remote_code`, and the remote-code model's logits
 on INPUTS (a `torch.save`d dict of model inputs) into OUT.pt. `with_hf_vla` imports hf_vla first: the Auto mappings'
@@ -13,7 +14,9 @@ classes and by hf_vla's loader, and both hf_vla checkpoints loaded by both. `par
 `--to transformers` in transformers' own `PI05Processor` and `PI05ForConditionalGeneration` (loaded strictly) on
 OBSERVATIONS (a `torch.save`d dict: uint8 HWC images per sample and camera, tasks, states, noise, a timestep): the
 velocity at the timestep, `sample_actions` and its actions in robot units (un-normalised with the processor's own
-statistics, which transformers' processor leaves to the user) into OUT.pt. Prints one JSON object.
+statistics, which transformers' processor leaves to the user) into OUT.pt. `save_theirs` saves a tiny
+`PI05ForConditionalGeneration` (random weights) and its `PI05Processor` (SigLIP's image processor, TOKENIZER, quantile
+statistics) to OUT, as a transformers user would. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -100,7 +103,39 @@ def parity(exported: str, observations: str, out: str) -> dict:
             "image_token_id": int(processor.image_token_id)}
 
 
+def save_theirs(tokenizer_dir: str, out: str) -> dict:
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        PI05Config,
+        PI05ForConditionalGeneration,
+        PI05Processor,
+        SiglipImageProcessor,
+    )
+
+    from hf_vla.tiny import tiny_dit_config, tiny_vlm_config
+
+    torch.manual_seed(5)
+    model = PI05ForConditionalGeneration(PI05Config(vlm_config=tiny_vlm_config(), dit_config=tiny_dit_config(),
+                                                    chunk_size=4, max_action_dim=2))
+    with torch.no_grad():  # transformers zero-initialises some heads: random everywhere, so every weight matters
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.1)
+    size = model.config.vlm_config.vision_config.image_size
+    patches = (size // model.config.vlm_config.vision_config.patch_size) ** 2
+    image_processor = SiglipImageProcessor(size={"height": size, "width": size}, image_mean=[0.5] * 3,
+                                           image_std=[0.5] * 3)
+    image_processor.image_seq_length = patches
+    processor = PI05Processor(image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
+                              state_q01=[-1.0, -2.0], state_q99=[1.0, 2.0], actions_q01=[-0.5, -1.0],
+                              actions_q99=[0.5, 3.0], max_state_dim=2, chunk_size=4)
+    model.config.vlm_config.image_token_id = processor.image_token_id
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return {"image_token_id": int(processor.image_token_id)}
+
+
 if __name__ == "__main__":
     mode, *paths = sys.argv[1:]
-    result = {"plain": plain, "with_hf_vla": with_hf_vla, "parity": parity}[mode](*paths)
+    result = {"plain": plain, "with_hf_vla": with_hf_vla, "parity": parity, "save_theirs": save_theirs}[mode](*paths)
     print("\nRESULT " + json.dumps(result), flush=True)  # after transformers' own prompts on stdout
