@@ -131,10 +131,10 @@ def test_transformers_own_pi05_format_is_refused_in_one_line(checkpoints, tmp_pa
     shutil.copy(checkpoints["hf_vla"] / "model.safetensors", theirs)
     with pytest.raises(ValueError, match=r"theirs/config.json: transformers' own pi0.5 \(model_type 'pi05' without "):
         load_pretrained(theirs)
-    with pytest.raises(SystemExit) as exited:
+    with pytest.raises(SystemExit) as exited:  # convert imports it, with the processor saved beside it
         cli(["--input", str(theirs), "--output", str(tmp_path / "x")])
     line = capsys.readouterr().err.strip()
-    assert exited.value.code != 0 and "transformers' own pi0.5" in line and len(line.splitlines()) == 1, line
+    assert exited.value.code != 0 and "processor_config.json" in line and len(line.splitlines()) == 1, line
 
 
 def test_plain_transformers_never_reads_an_hf_vla_checkpoint_as_its_own(overlay, checkpoints, tmp_path):

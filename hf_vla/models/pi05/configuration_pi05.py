@@ -35,9 +35,10 @@ def upgrade_config_dict(config_dict: dict, where: str = "config.json") -> dict:
     if not isinstance(config_dict, dict) or config_dict.get("model_type") != LEGACY_MODEL_TYPE:
         return config_dict
     if not any(name in config_dict for name in _OWN_FIELDS):
-        raise ValueError(f"{where}: transformers' own pi0.5 (model_type 'pi05' without hf_vla's fields): hf_vla does "
-                         "not read that format; load it with transformers' PI05ForConditionalGeneration "
-                         "(transformers >= 5.25)")
+        raise ValueError(f"{where}: transformers' own pi0.5 (model_type 'pi05' without hf_vla's fields), whose "
+                         "weights have other names: convert it first (python -m hf_vla.convert --input DIR --output "
+                         "OUT, with its processor saved beside it), or run it with transformers' "
+                         "PI05ForConditionalGeneration (transformers >= 5.25)")
     return {**config_dict, "model_type": MODEL_TYPE}
 
 
