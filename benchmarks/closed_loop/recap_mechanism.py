@@ -430,7 +430,8 @@ def _dense_labels(seed0: int):
     return label
 
 
-def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int], save) -> None:
+def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int], save,
+                      only: list[str] | None = None) -> None:
     """From the start at matched steps and data, on the demonstrations and the collected episodes: BC with collected,
     filtered BC, episode-outcome labels, dense per-step labels, constant "positive" and a learned (cross-fitted)
     value model's annotation; each evaluated on the plateau."""
@@ -446,18 +447,19 @@ def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int]
                       for p in sorted((collected / "data").rglob("*.parquet")))
     wins = sorted(int(e) for e, ok in table.groupby("episode_index")["next.success"].any().items() if ok)
     keep = {str(e): [[0, 10_000]] for e in wins}
-    folds = []
-    for fold in range(2):
-        out = WORK / f"plateau_value_fold{fold}"
-        folds.append(out)
-        _train_value([_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
-                      _dataset(collected, "collected", hold_out_fold=[fold, 2])], out)
     learned = WORK / "plateau_annotated"
-    if not learned.exists():
-        _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
-              json.dumps([_dataset(collected, "collected")]), "--positive_fraction", "0.4", "--output", str(learned)],
-             WORK / "plateau_annotate.log")
-    results.setdefault("diagnostics", {})["plateau_annotation"] = positive_rates(learned)
+    if only is None or "learned_value" in only:
+        folds = []
+        for fold in range(2):
+            out = WORK / f"plateau_value_fold{fold}"
+            folds.append(out)
+            _train_value([_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
+                          _dataset(collected, "collected", hold_out_fold=[fold, 2])], out)
+        if not learned.exists():
+            _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
+                  json.dumps([_dataset(collected, "collected")]), "--positive_fraction", "0.4", "--output",
+                  str(learned)], WORK / "plateau_annotate.log")
+        results.setdefault("diagnostics", {})["plateau_annotation"] = positive_rates(learned)
     positive = {"advantage": {"value": True, "dropout": 0.3}}
     by_key = {"advantage": {"key": "advantage_positive", "dropout": 0.3}}
     arms = {
@@ -469,7 +471,8 @@ def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int]
         "learned_value": [_dataset(expert, "expert", **positive), _dataset(learned, "collected", **by_key)],
     }
     found = results.setdefault("oracle_arms", {})
-    for name, datasets in arms.items():
+    for name in only or list(arms):
+        datasets = arms[name]
         per_seed = []
         for seed in seeds:
             out = WORK / f"arm_{name}_seed{seed}"
@@ -563,6 +566,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1", help="training seeds of the oracle arms")
     parser.add_argument("--episodes", type=int, default=200, help="held-out episodes per evaluation")
     parser.add_argument("--arm_steps", type=int, default=1500, help="training steps of every arm")
+    parser.add_argument("--arms", default=None, help="oracle_arms: the arms to run, in this order (default: all)")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     everything = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -591,7 +595,8 @@ def main() -> None:
         elif stage == "collect":
             stage_collect(results, 200)
         elif stage == "oracle_arms":
-            stage_oracle_arms(results, args.arm_steps, args.episodes, [int(s) for s in args.seeds.split(",")], save)
+            stage_oracle_arms(results, args.arm_steps, args.episodes, [int(s) for s in args.seeds.split(",")], save,
+                              args.arms.split(",") if args.arms else None)
         elif stage == "headline":
             stage_headline(results, args.arm_steps, args.episodes, save)
         save()
