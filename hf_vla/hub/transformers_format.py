@@ -147,7 +147,7 @@ def export_transformers(checkpoint: str | Path, output: str | Path, head: str | 
         raise ConfigError(f"{where}: LoRA adapters; export the run's merged output (its output directory, or "
                           "python -m hf_vla.convert --input ADAPTERS --output MERGED first)")
     family = find_policy(checkpoint_model_type(checkpoint, where))
-    if family is None or family.name != "pi05":
+    if family is None or not family.transformers_export:
         raise ConfigError(f"{where}: --to transformers writes hf_vla pi0.5 checkpoints (pi0 is transformers' own "
                           "model already)")
     _check_paths(checkpoint, output, overwrite, kind="transformers_export", what="transformers export")

@@ -14,7 +14,7 @@ PI05 = register_policy(PolicyFamily(
     setup="hf_vla.training.builders:pi05_setup", rtc_training=True, token_objective=True, advantage_prompt=True,
     memory=True,
     rl=True, rl_critic=True, lerobot_type="pi05", lerobot_export=True, lerobot_plugin=True,
-    model_types=("hf_vla_pi05", "pi05")))
+    transformers_export=True, model_types=("hf_vla_pi05", "pi05")))
 
 PI0 = register_policy(PolicyFamily(
     name="pi0", description="pi0 (transformers' own model, with hf_vla's per-head processor)",

@@ -61,6 +61,7 @@ class PolicyFamily:
     value_model: it predicts returns (RECAP's value model): `hf_vla.recap annotate --value` takes it.
     lerobot_type: lerobot's policy type its checkpoints convert from (`hf_vla.convert --to hf_vla`); lerobot_export:
         `--to lerobot` writes lerobot's own format; lerobot_plugin: lerobot's tools run it through the plugin.
+    transformers_export: `--to transformers` writes transformers' own pi0.5 format (and that format converts into it).
     next_step: what the last line after training suggests, formatted with `output_dir` (None: evaluate or serve).
     prepare: `"module:function"` called as `prepare(model, engine)` before a training engine wraps the model (pi0:
         its unused modules frozen, its FSDP2 unit layout).
@@ -92,6 +93,7 @@ class PolicyFamily:
     lerobot_type: str | None = None
     lerobot_export: bool = False
     lerobot_plugin: bool = False
+    transformers_export: bool = False
     next_step: str | None = None
     prepare: str | None = None
     state_input: bool = False
