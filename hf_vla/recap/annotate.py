@@ -75,7 +75,7 @@ class AnnotateArguments:
             self.value = [self.value]
         if not self.value:
             raise ConfigError("--value: the value model (or one per fold of a cross-fitting)")
-        from hf_vla.training.config_checks import check_dataset_specs
+        from hf_vla.parser import check_dataset_specs
 
         self.datasets[:] = check_dataset_specs(self.datasets)
 

@@ -124,7 +124,7 @@ def _run(args):
     model, processor = load_start(args)
     peft_config = None
     if args.lora_preset:
-        from hf_vla.lora import lora_config
+        from hf_vla.training.lora import lora_config
 
         peft_config = lora_config(args.lora_preset, r=args.lora_r, alpha=args.lora_alpha, model=model)
     trainer = RLTrainer(model, args, processing_class=processor, peft_config=peft_config)

@@ -228,7 +228,7 @@ class RLConfig(VLATrainingArguments):
             raise ConfigError(f"bc_coef={self.bc_coef}: must be a positive number (leave bc_datasets unset for no "
                               "expert term)")
         if self.bc_datasets is not None:
-            from hf_vla.training.config_checks import check_dataset_specs
+            from hf_vla.parser import check_dataset_specs
 
             if not isinstance(self.bc_datasets, list) or not self.bc_datasets:
                 raise ConfigError(f"bc_datasets={self.bc_datasets!r}: a non-empty list of dataset objects (as "

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from hf_vla.cli import check_writable_dir
 from hf_vla.errors import ConfigError
-from hf_vla.lora import PRESETS
 from hf_vla.models.pi05.configuration_pi05 import MEMORY_FIELDS
-from hf_vla.parser import CommandParser, HelpStyle
+from hf_vla.parser import CommandParser, HelpStyle, check_dataset_specs, normalize_training_config
 from hf_vla.registry import families_with, get_policy
-from hf_vla.training.config_checks import check_dataset_specs, check_model_config, normalize_training_config
+from hf_vla.training.config_checks import check_model_config
+from hf_vla.training.lora import PRESETS
 from hf_vla.training.trainer import VLATrainingArguments
 
 DTYPES = ("float32", "bfloat16")

@@ -408,7 +408,7 @@ def build_trainer(model_args: ModelArguments, data_args, training_args):
                                                             memory=getattr(processor, "memory", None))
     peft_config = None
     if model_args.lora_preset:
-        from hf_vla.lora import lora_config
+        from hf_vla.training.lora import lora_config
 
         # the adapters are drawn from the RNG the seeded build left: every rank draws the same ones
         peft_config = lora_config(model_args.lora_preset, r=model_args.lora_r, alpha=model_args.lora_alpha, model=model)

@@ -96,7 +96,7 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
             "dtype": "bfloat16" if any(p.dtype == torch.bfloat16 for p in model.parameters()) else "float32",
         }
         if args.process_index == 0:
-            from hf_vla.lora import trainable_parameters
+            from hf_vla.training.lora import trainable_parameters
 
             trainable, total = trainable_parameters(model)
             logger.info("trainable parameters: %s of %s (%.2f%%)%s", f"{trainable:,}", f"{total:,}",
@@ -463,7 +463,7 @@ class VLATrainer(ProvenanceEvaluation, StepMetrics, Trainer):
         # A LoRA model saved for use (the output directory, rollout snapshots): the Trainer wrote the adapters at the
         # root, where transformers' from_pretrained would load the base's heads instead of the trained ones. The
         # merged model goes to the root (every loader reads it as a checkpoint), the adapters into adapter/.
-        from hf_vla.lora import ADAPTER_DIR, ADAPTER_FILES, merged_state_dict
+        from hf_vla.training.lora import ADAPTER_DIR, ADAPTER_FILES, merged_state_dict
 
         model = self.accelerator.unwrap_model(self.model)
         merged = merged_state_dict(model, state_dict)

@@ -219,7 +219,7 @@ class VLATrainingArguments(TrainingArguments):
         given = set(parameters) - {"optimizer", "num_warmup_steps", "num_training_steps", "last_epoch"}
         unknown = sorted(set(kwargs) - given)
         if unknown:
-            from hf_vla.training.config_checks import _suggest
+            from hf_vla.parser import _suggest
 
             raise ConfigError(f"lr_scheduler_kwargs: unknown key(s) {unknown} for lr_scheduler_type "
                               f"{kind.value!r}{_suggest(unknown, sorted(given))}; it takes {sorted(given) or 'none'}")
