@@ -117,6 +117,20 @@ def test_no_room_imports_a_room_that_imports_it_back():
     assert not found, "rooms that import each other:\n" + "\n".join(" <-> ".join(group) for group in found)
 
 
+def test_no_top_level_module_and_room_import_each_other():
+    """The top-level modules (commands, public doors, shared helpers) counted as rooms too: none imports a room that
+    imports it back (issue #108: `lora` <-> `training`, `parser` <-> `training` were such pairs)."""
+    graph = import_graph()
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = module.split(".")[1] if "." in module else None
+        if source is not None:
+            rooms.setdefault(source, set()).update(t.split(".")[1] for t in targets if "." in t)
+    pairs = sorted({tuple(sorted((a, b))) for a, targets in rooms.items() for b in targets
+                    if b != a and a in rooms.get(b, set())})
+    assert not pairs, f"modules or rooms importing each other: {pairs}"
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
