@@ -19,6 +19,10 @@ Stages (each skipped where its output exists; figures merged into `benchmarks/re
 - `evaluate`: each conditioned arm asked "positive", "negative", with no indicator and "positive" at beta 2.5; the
   named-target rate (success), the decoy rate (reached another target first), per arm, on `--episodes` held-out
   seeds; plus the diagnostics (held-out flow MSE with the true and the flipped indicator, ||v_c - v_u|| / ||v_u||).
+- `plateau`, `collect`: the start on targets anywhere (`layout: "random"`), and 200 of its episodes recorded;
+- `oracle_arms`: from the start, on the demonstrations and those episodes, labels of every kind (`--seeds`, `--arms`);
+- `headline`: RECAP two rounds against continued BC and BC with the collected episodes at equal wall minutes;
+- `guidance`: the conditioned policies on the plateau at cfg_beta 0, 1 and 2.5.
 """
 
 from __future__ import annotations
@@ -430,16 +434,33 @@ def _dense_labels(seed0: int):
     return label
 
 
+def _experience(size: int) -> tuple[Path, str, int]:
+    """The start's own plateau episodes: `collected` (200, seeds from 40,000), or `collected_{size}` (seeds from
+    60,000); the folder, the suffix its arms' folders carry and the first seed."""
+    if size == 200:
+        return WORK / "collected", "", 40_000
+    out = WORK / f"collected_{size}"
+    if not (out / "meta" / "info.json").exists():
+        from hf_vla.envs.recording import RecordArguments, record
+
+        record(RecordArguments(env="color_reach", output=out, episodes=size, seed=60_000, strategy="policy",
+                               policy=str(WORK / "start")), env_kwargs=dict(PLATEAU), progress=True)
+    return out, f"_{size}", 60_000
+
+
 def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int], save,
-                      only: list[str] | None = None) -> None:
+                      only: list[str] | None = None, experience: int = 200, guided: bool = False) -> None:
     """From the start at matched steps and data, on the demonstrations and the collected episodes: BC with collected,
     filtered BC, episode-outcome labels, dense per-step labels, constant "positive" and a learned (cross-fitted)
-    value model's annotation; each evaluated on the plateau."""
-    expert, collected = WORK / "expert_200", WORK / "collected"
-    outcome = _labelled_copy(collected, WORK / "labels_outcome", lambda e, t: np.full(
+    value model's annotation; each evaluated on the plateau (and the conditioned ones at cfg_beta 2.5 with
+    `guided`). `experience` other than 200: that many of the start's episodes, figures under
+    `oracle_arms_{experience}`."""
+    expert = WORK / "expert_200"
+    collected, tag, seed0 = _experience(experience)
+    outcome = _labelled_copy(collected, WORK / f"labels_outcome{tag}", lambda e, t: np.full(
         len(t), bool(t["next.success"].any())))
-    dense = _labelled_copy(collected, WORK / "labels_dense", _dense_labels(40_000))
-    constant = _labelled_copy(collected, WORK / "labels_constant", lambda e, t: np.ones(len(t), bool))
+    dense = _labelled_copy(collected, WORK / f"labels_dense{tag}", _dense_labels(seed0))
+    constant = _labelled_copy(collected, WORK / f"labels_constant{tag}", lambda e, t: np.ones(len(t), bool))
     import pandas as pd
     import pyarrow.parquet as pq
 
@@ -447,22 +468,23 @@ def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int]
                       for p in sorted((collected / "data").rglob("*.parquet")))
     wins = sorted(int(e) for e, ok in table.groupby("episode_index")["next.success"].any().items() if ok)
     keep = {str(e): [[0, 10_000]] for e in wins}
-    learned = WORK / "plateau_annotated"
+    learned = WORK / f"plateau_annotated{tag}"
     if only is None or "learned_value" in only:
         folds = []
         for fold in range(2):
-            out = WORK / f"plateau_value_fold{fold}"
+            out = WORK / f"plateau_value{tag}_fold{fold}"
             folds.append(out)
             _train_value([_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
                           _dataset(collected, "collected", hold_out_fold=[fold, 2])], out)
         if not learned.exists():
             _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
                   json.dumps([_dataset(collected, "collected")]), "--positive_fraction", "0.4", "--output",
-                  str(learned)], WORK / "plateau_annotate.log")
-        results.setdefault("diagnostics", {})["plateau_annotation"] = positive_rates(learned)
+                  str(learned)], WORK / f"plateau_annotate{tag}.log")
+        results.setdefault("diagnostics", {})[f"plateau_annotation{tag}"] = positive_rates(learned)
     positive = {"advantage": {"value": True, "dropout": 0.3}}
     by_key = {"advantage": {"key": "advantage_positive", "dropout": 0.3}}
     arms = {
+        "continued_bc": [_dataset(expert, "expert")],
         "bc_with_collected": [_dataset(expert, "expert"), _dataset(collected, "collected")],
         "filtered_bc": [_dataset(expert, "expert"), _dataset(collected, "collected", keep_ranges=keep)],
         "outcome_labels": [_dataset(expert, "expert", **positive), _dataset(outcome, "collected", **by_key)],
@@ -470,16 +492,22 @@ def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int]
         "constant_positive": [_dataset(expert, "expert", **positive), _dataset(constant, "collected", **by_key)],
         "learned_value": [_dataset(expert, "expert", **positive), _dataset(learned, "collected", **by_key)],
     }
-    found = results.setdefault("oracle_arms", {})
+    found = results.setdefault(f"oracle_arms{tag}", {})
+    if tag:
+        found["experience"] = {"episodes": experience, "success": round(_success_rate(collected), 4)}
     for name in only or list(arms):
         datasets = arms[name]
-        per_seed = []
+        per_seed, per_seed_guided = [], []
         for seed in seeds:
-            out = WORK / f"arm_{name}_seed{seed}"
+            out = WORK / f"arm_{name}{tag}_seed{seed}"
             _train(datasets, out, steps, "--seed", str(seed))
             per_seed.append(closed_loop(out, episodes, env_kwargs=PLATEAU)["success"])
+            if guided and "advantage" in datasets[0]:
+                per_seed_guided.append(closed_loop(out, episodes, cfg_beta=2.5, env_kwargs=PLATEAU)["success"])
         found[name] = {"mean_success": round(float(np.mean(per_seed)), 4), "per_seed": per_seed,
                        "episodes": episodes, "seeds": seeds, "steps": steps}
+        if per_seed_guided:
+            found[name]["cfg_beta_2.5"] = round(float(np.mean(per_seed_guided)), 4)
         save()  # each arm as it ends
         print(json.dumps({name: found[name]}), flush=True)
 
@@ -551,6 +579,23 @@ def stage_headline(results: dict, steps: int, episodes: int, save) -> None:
         save()
 
 
+def stage_guidance(results: dict, episodes: int, save) -> None:
+    """On the plateau, each conditioned policy asked with no indicator (= cfg_beta 0), "positive" (cfg_beta 1, its
+    default) and "positive" at cfg_beta 2.5: does the indicator move the plateau at all?"""
+    policies = {"recap": WORK / "headline_round2" / "policy",
+                **{arm: WORK / f"arm_{arm}_seed0" for arm in ("outcome_labels", "dense_oracle", "learned_value")}}
+    found = results.setdefault("guidance_on_plateau", {})
+    for name, weights in policies.items():
+        if not weights.exists():
+            continue
+        found[name] = {"cfg_beta_0": closed_loop(weights, episodes, advantage=None, env_kwargs=PLATEAU)["success"],
+                       "cfg_beta_1": closed_loop(weights, episodes, env_kwargs=PLATEAU)["success"],
+                       "cfg_beta_2.5": closed_loop(weights, episodes, cfg_beta=2.5, env_kwargs=PLATEAU)["success"],
+                       "episodes": episodes}
+        save()
+        print(json.dumps({name: found[name]}), flush=True)
+
+
 def _positive_by_outcome(annotated: Path, names: list[str]) -> dict:
     summary = annotated / "meta" / "hf_vla_recap.json"
     entries = json.loads(summary.read_text()) if summary.exists() else json.loads(
@@ -562,11 +607,13 @@ def _positive_by_outcome(annotated: Path, names: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=["start", "probe", "data", "arms", "evaluate", "plateau", "collect",
-                                            "oracle_arms", "headline", "all"], default="all")
+                                            "oracle_arms", "headline", "guidance", "all"], default="all")
     parser.add_argument("--seeds", default="0,1", help="training seeds of the oracle arms")
     parser.add_argument("--episodes", type=int, default=200, help="held-out episodes per evaluation")
     parser.add_argument("--arm_steps", type=int, default=1500, help="training steps of every arm")
     parser.add_argument("--arms", default=None, help="oracle_arms: the arms to run, in this order (default: all)")
+    parser.add_argument("--experience", type=int, default=200, help="oracle_arms: the start's plateau episodes")
+    parser.add_argument("--guided", action="store_true", help="oracle_arms: also evaluate at cfg_beta 2.5")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     everything = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -577,8 +624,8 @@ def main() -> None:
     def save():
         RESULTS.write_text(json.dumps(everything, indent=1) + "\n")
 
-    stages = ["start", "probe", "data", "arms", "evaluate", "plateau", "collect", "oracle_arms", "headline"] \
-        if args.stage == "all" else [args.stage]
+    stages = ["start", "probe", "data", "arms", "evaluate", "plateau", "collect", "oracle_arms", "headline",
+              "guidance"] if args.stage == "all" else [args.stage]
     for stage in stages:
         if stage == "start":
             stage_start(results)
@@ -596,9 +643,11 @@ def main() -> None:
             stage_collect(results, 200)
         elif stage == "oracle_arms":
             stage_oracle_arms(results, args.arm_steps, args.episodes, [int(s) for s in args.seeds.split(",")], save,
-                              args.arms.split(",") if args.arms else None)
+                              args.arms.split(",") if args.arms else None, args.experience, args.guided)
         elif stage == "headline":
             stage_headline(results, args.arm_steps, args.episodes, save)
+        elif stage == "guidance":
+            stage_guidance(results, args.episodes, save)
         save()
         print(json.dumps({stage: {k: v for k, v in results.items() if k != "settings"}}, indent=1), flush=True)
 
