@@ -517,25 +517,27 @@ def _runtime(out: Path) -> float:
     return float(json.loads((out / "all_results.json").read_text())["train_runtime"])
 
 
-def stage_headline(results: dict, steps: int, episodes: int, save) -> None:
+def stage_headline(results: dict, steps: int, episodes: int, save, per_round: int = 200) -> None:
     """RECAP two rounds on the plateau against continued BC and BC with RECAP's collected episodes, each given RECAP's
     wall minutes (every job alone, the same threads): a round collects 200 episodes of the current policy, trains two
     cross-fitted value models on the demonstrations and everything collected, annotates everything collected, and
     trains the policy from the start (the base) on all of it. BC arms get the steps their measured rate fits in those
-    minutes (less the collection for BC with collected: the episodes are RECAP's)."""
+    minutes (less the collection for BC with collected: the episodes are RECAP's). `per_round` other than 200: that
+    many episodes a round, figures under `headline_{per_round}`."""
     from hf_vla.envs.recording import RecordArguments, record
 
-    expert = WORK / "expert_200"
-    found = results.setdefault("headline", {})
+    expert, tag = WORK / "expert_200", "" if per_round == 200 else f"_{per_round}"
+    found = results.setdefault(f"headline{tag}", {})
     seconds = {"collection": 0.0, "value": 0.0, "annotate": 0.0, "policy": 0.0}
     policy, collected = WORK / "start", []
     rounds = []
     for index in (1, 2):
-        base = WORK / f"headline_round{index}"
+        base = WORK / f"headline{tag}_round{index}"
         rollouts = base / "collected"
         if not (rollouts / "meta" / "info.json").exists():
             started = time.perf_counter()
-            record(RecordArguments(env="color_reach", output=rollouts, episodes=200, seed=50_000 + 1_000 * index,
+            record(RecordArguments(env="color_reach", output=rollouts, episodes=per_round,
+                                   seed=100_000 + 10_000 * index if tag else 50_000 + 1_000 * index,
                                    strategy="policy", policy=str(policy)), env_kwargs=dict(PLATEAU), progress=False)
             seconds["collection"] += time.perf_counter() - started
         collected.append(rollouts)
@@ -571,7 +573,7 @@ def stage_headline(results: dict, steps: int, episodes: int, save) -> None:
             "bc_with_collected": ([_dataset(expert, "expert")] + [_dataset(r, n) for r, n in zip(collected, names)],
                                   total - seconds["collection"])}
     for name, (datasets, budget) in arms.items():
-        out = WORK / f"headline_{name}"
+        out = WORK / f"headline{tag}_{name}"
         budget_steps = int(rate * budget)
         _train(datasets, out, budget_steps)
         found[name] = {**closed_loop(out, episodes, env_kwargs=PLATEAU), "steps": budget_steps,
@@ -614,6 +616,7 @@ def main() -> None:
     parser.add_argument("--arms", default=None, help="oracle_arms: the arms to run, in this order (default: all)")
     parser.add_argument("--experience", type=int, default=200, help="oracle_arms: the start's plateau episodes")
     parser.add_argument("--guided", action="store_true", help="oracle_arms: also evaluate at cfg_beta 2.5")
+    parser.add_argument("--rollouts", type=int, default=200, help="headline: episodes collected a round")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     everything = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -645,7 +648,7 @@ def main() -> None:
             stage_oracle_arms(results, args.arm_steps, args.episodes, [int(s) for s in args.seeds.split(",")], save,
                               args.arms.split(",") if args.arms else None, args.experience, args.guided)
         elif stage == "headline":
-            stage_headline(results, args.arm_steps, args.episodes, save)
+            stage_headline(results, args.arm_steps, args.episodes, save, args.rollouts)
         elif stage == "guidance":
             stage_guidance(results, args.episodes, save)
         save()
