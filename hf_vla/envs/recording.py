@@ -435,7 +435,7 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
     episode limit, env arguments such as a crop): a flag that contradicts the contract, or a checkpoint trained in
     another env, is refused in one line."""
     from hf_vla.deployment.contract import ContractError, head_spec
-    from hf_vla.envs.settings import EnvRequest, env_arguments, evaluation_settings
+    from hf_vla.envs.settings import EnvRequest, plan_env
     from hf_vla.hub.resolve import resolve_contract
     from hf_vla.serving.policy import ObservationMap, load_policy
 
@@ -449,14 +449,13 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
         raise ConfigError(f"--policy {policy}: its data was recorded in {trained_env!r}, not {contract_env(env)!r} "
                           f"(--env {env}); DAgger runs a policy in the env it was trained for")
     try:
-        settings = evaluation_settings(contract, EnvRequest(contract_env(env), tasks, episodes, image_size=image_size,
-                                                           max_episode_steps=max_episode_steps, override=("seed",)),
-                                       contract.chunk_size if contract else None)
+        plan = plan_env(contract, EnvRequest(contract_env(env), tasks, episodes, image_size=image_size,
+                                             max_episode_steps=max_episode_steps, override=("seed",)),
+                        contract.chunk_size if contract else None, labels=("--env ", "--tasks "))
     except ContractError as error:
         raise ConfigError(f"--policy {policy}: {str(error).split('; drop the flag')[0]}; drop the flag: DAgger runs "
                           "the policy as it was trained") from None
-    given = dict(env_kwargs or {})
-    merged = env_arguments(spec, settings, {})
+    settings, given, merged = plan.settings, dict(env_kwargs or {}), plan.env_kwargs
     for key, value in given.items():
         if value is not None and merged.get(key) is not None and _as_list(merged[key]) != _as_list(value):
             raise ConfigError(f"--policy {policy}: --{key} {value} contradicts the checkpoint, which was trained with "
@@ -464,7 +463,8 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
     merged = {k: v for k, v in (merged | {k: v for k, v in given.items() if v is not None}).items()
               if k != "image_size"}
     runner = load_policy(policy, device=device, obs_map=ObservationMap(cameras=settings["cameras"].value or None),
-                         num_camera_slots=len(spec["cameras"]) if spec else None)
+                         num_camera_slots=len(spec["cameras"]) if spec else None,
+                         memory_stride=settings["memory_stride"].value)
     task = settings["task"].value if find_env(env).tasks else None  # ColorReach draws its instruction per episode
     return runner, {"task": task, "image_size": settings["image_size"].value,
                     "n_action_steps": int(settings["n_action_steps"].value),

@@ -10,9 +10,10 @@ from dataclasses import dataclass, fields
 
 import gymnasium as gym
 
-from hf_vla.deployment.contract import ContractError, head_spec, refuse_repeated_cameras
+from hf_vla.deployment.contract import ContractError, Setting, head_spec, memory_stride, refuse_repeated_cameras
 from hf_vla.errors import ConfigError
-from hf_vla.registry import task_env
+from hf_vla.registry import env_names, task_env
+from hf_vla.registry.envs import check_gym_id
 
 # env workers a benchmark evaluation keeps at once across its tasks (MT50 with 2 envs per task: 8 tasks side by side);
 # a Meta-World worker holds about 0.4 GB (proportional set size, 160 px)
@@ -73,7 +74,7 @@ def evaluation_settings(contract, request: EnvRequest, chunk_size: int | None = 
     max_episode_steps, cameras, seed, head and control_mode. Each comes from its flag in `request`, else the
     checkpoint's deployment contract (`hf_vla.deployment.contract`), else the default; a flag that contradicts the
     contract is a `ContractError` naming both values and `--override NAME`, unless NAME is in `request.override`."""
-    from hf_vla.deployment.contract import Setting, choose, square_size
+    from hf_vla.deployment.contract import choose, square_size
 
     head, env_id, task, episodes = request.head, request.env, request.task, request.episodes
     n_action_steps, seed, cameras = request.n_action_steps, request.seed, request.cameras
@@ -86,8 +87,6 @@ def evaluation_settings(contract, request: EnvRequest, chunk_size: int | None = 
     bench = (spec or {}).get("benchmark") or {}
     settings = {"env": choose("env", env_id, bench.get("env"), DEFAULT_ENV, overrides, equal=lambda a, b: True)}
     env_id = settings["env"].value
-    from hf_vla.registry.envs import check_gym_id
-
     source = "the checkpoint's deployment contract: env " if settings["env"].source == "checkpoint" else "--env "
     check_gym_id(env_id, source)  # an unknown env: one line naming the envs there are, before anything is built
     same_env = bench.get("env") == env_id  # the benchmark settings apply to the env the data was recorded in
@@ -134,4 +133,65 @@ def env_arguments(spec: dict | None, settings: dict, env_kwargs: dict) -> dict:
     if settings["image_size"].value is not None:
         merged["image_size"] = settings["image_size"].value
     return merged
+
+
+def env_tasks(env_id: str, task: str | None) -> list[str | None]:
+    """The tasks a run of `env_id` steps through: a registered env's task names, else `[None]` (an env without
+    tasks, such as a gymnasium id)."""
+    return benchmark_tasks(env_id, task) if task_env(env_id) is not None else [None]
+
+
+def benchmark_tasks(env_id: str, task: str | None) -> list[str]:
+    """The task names of a registered env with tasks (`metaworld`: names or difficulty groups; `libero`: suites or
+    suite/index; see `hf_vla.registry`)."""
+    return task_env(env_id).task_names(task)
+
+
+def check_env(env: str, task: str | None, env_label: str = "env=", task_label: str = "task=") -> None:
+    """An env (and tasks) a run can make, checked before any model loads: a benchmark's task names (and LIBERO being
+    installed), or a registered gymnasium id without tasks. The labels name the flag or field in the message."""
+    family = task_env(env)
+    if family is not None:
+        family.task_names(task)
+        if family.check:
+            family.call("check")
+        return
+    if task is not None:
+        raise ConfigError(f"{task_label}{task!r}: only a benchmark env ({', '.join(env_names(with_tasks=True))}) has "
+                          "tasks")
+    check_gym_id(env, env_label)
+
+
+@dataclass
+class EnvPlan:
+    """How a checkpoint runs in an env, resolved once from its contract, the caller's request and the env registry,
+    before a policy or an env is made: `settings` (`{name: Setting(value, source)}`: those of `evaluation_settings`
+    and `memory_stride`), the contract's `spec` of the head, the env's constructor arguments and the tasks a run
+    steps through. Evaluation, RL and DAgger build theirs here."""
+
+    settings: dict
+    spec: dict | None
+    env_kwargs: dict
+    tasks: list
+
+    @property
+    def env(self) -> str:
+        return self.settings["env"].value
+
+    def value(self, name: str):
+        return self.settings[name].value
+
+
+def plan_env(contract, request: EnvRequest, chunk_size: int | None = None, env_kwargs: dict | None = None,
+             labels: tuple[str, str] = ("env=", "task=")) -> EnvPlan:
+    """The `EnvPlan` of `request` against `contract`: every refusal (a flag against the contract, an unknown env or
+    task, a memory stride that is no whole number of the env's control steps) raised here. `labels` name the env and
+    task options in the messages."""
+    settings = evaluation_settings(contract, request, chunk_size)
+    env, task = settings["env"].value, settings["task"].value
+    check_env(env, task, *labels)
+    spec = head_spec(contract, settings["head"].value)
+    stride = memory_stride(contract, getattr(task_env(env), "fps", None), f"--env {env}")
+    settings["memory_stride"] = Setting(stride, "checkpoint" if stride is not None else "default")
+    return EnvPlan(settings, spec, env_arguments(spec, settings, dict(env_kwargs or {})), env_tasks(env, task))
 

@@ -8,9 +8,9 @@ import logging
 import gymnasium as gym
 
 from hf_vla.deployment.contract import FILE_NAME, ContractError, refuse_repeated_cameras
+from hf_vla.envs.settings import benchmark_tasks, check_env, env_tasks
 from hf_vla.errors import ConfigError
-from hf_vla.registry import env_names, task_env
-from hf_vla.registry.envs import check_gym_id
+from hf_vla.registry import task_env
 
 logger = logging.getLogger("hf_vla.evaluate")
 
@@ -65,33 +65,6 @@ def _check_image_size(env, spec: dict | None, settings: dict, where: str) -> Non
                                 f"image_size to run it anyway")
 
 
-def env_tasks(env_id: str, task: str | None) -> list[str | None]:
-    """The tasks a run of `env_id` steps through: a registered env's task names, else `[None]` (an env without
-    tasks, such as a gymnasium id)."""
-    return benchmark_tasks(env_id, task) if task_env(env_id) is not None else [None]
-
-
-def benchmark_tasks(env_id: str, task: str | None) -> list[str]:
-    """The task names of a registered env with tasks (`metaworld`: names or difficulty groups; `libero`: suites or
-    suite/index; see `hf_vla.registry`)."""
-    return task_env(env_id).task_names(task)
-
-
-def check_env(env: str, task: str | None, env_label: str = "env=", task_label: str = "task=") -> None:
-    """An env (and tasks) a run can make, checked before any model loads: a benchmark's task names (and LIBERO being
-    installed), or a registered gymnasium id without tasks. The labels name the flag or field in the message."""
-    family = task_env(env)
-    if family is not None:
-        family.task_names(task)
-        if family.check:
-            family.call("check")
-        return
-    if task is not None:
-        raise ConfigError(f"{task_label}{task!r}: only a benchmark env ({', '.join(env_names(with_tasks=True))}) has "
-                          "tasks")
-    check_gym_id(env, env_label)
-
-
 def env_camera_keys(env: str, env_kwargs: dict | None = None) -> list[str]:
     """The image keys an env's observations carry (a benchmark's from its wrapper; a gymnasium env's from its
     observation space: every HxWxC array). Meta-World's follow its `cameras` argument; without `env_kwargs`, every
@@ -116,3 +89,6 @@ def check_cameras(flag: str, cameras: list[str] | None, available: list[str]) ->
     if unknown:
         raise ConfigError(f"{flag}: {unknown} {'is not an image' if len(unknown) == 1 else 'are not images'} of the "
                           f"env's observations; it has {available}")
+
+
+__all__ = ["benchmark_tasks", "check_cameras", "check_env", "env_camera_keys", "env_tasks", "make_env"]

@@ -28,7 +28,7 @@ class RolloutCollection:
         settings = self.rl_settings
         common = dict(model=model, processor=self.processing_class, head=settings["head"],
                       obs_map=ObservationMap(cameras=settings["cameras"]), device=str(self.args.device),
-                      num_camera_slots=settings["camera_slots"])
+                      num_camera_slots=settings["camera_slots"], memory_stride=settings["memory_stride"])
         if not stochastic:
             return PolicyRunner(**common)
         return StochasticPolicy(**common, sde=self.sde, n_action_steps=settings["n_action_steps"],

@@ -9,9 +9,8 @@ from hf_vla.errors import ConfigError
 
 
 def rollout_settings(args, processor, config) -> dict:
-    from hf_vla.deployment.contract import DeploymentConfig, head_spec
-    from hf_vla.envs.settings import EnvRequest, env_arguments, evaluation_settings
-    from hf_vla.evaluation.envs import check_env, env_tasks
+    from hf_vla.deployment.contract import DeploymentConfig
+    from hf_vla.envs.settings import EnvRequest, plan_env
     from hf_vla.serving.policy import stat_dims
 
     contract = None
@@ -21,24 +20,22 @@ def rollout_settings(args, processor, config) -> dict:
         except ValueError as error:
             raise ConfigError(str(error)) from error
     env_kwargs = dict(args.env_kwargs or {})
-    settings = evaluation_settings(contract, EnvRequest(
+    plan = plan_env(contract, EnvRequest(
         args.env, args.task, args.eval_episodes, n_action_steps=args.n_action_steps,
         image_size=env_kwargs.pop("image_size", None),
-        max_episode_steps=args.max_episode_steps or env_kwargs.pop("max_episode_steps", None)), config.chunk_size)
-    env, task = settings["env"].value, settings["task"].value
-    check_env(env, task, "env=", "task=")
-    spec = head_spec(contract, settings["head"].value)
-    env_kwargs = env_arguments(spec, settings, env_kwargs)  # as evaluation resolves them
-    if settings["max_episode_steps"].value is not None:
-        env_kwargs["max_episode_steps"] = settings["max_episode_steps"].value
+        max_episode_steps=args.max_episode_steps or env_kwargs.pop("max_episode_steps", None)), config.chunk_size,
+        env_kwargs)  # as evaluation resolves them
+    env_kwargs = plan.env_kwargs
+    if plan.value("max_episode_steps") is not None:
+        env_kwargs["max_episode_steps"] = plan.value("max_episode_steps")
     try:
-        head = processor._head(settings["head"].value)
+        head = processor._head(plan.value("head"))
     except (KeyError, ValueError, IndexError) as error:
         raise ConfigError(f"head: {error}") from error
     return {
-        "env": env, "tasks": env_tasks(env, task), "env_kwargs": env_kwargs,
-        "n_action_steps": int(settings["n_action_steps"].value), "cameras": settings["cameras"].value or None,
-        "camera_slots": len(spec["cameras"]) if spec else None, "head": head,
+        "env": plan.env, "tasks": plan.tasks, "env_kwargs": env_kwargs,
+        "n_action_steps": int(plan.value("n_action_steps")), "cameras": plan.value("cameras") or None,
+        "camera_slots": len(plan.spec["cameras"]) if plan.spec else None, "head": head,
         "action_dims": stat_dims(processor.norm_stats[head]["actions"]),
-        "max_episode_steps": settings["max_episode_steps"].value,
+        "max_episode_steps": plan.value("max_episode_steps"), "memory_stride": plan.value("memory_stride"),
     }

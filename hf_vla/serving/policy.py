@@ -607,12 +607,16 @@ def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | Non
     return PolicyRunner(model.requires_grad_(False), processor, device=device, **kwargs)  # for inference only
 
 
-def check_cfg_beta(flag: str, cfg_beta: float | None, runner: PolicyRunner) -> None:
+def check_cfg_beta(flag: str, cfg_beta: float | None, runner: PolicyRunner | None = None, *,
+                   conditioned: bool | None = None) -> None:
     """A guidance flag (`--cfg_beta`) other than 1 only for an advantage-conditioned (RECAP) policy: one line before
-    anything runs (the processor refuses it too, but at the first inference)."""
+    anything runs (the processor refuses it too, but at the first inference). `conditioned`: what the checkpoint's
+    contract says, before the policy is loaded; else the loaded `runner`'s processor."""
     from hf_vla.errors import ConfigError
 
-    if cfg_beta is not None and cfg_beta != 1.0 and not getattr(runner.processor, "advantage_conditioned", False):
+    if conditioned is None:
+        conditioned = bool(getattr(runner.processor, "advantage_conditioned", False))
+    if cfg_beta is not None and cfg_beta != 1.0 and not conditioned:
         raise ConfigError(f"{flag} {cfg_beta}: guidance needs an advantage-conditioned policy (RECAP); this checkpoint "
                           "is not one")
 
