@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 from conftest import refused
 
-from hf_vla.envs.dagger import INTERVENTION, POLICY_ACTION, SUCCESS, DaggerActor, DaggerSettings, dagger_episodes
+from hf_vla.envs.dagger import (
+    EXECUTED_ACTION,
+    INTERVENTION,
+    POLICY_ACTION,
+    SUCCESS,
+    DaggerActor,
+    DaggerSettings,
+    dagger_episodes,
+)
 from hf_vla.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,6 +170,15 @@ def test_who_acts():
     acted, frames = _acted(DaggerSettings(takeover_threshold=1.0, takeover_steps=3), policy=policy)
     assert acted == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0] and policy.calls == [0, 5, 9]
     assert frames[2]["extra"][POLICY_ACTION][0] == 5.0  # what the policy proposed where it was overruled
+    # what the env ran: the expert's action where it took over, the policy's elsewhere (RECAP's training actions)
+    executed = [float(f["extra"][EXECUTED_ACTION][0]) for f in frames]
+    assert executed == [1.0] * 10 and policy.calls == [0, 5, 9]
+    acted, frames = _acted(DaggerSettings(takeover_threshold=10.0, stall_steps=1, takeover_steps=1),
+                           policy=_Policy(bad={0, 1, 2, 3}))
+    executed = [float(f["extra"][EXECUTED_ACTION][0]) for f in frames]
+    proposed = [float(f["extra"][POLICY_ACTION][0]) for f in frames]
+    assert executed == [1.0 if by_expert else p for by_expert, p in zip(acted, proposed)] and 5.0 in executed
+    assert 1 in acted
     # below the threshold nothing changes
     assert _acted(DaggerSettings(takeover_threshold=10.0), policy=_Policy(bad={2}))[0] == [0] * 10
     # no progress for 3 steps (constant reward): the expert takes over for 2 steps, then the count starts again

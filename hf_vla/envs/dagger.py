@@ -13,8 +13,9 @@ acts:
   reward has not risen for `stall_steps` steps. After the expert acted, the policy plans a new chunk from the state
   it is handed.
 
-Each frame records who acted (`intervention`: 1 where the expert's action was executed) and what the policy proposed
-(`policy_action`; the expert's action where the policy had no chunk of its own at a takeover step), and
+Each frame records who acted (`intervention`: 1 where the expert's action was executed), what the policy proposed
+(`policy_action`; the expert's action where the policy had no chunk of its own at a takeover step), what the env ran
+(`executed_action`: the expert's action at an intervention, the policy's elsewhere; RECAP trains on it), and
 `next.success` (lerobot's per-frame success flag: the env reported success at or before this step). Every episode is
 kept, failures included: the labels are the expert's either way.
 
@@ -37,6 +38,7 @@ import numpy as np
 from hf_vla.errors import ConfigError
 
 INTERVENTION, POLICY_ACTION, SUCCESS, ACTION_PLAN = "intervention", "policy_action", "next.success", "action_plan"
+EXECUTED_ACTION = "executed_action"
 
 
 @dataclass
@@ -152,7 +154,8 @@ class DaggerActor:
         frame = {"images": {key: observation[key] for key in self.cameras}, "state": observation[self.state],
                  "action": expert, "task": task,
                  "extra": {INTERVENTION: np.array([int(by_expert)], np.int64),
-                           POLICY_ACTION: proposed.astype(np.float32)}}
+                           POLICY_ACTION: proposed.astype(np.float32),
+                           EXECUTED_ACTION: (expert if by_expert else proposed).astype(np.float32)}}
         if self.text is not None:
             frame["text"] = self.text(self.env)
         if self.plan_steps:  # the expert's own chunk from this state: the chunked policy's target here
@@ -170,7 +173,8 @@ class DaggerActor:
         action = self.queue.pop(0)
         frame = {"images": {key: observation[key] for key in self.cameras}, "state": observation[self.state],
                  "action": action, "task": task,
-                 "extra": {INTERVENTION: np.array([0], np.int64), POLICY_ACTION: action.astype(np.float32)}}
+                 "extra": {INTERVENTION: np.array([0], np.int64), POLICY_ACTION: action.astype(np.float32),
+                           EXECUTED_ACTION: action.astype(np.float32)}}
         if self.text is not None:
             frame["text"] = self.text(self.env)
         self.frames.append(frame)
@@ -199,6 +203,8 @@ def dagger_features(action_dim: int, plan_steps: int | None = None) -> dict[str,
     features = {INTERVENTION: {"dtype": "int64", "shape": (1,), "names": None},
                 POLICY_ACTION: {"dtype": "float32", "shape": (action_dim,),
                                 "names": [f"a{i}" for i in range(action_dim)]},
+                EXECUTED_ACTION: {"dtype": "float32", "shape": (action_dim,),
+                                  "names": [f"a{i}" for i in range(action_dim)]},
                 SUCCESS: {"dtype": "bool", "shape": (1,), "names": None}}
     if plan_steps:
         features[ACTION_PLAN] = {"dtype": "float32", "shape": (plan_steps * action_dim,),
@@ -206,4 +212,4 @@ def dagger_features(action_dim: int, plan_steps: int | None = None) -> dict[str,
     return features
 
 
-__all__ = ["ACTION_PLAN", "DaggerActor", "DaggerSettings", "dagger_episodes", "dagger_features"]
+__all__ = ["ACTION_PLAN", "EXECUTED_ACTION", "DaggerActor", "DaggerSettings", "dagger_episodes", "dagger_features"]
