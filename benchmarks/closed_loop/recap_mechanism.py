@@ -22,7 +22,9 @@ Stages (each skipped where its output exists; figures merged into `benchmarks/re
 - `plateau`, `collect`: the start on targets anywhere (`layout: "random"`), and 200 of its episodes recorded;
 - `oracle_arms`: from the start, on the demonstrations and those episodes, labels of every kind (`--seeds`, `--arms`);
 - `headline`: RECAP two rounds against continued BC and BC with the collected episodes at equal wall minutes;
-- `guidance`: the conditioned policies on the plateau at cfg_beta 0, 1 and 2.5.
+- `guidance`: the conditioned policies on the plateau at cfg_beta 0, 1 and 2.5;
+- `corrections`: the start's episodes with the expert taking over where the policy goes astray (RECAP's
+  corrections), RECAP on them against behaviour cloning on the same executed actions and the DAgger aggregate.
 """
 
 from __future__ import annotations
@@ -598,6 +600,59 @@ def stage_guidance(results: dict, episodes: int, save) -> None:
         print(json.dumps({name: found[name]}), flush=True)
 
 
+def stage_corrections(results: dict, steps: int, episodes: int, save) -> None:
+    """RECAP's corrections on the plateau: 200 episodes of the start with the scripted expert taking over for 4 steps
+    wherever the policy's action departs from its own by more than a step's length (HG-DAgger's gate:
+    `hf_vla.record --strategy dagger --takeover_threshold 0.1`), annotated by two cross-fitted value models (the
+    interventions positive). From the start at equal steps: the advantage-conditioned policy on the executed actions
+    (`recap_corrections`), behaviour cloning on the same executed actions (`bc_executed`), and the DAgger aggregate
+    (`dagger_labels`: the expert's label at every visited state, which a person taking over does not give)."""
+    from hf_vla.envs.recording import RecordArguments, record
+
+    expert, rollouts = WORK / "expert_200", WORK / "corrections"
+    if not (rollouts / "meta" / "info.json").exists():
+        record(RecordArguments(env="color_reach", output=rollouts, episodes=200, seed=70_000, strategy="dagger",
+                               policy=str(WORK / "start"), takeover_threshold=0.1, takeover_steps=4),
+               env_kwargs=dict(PLATEAU), progress=True)
+    executed = {"action_key": "executed_action"}
+    folds = []
+    for fold in range(2):
+        out = WORK / f"corrections_value_fold{fold}"
+        folds.append(out)
+        _train_value([_dataset(expert, "expert", success=True),
+                      _dataset(rollouts, "corrections", hold_out_fold=[fold, 2])], out)
+    annotated = WORK / "corrections_annotated"
+    if not annotated.exists():
+        _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
+              json.dumps([_dataset(rollouts, "corrections")]), "--positive_fraction", "0.4", "--output",
+              str(annotated)], WORK / "corrections_annotate.log")
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    table = pd.concat(pq.read_table(p, columns=["episode_index", "intervention", "next.success"]).to_pandas()
+                      for p in sorted((rollouts / "data").rglob("*.parquet")))
+    found = results.setdefault("corrections", {})
+    found["collected"] = {"episodes": int(table["episode_index"].nunique()),
+                          "success": round(float(table.groupby("episode_index")["next.success"].any().mean()), 4),
+                          "intervention_rate": round(float(table["intervention"].astype(float).mean()), 4)}
+    found["annotation"] = positive_rates(annotated)
+    arms = {
+        "recap_corrections": [_dataset(expert, "expert", advantage={"value": True, "dropout": 0.3}),
+                              _dataset(annotated, "corrections", **executed,
+                                       advantage={"key": "advantage_positive", "dropout": 0.3})],
+        "bc_executed": [_dataset(expert, "expert"), _dataset(rollouts, "corrections", **executed)],
+        "dagger_labels": [_dataset(expert, "expert"), _dataset(rollouts, "corrections")],
+    }
+    for name, datasets in arms.items():
+        out = WORK / f"arm_{name}_seed0"
+        _train(datasets, out, steps, "--seed", "0")
+        found[name] = {**closed_loop(out, episodes, env_kwargs=PLATEAU), "steps": steps}
+        if "advantage" in datasets[0]:
+            found[name]["cfg_beta_2.5"] = closed_loop(out, episodes, cfg_beta=2.5, env_kwargs=PLATEAU)["success"]
+        save()
+        print(json.dumps({name: found[name]}), flush=True)
+
+
 def _positive_by_outcome(annotated: Path, names: list[str]) -> dict:
     summary = annotated / "meta" / "hf_vla_recap.json"
     entries = json.loads(summary.read_text()) if summary.exists() else json.loads(
@@ -609,7 +664,7 @@ def _positive_by_outcome(annotated: Path, names: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=["start", "probe", "data", "arms", "evaluate", "plateau", "collect",
-                                            "oracle_arms", "headline", "guidance", "all"], default="all")
+                                            "oracle_arms", "headline", "guidance", "corrections", "all"], default="all")
     parser.add_argument("--seeds", default="0,1", help="training seeds of the oracle arms")
     parser.add_argument("--episodes", type=int, default=200, help="held-out episodes per evaluation")
     parser.add_argument("--arm_steps", type=int, default=1500, help="training steps of every arm")
@@ -628,7 +683,7 @@ def main() -> None:
         RESULTS.write_text(json.dumps(everything, indent=1) + "\n")
 
     stages = ["start", "probe", "data", "arms", "evaluate", "plateau", "collect", "oracle_arms", "headline",
-              "guidance"] if args.stage == "all" else [args.stage]
+              "guidance", "corrections"] if args.stage == "all" else [args.stage]
     for stage in stages:
         if stage == "start":
             stage_start(results)
@@ -651,6 +706,8 @@ def main() -> None:
             stage_headline(results, args.arm_steps, args.episodes, save, args.rollouts)
         elif stage == "guidance":
             stage_guidance(results, args.episodes, save)
+        elif stage == "corrections":
+            stage_corrections(results, args.arm_steps, args.episodes, save)
         save()
         print(json.dumps({stage: {k: v for k, v in results.items() if k != "settings"}}, indent=1), flush=True)
 
