@@ -283,8 +283,8 @@ def positive_rates(annotated: Path) -> dict:
     out = {"positive_rate": round(float(frame["advantage_positive"].mean()), 4)}
     if "next.success" in frame:
         success = frame.groupby("episode_index")["next.success"].transform("any")
-        out["by_outcome"] = {"success": round(float(frame["advantage_positive"][success].mean()), 4),
-                             "failure": round(float(frame["advantage_positive"][~success].mean()), 4)}
+        out["by_outcome"] = {name: round(float(frame["advantage_positive"][rows].mean()), 4) if rows.any() else None
+                             for name, rows in (("success", success), ("failure", ~success))}
     bins = (frame["frame_index"] // 4).clip(upper=9) * 4
     out["by_frame_index"] = {f"{int(b)}-{int(b) + 3}": round(float(v), 4)
                              for b, v in frame.groupby(bins)["advantage_positive"].mean().items()}
