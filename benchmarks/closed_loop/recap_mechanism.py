@@ -600,38 +600,41 @@ def stage_guidance(results: dict, episodes: int, save) -> None:
         print(json.dumps({name: found[name]}), flush=True)
 
 
-def stage_corrections(results: dict, steps: int, episodes: int, save) -> None:
+def stage_corrections(results: dict, steps: int, episodes: int, save, threshold: float = 0.1) -> None:
     """RECAP's corrections on the plateau: 200 episodes of the start with the scripted expert taking over for 4 steps
     wherever the policy's action departs from its own by more than a step's length (HG-DAgger's gate:
     `hf_vla.record --strategy dagger --takeover_threshold 0.1`), annotated by two cross-fitted value models (the
     interventions positive). From the start at equal steps: the advantage-conditioned policy on the executed actions
     (`recap_corrections`), behaviour cloning on the same executed actions (`bc_executed`), and the DAgger aggregate
-    (`dagger_labels`: the expert's label at every visited state, which a person taking over does not give)."""
+    (`dagger_labels`: the expert's label at every visited state, which a person taking over does not give).
+    `threshold` other than 0.1: a gate that lets the policy stray further (fewer corrections), figures under
+    `corrections_{threshold}`, without the DAgger aggregate."""
     from hf_vla.envs.recording import RecordArguments, record
 
-    expert, rollouts = WORK / "expert_200", WORK / "corrections"
+    tag = "" if threshold == 0.1 else f"_{threshold:g}"
+    expert, rollouts = WORK / "expert_200", WORK / f"corrections{tag}"
     if not (rollouts / "meta" / "info.json").exists():
         record(RecordArguments(env="color_reach", output=rollouts, episodes=200, seed=70_000, strategy="dagger",
-                               policy=str(WORK / "start"), takeover_threshold=0.1, takeover_steps=4),
+                               policy=str(WORK / "start"), takeover_threshold=threshold, takeover_steps=4),
                env_kwargs=dict(PLATEAU), progress=True)
     executed = {"action_key": "executed_action"}
     folds = []
     for fold in range(2):
-        out = WORK / f"corrections_value_fold{fold}"
+        out = WORK / f"corrections{tag}_value_fold{fold}"
         folds.append(out)
         _train_value([_dataset(expert, "expert", success=True),
                       _dataset(rollouts, "corrections", hold_out_fold=[fold, 2])], out)
-    annotated = WORK / "corrections_annotated"
+    annotated = WORK / f"corrections{tag}_annotated"
     if not annotated.exists():
         _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
               json.dumps([_dataset(rollouts, "corrections")]), "--positive_fraction", "0.4", "--output",
-              str(annotated)], WORK / "corrections_annotate.log")
+              str(annotated)], WORK / f"corrections{tag}_annotate.log")
     import pandas as pd
     import pyarrow.parquet as pq
 
     table = pd.concat(pq.read_table(p, columns=["episode_index", "intervention", "next.success"]).to_pandas()
                       for p in sorted((rollouts / "data").rglob("*.parquet")))
-    found = results.setdefault("corrections", {})
+    found = results.setdefault(f"corrections{tag}", {})
     found["collected"] = {"episodes": int(table["episode_index"].nunique()),
                           "success": round(float(table.groupby("episode_index")["next.success"].any().mean()), 4),
                           "intervention_rate": round(float(table["intervention"].astype(float).mean()), 4)}
@@ -643,8 +646,10 @@ def stage_corrections(results: dict, steps: int, episodes: int, save) -> None:
         "bc_executed": [_dataset(expert, "expert"), _dataset(rollouts, "corrections", **executed)],
         "dagger_labels": [_dataset(expert, "expert"), _dataset(rollouts, "corrections")],
     }
+    if tag:
+        arms.pop("dagger_labels")
     for name, datasets in arms.items():
-        out = WORK / f"arm_{name}_seed0"
+        out = WORK / f"arm_{name}{tag}_seed0"
         _train(datasets, out, steps, "--seed", "0")
         found[name] = {**closed_loop(out, episodes, env_kwargs=PLATEAU), "steps": steps}
         if "advantage" in datasets[0]:
@@ -672,6 +677,7 @@ def main() -> None:
     parser.add_argument("--experience", type=int, default=200, help="oracle_arms: the start's plateau episodes")
     parser.add_argument("--guided", action="store_true", help="oracle_arms: also evaluate at cfg_beta 2.5")
     parser.add_argument("--rollouts", type=int, default=200, help="headline: episodes collected a round")
+    parser.add_argument("--takeover_threshold", type=float, default=0.1, help="corrections: the expert's gate")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     everything = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -707,7 +713,7 @@ def main() -> None:
         elif stage == "guidance":
             stage_guidance(results, args.episodes, save)
         elif stage == "corrections":
-            stage_corrections(results, args.arm_steps, args.episodes, save)
+            stage_corrections(results, args.arm_steps, args.episodes, save, args.takeover_threshold)
         save()
         print(json.dumps({stage: {k: v for k, v in results.items() if k != "settings"}}, indent=1), flush=True)
 
