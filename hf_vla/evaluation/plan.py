@@ -59,9 +59,9 @@ def _subtask_setting(args: EvaluateArguments, contract, env_id: str, local: bool
         raise ConfigError(f"--subtask oracle: acts on the env expert's stage; env {env_id!r} has none (envs with "
                           "stages: " + ", ".join(sorted(n for n in env_names() if getattr(find_env(n), "subtasks",
                                                                                         False))) + ")")
-    trained = (contract.subtask if contract is not None else None) or None
     if not local:
         return None
+    trained = (contract.subtask if contract is not None else None) or None
     if args.subtask not in (None, "none") and contract is not None and trained is None:
         raise ConfigError(f"--subtask {args.subtask}: this checkpoint was not trained with subtasks")
     if args.subtask is not None:

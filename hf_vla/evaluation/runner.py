@@ -172,7 +172,8 @@ def _local_policy(plan: EvaluationPlan, args: EvaluateArguments, rtc_config: RTC
     return policy, policy.model.config.chunk_size
 
 
-def _run_tasks(plan: EvaluationPlan, policy, timing: ChunkTiming, names: list, desc: str, save_videos: int, progress: bool) -> dict:
+def _run_tasks(plan: EvaluationPlan, policy, timing: ChunkTiming, names: list, desc: str, save_videos: int,
+               progress: bool) -> dict:
     """The episodes of `names` (benchmark tasks, or `[None]` for one gymnasium env) at once: `num_envs` envs per
     task, every task's seeds in its own envs, one batched policy call per control step across all live envs (an
     episode's outcome depends on its seed alone, not on the tasks beside it). -> `{name: EvalResult}`."""
