@@ -239,6 +239,21 @@ def _train_value(datasets: list[dict], out: Path) -> float:
                  "--warmup_steps", "50", "--output_dir", str(out), "--disable_tqdm", "true"], out.with_suffix(".log"))
 
 
+def _cross_fitted(value_datasets, prefix: Path, datasets: list[dict], annotated: Path, positive_fraction: str,
+                  log: Path) -> tuple[list[float], float]:
+    """Two value models from the start's backbone at `{prefix}0` and `{prefix}1`, each on `value_datasets(fold)` (the
+    episodes of that fold held out), then `recap annotate` of `datasets` with both into `annotated`: every episode
+    judged by the model that did not train on it. Each step skipped where its output exists; -> the seconds of each
+    value model and of the annotation."""
+    folds = [Path(f"{prefix}{fold}") for fold in range(2)]
+    seconds = [_train_value(value_datasets(fold), out) for fold, out in enumerate(folds)]
+    if annotated.exists():
+        return seconds, 0.0
+    return seconds, _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
+                          json.dumps(datasets), "--positive_fraction", positive_fraction, "--output", str(annotated)],
+                         log)
+
+
 def stage_arms(results: dict, steps: int) -> None:
     expert, decoy = WORK / "expert_200", WORK / "decoy_200"
     timings = results.setdefault("arm_seconds", {})
@@ -250,20 +265,15 @@ def stage_arms(results: dict, steps: int) -> None:
     timings["oracle_embedding"] = _train(oracle, WORK / "oracle_embedding", steps, "--model_config",
                                          json.dumps({"advantage_indicator": "embedding"}))
     # the learned value: two value models, each holding out one fold of both datasets, then annotate
-    folds = []
-    for fold in range(2):
-        out = WORK / f"value_fold{fold}"
-        folds.append(out)
-        timings[f"value_fold{fold}"] = _train_value([_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
-                                                     _dataset(decoy, "decoy", success=False,
-                                                              hold_out_fold=[fold, 2])], out)
     annotated = WORK / "annotated"
-    if not annotated.exists():
-        timings["annotate"] = _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds),
-                                    "--datasets", json.dumps([_dataset(expert, "expert", success=True),
-                                                              _dataset(decoy, "decoy", success=False)]),
-                                    "--positive_fraction", "0.5", "--output", str(annotated)],
-                                   WORK / "annotate.log")
+    seconds, annotate = _cross_fitted(
+        lambda fold: [_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
+                      _dataset(decoy, "decoy", success=False, hold_out_fold=[fold, 2])], WORK / "value_fold",
+        [_dataset(expert, "expert", success=True), _dataset(decoy, "decoy", success=False)], annotated, "0.5",
+        WORK / "annotate.log")
+    timings["value_fold0"], timings["value_fold1"] = seconds
+    if annotate:
+        timings["annotate"] = annotate
     learned = [_dataset(annotated / "expert", "expert", advantage={"key": "advantage_positive", "dropout": 0.3}),
                _dataset(annotated / "decoy", "decoy", advantage={"key": "advantage_positive", "dropout": 0.3})]
     timings["learned_value"] = _train(learned, WORK / "learned_value", steps)
@@ -472,16 +482,10 @@ def stage_oracle_arms(results: dict, steps: int, episodes: int, seeds: list[int]
     keep = {str(e): [[0, 10_000]] for e in wins}
     learned = WORK / f"plateau_annotated{tag}"
     if only is None or "learned_value" in only:
-        folds = []
-        for fold in range(2):
-            out = WORK / f"plateau_value{tag}_fold{fold}"
-            folds.append(out)
-            _train_value([_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
-                          _dataset(collected, "collected", hold_out_fold=[fold, 2])], out)
-        if not learned.exists():
-            _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
-                  json.dumps([_dataset(collected, "collected")]), "--positive_fraction", "0.4", "--output",
-                  str(learned)], WORK / f"plateau_annotate{tag}.log")
+        _cross_fitted(lambda fold: [_dataset(expert, "expert", success=True, hold_out_fold=[fold, 2]),
+                                    _dataset(collected, "collected", hold_out_fold=[fold, 2])],
+                      WORK / f"plateau_value{tag}_fold", [_dataset(collected, "collected")], learned, "0.4",
+                      WORK / f"plateau_annotate{tag}.log")
         results.setdefault("diagnostics", {})[f"plateau_annotation{tag}"] = positive_rates(learned)
     positive = {"advantage": {"value": True, "dropout": 0.3}}
     by_key = {"advantage": {"key": "advantage_positive", "dropout": 0.3}}
@@ -544,19 +548,13 @@ def stage_headline(results: dict, steps: int, episodes: int, save, per_round: in
             seconds["collection"] += time.perf_counter() - started
         collected.append(rollouts)
         names = [f"round{i + 1}" for i in range(len(collected))]
-        folds = []
-        for fold in range(2):
-            out = base / f"value_fold{fold}"
-            folds.append(out)
-            seconds["value"] += _train_value([_dataset(expert, "expert", success=True)] + [
-                _dataset(root, name, hold_out_fold=[fold, 2]) for root, name in zip(collected, names)], out)
         annotated = base / "annotated"
-        if not annotated.exists():
-            seconds["annotate"] += _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value",
-                                         *map(str, folds), "--datasets",
-                                         json.dumps([_dataset(r, n) for r, n in zip(collected, names)]),
-                                         "--positive_fraction", "0.4", "--output", str(annotated)],
-                                        base / "annotate.log")
+        value, annotate = _cross_fitted(lambda fold, names=names: [_dataset(expert, "expert", success=True)] + [
+            _dataset(root, name, hold_out_fold=[fold, 2]) for root, name in zip(collected, names)],
+            base / "value_fold", [_dataset(r, n) for r, n in zip(collected, names)], annotated, "0.4",
+            base / "annotate.log")
+        seconds["value"] += sum(value)
+        seconds["annotate"] += annotate
         parts = [annotated] if len(collected) == 1 else [annotated / name for name in names]
         datasets = [_dataset(expert, "expert", advantage={"value": True, "dropout": 0.3})] + [
             _dataset(part, name, advantage={"key": "advantage_positive", "dropout": 0.3})
@@ -618,17 +616,11 @@ def stage_corrections(results: dict, steps: int, episodes: int, save, threshold:
                                policy=str(WORK / "start"), takeover_threshold=threshold, takeover_steps=4),
                env_kwargs=dict(PLATEAU), progress=True)
     executed = {"action_key": "executed_action"}
-    folds = []
-    for fold in range(2):
-        out = WORK / f"corrections{tag}_value_fold{fold}"
-        folds.append(out)
-        _train_value([_dataset(expert, "expert", success=True),
-                      _dataset(rollouts, "corrections", hold_out_fold=[fold, 2])], out)
     annotated = WORK / f"corrections{tag}_annotated"
-    if not annotated.exists():
-        _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
-              json.dumps([_dataset(rollouts, "corrections")]), "--positive_fraction", "0.4", "--output",
-              str(annotated)], WORK / f"corrections{tag}_annotate.log")
+    _cross_fitted(lambda fold: [_dataset(expert, "expert", success=True),
+                                _dataset(rollouts, "corrections", hold_out_fold=[fold, 2])],
+                  WORK / f"corrections{tag}_value_fold", [_dataset(rollouts, "corrections")], annotated, "0.4",
+                  WORK / f"corrections{tag}_annotate.log")
     import pandas as pd
     import pyarrow.parquet as pq
 
