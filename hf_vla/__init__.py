@@ -20,6 +20,7 @@ _PUBLIC = {
     "PI05ValueConfig": "hf_vla.models.value",
     "PI05ValueModel": "hf_vla.models.value",
     "RTCConfig": "hf_vla.models.pi05",
+    "SamplingConfig": "hf_vla.models.pi05",
     "resolve_pretrained": "hf_vla.hub.resolve",
 }
 __all__ = [*_PUBLIC, "__version__"]

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hf_vla.models.common.rtc_config import RTCConfig
+from hf_vla.models.common.sampling_config import SamplingConfig
 from hf_vla.serving.memory import ObservationMemory
 
 STATE_KEYS = ("observation/state", "observation.state", "state")
@@ -237,14 +238,20 @@ def sample_batch(model, requests: list[PreparedRequest], device) -> torch.Tensor
     rtc = dict(requests[0].rtc or {})
     if rtc:
         rtc["prev_chunk_left_over"] = rtc["prev_chunk_left_over"].to(device)
+    sampling = SamplingConfig(**rtc)
     if requests[0].decode_subtask:  # pi0.5's high-level inference: the subtask first, then the actions on it
         decoded = decode_subtasks(model, requests, inputs)
         if requests[0].reprompt is not None:  # factorised: a second prompt, the subtask in the task's place
             parts = [request.reprompt(*request.decoded) for request in requests]
             inputs = {key: torch.cat([part[key] for part in parts]).to(device) for key in parts[0]}
         else:  # joint: the actions follow the decoded tokens in the same cache
-            rtc["subtask"] = decoded
-    return model.sample_actions(**inputs, noise=noise, **rtc).float().cpu()
+            sampling.subtask = decoded
+    # the processor's per-row guidance (`cfg_beta`, where it added the unconditioned prompt) is a sampling option
+    if "cfg_beta" in inputs:
+        sampling.cfg_beta = inputs.pop("cfg_beta")
+    if model_input_keys(model) == STATE_INPUTS:  # transformers' pi0: no sampling options (RTC, guidance refused)
+        return model.sample_actions(**inputs, noise=noise).float().cpu()
+    return model.sample_actions(**inputs, noise=noise, sampling_config=sampling).float().cpu()
 
 
 @dataclass

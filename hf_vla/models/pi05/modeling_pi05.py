@@ -46,7 +46,8 @@ from transformers.models.pi0.modeling_pi0 import PI0TimestepEmbeddings
 from hf_vla.models.common.flow import sample_time
 from hf_vla.models.common.remote_code import SharedCodeMixin
 from hf_vla.models.common.rtc import euler_integrate
-from hf_vla.models.common.rtc_config import RTCConfig  # direct: a remote module gets only its direct relative imports
+from hf_vla.models.common.rtc_config import RTCConfig  # noqa: F401  (direct: a remote module gets only its direct relative imports)
+from hf_vla.models.common.sampling_config import SamplingConfig
 
 from .configuration_pi05 import PI05Config
 from .losses import chunked_token_losses
@@ -465,6 +466,12 @@ class PI05Model(PI05PreTrainedModel):
         return text.norm(hidden[:, 0])
 
 
+# `sample_actions`' model inputs besides the prompt's ids, the images and their masks (the processor's outputs); the
+# state is accepted for transformers' pi0 signature (pi0.5 reads it as tokens)
+SAMPLE_INPUTS = ("state", "uncond_input_ids", "uncond_attention_mask", "advantage_ids", "uncond_advantage_ids",
+                 "memory_state", "memory_mask", "subtask_ids", "subtask_mask")
+
+
 @dataclass
 class SubtaskDecode:
     """A decoded subtask: `ids` / `mask` `[B, S]` (the tokens and which are real: each row's tokens up to and with
@@ -753,23 +760,15 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         pixel_attention_mask: torch.BoolTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         noise: torch.FloatTensor | None = None,
-        num_steps: int | None = None,
-        state: torch.FloatTensor | None = None,
-        prev_chunk_left_over: torch.FloatTensor | None = None,
-        inference_delay: int = 0,
-        execution_horizon: int | None = None,
-        rtc_config: RTCConfig | None = None,
-        uncond_input_ids: torch.LongTensor | None = None,
-        uncond_attention_mask: torch.Tensor | None = None,
-        cfg_beta: torch.FloatTensor | float | None = None,
-        subtask: SubtaskDecode | str | None = None,
-        memory_state: torch.FloatTensor | None = None,
-        memory_mask: torch.BoolTensor | None = None,
-        advantage_ids: torch.LongTensor | None = None,
-        uncond_advantage_ids: torch.LongTensor | None = None,
+        sampling_config: SamplingConfig | None = None,
         **kwargs,
     ) -> torch.FloatTensor:
-        """Integrate the velocity from t=1 (noise) to t=0 with `num_inference_steps` Euler steps; prefix run once.
+        """Integrate the velocity from t=1 (noise) to t=0 with Euler steps; the prefix runs once.
+
+        How it samples is one `SamplingConfig` passed whole (steps, guidance, real-time chunking, the subtask mode),
+        as `generate` takes a `GenerationConfig`; any of its fields passed by name overrides it for this call
+        (`sample_actions(**inputs, num_steps=5)`). The other keyword arguments are model inputs, from the processor
+        (`SAMPLE_INPUTS`); an unknown name raises.
 
         Subtasks (`config.subtask_layout="joint"`): `subtask="auto"` decodes each row's subtask first
         (`generate_subtask`, the prompt ending in `Subtask: `) and acts on it; a `SubtaskDecode` from
@@ -777,7 +776,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         `PI05Processor(subtask=...)`) act on that text. Without, the prompt is acted on as it is.
 
         Classifier-free guidance (RECAP, pi*0.6): with `uncond_input_ids` / `uncond_attention_mask` (the prompt without
-        the advantage indicator; `PI05Processor` adds them where `cfg_beta` is not 1) the velocity is
+        the advantage indicator; `PI05Processor` adds them, and `cfg_beta`, where `cfg_beta` is not 1) the velocity is
         `v_u + cfg_beta * (v_c - v_u)`, both from one forward over the conditioned and unconditioned rows stacked (one
         prefix cache of 2B rows, one expert call per step).
 
@@ -794,14 +793,24 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         The embedding indicator (`config.advantage_indicator="embedding"`): `advantage_ids` as in `forward`; guidance's
         other half reads `uncond_advantage_ids` (none) with the same prompt, so the prefix is computed once.
         """
-        num_steps = num_steps or self.config.num_inference_steps
+        sampling, inputs = (sampling_config or SamplingConfig()).update(**kwargs)
+        unknown = sorted(set(inputs) - set(SAMPLE_INPUTS))
+        if unknown:
+            raise TypeError(f"sample_actions: unknown argument(s) {unknown}; its inputs are {sorted(SAMPLE_INPUTS)} "
+                            f"and its options (SamplingConfig) {list(SamplingConfig.names())}")
+        num_steps = sampling.num_steps or self.config.num_inference_steps
+        cfg_beta, subtask = sampling.cfg_beta, sampling.subtask
+        rtc = (sampling.prev_chunk_left_over, sampling.inference_delay, sampling.execution_horizon, sampling.rtc_config)
+        uncond_input_ids, uncond_attention_mask = inputs.get("uncond_input_ids"), inputs.get("uncond_attention_mask")
+        memory_state, memory_mask = inputs.get("memory_state"), inputs.get("memory_mask")
+        advantage_ids, uncond_advantage_ids = inputs.get("advantage_ids"), inputs.get("uncond_advantage_ids")
         batch_size, device = input_ids.shape[0], input_ids.device
         attention_mask, pixel_attention_mask = self._default_masks(
             input_ids, pixel_values, attention_mask, pixel_attention_mask
         )
         if noise is None:
             noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
-        subtask_ids, subtask_mask = kwargs.get("subtask_ids"), kwargs.get("subtask_mask")
+        subtask_ids, subtask_mask = inputs.get("subtask_ids"), inputs.get("subtask_mask")
         memory = {"memory_state": memory_state, "memory_mask": memory_mask}
         if subtask == "auto":
             subtask = self.generate_subtask(input_ids, pixel_values, pixel_attention_mask, attention_mask, **memory)
@@ -813,8 +822,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
                 raise ValueError("classifier-free guidance with a subtask is not supported: pass cfg_beta=1")
             memory["advantage_ids"] = (advantage_ids, uncond_advantage_ids)
             return self._sample_guided((input_ids, pixel_values, pixel_attention_mask, attention_mask, memory),
-                                       (uncond_input_ids, uncond_attention_mask), cfg_beta, noise, num_steps,
-                                       (prev_chunk_left_over, inference_delay, execution_horizon, rtc_config))
+                                       (uncond_input_ids, uncond_attention_mask), cfg_beta, noise, num_steps, rtc)
         if subtask is not None:
             cache, span_mask = subtask.cache, subtask.mask
         elif subtask_ids is not None:
@@ -831,8 +839,7 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
                         attention_mask=attention_mask, past_key_values=cache, memory_mask=memory_mask,
                         advantage_ids=advantage_ids, **span).logits
 
-        return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, prev_chunk_left_over,
-                               inference_delay, execution_horizon, rtc_config)
+        return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, *rtc)
 
     def _sample_guided(self, prefix: tuple, unconditioned_prompt: tuple, cfg_beta, noise, num_steps,
                        rtc: tuple) -> torch.FloatTensor:
@@ -888,4 +895,4 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
 PI05ForConditionalGeneration.register_for_auto_class("AutoModel")  # the auto_map of a saved checkpoint (trust_remote_code)
 
 __all__ = ["PI05PreTrainedModel", "PI05Model", "PI05ForConditionalGeneration", "PI05Output", "PI05ValueHead",
-           "SubtaskDecode"]
+           "SamplingConfig", "SubtaskDecode"]

@@ -477,6 +477,7 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
         cfg_beta: float | Sequence[float] | None = None,
         subtask: str | Sequence[str | None] | None = None,
         memory: dict | None = None,
+        sampling_config=None,
         **kwargs,
     ) -> BatchFeature:
         """Build model inputs for a batch: the one path for training (the collator) and inference.
@@ -504,7 +505,16 @@ class PI05Processor(SharedCodeMixin, DeploymentContractMixin, ProcessorMixin):
             start, ignored). None: every row is at its episode's start (no past). The outputs then carry
             `pixel_values` `[B, n_cams, T, 3, S, S]` (visual), `memory_state` `[B, T, max_state_dim]` (proprio) and
             `memory_mask` `[B, T]`, the current observation last.
+        sampling_config: the `SamplingConfig` the inputs will be sampled with (`sample_actions(sampling_config=...)`,
+            one object for both calls): its `cfg_beta` and `subtask="auto"` apply where `cfg_beta` / `subtask` are not
+            given here.
         """
+        if sampling_config is not None:
+            if cfg_beta is None and sampling_config.cfg_beta is not None:
+                beta = sampling_config.cfg_beta
+                cfg_beta = beta.tolist() if isinstance(beta, torch.Tensor) else beta
+            if subtask is None and isinstance(sampling_config.subtask, str):  # "auto" (a SubtaskDecode is the model's)
+                subtask = sampling_config.subtask
         if text is None:
             raise ValueError("PI05Processor needs the task text.")
         texts = [text] if isinstance(text, str) else list(text)
