@@ -116,3 +116,42 @@ def test_one_object_for_the_processor_and_the_model(tiny_tokenizer):
                                         noise=noise.clone(), num_steps=4, cfg_beta=1.0)
     torch.testing.assert_close(chunk, named, atol=0, rtol=0)
     assert (chunk - unguided).abs().max() > 1e-5  # the object's beta reached the sampler
+
+
+@pytest.mark.parametrize("case", ["plain", "guided", "rtc"])
+def test_candidates_share_one_prefix_and_each_is_the_single_sample_of_its_noise(model, case, monkeypatch):
+    """Best-of-N's candidates: `num_candidates` N returns `[B, N, T, d]`, candidate j of a row equal to one sample of
+    that row with candidate j's noise (plain, guided towards "positive", continuing a chunk per row), from one prefix
+    computation per call."""
+    config, n = model.config, 3
+    inputs = _inputs(config)
+    options = {"num_steps": 4}
+    if case == "guided":
+        inputs |= {"advantage_ids": torch.full((2,), 2), "uncond_input_ids": inputs["input_ids"],
+                   "uncond_attention_mask": inputs["attention_mask"]}
+        options["cfg_beta"] = torch.tensor([2.0, 0.5])
+    if case == "rtc":
+        options |= {"prev_chunk_left_over": torch.randn(2, config.chunk_size - 2, config.max_action_dim,
+                                                        generator=torch.Generator().manual_seed(3)),
+                    "inference_delay": 2, "rtc_config": RTCConfig(method="guidance")}
+    noise = torch.randn(2, n, config.chunk_size, config.max_action_dim, generator=torch.Generator().manual_seed(4))
+    calls = []
+    original = model.prefix_cache
+    monkeypatch.setattr(model, "prefix_cache", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with torch.no_grad():
+        chunks = model.sample_actions(**inputs, noise=noise.clone(), num_candidates=n, **options)
+        assert len(calls) == 1 and chunks.shape == noise.shape
+        for j in range(n):
+            alone = model.sample_actions(**inputs, noise=noise[:, j].clone(), **options)
+            torch.testing.assert_close(chunks[:, j], alone, atol=1e-5, rtol=1e-5)
+    assert (chunks[:, 0] - chunks[:, 1]).abs().max() > 1e-3  # different noise, different candidates
+
+
+def test_candidates_refuse_a_noise_of_the_wrong_shape(model):
+    config = model.config
+    inputs = _inputs(config)
+    with pytest.raises(ValueError, match=r"noise of shape \(2, 5, 6\); \(2, 3, 5, 6\) expected \(rows, candidates"):
+        model.sample_actions(**inputs, noise=torch.zeros(2, config.chunk_size, config.max_action_dim),
+                             num_candidates=3)
+    with pytest.raises(ValueError, match="num_candidates=0"):
+        SamplingConfig(num_candidates=0)

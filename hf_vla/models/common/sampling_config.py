@@ -29,6 +29,9 @@ class SamplingConfig:
         `[T, d]`, normalised): with it the new chunk continues it (real-time chunking).
     inference_delay: actions of `prev_chunk_left_over` that execute while this call runs (held or guided to equal it).
     execution_horizon: actions blended with the previous chunk; None: `rtc_config.execution_horizon`.
+    num_candidates: chunks drawn per observation (best-of-N): the prefix (and its cache) is computed once per
+        observation and the expert's denoising runs for every candidate in one batch; 1 returns `[B, T, d]`, N > 1
+        `[B, N, T, d]` (noise, when given, `[B, N, T, d]` too).
     """
 
     num_steps: int | None = None
@@ -38,6 +41,7 @@ class SamplingConfig:
     prev_chunk_left_over: Any = None
     inference_delay: int = 0
     execution_horizon: int | None = None
+    num_candidates: int = 1
 
     def __post_init__(self):
         self.validate()
@@ -50,6 +54,9 @@ class SamplingConfig:
         if isinstance(self.inference_delay, bool) or int(self.inference_delay) != self.inference_delay \
                 or self.inference_delay < 0:
             raise ValueError(f"SamplingConfig.inference_delay={self.inference_delay!r}: a whole number of actions >= 0")
+        if isinstance(self.num_candidates, bool) or int(self.num_candidates) != self.num_candidates \
+                or self.num_candidates < 1:
+            raise ValueError(f"SamplingConfig.num_candidates={self.num_candidates!r}: a whole number of chunks >= 1")
         if self.execution_horizon is not None and self.execution_horizon < 0:
             raise ValueError(f"SamplingConfig.execution_horizon={self.execution_horizon!r}: >= 0 actions, or None")
         if self.subtask is not None and isinstance(self.subtask, str) and self.subtask != "auto":

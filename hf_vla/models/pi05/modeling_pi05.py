@@ -466,6 +466,23 @@ class PI05Model(PI05PreTrainedModel):
         return text.norm(hidden[:, 0])
 
 
+def repeat_rows(rows: torch.Tensor | None, times: int, halves: int = 1) -> torch.Tensor | None:
+    """Each row repeated `times` times in place (`[r0, r0, r1, r1, ...]`), within each of `halves` equal blocks of
+    rows (guidance's conditioned and unconditioned halves stay apart)."""
+    if rows is None or times == 1:
+        return rows
+    return torch.cat([block.repeat_interleave(times, dim=0) for block in rows.chunk(halves)])
+
+
+def repeat_cache(cache: DynamicCache, times: int, halves: int = 1) -> DynamicCache:
+    """A prefix cache whose rows are repeated as `repeat_rows` repeats them: the prefix of N candidates computed
+    once."""
+    repeated = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        repeated.update(repeat_rows(layer.keys, times, halves), repeat_rows(layer.values, times, halves), index)
+    return repeated
+
+
 # `sample_actions`' model inputs besides the prompt's ids, the images and their masks (the processor's outputs); the
 # state is accepted for transformers' pi0 signature (pi0.5 reads it as tokens)
 SAMPLE_INPUTS = ("state", "uncond_input_ids", "uncond_attention_mask", "advantage_ids", "uncond_advantage_ids",
@@ -808,8 +825,17 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         attention_mask, pixel_attention_mask = self._default_masks(
             input_ids, pixel_values, attention_mask, pixel_attention_mask
         )
+        candidates = int(sampling.num_candidates)
+        shape = (batch_size, *((candidates,) if candidates > 1 else ()), self.config.chunk_size,
+                 self.config.max_action_dim)
         if noise is None:
-            noise = torch.randn(batch_size, self.config.chunk_size, self.config.max_action_dim, device=device)
+            noise = torch.randn(shape, device=device)
+        elif tuple(noise.shape) != shape:
+            raise ValueError(f"noise of shape {tuple(noise.shape)}; {shape} expected (rows"
+                             + (", candidates" if candidates > 1 else "") + ", chunk, max_action_dim)")
+        noise = noise.reshape(batch_size * candidates, *shape[-2:])  # candidates of a row are adjacent rows
+        if candidates > 1 and rtc[0] is not None and rtc[0].ndim == 3:  # each candidate continues its row's chunk
+            rtc = (rtc[0].repeat_interleave(candidates, dim=0), *rtc[1:])
         subtask_ids, subtask_mask = inputs.get("subtask_ids"), inputs.get("subtask_mask")
         memory = {"memory_state": memory_state, "memory_mask": memory_mask}
         if subtask == "auto":
@@ -821,8 +847,10 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             if subtask is not None or subtask_ids is not None:
                 raise ValueError("classifier-free guidance with a subtask is not supported: pass cfg_beta=1")
             memory["advantage_ids"] = (advantage_ids, uncond_advantage_ids)
-            return self._sample_guided((input_ids, pixel_values, pixel_attention_mask, attention_mask, memory),
-                                       (uncond_input_ids, uncond_attention_mask), cfg_beta, noise, num_steps, rtc)
+            chunks = self._sample_guided((input_ids, pixel_values, pixel_attention_mask, attention_mask, memory),
+                                         (uncond_input_ids, uncond_attention_mask), cfg_beta, noise, num_steps, rtc,
+                                         candidates)
+            return chunks if candidates == 1 else chunks.view(shape)
         if subtask is not None:
             cache, span_mask = subtask.cache, subtask.mask
         elif subtask_ids is not None:
@@ -832,6 +860,11 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
         else:
             cache = self.prefix_cache(input_ids, pixel_values, pixel_attention_mask, attention_mask, memory=memory)
             span_mask = None
+        if candidates > 1:  # the prefix once per observation; its keys / values and masks repeated per candidate
+            cache = repeat_cache(cache, candidates)
+            input_ids, pixel_attention_mask, attention_mask, memory_mask, advantage_ids, span_mask = (
+                repeat_rows(x, candidates) for x in (input_ids, pixel_attention_mask, attention_mask, memory_mask,
+                                                     advantage_ids, span_mask))
         span = {} if span_mask is None or not span_mask.shape[1] else {"subtask_mask": span_mask}
 
         def velocity(x, timestep):
@@ -839,13 +872,15 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
                         attention_mask=attention_mask, past_key_values=cache, memory_mask=memory_mask,
                         advantage_ids=advantage_ids, **span).logits
 
-        return euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, *rtc)
+        chunks = euler_integrate(velocity, noise.float(), num_steps, self.config.rtc_max_delay, *rtc)
+        return chunks if candidates == 1 else chunks.view(shape)
 
     def _sample_guided(self, prefix: tuple, unconditioned_prompt: tuple, cfg_beta, noise, num_steps,
-                       rtc: tuple) -> torch.FloatTensor:
+                       rtc: tuple, candidates: int = 1) -> torch.FloatTensor:
         """`sample_actions` with classifier-free guidance: rows [0, B) conditioned on `prefix` (input_ids,
         pixel_values, pixel_attention_mask, attention_mask), [B, 2B) on `unconditioned_prompt` (its input_ids and
-        attention_mask, the same images)."""
+        attention_mask, the same images); with `candidates` > 1, each half's rows repeated per candidate after the
+        prefix (`noise` `[B * candidates, T, d]`, every candidate guided)."""
         input_ids, pixel_values, pixel_attention_mask, attention_mask, memory = prefix
         memory = dict(memory)
         advantage_ids, uncond_advantage_ids = memory.pop("advantage_ids", (None, None))
@@ -880,6 +915,12 @@ class PI05ForConditionalGeneration(PI05PreTrainedModel):
             cache = self.prefix_cache(both_ids, both_pixels, both_cameras, both_mask, memory=both_memory)
         beta = torch.as_tensor(1.0 if cfg_beta is None else cfg_beta, dtype=torch.float32, device=noise.device)
         beta = beta.expand(batch_size) if beta.ndim == 0 else beta
+        if candidates > 1:  # after the prefix: each half's rows repeated per candidate
+            cache = repeat_cache(cache, candidates, halves=2)
+            both_ids, both_mask, both_cameras, both_advantages = (
+                repeat_rows(x, candidates, halves=2) for x in (both_ids, both_mask, both_cameras, both_advantages))
+            both_memory = {key: repeat_rows(value, candidates, halves=2) for key, value in both_memory.items()}
+            beta, batch_size = beta.repeat_interleave(candidates), batch_size * candidates
         beta = beta.view(batch_size, *([1] * (noise.ndim - 1)))
 
         def velocity(x, timestep):
