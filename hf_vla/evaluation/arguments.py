@@ -70,6 +70,10 @@ class EvaluateArguments:
         "throughout (in-process)"})
     subtask_every: int | None = field(default=None, metadata={"min": 1, "help": "with --subtask auto: chunks between "
                                       "decodes (default: the checkpoint's contract, 1)"})
+    best_of: int = field(default=1, metadata={"min": 1, "help": "best-of-N: candidate chunks drawn per observation "
+                         "from one prefix, one chosen by --selector (in-process; 1: one sample)"})
+    selector: str = field(default="medoid", metadata={"choices": ["medoid", "first"], "help": "with --best_of: "
+                          "medoid (the candidate closest to all the others) or first"})
     save_videos: int = field(default=3, metadata={"min": 0, "help": "rollouts saved as animated GIFs per task"})
     output_dir: str | None = field(default=None, metadata={"help": "where eval_result.json and the GIFs go"})
     device: str = field(default=DEFAULT_DEVICE, metadata={"help": "where the policy runs (in-process): cpu, "
@@ -83,6 +87,12 @@ class EvaluateArguments:
         if self.cfg_beta is not None and self.server is not None:
             raise ConfigError("--cfg_beta: an in-process setting; a server's policy is guided by the server "
                               "(serve --cfg_beta, or each request's cfg_beta)")
+        if self.best_of != 1 and self.server is not None:
+            raise ConfigError("--best_of: an in-process setting; a server samples as it was started")
+        from hf_vla.serving.selection import MAX_BEST_OF
+
+        if self.best_of > MAX_BEST_OF:
+            raise ConfigError(f"--best_of {self.best_of}: at most {MAX_BEST_OF} candidate chunks per observation")
         if (self.subtask is not None or self.subtask_every is not None) and self.server is not None:
             raise ConfigError("--subtask / --subtask_every: in-process settings; a server decides (serve's default, "
                               "or each request's subtask)")

@@ -161,7 +161,7 @@ def _local_policy(plan: EvaluationPlan, args: EvaluateArguments, rtc_config: RTC
                          seed=int(settings["seed"].value), rtc=rtc_config or RTCConfig(),
                          obs_map=ObservationMap(cameras=settings["cameras"].value or None),
                          num_camera_slots=len(spec["cameras"]) if spec else None, cfg_beta=args.cfg_beta,
-                         subtask_every=args.subtask_every, **subtask)
+                         subtask_every=args.subtask_every, best_of=args.best_of, selector=args.selector, **subtask)
     if policy.subtask is not None and not getattr(policy.model.config, "subtask_layout", None):
         raise ConfigError(f"--subtask {args.subtask}: this checkpoint was not trained with subtasks")
     check_cfg_beta("--cfg_beta", args.cfg_beta, policy)

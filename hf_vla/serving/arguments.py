@@ -75,6 +75,11 @@ class ServeArguments:
                                    "checkpoint's, 1: plain conditioning); a request may send its own `cfg_beta`"})
     max_cfg_beta: float = field(default=3.0, metadata={"group": LIMITS, "help": "largest `cfg_beta` a request may "
                                 "ask for"})
+    best_of: int = field(default=1, metadata={"min": 1, "help": "best-of-N: candidate chunks drawn per observation "
+                         "from one prefix, one chosen by --selector; the reply carries best_of/index and "
+                         "best_of/spread (1: one sample)"})
+    selector: str = field(default="medoid", metadata={"choices": ["medoid", "first"], "help": "with --best_of: "
+                          "medoid (the candidate closest to all the others) or first"})
     max_message_mb: float | None = field(default=None, metadata={
         "group": LIMITS, "help": "largest request read, in MiB (default: every camera at 1920x1080 float32 + "
         "1, e.g. 73 for 3 cameras)"})
@@ -107,6 +112,10 @@ class ServeArguments:
         self.checkpoint = model_source("--checkpoint", self.checkpoint)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be 0..65535")
+        from hf_vla.serving.selection import MAX_BEST_OF
+
+        if self.best_of > MAX_BEST_OF:
+            raise ConfigError(f"--best_of {self.best_of}: at most {MAX_BEST_OF} candidate chunks per observation")
         for name in ("max_message_mb", "max_image_side", "max_state_range", "num_camera_slots", "max_batch",
                      "max_connections"):
             value = getattr(self, name)

@@ -72,6 +72,7 @@ def _serve(args, rtc, obs_map, contract, slots, record_lock):
 
     runner = load_policy(args.checkpoint, device=resolve_device(args.device), revision=args.revision, obs_map=obs_map, seed=args.seed,
                          rtc=rtc.rtc_config(), num_camera_slots=slots, cfg_beta=args.cfg_beta,
+                         best_of=args.best_of, selector=args.selector,
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
     _check_guidance(runner, args.cfg_beta, args.max_cfg_beta)
     heads = runner.processor.head_names

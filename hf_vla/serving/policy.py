@@ -15,6 +15,7 @@ import torch
 from hf_vla.models.common.rtc_config import RTCConfig
 from hf_vla.models.common.sampling_config import SamplingConfig
 from hf_vla.serving.memory import ObservationMemory
+from hf_vla.serving.selection import Selection, check_best_of, select_chunk
 
 STATE_KEYS = ("observation/state", "observation.state", "state")
 
@@ -205,11 +206,17 @@ class PreparedRequest:
     # the factorised layout: (ids, mask) of the decoded subtask -> the inputs of the prompt with it in the task's place
     reprompt: Callable | None = None
 
+    @property
+    def candidates(self) -> int:
+        """Chunks drawn for this observation (best-of-N: its noise `[rows, N, T, d]`)."""
+        return self.noise.shape[1] if self.noise.ndim == 4 else 1
+
     def batch_key(self):
         """Requests with equal keys can share one forward; one that continues a chunk (RTC) runs alone."""
         if self.rtc is not None:
             return None
-        return (self.decode_subtask,) + tuple((key, tuple(self.inputs[key].shape[1:])) for key in sorted(self.inputs))
+        return (self.decode_subtask, self.candidates) + tuple((key, tuple(self.inputs[key].shape[1:]))
+                                                              for key in sorted(self.inputs))
 
 
 def batch_requests(requests: list[PreparedRequest], device) -> tuple[dict, torch.Tensor]:
@@ -238,7 +245,7 @@ def sample_batch(model, requests: list[PreparedRequest], device) -> torch.Tensor
     rtc = dict(requests[0].rtc or {})
     if rtc:
         rtc["prev_chunk_left_over"] = rtc["prev_chunk_left_over"].to(device)
-    sampling = SamplingConfig(**rtc)
+    sampling = SamplingConfig(**rtc, num_candidates=requests[0].candidates)
     if requests[0].decode_subtask:  # pi0.5's high-level inference: the subtask first, then the actions on it
         decoded = decode_subtasks(model, requests, inputs)
         if requests[0].reprompt is not None:  # factorised: a second prompt, the subtask in the task's place
@@ -249,7 +256,7 @@ def sample_batch(model, requests: list[PreparedRequest], device) -> torch.Tensor
     # the processor's per-row guidance (`cfg_beta`, where it added the unconditioned prompt) is a sampling option
     if "cfg_beta" in inputs:
         sampling.cfg_beta = inputs.pop("cfg_beta")
-    if model_input_keys(model) == STATE_INPUTS:  # transformers' pi0: no sampling options (RTC, guidance refused)
+    if model_input_keys(model) == STATE_INPUTS:  # transformers' pi0: no sampling options (RTC, guidance, N refused)
         return model.sample_actions(**inputs, noise=noise).float().cpu()
     return model.sample_actions(**inputs, noise=noise, sampling_config=sampling).float().cpu()
 
@@ -284,6 +291,10 @@ class PolicyRunner:
     # MEM policies: the stride of their past observations in this robot's control steps, when its rate is not the
     # dataset's (None: the checkpoint's `memory_stride`, in dataset frames; `hf_vla.deployment.contract.memory_stride`)
     memory_stride: int | None = None
+    # best-of-N: candidate chunks drawn per observation from one prefix, one chosen by `selector`
+    # (`hf_vla.serving.selection`: "medoid" or "first"); 1: one sample
+    best_of: int = 1
+    selector: str = "medoid"
 
     def __post_init__(self):
         self.model = self.model.eval().to(self.device)
@@ -291,6 +302,11 @@ class PolicyRunner:
         self.last_chunk: torch.Tensor | None = None  # [chunk, max_action_dim], normalised
         self.last_state: np.ndarray | None = None  # the raw state last_chunk's relative actions are offsets from
         self.last_rtc_method: str | None = None  # how the last chunk continued the previous one (None: it did not)
+        check_best_of(self.best_of, self.selector)
+        if self.best_of > 1 and model_input_keys(self.model) == STATE_INPUTS:
+            raise ValueError("best_of: candidate chunks from one prefix need a pi0.5 policy; transformers' pi0 "
+                             "samples one chunk per call")
+        self.last_selection: Selection | None = None  # the last chunk's best-of-N choice (None: one sample)
         contract = (getattr(self.processor, "deployment", None) or {}).get("subtask") or {}
         if self.subtask == "contract":
             self.subtask = "auto" if getattr(self.model.config, "subtask_layout", None) else None
@@ -462,6 +478,10 @@ class PolicyRunner:
         """The sampled chunk `[chunk, max_action_dim]` (normalised) of a prepared request -> un-normalised actions
         (a relative head's with the request's state added back); keeps it for the next call's real-time chunking."""
         self.last_rtc_method = request.rtc["rtc_config"].method if request.rtc else None
+        self.last_selection = None
+        if chunk.ndim == 3:  # best-of-N: `[N, T, d]` candidates, one chosen
+            dims = stat_dims(self.processor.norm_stats[request.head]["actions"])
+            chunk, self.last_selection = select_chunk(chunk, self.selector, dims)
         if request.rtc is not None:
             leftover = request.rtc["prev_chunk_left_over"][0]
             spliced = min(request.rtc["inference_delay"], len(leftover))
@@ -564,7 +584,9 @@ class PolicyRunner:
         """The model inputs of a batch (`_model_inputs`) and its noise, drawn from this runner's generator."""
         inputs = self._model_inputs(rows, head, cfg_beta, subtask)
         config = self.model.config
-        noise = torch.randn(len(rows["tasks"]), config.chunk_size, config.max_action_dim, generator=self.generator)
+        candidates = (self.best_of,) if self.best_of > 1 else ()
+        noise = torch.randn(len(rows["tasks"]), *candidates, config.chunk_size, config.max_action_dim,
+                            generator=self.generator)
         return inputs, noise
 
     def _model_inputs(self, rows: dict, head, cfg_beta=None, subtask: str | None = None) -> dict:
@@ -594,6 +616,9 @@ class PolicyRunner:
         inputs, noise = self._inputs({"images": images, "states": states, "tasks": tasks, "camera_mask": camera_mask},
                                      self.head_name())
         chunk = sample_batch(self.model, [PreparedRequest(inputs, noise, self.head_name())], self.device)
+        if chunk.ndim == 4:  # best-of-N: one chosen per row
+            dims = stat_dims(self.processor.norm_stats[self.head_name()]["actions"])
+            chunk = torch.stack([select_chunk(row, self.selector, dims)[0] for row in chunk])
         return self._actions(chunk, self.head_name(), states).numpy()
 
 
@@ -611,7 +636,10 @@ def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | Non
     except (OSError, ValueError) as error:  # a missing directory or Hub repo, offline, a config without a model type
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"checkpoint {str(checkpoint)!r} could not be loaded: {first}") from error
-    return PolicyRunner(model.requires_grad_(False), processor, device=device, **kwargs)  # for inference only
+    try:
+        return PolicyRunner(model.requires_grad_(False), processor, device=device, **kwargs)  # for inference only
+    except ValueError as error:  # a setting this policy cannot run with (best_of for pi0, subtask_every < 1)
+        raise ConfigError(f"checkpoint {str(checkpoint)!r}: {error}") from error
 
 
 def check_cfg_beta(flag: str, cfg_beta: float | None, runner: PolicyRunner | None = None, *,

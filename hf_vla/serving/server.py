@@ -159,6 +159,8 @@ class PolicyServer:
         reply = {"actions": actions.astype(np.float32), "policy_timing": {"infer_ms": elapsed_ms}}
         if runner.last_rtc_method is not None:  # the chunk continued the previous one: "guidance" or "prefix"
             reply["rtc/method"] = runner.last_rtc_method
+        if runner.last_selection is not None:  # best-of-N: the chosen candidate and the candidates' spread
+            reply |= runner.last_selection.record()
         if runner.last_subtask is not None:  # the subtask this chunk acted on (decoded, or the request's)
             reply["subtask"] = runner.last_subtask
         if self.recorder is not None:
