@@ -166,7 +166,9 @@ def pi0_velocity_fn(model, core, inputs: dict, state: dict):
             state["cache"] = out.past_key_values
         else:
             out = core(past_key_values=state["cache"], **common)
-        state["cache"].crop(prefix)
+        appended = state["cache"].get_seq_length() - prefix
+        if appended > 0:  # a negative length removes tokens in every transformers (from 5.16 a positive one raises)
+            state["cache"].crop(-appended)
         return out.logits
 
     velocity.state = state
