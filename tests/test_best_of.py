@@ -95,7 +95,7 @@ def test_best_of_settings_are_recorded_and_refused_in_one_line(tmp_path, policy)
                                              output_dir=str(tmp_path / "out")))
     assert plan.record()["best_of"] == {"value": {"candidates": 8, "selector": "medoid"}, "source": "flag"}
     assert "best_of" not in plan_evaluation(EvaluateArguments(checkpoint=str(checkpoint), episodes=1)).record()
-    for kwargs, message in [({"best_of": 65}, "--best_of 65: at most 64"),
+    for kwargs, message in [({"best_of": 65}, "--best_of 65: 1 to 64"), ({"best_of": 0}, "--best_of 0: 1 to 64"),
                             ({"best_of": 2, "server": "ws://127.0.0.1:1"}, "--best_of: an in-process setting")]:
         with pytest.raises(ConfigError, match=message):
             EvaluateArguments(checkpoint=str(checkpoint), episodes=1, **kwargs)

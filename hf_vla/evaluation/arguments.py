@@ -91,8 +91,8 @@ class EvaluateArguments:
             raise ConfigError("--best_of: an in-process setting; a server samples as it was started")
         from hf_vla.serving.selection import MAX_BEST_OF
 
-        if self.best_of > MAX_BEST_OF:
-            raise ConfigError(f"--best_of {self.best_of}: at most {MAX_BEST_OF} candidate chunks per observation")
+        if isinstance(self.best_of, bool) or not isinstance(self.best_of, int) or not 1 <= self.best_of <= MAX_BEST_OF:
+            raise ConfigError(f"--best_of {self.best_of}: 1 to {MAX_BEST_OF} candidate chunks per observation")
         if (self.subtask is not None or self.subtask_every is not None) and self.server is not None:
             raise ConfigError("--subtask / --subtask_every: in-process settings; a server decides (serve's default, "
                               "or each request's subtask)")

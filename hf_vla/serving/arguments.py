@@ -114,8 +114,8 @@ class ServeArguments:
             raise ConfigError(f"--port {self.port}: must be 0..65535")
         from hf_vla.serving.selection import MAX_BEST_OF
 
-        if self.best_of > MAX_BEST_OF:
-            raise ConfigError(f"--best_of {self.best_of}: at most {MAX_BEST_OF} candidate chunks per observation")
+        if isinstance(self.best_of, bool) or not isinstance(self.best_of, int) or not 1 <= self.best_of <= MAX_BEST_OF:
+            raise ConfigError(f"--best_of {self.best_of}: 1 to {MAX_BEST_OF} candidate chunks per observation")
         for name in ("max_message_mb", "max_image_side", "max_state_range", "num_camera_slots", "max_batch",
                      "max_connections"):
             value = getattr(self, name)
