@@ -12,6 +12,7 @@ from hf_vla.envs.settings import DEFAULT_ENV, DEFAULT_SEED, MAX_ENVS_AT_ONCE, OV
 from hf_vla.errors import ConfigError
 from hf_vla.evaluation.envs import check_cameras, check_env, env_camera_keys
 from hf_vla.serving.arguments import DEFAULT_DEVICE
+from hf_vla.serving.selection import SELECTORS, check_best_of_flag
 
 CONTRACT = ("settings the checkpoint's deployment contract (deployment_config.json) provides; a flag that contradicts "
             "it is refused unless --override names it")
@@ -72,7 +73,7 @@ class EvaluateArguments:
                                       "decodes (default: the checkpoint's contract, 1)"})
     best_of: int = field(default=1, metadata={"min": 1, "help": "best-of-N: candidate chunks drawn per observation "
                          "from one prefix, one chosen by --selector (in-process; 1: one sample)"})
-    selector: str = field(default="medoid", metadata={"choices": ["medoid", "first"], "help": "with --best_of: "
+    selector: str = field(default="medoid", metadata={"choices": list(SELECTORS), "help": "with --best_of: "
                           "medoid (the candidate closest to all the others) or first"})
     save_videos: int = field(default=3, metadata={"min": 0, "help": "rollouts saved as animated GIFs per task"})
     output_dir: str | None = field(default=None, metadata={"help": "where eval_result.json and the GIFs go"})
@@ -89,10 +90,7 @@ class EvaluateArguments:
                               "(serve --cfg_beta, or each request's cfg_beta)")
         if self.best_of != 1 and self.server is not None:
             raise ConfigError("--best_of: an in-process setting; a server samples as it was started")
-        from hf_vla.serving.selection import MAX_BEST_OF
-
-        if isinstance(self.best_of, bool) or not isinstance(self.best_of, int) or not 1 <= self.best_of <= MAX_BEST_OF:
-            raise ConfigError(f"--best_of {self.best_of}: 1 to {MAX_BEST_OF} candidate chunks per observation")
+        check_best_of_flag(self.best_of)
         if (self.subtask is not None or self.subtask_every is not None) and self.server is not None:
             raise ConfigError("--subtask / --subtask_every: in-process settings; a server decides (serve's default, "
                               "or each request's subtask)")

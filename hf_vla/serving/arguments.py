@@ -11,6 +11,7 @@ from hf_vla.cli import model_source
 from hf_vla.errors import ConfigError
 from hf_vla.models.common.rtc_config import METHODS, SCHEDULES, RTCConfig
 from hf_vla.serving.limits import API_KEY_ENV, CONNECTION_MEMORY_FACTOR, MAX_CONNECTIONS_CAP
+from hf_vla.serving.selection import SELECTORS, check_best_of_flag
 
 DEFAULT_DEVICE = "auto"  # cuda where torch sees one, else cpu (`hf_vla.cli.resolve_device`, once the options parse)
 RTC_GROUP = "real-time chunking (RTC)"
@@ -78,7 +79,7 @@ class ServeArguments:
     best_of: int = field(default=1, metadata={"min": 1, "help": "best-of-N: candidate chunks drawn per observation "
                          "from one prefix, one chosen by --selector; the reply carries best_of/index and "
                          "best_of/spread (1: one sample)"})
-    selector: str = field(default="medoid", metadata={"choices": ["medoid", "first"], "help": "with --best_of: "
+    selector: str = field(default="medoid", metadata={"choices": list(SELECTORS), "help": "with --best_of: "
                           "medoid (the candidate closest to all the others) or first"})
     max_message_mb: float | None = field(default=None, metadata={
         "group": LIMITS, "help": "largest request read, in MiB (default: every camera at 1920x1080 float32 + "
@@ -112,10 +113,7 @@ class ServeArguments:
         self.checkpoint = model_source("--checkpoint", self.checkpoint)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be 0..65535")
-        from hf_vla.serving.selection import MAX_BEST_OF
-
-        if isinstance(self.best_of, bool) or not isinstance(self.best_of, int) or not 1 <= self.best_of <= MAX_BEST_OF:
-            raise ConfigError(f"--best_of {self.best_of}: 1 to {MAX_BEST_OF} candidate chunks per observation")
+        check_best_of_flag(self.best_of)
         for name in ("max_message_mb", "max_image_side", "max_state_range", "num_camera_slots", "max_batch",
                      "max_connections"):
             value = getattr(self, name)

@@ -480,8 +480,7 @@ class PolicyRunner:
         self.last_rtc_method = request.rtc["rtc_config"].method if request.rtc else None
         self.last_selection = None
         if chunk.ndim == 3:  # best-of-N: `[N, T, d]` candidates, one chosen
-            dims = stat_dims(self.processor.norm_stats[request.head]["actions"])
-            chunk, self.last_selection = select_chunk(chunk, self.selector, dims)
+            chunk, self.last_selection = self._select(chunk, request.head)
         if request.rtc is not None:
             leftover = request.rtc["prev_chunk_left_over"][0]
             spliced = min(request.rtc["inference_delay"], len(leftover))
@@ -493,6 +492,10 @@ class PolicyRunner:
         self._subtask_age += 1
         self.last_subtask = request.subtask
         return self._actions(chunk, request.head, request.state).numpy()
+
+    def _select(self, candidates: torch.Tensor, head: str) -> tuple[torch.Tensor, Selection]:
+        """One of an observation's candidate chunks `[N, T, d]` by `selector`, over the head's own action dims."""
+        return select_chunk(candidates, self.selector, stat_dims(self.processor.norm_stats[head]["actions"]))
 
     def _actions(self, chunk: torch.Tensor, head: str, state) -> torch.Tensor:
         """Normalised chunk(s) -> robot units; `state` (raw, `[rows, d]`) is added back where the head is relative."""
@@ -617,8 +620,7 @@ class PolicyRunner:
                                      self.head_name())
         chunk = sample_batch(self.model, [PreparedRequest(inputs, noise, self.head_name())], self.device)
         if chunk.ndim == 4:  # best-of-N: one chosen per row
-            dims = stat_dims(self.processor.norm_stats[self.head_name()]["actions"])
-            chunk = torch.stack([select_chunk(row, self.selector, dims)[0] for row in chunk])
+            chunk = torch.stack([self._select(row, self.head_name())[0] for row in chunk])
         return self._actions(chunk, self.head_name(), states).numpy()
 
 

@@ -46,17 +46,17 @@ class SamplingConfig:
     def __post_init__(self):
         self.validate()
 
+    def _whole(self, name: str, minimum: int, what: str) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or int(value) != value or value < minimum:
+            raise ValueError(f"SamplingConfig.{name}={value!r}: a whole number of {what} >= {minimum}")
+
     def validate(self) -> None:
         """One line naming the field and its value for an option that cannot be sampled with."""
-        if self.num_steps is not None and (isinstance(self.num_steps, bool) or int(self.num_steps) != self.num_steps
-                                           or self.num_steps < 1):
-            raise ValueError(f"SamplingConfig.num_steps={self.num_steps!r}: a whole number of Euler steps >= 1")
-        if isinstance(self.inference_delay, bool) or int(self.inference_delay) != self.inference_delay \
-                or self.inference_delay < 0:
-            raise ValueError(f"SamplingConfig.inference_delay={self.inference_delay!r}: a whole number of actions >= 0")
-        if isinstance(self.num_candidates, bool) or int(self.num_candidates) != self.num_candidates \
-                or self.num_candidates < 1:
-            raise ValueError(f"SamplingConfig.num_candidates={self.num_candidates!r}: a whole number of chunks >= 1")
+        if self.num_steps is not None:
+            self._whole("num_steps", 1, "Euler steps")
+        self._whole("inference_delay", 0, "actions")
+        self._whole("num_candidates", 1, "chunks")
         if self.execution_horizon is not None and self.execution_horizon < 0:
             raise ValueError(f"SamplingConfig.execution_horizon={self.execution_horizon!r}: >= 0 actions, or None")
         if self.subtask is not None and isinstance(self.subtask, str) and self.subtask != "auto":
@@ -81,10 +81,6 @@ class SamplingConfig:
             setattr(updated, key, value)
         updated.validate()
         return updated, kwargs
-
-    def to_dict(self) -> dict:
-        """The options as plain values (tensors and a `SubtaskDecode` as they are)."""
-        return {name: getattr(self, name) for name in self.names()}
 
 
 __all__ = ["SamplingConfig"]
