@@ -12,7 +12,7 @@ from hf_vla.envs.settings import DEFAULT_ENV, DEFAULT_SEED, MAX_ENVS_AT_ONCE, OV
 from hf_vla.errors import ConfigError
 from hf_vla.evaluation.envs import check_cameras, check_env, env_camera_keys
 from hf_vla.serving.arguments import DEFAULT_DEVICE
-from hf_vla.serving.selection import SELECTORS, check_best_of_flag
+from hf_vla.serving.selection import SELECTORS, check_selection_flags
 
 CONTRACT = ("settings the checkpoint's deployment contract (deployment_config.json) provides; a flag that contradicts "
             "it is refused unless --override names it")
@@ -73,8 +73,11 @@ class EvaluateArguments:
                                       "decodes (default: the checkpoint's contract, 1)"})
     best_of: int = field(default=1, metadata={"min": 1, "help": "best-of-N: candidate chunks drawn per observation "
                          "from one prefix, one chosen by --selector (in-process; 1: one sample)"})
-    selector: str = field(default="medoid", metadata={"choices": list(SELECTORS), "help": "with --best_of: "
-                          "medoid (the candidate closest to all the others) or first"})
+    selector: str | None = field(default=None, metadata={"choices": list(SELECTORS), "help": "with --best_of: "
+                                 "critic (the highest expected return by --critic), medoid (the candidate closest "
+                                 "to all the others) or first (default: critic with --critic, else medoid)"})
+    critic: str | None = field(default=None, metadata={"help": "with --best_of: a chunk critic (a directory or Hub id "
+                               "trained with policy pi05_chunk_critic) that scores the candidates"})
     save_videos: int = field(default=3, metadata={"min": 0, "help": "rollouts saved as animated GIFs per task"})
     output_dir: str | None = field(default=None, metadata={"help": "where eval_result.json and the GIFs go"})
     device: str = field(default=DEFAULT_DEVICE, metadata={"help": "where the policy runs (in-process): cpu, "
@@ -90,7 +93,9 @@ class EvaluateArguments:
                               "(serve --cfg_beta, or each request's cfg_beta)")
         if self.best_of != 1 and self.server is not None:
             raise ConfigError("--best_of: an in-process setting; a server samples as it was started")
-        check_best_of_flag(self.best_of)
+        self.selector = check_selection_flags(self.best_of, self.selector, self.critic)
+        if self.critic is not None:
+            self.critic = model_source("--critic", self.critic)
         if (self.subtask is not None or self.subtask_every is not None) and self.server is not None:
             raise ConfigError("--subtask / --subtask_every: in-process settings; a server decides (serve's default, "
                               "or each request's subtask)")

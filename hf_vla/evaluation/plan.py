@@ -117,7 +117,8 @@ def plan_evaluation(args: EvaluateArguments, env_kwargs: dict | None = None) -> 
     if remote is None:  # a server applies its own guidance (`serve --cfg_beta`, `max_cfg_beta`)
         extra["cfg_beta"] = _guidance_setting(args, contract)
         if args.best_of > 1:  # best-of-N: in-process only
-            extra["best_of"] = Setting({"candidates": args.best_of, "selector": args.selector}, "flag")
+            extra["best_of"] = Setting({"candidates": args.best_of, "selector": args.selector,
+                                        **({"critic": args.critic} if args.critic else {})}, "flag")
     env_cameras = env_camera_keys(env_id, env.env_kwargs)  # Meta-World renders the cameras its arguments name
     chosen = settings["cameras"].value
     if chosen and settings["cameras"].source == "checkpoint" and not set(chosen) <= set(env_cameras):

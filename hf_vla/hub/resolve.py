@@ -389,6 +389,9 @@ def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=N
     if family.value_model:
         raise ValueError(f"{checkpoint}: a {config.model_type!r} checkpoint predicts returns, not actions (a value "
                          "model: python -m hf_vla.recap annotate --value takes it)")
+    if family.chunk_critic:
+        raise ValueError(f"{checkpoint}: a {config.model_type!r} checkpoint scores action chunks, not a policy (a "
+                         "chunk critic: evaluate and serve take it as --critic beside --best_of)")
     model = family.load("model").from_pretrained(checkpoint, revision=revision, dtype=dtype)
     return model, family.load("processor").from_pretrained(checkpoint, revision=revision)
 

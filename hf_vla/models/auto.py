@@ -10,7 +10,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from hf_vla.models.pi05 import PI05Config, PI05ForConditionalGeneration, PI05Processor
 from hf_vla.models.pi05.configuration_pi05 import LEGACY_MODEL_TYPE, LegacyPI05Config
-from hf_vla.models.value import PI05ValueConfig, PI05ValueModel
+from hf_vla.models.value import PI05ChunkCritic, PI05ChunkCriticConfig, PI05ValueConfig, PI05ValueModel
 
 AutoConfig.register(PI05Config.model_type, PI05Config, exist_ok=True)
 AutoModel.register(PI05Config, PI05ForConditionalGeneration, exist_ok=True)
@@ -25,3 +25,7 @@ if LEGACY_MODEL_TYPE not in CONFIG_MAPPING:  # transformers' own pi0.5 is never 
 AutoConfig.register("pi05_value", PI05ValueConfig, exist_ok=True)
 AutoModel.register(PI05ValueConfig, PI05ValueModel, exist_ok=True)
 AutoProcessor.register(PI05ValueConfig, PI05Processor, exist_ok=True)
+# best-of-N's chunk critic (docs/best_of_n.md)
+AutoConfig.register("pi05_chunk_critic", PI05ChunkCriticConfig, exist_ok=True)
+AutoModel.register(PI05ChunkCriticConfig, PI05ChunkCritic, exist_ok=True)
+AutoProcessor.register(PI05ChunkCriticConfig, PI05Processor, exist_ok=True)

@@ -1,4 +1,5 @@
-"""hf_vla's own policy families: pi0.5 (`pi05`), transformers' pi0 (`pi0`) and RECAP's value model (`pi05_value`)."""
+"""hf_vla's own policy families: pi0.5 (`pi05`), transformers' pi0 (`pi0`), RECAP's value model (`pi05_value`) and
+best-of-N's chunk critic (`pi05_chunk_critic`)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ PI05_VALUE = register_policy(PolicyFamily(
     starts_from=("pi05",), value_model=True,
     next_step="annotate advantages with python -m hf_vla.recap annotate --value {output_dir} --datasets ... "
               "--output DIR (docs/recap.md)"))
+
+PI05_CHUNK_CRITIC = register_policy(PolicyFamily(
+    name="pi05_chunk_critic", description="best-of-N's chunk critic (the value model reading an action chunk too)",
+    config="hf_vla.models.value.configuration_value:PI05ChunkCriticConfig",
+    model="hf_vla.models.value.modeling_value:PI05ChunkCritic", processor=f"{_PI05}.processing_pi05:PI05Processor",
+    structure="hf_vla.training.structure:ChunkCriticStructure", setup="hf_vla.training.builders:value_setup",
+    starts_from=("pi05", "pi05_value"), chunk_critic=True,
+    next_step="pick among a policy's candidate chunks with python -m hf_vla.evaluate --checkpoint POLICY "
+              "--best_of 8 --critic {output_dir} (docs/best_of_n.md)"))

@@ -59,6 +59,8 @@ class PolicyFamily:
     rl: `python -m hf_vla.rl` can fine-tune it (Flow-SDE through a VLM prefix cache); rl_critic: it has a critic on
         that prefix, which PPO needs.
     value_model: it predicts returns (RECAP's value model): `hf_vla.recap annotate --value` takes it.
+    chunk_critic: it predicts the return of an observation and an action chunk (best-of-N's critic): `evaluate` and
+        `serve` take it as `--critic`.
     lerobot_type: lerobot's policy type its checkpoints convert from (`hf_vla.convert --to hf_vla`); lerobot_export:
         `--to lerobot` writes lerobot's own format; lerobot_plugin: lerobot's tools run it through the plugin.
     transformers_export: `--to transformers` writes transformers' own pi0.5 format (and that format converts into it).
@@ -90,6 +92,7 @@ class PolicyFamily:
     rl: bool = False
     rl_critic: bool = False
     value_model: bool = False
+    chunk_critic: bool = False
     lerobot_type: str | None = None
     lerobot_export: bool = False
     lerobot_plugin: bool = False

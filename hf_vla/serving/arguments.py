@@ -11,7 +11,7 @@ from hf_vla.cli import model_source
 from hf_vla.errors import ConfigError
 from hf_vla.models.common.rtc_config import METHODS, SCHEDULES, RTCConfig
 from hf_vla.serving.limits import API_KEY_ENV, CONNECTION_MEMORY_FACTOR, MAX_CONNECTIONS_CAP
-from hf_vla.serving.selection import SELECTORS, check_best_of_flag
+from hf_vla.serving.selection import SELECTORS, check_selection_flags
 
 DEFAULT_DEVICE = "auto"  # cuda where torch sees one, else cpu (`hf_vla.cli.resolve_device`, once the options parse)
 RTC_GROUP = "real-time chunking (RTC)"
@@ -79,8 +79,11 @@ class ServeArguments:
     best_of: int = field(default=1, metadata={"min": 1, "help": "best-of-N: candidate chunks drawn per observation "
                          "from one prefix, one chosen by --selector; the reply carries best_of/index and "
                          "best_of/spread (1: one sample)"})
-    selector: str = field(default="medoid", metadata={"choices": list(SELECTORS), "help": "with --best_of: "
-                          "medoid (the candidate closest to all the others) or first"})
+    selector: str | None = field(default=None, metadata={"choices": list(SELECTORS), "help": "with --best_of: "
+                                 "critic (the highest expected return by --critic), medoid (the candidate closest "
+                                 "to all the others) or first (default: critic with --critic, else medoid)"})
+    critic: str | None = field(default=None, metadata={"help": "with --best_of: a chunk critic (a directory or Hub id "
+                               "trained with policy pi05_chunk_critic) that scores the candidates"})
     max_message_mb: float | None = field(default=None, metadata={
         "group": LIMITS, "help": "largest request read, in MiB (default: every camera at 1920x1080 float32 + "
         "1, e.g. 73 for 3 cameras)"})
@@ -113,7 +116,9 @@ class ServeArguments:
         self.checkpoint = model_source("--checkpoint", self.checkpoint)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be 0..65535")
-        check_best_of_flag(self.best_of)
+        self.selector = check_selection_flags(self.best_of, self.selector, self.critic)
+        if self.critic is not None:
+            self.critic = model_source("--critic", self.critic)
         for name in ("max_message_mb", "max_image_side", "max_state_range", "num_camera_slots", "max_batch",
                      "max_connections"):
             value = getattr(self, name)

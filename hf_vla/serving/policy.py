@@ -205,6 +205,7 @@ class PreparedRequest:
     decoded: tuple | None = None  # the decoded subtask's (ids, mask) `[S]`, set by `sample_batch`
     # the factorised layout: (ids, mask) of the decoded subtask -> the inputs of the prompt with it in the task's place
     reprompt: Callable | None = None
+    rows: dict | None = None  # the observation (images, states, tasks, camera_mask) a chunk critic reads
 
     @property
     def candidates(self) -> int:
@@ -292,9 +293,10 @@ class PolicyRunner:
     # dataset's (None: the checkpoint's `memory_stride`, in dataset frames; `hf_vla.deployment.contract.memory_stride`)
     memory_stride: int | None = None
     # best-of-N: candidate chunks drawn per observation from one prefix, one chosen by `selector`
-    # (`hf_vla.serving.selection`: "medoid" or "first"); 1: one sample
+    # (`hf_vla.serving.selection`: "medoid", "first", or "critic" with `critic`, `hf_vla.serving.critic`); 1: one
     best_of: int = 1
     selector: str = "medoid"
+    critic: object | None = None  # a `ChunkCriticScorer` (`load_critic`): selector "critic" scores with it
 
     def __post_init__(self):
         self.model = self.model.eval().to(self.device)
@@ -307,6 +309,12 @@ class PolicyRunner:
             raise ValueError("best_of: candidate chunks from one prefix need a pi0.5 policy; transformers' pi0 "
                              "samples one chunk per call")
         self.last_selection: Selection | None = None  # the last chunk's best-of-N choice (None: one sample)
+        if (self.selector == "critic") != (self.critic is not None):
+            raise ValueError("selector='critic' scores candidates with a chunk critic: give both or neither")
+        if self.critic is not None:
+            if self.best_of < 2:
+                raise ValueError(f"a chunk critic picks among candidates: best_of={self.best_of} draws one")
+            self.critic.check_policy(self.model, self.processor)
         contract = (getattr(self.processor, "deployment", None) or {}).get("subtask") or {}
         if self.subtask == "contract":
             self.subtask = "auto" if getattr(self.model.config, "subtask_layout", None) else None
@@ -459,7 +467,7 @@ class PolicyRunner:
                    "execution_horizon": execution_horizon,
                    "rtc_config": replace(self.rtc, method=method)}  # as resolved here
         return PreparedRequest(inputs, noise, head, rtc, state=state[None], decode_subtask=decode, subtask=text,
-                               reprompt=reprompt)
+                               reprompt=reprompt, rows=rows if self.critic is not None else None)
 
     def _camera_images(self, observation: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The observation's camera images in the policy's slots `[slots, 3, H, W]` (absent slots zero) and which are
@@ -480,7 +488,7 @@ class PolicyRunner:
         self.last_rtc_method = request.rtc["rtc_config"].method if request.rtc else None
         self.last_selection = None
         if chunk.ndim == 3:  # best-of-N: `[N, T, d]` candidates, one chosen
-            chunk, self.last_selection = self._select(chunk, request.head)
+            chunk, self.last_selection = self._select(chunk, request.head, request.rows)
         if request.rtc is not None:
             leftover = request.rtc["prev_chunk_left_over"][0]
             spliced = min(request.rtc["inference_delay"], len(leftover))
@@ -493,9 +501,12 @@ class PolicyRunner:
         self.last_subtask = request.subtask
         return self._actions(chunk, request.head, request.state).numpy()
 
-    def _select(self, candidates: torch.Tensor, head: str) -> tuple[torch.Tensor, Selection]:
-        """One of an observation's candidate chunks `[N, T, d]` by `selector`, over the head's own action dims."""
-        return select_chunk(candidates, self.selector, stat_dims(self.processor.norm_stats[head]["actions"]))
+    def _select(self, candidates: torch.Tensor, head: str, rows: dict | None = None) -> tuple[torch.Tensor, Selection]:
+        """One of an observation's candidate chunks `[N, T, d]` by `selector`, over the head's own action dims
+        (`rows`: the observation, which the critic reads)."""
+        dims = stat_dims(self.processor.norm_stats[head]["actions"])
+        scores = self.critic.scores(rows, head, candidates, dims) if self.critic is not None else None
+        return select_chunk(candidates, self.selector, dims, scores)
 
     def _actions(self, chunk: torch.Tensor, head: str, state) -> torch.Tensor:
         """Normalised chunk(s) -> robot units; `state` (raw, `[rows, d]`) is added back where the head is relative."""
@@ -616,11 +627,13 @@ class PolicyRunner:
         states = np.asarray(states)
         if not np.isfinite(states).all():
             raise RequestError("states: NaN or inf in the batch; no action is computed from it")
-        inputs, noise = self._inputs({"images": images, "states": states, "tasks": tasks, "camera_mask": camera_mask},
-                                     self.head_name())
+        rows = {"images": images, "states": states, "tasks": tasks, "camera_mask": camera_mask}
+        inputs, noise = self._inputs(rows, self.head_name())
         chunk = sample_batch(self.model, [PreparedRequest(inputs, noise, self.head_name())], self.device)
         if chunk.ndim == 4:  # best-of-N: one chosen per row
-            chunk = torch.stack([self._select(row, self.head_name())[0] for row in chunk])
+            chunk = torch.stack([self._select(candidates, self.head_name(), {
+                "images": images[i:i + 1], "states": states[i:i + 1], "tasks": tasks[i:i + 1],
+                "camera_mask": camera_mask[i:i + 1]})[0] for i, candidates in enumerate(chunk)])
         return self._actions(chunk, self.head_name(), states).numpy()
 
 
@@ -640,6 +653,8 @@ def load_policy(checkpoint: str | Path, device: str = "cpu", revision: str | Non
         raise ConfigError(f"checkpoint {str(checkpoint)!r} could not be loaded: {first}") from error
     try:
         return PolicyRunner(model.requires_grad_(False), processor, device=device, **kwargs)  # for inference only
+    except ConfigError:  # a flag's own line (--critic of another action space)
+        raise
     except ValueError as error:  # a setting this policy cannot run with (best_of for pi0, subtask_every < 1)
         raise ConfigError(f"checkpoint {str(checkpoint)!r}: {error}") from error
 

@@ -166,7 +166,7 @@ def _base_model_config(model_args: ModelArguments):
             fields = {k: v for k, v in config.to_dict().items() if k in config_class.__dataclass_fields__ and k not in (
                 "model_type", "transformers_version", "architectures", "auto_map", "discrete_state_input")
                 and not (k in MEMORY_FIELDS and not family.memory)}  # a family without MEM reads one observation
-            config = config_class(**fields, **{k: v for k, v in (model_args.model_config or {}).items()})
+            config = config_class(**{**fields, **(model_args.model_config or {})})  # model_config's fields win
             return config
         if source is not family:
             raise ConfigError(f"model_name_or_path={model_args.model_name_or_path!r} is a {config.model_type!r} "

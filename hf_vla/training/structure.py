@@ -134,6 +134,13 @@ class ValueStructure:
         return ["value_readout", "value_query"]
 
 
+class ChunkCriticStructure(ValueStructure):
+    """Best-of-N's chunk critic: the value model's structure; the chunk's input map and positions train in full."""
+
+    def trained_heads(self) -> list[str]:
+        return [*super().trained_heads(), "chunk_in", "chunk_position"]
+
+
 def policy_structure(model: nn.Module):
     """The structure of a policy (`freeze`, `lora_target_modules`, `trained_heads`): its registered family's
     (`PolicyFamily.structure`, by the config's model_type), or the model itself when it answers them."""

@@ -47,4 +47,15 @@ class PI05ValueConfig(PI05Config):
             raise ValueError(f"PI05ValueConfig: hl_gauss_sigma={self.hl_gauss_sigma} must be positive")
 
 
-__all__ = ["PI05ValueConfig"]
+@strict
+class PI05ChunkCriticConfig(PI05ValueConfig):
+    r"""
+    Configuration for [`PI05ChunkCritic`]: best-of-N's chunk critic `Q(observation, prompt, chunk)`, the value model's
+    fields (backbone, bins, returns' scale, cross-fitting) read with an action chunk: `chunk_size` steps of
+    `max_action_dim` normalised actions (the policy's, so its candidates are scored as sampled).
+    """
+
+    model_type = "pi05_chunk_critic"
+
+
+__all__ = ["PI05ChunkCriticConfig", "PI05ValueConfig"]

@@ -18,7 +18,7 @@ from transformers import AutoModel, PreTrainedModel
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.utils import ModelOutput
 
-from .configuration_value import PI05ValueConfig
+from .configuration_value import PI05ChunkCriticConfig, PI05ValueConfig
 
 
 @dataclass
@@ -63,7 +63,11 @@ class PI05ValueModel(PreTrainedModel):
         self.value_readout = nn.Sequential(nn.Linear(width, width), nn.GELU(approximate="tanh"),
                                            nn.Linear(width, config.num_bins))
         self.register_buffer("bin_values", torch.linspace(-1.0, 0.0, config.num_bins), persistent=False)
+        self._build_inputs(config, width)
         self.post_init()
+
+    def _build_inputs(self, config, width: int) -> None:
+        """Modules of inputs beyond the cameras and the prompt (the chunk critic's chunk)."""
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -80,29 +84,35 @@ class PI05ValueModel(PreTrainedModel):
         self.model.vlm.set_input_embeddings(value)
 
     def _embed(self, input_ids, pixel_values, pixel_attention_mask, attention_mask):
-        """[image tokens of every camera slot, prompt tokens, the value query] and which of them are real."""
+        """[image tokens of every camera slot, prompt tokens] and which of them are real."""
         vlm = self.model.vlm
         batch_size, num_cameras = pixel_values.shape[:2]
         vision_dtype = vlm.vision_tower.get_input_embeddings().weight.dtype
         features = vlm.get_image_features(pixel_values.flatten(0, 1).to(vision_dtype)).pooler_output
         text = vlm.get_input_embeddings()(input_ids)  # Gemma scales by sqrt(width) here
         features = features.to(text.dtype).reshape(batch_size, num_cameras * features.shape[1], -1)
-        query = self.value_query.weight.to(text.dtype).expand(batch_size, 1, -1)
         image_valid = pixel_attention_mask.bool().repeat_interleave(features.shape[1] // num_cameras, dim=1)
-        valid = torch.cat([image_valid, attention_mask.bool(), attention_mask.new_ones(batch_size, 1).bool()], dim=1)
-        return torch.cat([features, text, query], dim=1), valid
+        return torch.cat([features, text], dim=1), torch.cat([image_valid, attention_mask.bool()], dim=1)
 
-    def forward(self, input_ids: torch.LongTensor, pixel_values: torch.FloatTensor,
-                attention_mask: torch.Tensor | None = None, pixel_attention_mask: torch.Tensor | None = None,
-                value_targets: torch.Tensor | None = None, **kwargs) -> PI05ValueOutput:
+    def _returns(self, input_ids, pixel_values, attention_mask, pixel_attention_mask, value_targets,
+                 suffix: tuple[torch.Tensor, torch.Tensor] | None = None) -> PI05ValueOutput:
+        """The return distribution read by the value query after the prefix and `suffix` (tokens `[B, S, width]`
+        and which are real, a block after the prefix: they attend to it and to each other, it not to them)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         if pixel_attention_mask is None:
             pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=pixel_values.device)
-        embeds, valid = self._embed(input_ids, pixel_values, pixel_attention_mask, attention_mask)
-        # the prefix is one bidirectional block, the query a block of its own after it (big_vision's ar rule)
-        blocks = torch.zeros_like(valid, dtype=torch.long)
-        blocks[:, -1] = 1
+        prefix, prefix_valid = self._embed(input_ids, pixel_values, pixel_attention_mask, attention_mask)
+        batch_size = prefix.shape[0]
+        query = self.value_query.weight.to(prefix.dtype).expand(batch_size, 1, -1)
+        tokens, valid = [prefix, query], [prefix_valid, prefix_valid.new_ones(batch_size, 1)]
+        if suffix is not None:
+            tokens.insert(1, suffix[0].to(prefix.dtype))
+            valid.insert(1, suffix[1].bool())
+        embeds, valid = torch.cat(tokens, dim=1), torch.cat(valid, dim=1)
+        # the prefix is one bidirectional block, the suffix and the query a block after it (big_vision's ar rule)
+        blocks = torch.ones_like(valid, dtype=torch.long)
+        blocks[:, : prefix.shape[1]] = 0
 
         def query_last(batch_idx, head_idx, q_idx, kv_idx):
             return blocks[batch_idx, kv_idx] <= blocks[batch_idx, q_idx]
@@ -110,7 +120,7 @@ class PI05ValueModel(PreTrainedModel):
         text_model = self.model.vlm.language_model
         mask = create_bidirectional_mask(config=text_model.config, inputs_embeds=embeds, attention_mask=valid,
                                          and_mask_function=query_last)
-        positions = valid.long().cumsum(-1) - 1  # the query right after the last real prompt token
+        positions = valid.long().cumsum(-1) - 1  # the query right after the last real token
         hidden = text_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).last_hidden_state
         logits = self.value_readout(hidden[:, -1].float())
         value = logits.softmax(-1) @ self.bin_values.float()  # a load in bf16 casts the buffer too
@@ -120,6 +130,11 @@ class PI05ValueModel(PreTrainedModel):
             per_sample = -(target * logits.log_softmax(-1)).sum(-1)
             loss = per_sample.mean()
         return PI05ValueOutput(loss=loss, logits=logits, value=value, per_sample_loss=per_sample)
+
+    def forward(self, input_ids: torch.LongTensor, pixel_values: torch.FloatTensor,
+                attention_mask: torch.Tensor | None = None, pixel_attention_mask: torch.Tensor | None = None,
+                value_targets: torch.Tensor | None = None, **kwargs) -> PI05ValueOutput:
+        return self._returns(input_ids, pixel_values, attention_mask, pixel_attention_mask, value_targets)
 
     def target_distribution(self, targets: torch.Tensor) -> torch.Tensor:
         """Returns `[B]` -> target distributions `[B, num_bins]` (`config.value_targets`); distributions pass as they
@@ -142,4 +157,61 @@ class PI05ValueModel(PreTrainedModel):
         return self(**{k: inputs[k] for k in keys if k in inputs}).value
 
 
-__all__ = ["PI05ValueModel", "PI05ValueOutput"]
+class PI05ChunkCritic(PI05ValueModel):
+    """Best-of-N's chunk critic `Q(observation, prompt, chunk)`: the value model with the action chunk as tokens
+    between the prompt and the value query (one a step: a linear map of its normalised actions plus a learned
+    position), so the query reads the chunk against what the cameras and the prompt say. Trained on the return that
+    followed each frame's executed chunk (`hf_vla.train` with policy `pi05_chunk_critic`); `chunk_values` scores a
+    policy's candidate chunks (`hf_vla.serving.selection`, selector `critic`).
+
+    The chunk is a block after the prompt: the prompt does not attend to it. Padded chunk steps (`action_is_pad`, past
+    an episode's end) are left out of attention; the model's padded action dims are zeroed by `action_dim_mask`."""
+
+    config_class = PI05ChunkCriticConfig
+    reads_chunk = True
+    _keep_in_fp32_modules_strict = [*PI05ValueModel._keep_in_fp32_modules_strict, "chunk_in", "chunk_position"]
+
+    def _build_inputs(self, config, width: int) -> None:
+        self.chunk_in = nn.Linear(config.max_action_dim, width)
+        self.chunk_position = nn.Embedding(config.chunk_size, width)
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is getattr(self, "chunk_position", None):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def _chunk_tokens(self, actions, action_is_pad=None, action_dim_mask=None):
+        if actions.shape[1:] != (self.config.chunk_size, self.config.max_action_dim):
+            raise ValueError(f"actions: a chunk of shape [B, {self.config.chunk_size}, {self.config.max_action_dim}] "
+                             f"(chunk_size, max_action_dim), got {list(actions.shape)}")
+        actions = actions.float()
+        if action_dim_mask is not None:
+            actions = actions * action_dim_mask.to(actions.dtype)[:, None, :]
+        tokens = self.chunk_in(actions) + self.chunk_position.weight.float()[None]
+        valid = torch.ones(actions.shape[:2], dtype=torch.bool, device=actions.device) if action_is_pad is None \
+            else ~action_is_pad.bool()
+        return tokens, valid
+
+    def forward(self, input_ids: torch.LongTensor, pixel_values: torch.FloatTensor, actions: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, pixel_attention_mask: torch.Tensor | None = None,
+                action_is_pad: torch.Tensor | None = None, action_dim_mask: torch.Tensor | None = None,
+                value_targets: torch.Tensor | None = None, **kwargs) -> PI05ValueOutput:
+        """`actions`: the chunk `[B, chunk_size, max_action_dim]`, normalised as the policy's processor does."""
+        suffix = self._chunk_tokens(actions, action_is_pad, action_dim_mask)
+        return self._returns(input_ids, pixel_values, attention_mask, pixel_attention_mask, value_targets, suffix)
+
+    @torch.no_grad()
+    def chunk_values(self, candidates: torch.Tensor, action_dim_mask: torch.Tensor | None = None,
+                     **inputs) -> torch.FloatTensor:
+        """The expected normalised return `[B, N]` of each of `candidates` `[B, N, chunk_size, max_action_dim]` for
+        the observations of processor outputs `inputs` (each row's inputs repeated for its N candidates)."""
+        batch_size, count = candidates.shape[:2]
+        keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
+        repeated = {k: inputs[k].repeat_interleave(count, dim=0) for k in keys if inputs.get(k) is not None}
+        if action_dim_mask is not None:
+            action_dim_mask = action_dim_mask.repeat_interleave(count, dim=0)
+        out = self(**repeated, actions=candidates.flatten(0, 1), action_dim_mask=action_dim_mask)
+        return out.value.reshape(batch_size, count)
+
+
+__all__ = ["PI05ChunkCritic", "PI05ValueModel", "PI05ValueOutput"]
