@@ -141,8 +141,9 @@ class _Asking:
 
 
 def closed_loop(weights: Path, episodes: int, ask: str = "true", advantage="auto", cfg_beta=None,
-                envs: int = 16, env_kwargs: dict | None = None) -> dict:
-    """`episodes` held-out episodes; the named-target rate (success), the other-target rate, none reached."""
+                envs: int = 16, env_kwargs: dict | None = None, **runner_kwargs) -> dict:
+    """`episodes` held-out episodes; the named-target rate (success), the other-target rate, none reached.
+    `runner_kwargs`: more `PolicyRunner` settings (best-of-N's `best_of`, `selector`, `critic`)."""
     import torch
 
     from hf_vla.deployment.contract import read
@@ -151,7 +152,8 @@ def closed_loop(weights: Path, episodes: int, ask: str = "true", advantage="auto
 
     torch.set_num_threads(int(_env()["OMP_NUM_THREADS"]))
     contract = read(weights)
-    runner = load_policy(weights, obs_map=ObservationMap(cameras=["observation.image"]), cfg_beta=cfg_beta)
+    runner = load_policy(weights, obs_map=ObservationMap(cameras=["observation.image"]), cfg_beta=cfg_beta,
+                         **runner_kwargs)
     if advantage != "auto":
         runner.processor = _Asking(runner.processor, advantage)
     slots = [_Tracked(ask, image_size=32, max_steps=40, **(env_kwargs or {})) for _ in range(envs)]

@@ -1,0 +1,121 @@
+"""Best-of-N with a learned chunk critic on ColorReach's plateau (docs/best_of_n.md):
+
+    python -m benchmarks.closed_loop.best_of_n                   # every stage, resumable
+    python -m benchmarks.closed_loop.best_of_n --episodes 200    # fewer held-out episodes per arm
+
+The start and its experience are the RECAP mechanism's (`benchmarks.closed_loop.recap_mechanism`, shared under
+`data_cache/recap_mechanism`): the demo recipe (1,000 expert episodes, 5,000 steps), which reads its prompt, on targets
+anywhere (`layout: "random"`), where its chunks often go to another target than the named one; 200 of its own episodes
+there (`next.success` each).
+
+Stages (each skipped where its output exists; figures into `benchmarks/results/best_of_n_cpu.json`):
+- `critic`: a chunk critic (`policy pi05_chunk_critic`) from the start's backbone, on those 200 episodes and 200 expert
+  episodes: each frame's executed chunk against the return that followed it; its CPU minutes and data;
+- `arms`: on `--episodes` held-out seeds of the plateau: `single` (one chunk), `random_of_8` (the first of 8
+  candidates: one sample's behaviour at 8 chunks' cost), `medoid_best_of_8`, `critic_best_of_8`, and the critic's curve
+  over N = 1, 2, 4, 8, 16 (N = 1 is `single`): success (the named target reached first), the other-target rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+
+from benchmarks.closed_loop import recap_mechanism as mechanism
+
+REPO = mechanism.REPO
+WORK = mechanism.WORK
+CRITIC = WORK / "chunk_critic"
+RESULTS = REPO / "benchmarks" / "results" / "best_of_n_cpu.json"
+CRITIC_STEPS = 1500
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def stage_critic(results: dict, steps: int) -> None:
+    """The chunk critic from the start's backbone, with the start's statistics (its candidates are read as sampled):
+    warmup 50 steps to 3e-4, cosine."""
+    datasets = [mechanism._dataset(WORK / "collected", "collected"), mechanism._dataset(WORK / "expert_200", "expert")]
+    if (CRITIC / "model.safetensors").exists():
+        return
+    cpu = _children_cpu()
+    seconds = mechanism._run([
+        mechanism.sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"), "--policy",
+        "pi05_chunk_critic", "--model_name_or_path", str(WORK / "start"), "--model_config", "null",
+        "--norm_stats_from", str(WORK / "start"), "--datasets", json.dumps(datasets), "--generate_demo_data", "false",
+        "--validation_ratio", "0", "--max_steps", str(steps), "--learning_rate", "3e-4", "--lr_scheduler_type",
+        "cosine", "--lr_scheduler_kwargs", "{}", "--warmup_steps", "50", "--output_dir", str(CRITIC),
+        "--disable_tqdm", "true"], CRITIC.with_suffix(".log"))
+    results["critic"] = {"steps": steps, "wall_minutes": round(seconds / 60, 2),
+                         "cpu_minutes": round((_children_cpu() - cpu) / 60, 2),
+                         "data": {"collected": {"episodes": 200, "success": results.get("collected_success")},
+                                  "expert": {"episodes": 200, "success": 1.0}},
+                         "targets": "each frame's normalised return (steps to success; a failure costs the episode "
+                                    "limit) with the chunk executed from it"}
+
+
+def stage_arms(results: dict, episodes: int, counts: list[int]) -> None:
+    """Every arm on the same held-out seeds; an arm already measured at `episodes` is kept."""
+    from hf_vla.serving.critic import load_critic
+
+    arms = results.setdefault("arms", {})
+    critic = load_critic(CRITIC)
+    plans = {"single": {}, "random_of_8": {"best_of": 8, "selector": "first"},
+             "medoid_best_of_8": {"best_of": 8, "selector": "medoid"}}
+    plans |= {f"critic_best_of_{n}": {"best_of": n, "selector": "critic", "critic": critic} for n in counts if n > 1}
+    for name, kwargs in plans.items():
+        if arms.get(name, {}).get("episodes") == episodes:
+            continue
+        cpu = _children_cpu() + sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+        record = mechanism.closed_loop(WORK / "start", episodes, env_kwargs=mechanism.PLATEAU, **kwargs)
+        used = _children_cpu() + sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) - cpu
+        arms[name] = {"mean_success": record["success"], "episodes": record["episodes"],
+                      "other_target_rate": record["decoy_rate"], "none_rate": record["none_rate"],
+                      "cpu_minutes": round(used / 60, 2)}
+        yield name
+    curve = {1: arms.get("single", {}).get("mean_success")}
+    curve |= {n: arms.get(f"critic_best_of_{n}", {}).get("mean_success") for n in counts if n > 1}
+    results["critic_curve"] = {str(n): v for n, v in sorted(curve.items())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=["start", "collect", "critic", "arms", "all"], default="all")
+    parser.add_argument("--episodes", type=int, default=500, help="held-out episodes per arm")
+    parser.add_argument("--critic_steps", type=int, default=CRITIC_STEPS)
+    parser.add_argument("--counts", default="2,4,8,16", help="the critic's candidate counts")
+    args = parser.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    everything = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results = everything.setdefault("colorreach_plateau", {})
+    results["settings"] = {"episodes": args.episodes, "machine": "2-core CPU, no GPU", "start": "the RECAP "
+                           "mechanism's (demo recipe, reads its prompt) on layout random", "seeds": f"{mechanism.SEED}.."}
+
+    def save():
+        RESULTS.write_text(json.dumps(everything, indent=1) + "\n")
+
+    stages = ["start", "collect", "critic", "arms"] if args.stage == "all" else [args.stage]
+    for stage in stages:
+        if stage == "start":
+            mechanism.stage_start({})
+        elif stage == "collect":
+            mechanism.stage_data()
+            collected = {}
+            mechanism.stage_collect(collected, 200)
+            results["collected_success"] = collected["collected"]["success"]
+        elif stage == "critic":
+            stage_critic(results, args.critic_steps)
+        elif stage == "arms":
+            for name in stage_arms(results, args.episodes, [int(n) for n in args.counts.split(",")]):
+                save()
+                print(json.dumps({name: results["arms"][name]}), flush=True)
+        save()
+    print(json.dumps(results, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
