@@ -74,13 +74,27 @@ def test_the_server_replies_with_the_choice_and_the_spread(policy):
     from hf_vla.serving.server import PolicyServer
 
     model, processor = policy
-    served = ThreadServer(PolicyServer(PolicyRunner(model, processor, best_of=3)))
+    served = ThreadServer(PolicyServer(PolicyRunner(model, processor, best_of=3), max_best_of=6))
     try:
         client = WebsocketClientPolicy(served.uri)
+        assert client.get_server_metadata()["best_of"] == {"default": 3, "max": 6, "selector": "medoid",
+                                                          "critic": None}
         observation, task = next(observations(1))
         reply = client.infer({**observation, "prompt": task})
         assert reply["best_of/index"] in (0, 1, 2) and reply["best_of/spread"] > 0
         assert reply["actions"].shape == (model.config.chunk_size, 2)
+        # a request's own N, bounded by the server's max_best_of: the runner's choice among that many candidates
+        observation, task = next(observations(1, seed=4))
+        reply = client.infer({**observation, "prompt": task, "best_of": 6, "episode_seed": 21})
+        runner = PolicyRunner(model, processor, best_of=6)
+        runner.reset(seed=21)
+        np.testing.assert_allclose(reply["actions"], runner({**observation, "prompt": task}), atol=1e-5, rtol=0)
+        assert reply["best_of/index"] == runner.last_selection.index
+        single = client.infer({**observation, "prompt": task, "best_of": 1})
+        assert "best_of/index" not in single
+        for value in (7, 0, 2.5, True):
+            with pytest.raises(Exception, match=rf"best_of={value!r}: a whole number in \[1, 6\]"):
+                client.infer({**observation, "prompt": task, "best_of": value})
     finally:
         served.stop()
 
@@ -99,6 +113,13 @@ def test_best_of_settings_are_recorded_and_refused_in_one_line(tmp_path, policy)
                             ({"best_of": 2, "server": "ws://127.0.0.1:1"}, "--best_of: an in-process setting")]:
         with pytest.raises(ConfigError, match=message):
             EvaluateArguments(checkpoint=str(checkpoint), episodes=1, **kwargs)
+    from hf_vla.serving.arguments import ServeArguments
+
+    for kwargs, message in [({"best_of": 4, "max_best_of": 2}, "--max_best_of 2 is below --best_of 4"),
+                            ({"max_best_of": 65}, "--max_best_of 65: 1 to 64"),
+                            ({"best_of": 4, "selector": "critic"}, "--selector critic: give --critic PATH")]:
+        with pytest.raises(ConfigError, match=message):
+            ServeArguments(checkpoint=str(checkpoint), **kwargs)
     model, processor = policy
     for best_of, selector in itertools.product((0, 65, True), ("medoid",)):
         with pytest.raises(ValueError, match=f"best_of={best_of!r}"):

@@ -11,7 +11,7 @@ from hf_vla.cli import model_source
 from hf_vla.errors import ConfigError
 from hf_vla.models.common.rtc_config import METHODS, SCHEDULES, RTCConfig
 from hf_vla.serving.limits import API_KEY_ENV, CONNECTION_MEMORY_FACTOR, MAX_CONNECTIONS_CAP
-from hf_vla.serving.selection import SELECTORS, check_selection_flags
+from hf_vla.serving.selection import SELECTORS, check_best_of_flag, check_selection_flags
 
 DEFAULT_DEVICE = "auto"  # cuda where torch sees one, else cpu (`hf_vla.cli.resolve_device`, once the options parse)
 RTC_GROUP = "real-time chunking (RTC)"
@@ -84,6 +84,8 @@ class ServeArguments:
                                  "to all the others) or first (default: critic with --critic, else medoid)"})
     critic: str | None = field(default=None, metadata={"help": "with --best_of: a chunk critic (a directory or Hub id "
                                "trained with policy pi05_chunk_critic) that scores the candidates"})
+    max_best_of: int | None = field(default=None, metadata={"group": LIMITS, "help": "most candidate chunks a "
+                                    "request's `best_of` may ask for (default: --best_of)"})
     max_message_mb: float | None = field(default=None, metadata={
         "group": LIMITS, "help": "largest request read, in MiB (default: every camera at 1920x1080 float32 + "
         "1, e.g. 73 for 3 cameras)"})
@@ -117,6 +119,10 @@ class ServeArguments:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be 0..65535")
         self.selector = check_selection_flags(self.best_of, self.selector, self.critic)
+        if self.max_best_of is not None:
+            check_best_of_flag(self.max_best_of, "--max_best_of")
+            if self.max_best_of < self.best_of:
+                raise ConfigError(f"--max_best_of {self.max_best_of} is below --best_of {self.best_of}")
         if self.critic is not None:
             self.critic = model_source("--critic", self.critic)
         for name in ("max_message_mb", "max_image_side", "max_state_range", "num_camera_slots", "max_batch",

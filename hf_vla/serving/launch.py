@@ -96,7 +96,8 @@ def _serve(args, rtc, obs_map, contract, slots, record_lock):
     recorder = _recorder(args, contract, runner, record_lock) if args.record else None
     server = PolicyServer(runner, metadata=metadata, max_message_mb=args.max_message_mb,
                           api_key=args.api_key or os.environ.get(API_KEY_ENV), max_batch=args.max_batch,
-                          max_connections=args.max_connections, recorder=recorder, max_cfg_beta=args.max_cfg_beta)
+                          max_connections=args.max_connections, recorder=recorder, max_cfg_beta=args.max_cfg_beta,
+                          max_best_of=args.max_best_of)
     logger.info("metadata %s", json.dumps(server.metadata))
     import signal
 

@@ -405,11 +405,13 @@ class PolicyRunner:
         return None, True
 
     def prepare(self, observation: dict, task: str | None = None, head=None, continuation: Continuation | None = None,
-                cfg_beta: float | None = None, subtask: str | None = None) -> PreparedRequest:
+                cfg_beta: float | None = None, subtask: str | None = None,
+                best_of: int | None = None) -> PreparedRequest:
         """Validate an observation and build its model inputs and noise (no model call): `RequestError` for anything
         the policy must not act on. `continuation`: how it continues the chunk being executed (default: an
         independent chunk); `cfg_beta`: this request's guidance of an advantage-conditioned policy (default the
-        runner's); `subtask`: this request's subtask (a text, or "auto"; default the runner's)."""
+        runner's); `subtask`: this request's subtask (a text, or "auto"; default the runner's); `best_of`: this
+        request's candidate count (default the runner's; the caller bounds it)."""
         continuation = continuation or Continuation()
         inference_delay, executed_steps = continuation.inference_delay, continuation.executed_steps
         prev_chunk_left_over, execution_horizon = continuation.prev_chunk_left_over, continuation.execution_horizon
@@ -452,7 +454,7 @@ class PolicyRunner:
                 rows["memory"] = self.memory.past(lag or 0)
             except ValueError as error:
                 raise RequestError(str(error)) from error
-        inputs, noise = self._inputs(rows, head, cfg_beta, "auto" if decode or reuse else text)
+        inputs, noise = self._inputs(rows, head, cfg_beta, "auto" if decode or reuse else text, best_of)
         if reuse:
             valid = self._decoded[1]
             inputs["subtask_ids"], inputs["subtask_mask"] = self._decoded[0][valid][None], valid[valid][None]
@@ -594,11 +596,14 @@ class PolicyRunner:
             return self.processor.normalize(self._relative(absolute, head, state), "actions", head)
         return left
 
-    def _inputs(self, rows: dict, head, cfg_beta=None, subtask: str | None = None) -> tuple[dict, torch.Tensor]:
-        """The model inputs of a batch (`_model_inputs`) and its noise, drawn from this runner's generator."""
+    def _inputs(self, rows: dict, head, cfg_beta=None, subtask: str | None = None,
+                best_of: int | None = None) -> tuple[dict, torch.Tensor]:
+        """The model inputs of a batch (`_model_inputs`) and its noise, drawn from this runner's generator
+        (`best_of` candidates per row, default the runner's)."""
         inputs = self._model_inputs(rows, head, cfg_beta, subtask)
         config = self.model.config
-        candidates = (self.best_of,) if self.best_of > 1 else ()
+        count = self.best_of if best_of is None else best_of
+        candidates = (count,) if count > 1 else ()
         noise = torch.randn(len(rows["tasks"]), *candidates, config.chunk_size, config.max_action_dim,
                             generator=self.generator)
         return inputs, noise

@@ -41,12 +41,12 @@ def _valid_count(best_of) -> bool:
     return not isinstance(best_of, bool) and isinstance(best_of, int) and 1 <= best_of <= MAX_BEST_OF
 
 
-def check_best_of_flag(best_of) -> None:
-    """ConfigError, one line, for a `--best_of` the commands (evaluate, serve) cannot run with."""
+def check_best_of_flag(best_of, flag: str = "--best_of") -> None:
+    """ConfigError, one line, for a `--best_of` (or `flag`) the commands (evaluate, serve) cannot run with."""
     from hf_vla.errors import ConfigError
 
     if not _valid_count(best_of):
-        raise ConfigError(f"--best_of {best_of}: 1 to {MAX_BEST_OF} candidate chunks per observation")
+        raise ConfigError(f"{flag} {best_of}: 1 to {MAX_BEST_OF} candidate chunks per observation")
 
 
 def check_selection_flags(best_of, selector: str | None, critic: str | None) -> str:
