@@ -178,6 +178,18 @@ def test_a_critic_trains_loads_and_picks_in_evaluate(trained, capsys):
                                                       "critic": str(trained["critic"])}
     with pytest.raises(ConfigError, match="a 'pi05' checkpoint, not a chunk critic"):
         load_critic(trained["run"])
+    # the policy's own rollouts, acting on the critic's choice of 3 (RECAP's and the critic's next data)
+    from hf_vla.deployment.contract import RECORD_MARKER
+    from hf_vla.envs.recording import RecordArguments, record
+
+    rollouts = trained["base"] / "rollouts"
+    record(RecordArguments(env="color_reach", output=rollouts, episodes=2,
+                           strategy="policy", policy=str(trained["run"]), best_of=3, critic=str(trained["critic"])),
+           progress=False)
+    plan = json.loads((rollouts / "meta" / RECORD_MARKER).read_text())
+    assert plan["best_of"]["candidates"] == 3 and plan["best_of"]["selector"] == "critic"
+    with pytest.raises(ConfigError, match="--best_of / --selector / --critic: how the policy acts"):
+        RecordArguments(env="color_reach", output=str(rollouts), episodes=2, best_of=3)
     from hf_vla.hub.resolve import load_pretrained
 
     with pytest.raises(ValueError, match="scores action chunks, not a policy"):

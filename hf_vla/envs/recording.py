@@ -22,6 +22,7 @@ from hf_vla.envs.dagger import DaggerActor, DaggerSettings, dagger_episodes, dag
 from hf_vla.envs.metaworld import LOCATIONS, SUBTASK
 from hf_vla.errors import ConfigError
 from hf_vla.registry import contract_env, env_names, find_env
+from hf_vla.serving.selection import SELECTORS, check_selection_flags
 from hf_vla.storage import DirectoryLock
 
 logger = logging.getLogger("hf_vla.record")
@@ -167,7 +168,7 @@ def record(args: RecordArguments, env_kwargs: dict | None = None, progress: bool
         if strategy == "policy":
             dagger = DaggerSettings(expert_labels=False)
         runner, resolved = _dagger_policy(env, policy, tasks, image_size, max_episode_steps, env_kwargs, episodes,
-                                          device)
+                                          device, _best_of_settings(args))
         tasks, image_size, max_episode_steps, env_kwargs = (resolved["task"], resolved["image_size"],
                                                             resolved["max_episode_steps"], resolved["env_kwargs"])
         if strategy == "policy":
@@ -192,6 +193,9 @@ def record(args: RecordArguments, env_kwargs: dict | None = None, progress: bool
         plan |= {"strategy": strategy, "policy": checkpoint_identity(str(policy)),
                  "weights": weights_fingerprint(policy), "round": round_index, "dagger": dagger.to_dict(),
                  "n_action_steps": resolved["n_action_steps"], "plan_steps": resolved["plan_steps"]}
+        if runner.best_of > 1:  # best-of-N: the policy acts on one of N candidates a step
+            plan["best_of"] = {"candidates": runner.best_of, "selector": runner.selector,
+                               "critic": checkpoint_identity(args.critic) if args.critic else None}
         if getattr(runner.processor, "advantage_conditioned", False):  # RECAP: what the policy was asked for
             plan["advantage"] = {"indicator": "positive", "cfg_beta": runner.processor.cfg_beta}
 
@@ -398,7 +402,8 @@ def _join(job: _Job, parts: Path, done: dict, started: float, resumed: list[str]
                           "max_episode_steps": plan["max_episode_steps"], "max_tries": job.max_tries,
                           "fast_render": find_env(job.env).fast_render, "env_kwargs": plan["env_kwargs"],
                           **{key: plan[key] for key in ("strategy", "policy", "weights", "round", "dagger",
-                                                        "n_action_steps", "plan_steps", "advantage") if key in plan},
+                                                        "n_action_steps", "plan_steps", "advantage", "best_of")
+                             if key in plan},
                           "shortfall": shortfall,
                           "data_seeds": [min(s[0] for s in all_seeds), max(s[1] for s in all_seeds)]},
         indent=2))
@@ -429,8 +434,20 @@ def _frame_text(family):
     return functools.partial(frame_texts, texts=texts) if texts else None
 
 
+def _best_of_settings(args: RecordArguments) -> dict:
+    """The runner's best-of-N settings from `--best_of`, `--selector`, `--critic` (the critic loaded)."""
+    if args.best_of == 1:
+        return {}
+    settings = {"best_of": args.best_of, "selector": args.selector}
+    if args.critic is not None:
+        from hf_vla.serving.critic import load_critic
+
+        settings["critic"] = load_critic(args.critic, device=args.device)
+    return settings
+
+
 def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | None, max_episode_steps: int | None,
-                   env_kwargs: dict | None, episodes: int, device: str):
+                   env_kwargs: dict | None, episodes: int, device: str, best_of: dict | None = None):
     """The policy of a DAgger recording, loaded, and the settings its deployment contract fixes (tasks, image size,
     episode limit, env arguments such as a crop): a flag that contradicts the contract, or a checkpoint trained in
     another env, is refused in one line."""
@@ -464,7 +481,7 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
               if k != "image_size"}
     runner = load_policy(policy, device=device, obs_map=ObservationMap(cameras=settings["cameras"].value or None),
                          num_camera_slots=len(spec["cameras"]) if spec else None,
-                         memory_stride=settings["memory_stride"].value)
+                         memory_stride=settings["memory_stride"].value, **(best_of or {}))
     task = settings["task"].value if find_env(env).tasks else None  # ColorReach draws its instruction per episode
     return runner, {"task": task, "image_size": settings["image_size"].value,
                     "n_action_steps": int(settings["n_action_steps"].value),
@@ -544,6 +561,12 @@ class RecordArguments:
     stall_steps: int | None = field(default=None, metadata={"group": DAGGER, "help": "dagger: the expert takes over "
                                     "after this many steps without a new best reward"})
     device: str = field(default="cpu", metadata={"group": DAGGER, "help": "dagger: where the policy runs"})
+    best_of: int = field(default=1, metadata={"group": DAGGER, "min": 1, "help": "dagger / policy: candidate chunks "
+                         "drawn per step, one chosen by --selector (docs/best_of_n.md)"})
+    selector: str | None = field(default=None, metadata={"group": DAGGER, "choices": list(SELECTORS), "help": "with "
+                                 "--best_of: critic, medoid or first (default: critic with --critic, else medoid)"})
+    critic: str | None = field(default=None, metadata={"group": DAGGER, "help": "with --best_of: a chunk critic "
+                               "(policy pi05_chunk_critic) that scores the candidates"})
 
     def __post_init__(self):
         recordable = env_names(recordable=True)
@@ -563,6 +586,11 @@ class RecordArguments:
                                                  "stall_steps") if getattr(self, name) is not None]
         if self.strategy == "policy":
             dagger_flags = [flag for flag in dagger_flags if flag != "--round"]
+        if self.best_of != 1 or self.critic is not None or self.selector is not None:
+            if self.strategy not in ACTING:
+                raise ConfigError("--best_of / --selector / --critic: how the policy acts, taken with --strategy "
+                                  "dagger or policy")
+            self.selector = check_selection_flags(self.best_of, self.selector, self.critic)
         if self.strategy != "dagger" and dagger_flags:
             raise ConfigError(f"{', '.join(dagger_flags)}: DAgger settings, taken with --strategy dagger only (the "
                               "expert records alone)")
