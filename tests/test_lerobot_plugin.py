@@ -122,6 +122,34 @@ def test_lerobot_runs_a_colorreach_checkpoint_as_hf_vla_does(colorreach):
     np.testing.assert_allclose(post(policy.select_action(batch))[0].numpy(), following[0], atol=1e-5, rtol=0)
 
 
+def test_lerobot_runs_best_of_n_as_hf_vla_does(colorreach):
+    """`--policy.best_of=4` (lerobot's config override): the chunk hf_vla's runner picks among its 4 candidates."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import get_policy_class, make_pre_post_processors
+
+    from hf_vla.envs.reach import ColorReachEnv
+    from hf_vla.serving.policy import load_policy
+
+    run, directory = colorreach
+    lerobot_policy(directory)  # discovers the plugin
+    config = PreTrainedConfig.from_pretrained(directory)
+    config.best_of = 4
+    config.__post_init__()
+    policy = get_policy_class(config.type).from_pretrained(directory, config=config)
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(directory))
+    runner = load_policy(run, seed=0, best_of=4)
+    obs, _ = ColorReachEnv(image_size=24).reset(seed=3)
+    task = "move to the red target"
+    batch = {"observation.image": lerobot_frame(obs["observation.image"]),
+             "observation.state": torch.from_numpy(obs["observation.state"]), "task": task}
+    chunk = post(policy.predict_action_chunk(pre(batch)))
+    np.testing.assert_allclose(chunk[0].numpy(), runner(obs, task), atol=1e-5, rtol=0)
+    assert policy.runner.last_selection.index == runner.last_selection.index
+    config.critic = str(run)  # a policy given as the critic: refused in one line
+    with pytest.raises(ValueError, match="not a chunk critic"):
+        get_policy_class(config.type).from_pretrained(directory, config=config)
+
+
 def test_lerobot_runs_a_two_camera_checkpoint_by_key(two_cameras):
     from hf_vla.serving.policy import load_policy
 

@@ -17,17 +17,26 @@ class HFVLAConfig(PreTrainedConfig):
     head: its normalisation head (default: the contract's default head).
     n_action_steps: actions executed from each chunk (default: the contract's).
     seed: the seed of the policy's noise generator (hf_vla's `PolicyRunner`).
+    best_of / selector / critic: best-of-N (hf_vla's docs/best_of_n.md): candidate chunks drawn per observation, the
+        selector that picks one (critic, medoid, first; default critic with a critic, else medoid), and a chunk
+        critic's checkpoint (relative to this config's directory, absolute, or a Hub id).
     """
 
     checkpoint: str = ".."
     head: str | None = None
     n_action_steps: int | None = None
     seed: int = 0
+    best_of: int = 1
+    selector: str | None = None
+    critic: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.n_action_steps is not None and self.n_action_steps < 1:
             raise ValueError(f"n_action_steps={self.n_action_steps}: must be positive")
+        from hf_vla.serving.selection import check_selection_flags
+
+        self.selector = check_selection_flags(self.best_of, self.selector, self.critic)
 
     @property
     def observation_delta_indices(self):

@@ -21,13 +21,14 @@ from lerobot.policies.pretrained import PreTrainedPolicy
 from .configuration_hf_vla import HFVLAConfig
 
 
-def checkpoint_of(config: HFVLAConfig, directory: str | Path | None) -> str:
-    """The hf_vla checkpoint `config.checkpoint` names: a directory relative to the lerobot-side `directory`, an
-    absolute one, or a Hub id."""
-    path = Path(config.checkpoint).expanduser()
+def checkpoint_of(config: HFVLAConfig, directory: str | Path | None, name: str | None = None) -> str:
+    """The hf_vla checkpoint `config.checkpoint` (or `name`, the critic's) names: a directory relative to the
+    lerobot-side `directory`, an absolute one, or a Hub id."""
+    name = config.checkpoint if name is None else name
+    path = Path(name).expanduser()
     if not path.is_absolute() and directory is not None and Path(directory).is_dir():
         path = Path(directory) / path
-    return str(path.resolve()) if path.exists() else config.checkpoint
+    return str(path.resolve()) if path.exists() else name
 
 
 class HFVLAPolicy(PreTrainedPolicy):
@@ -63,8 +64,15 @@ class HFVLAPolicy(PreTrainedPolicy):
         checkpoint = checkpoint_of(config, pretrained_name_or_path)
         contract = resolve_contract(checkpoint)
         cameras, slots = served_cameras(contract, config.head, None, None)
+        best_of = {}
+        if config.best_of > 1:  # best-of-N: the runner picks among its candidates (a critic loaded beside it)
+            from hf_vla.serving.critic import load_critic
+
+            best_of = {"best_of": config.best_of, "selector": config.selector, "critic": None if config.critic is None
+                       else load_critic(checkpoint_of(config, pretrained_name_or_path, config.critic),
+                                        device=config.device or "cpu", flag="critic")}
         runner = load_policy(checkpoint, device=config.device or "cpu", head=config.head, seed=config.seed,
-                             obs_map=ObservationMap(cameras=cameras or None), num_camera_slots=slots)
+                             obs_map=ObservationMap(cameras=cameras or None), num_camera_slots=slots, **best_of)
         policy = cls(config, runner=runner, contract=contract)
         policy.check_features()
         return policy.eval()
