@@ -11,6 +11,9 @@ there (`next.success` each).
 Stages (each skipped where its output exists; figures into `benchmarks/results/best_of_n_cpu.json`):
 - `critic`: a chunk critic (`policy pi05_chunk_critic`) from the start's backbone, on those 200 episodes and 200 expert
   episodes: each frame's executed chunk against the return that followed it; its CPU minutes and data;
+- `decoys`: the mechanism, open loop: on held-out scenes, the scripted expert's first chunk towards the named target
+  against a decoy expert's towards another target; the share of scenes whose expert chunk the critic scores higher
+  (chance 50%; the critic never saw a decoy in training);
 - `arms`: on `--episodes` held-out seeds of the plateau: `single` (one chunk), `random_of_8` (the first of 8
   candidates: one sample's behaviour at 8 chunks' cost), `medoid_best_of_8`, `critic_best_of_8`, and the critic's curve
   over N = 1, 2, 4, 8, 16 (N = 1 is `single`): success (the named target reached first), the other-target rate.
@@ -58,6 +61,34 @@ def stage_critic(results: dict, steps: int) -> None:
                                     "limit) with the chunk executed from it"}
 
 
+def stage_decoys(results: dict, scenes: int) -> None:
+    """The critic's preference for the expert's chunk over a decoy's on the same held-out scene (open loop)."""
+    import numpy as np
+    import torch
+
+    from hf_vla.serving.critic import load_critic
+    from hf_vla.serving.policy import ObservationMap, load_policy, stat_dims
+
+    scorer = load_critic(CRITIC)
+    runner = load_policy(WORK / "start", obs_map=ObservationMap(cameras=["observation.image"]), best_of=2,
+                         critic=scorer, selector="critic")
+    config, head = runner.model.config, runner.head_name()
+    dims = stat_dims(runner.processor.norm_stats[head]["actions"])
+    margins = []
+    for seed in range(mechanism.SEED, mechanism.SEED + scenes):
+        (observation, task, expert), (_, _, decoy) = mechanism._scene_chunks(seed, config.chunk_size)
+        rows = runner.prepare(observation, task=task).rows
+        chunks = torch.zeros(2, config.chunk_size, config.max_action_dim)
+        for i, chunk in enumerate((expert, decoy)):
+            chunks[i, :, :dims] = runner.processor.normalize(torch.as_tensor(chunk, dtype=torch.float32), "actions",
+                                                             head)
+        values = scorer.scores(rows, head, chunks, dims)
+        margins.append(float(values[0] - values[1]))
+    margins = np.asarray(margins)
+    results["decoys"] = {"scenes": scenes, "expert_preferred": round(float((margins > 0).mean()), 4),
+                         "mean_margin": round(float(margins.mean()), 4)}
+
+
 def stage_arms(results: dict, episodes: int, counts: list[int]) -> None:
     """Every arm on the same held-out seeds; an arm already measured at `episodes` is kept."""
     from hf_vla.serving.critic import load_critic
@@ -84,7 +115,7 @@ def stage_arms(results: dict, episodes: int, counts: list[int]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["start", "collect", "critic", "arms", "all"], default="all")
+    parser.add_argument("--stage", choices=["start", "collect", "critic", "decoys", "arms", "all"], default="all")
     parser.add_argument("--episodes", type=int, default=500, help="held-out episodes per arm")
     parser.add_argument("--critic_steps", type=int, default=CRITIC_STEPS)
     parser.add_argument("--counts", default="2,4,8,16", help="the critic's candidate counts")
@@ -98,7 +129,7 @@ def main() -> None:
     def save():
         RESULTS.write_text(json.dumps(everything, indent=1) + "\n")
 
-    stages = ["start", "collect", "critic", "arms"] if args.stage == "all" else [args.stage]
+    stages = ["start", "collect", "critic", "decoys", "arms"] if args.stage == "all" else [args.stage]
     for stage in stages:
         if stage == "start":
             mechanism.stage_start({})
@@ -109,6 +140,8 @@ def main() -> None:
             results["collected_success"] = collected["collected"]["success"]
         elif stage == "critic":
             stage_critic(results, args.critic_steps)
+        elif stage == "decoys":
+            stage_decoys(results, 200)
         elif stage == "arms":
             for name in stage_arms(results, args.episodes, [int(n) for n in args.counts.split(",")]):
                 save()
