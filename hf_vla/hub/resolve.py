@@ -396,5 +396,30 @@ def load_pretrained(checkpoint: str | Path, revision: str | None = None, dtype=N
     return model, family.load("processor").from_pretrained(checkpoint, revision=revision)
 
 
-__all__ = ["cache_dir", "download_dataset_files", "fetch_file", "is_lerobot_checkpoint", "load_config", "load_pretrained", "resolve_contract",
+def load_scorer(checkpoint: str | Path, device: str, flag: str, kind: str, hint: str):
+    """A model that scores rather than acts (a family with `kind` set: `value_model`, `chunk_critic`), eval mode on
+    `device`, and its processor; ConfigError in one line naming `flag` for a checkpoint of another kind (`hint`: how
+    to train the right one)."""
+    from transformers import AutoConfig
+
+    import hf_vla.models.auto  # noqa: F401  (registers hf_vla's model types with AutoConfig)
+    from hf_vla.errors import ConfigError
+    from hf_vla.hub.convert import check_weight_files
+    from hf_vla.registry import find_policy
+
+    try:
+        config = AutoConfig.from_pretrained(str(checkpoint))
+    except (OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"{flag} {str(checkpoint)!r}: no loadable config ({first})") from None
+    family = find_policy(config.model_type)
+    if family is None or not getattr(family, kind):
+        name = family.name if family is not None else config.model_type
+        raise ConfigError(f"{flag} {str(checkpoint)!r}: a {name!r} checkpoint, not {hint}")
+    check_weight_files(checkpoint)
+    model = family.load("model").from_pretrained(str(checkpoint)).eval().to(device)
+    return model, family.load("processor").from_pretrained(str(checkpoint))
+
+
+__all__ = ["cache_dir", "download_dataset_files", "fetch_file", "is_lerobot_checkpoint", "load_config", "load_pretrained", "load_scorer", "resolve_contract",
            "resolve_pretrained"]

@@ -166,26 +166,10 @@ def _failure_cost(args: AnnotateArguments, configs: list) -> float | None:
 
 
 def _load_value_model(checkpoint: str, device: str):
-    from transformers import AutoConfig
+    from hf_vla.hub.resolve import load_scorer
 
-    import hf_vla.models.auto  # noqa: F401  (registers pi05_value with AutoConfig)
-
-    try:
-        config = AutoConfig.from_pretrained(checkpoint)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"--value {checkpoint!r}: no loadable config ({str(error).splitlines()[0]})") from None
-    from hf_vla.registry import find_policy
-
-    family = find_policy(config.model_type)
-    if family is None or not family.value_model:
-        name = family.name if family is not None else config.model_type
-        raise ConfigError(f"--value {checkpoint!r}: a {name!r} checkpoint, not a value model (train one "
-                          "with python -m hf_vla.train and policy pi05_value)")
-    from hf_vla.hub.convert import check_weight_files
-
-    check_weight_files(checkpoint)
-    model = family.load("model").from_pretrained(checkpoint).eval().to(device)
-    return model, family.load("processor").from_pretrained(checkpoint)
+    return load_scorer(checkpoint, device, "--value", "value_model", "a value model (train one with python -m "
+                       "hf_vla.train and policy pi05_value)")
 
 
 def _head(processor, source) -> str:

@@ -73,26 +73,11 @@ def _same(a, b) -> bool:
 def load_critic(checkpoint: str | Path, device: str = "cpu", flag: str = "--critic") -> ChunkCriticScorer:
     """A chunk critic from a directory (or Hub id) trained with `python -m hf_vla.train` and policy
     `pi05_chunk_critic`; ConfigError, one line, for anything else."""
-    from transformers import AutoConfig
+    from hf_vla.hub.resolve import load_scorer
 
-    import hf_vla.models.auto  # noqa: F401  (registers pi05_chunk_critic with AutoConfig)
-    from hf_vla.registry import find_policy
-
-    try:
-        config = AutoConfig.from_pretrained(str(checkpoint))
-    except (OSError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"{flag} {str(checkpoint)!r}: no loadable config ({first})") from None
-    family = find_policy(config.model_type)
-    if family is None or not family.chunk_critic:
-        name = family.name if family is not None else config.model_type
-        raise ConfigError(f"{flag} {str(checkpoint)!r}: a {name!r} checkpoint, not a chunk critic (train one with "
-                          "python -m hf_vla.train and policy pi05_chunk_critic; docs/best_of_n.md)")
-    from hf_vla.hub.convert import check_weight_files
-
-    check_weight_files(checkpoint)
-    model = family.load("model").from_pretrained(str(checkpoint)).eval().requires_grad_(False).to(device)
-    return ChunkCriticScorer(model, family.load("processor").from_pretrained(str(checkpoint)), str(checkpoint))
+    model, processor = load_scorer(checkpoint, device, flag, "chunk_critic", "a chunk critic (train one with python "
+                                   "-m hf_vla.train and policy pi05_chunk_critic; docs/best_of_n.md)")
+    return ChunkCriticScorer(model.requires_grad_(False), processor, str(checkpoint))
 
 
 __all__ = ["ChunkCriticScorer", "load_critic"]
