@@ -437,6 +437,31 @@ def test_annotate_writes_the_indicator_and_leaves_the_source_byte_identical(roun
         np.testing.assert_allclose(frames["recap.return"].to_numpy(), expected.astype(np.float32), rtol=0, atol=0)
     info = json.loads((out / "meta" / "info.json").read_text())
     assert info["features"]["advantage_positive"]["dtype"] == "bool"
+    # how well the value model judged them, per task, against numpy on the written columns
+    for task, entry in summary["tasks"].items():
+        frames = table[table["task_index"].to_numpy() == _task_index(source, task)]
+        expected = np.corrcoef(frames["recap.value"].to_numpy(np.float64), frames["recap.return"].to_numpy(np.float64))
+        assert entry["value_return_correlation"] == pytest.approx(expected[0, 1], abs=1e-5)
+        episodes = frames.groupby("episode_index").agg(mean=("recap.value", "mean"), won=("next.success", "any"))
+        won, lost = episodes["mean"][episodes["won"]].to_numpy(), episodes["mean"][~episodes["won"]].to_numpy()
+        if len(won) and len(lost):
+            pairs = (won[:, None] > lost[None, :]).mean() + 0.5 * (won[:, None] == lost[None, :]).mean()
+            assert entry["value_auc"] == pytest.approx(pairs, abs=1e-6)
+        else:
+            assert entry["value_auc"] is None
+
+
+def test_value_quality_on_hand_made_episodes():
+    from hf_vla.recap.annotate import value_quality
+
+    frames = {0: {"value": np.array([-0.5, -0.2]), "return": np.array([-0.6, -0.1])},
+              1: {"value": np.array([-0.9, -0.8, -0.7]), "return": np.array([-1.0, -1.0, -1.0])},
+              2: {"value": np.zeros(0), "return": np.zeros(0)}}
+    found = value_quality(frames, {0: 1.0, 1: 0.0, 2: 0.0})
+    values, returns = np.array([-0.5, -0.2, -0.9, -0.8, -0.7]), np.array([-0.6, -0.1, -1.0, -1.0, -1.0])
+    assert found["value_return_correlation"] == pytest.approx(np.corrcoef(values, returns)[0, 1])
+    assert found["value_auc"] == 1.0  # the success's mean value above the failure's
+    assert value_quality(frames, {0: 1.0, 1: 1.0})["value_auc"] is None  # no failure to compare
 
 
 def _task_index(root, task):

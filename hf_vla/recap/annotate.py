@@ -259,10 +259,39 @@ def _label(source, per_frame: dict, tasks: dict, thresholds: dict, args: Annotat
                "interventions": int(sum(f["intervention"].sum() for f in per_frame.values())),
                "tasks": {task: {"threshold": thresholds[task],
                                 "positive_fraction": float(np.mean(np.concatenate(
-                                    [per_frame[e]["positive"] for e, t in tasks.items() if t == task])))}
+                                    [per_frame[e]["positive"] for e, t in tasks.items() if t == task]))),
+                                **value_quality({e: f for e, f in per_frame.items() if tasks.get(e) == task},
+                                                {e: outcomes[source.row(e)] for e in per_frame})}
                          for task in sorted(set(tasks.values()))}}
+    for task, figures in summary["tasks"].items():
+        if figures["value_return_correlation"] is not None and figures["value_return_correlation"] < 0.3:
+            logger.warning("%s, task %r: the values barely track the returns (correlation %.2f over its frames): the "
+                           "labels then come from the returns alone; train the value model longer or on more "
+                           "episodes of this task before trusting them (docs/recap.md)", source.name, task,
+                           figures["value_return_correlation"])
     _write(source, target, per_frame, summary)
     return summary
+
+
+def value_quality(per_frame: dict, outcomes: dict) -> dict:
+    """How well a value model judged these episodes: the correlation of its frame values with their returns, and
+    the AUC of an episode's mean value for its success (None where there is nothing to compare)."""
+    values = [f["value"] for f in per_frame.values() if len(f["value"])]
+    returns = [f["return"] for f in per_frame.values() if len(f["value"])]
+    correlation = None
+    if values:
+        values, returns = np.concatenate(values), np.concatenate(returns)
+        finite = np.isfinite(values) & np.isfinite(returns)
+        if finite.sum() > 2 and values[finite].std() > 0 and returns[finite].std() > 0:
+            correlation = float(np.corrcoef(values[finite], returns[finite])[0, 1])
+    means = {e: float(np.mean(f["value"])) for e, f in per_frame.items() if len(f["value"])}
+    won = [m for e, m in means.items() if outcomes.get(e) == 1.0]
+    lost = [m for e, m in means.items() if outcomes.get(e) == 0.0]
+    auc = None
+    if won and lost:
+        won, lost = np.asarray(won)[:, None], np.asarray(lost)[None, :]
+        auc = float((won > lost).mean() + 0.5 * (won == lost).mean())
+    return {"value_return_correlation": correlation, "value_auc": auc}
 
 
 def _columns(source) -> list[str]:
