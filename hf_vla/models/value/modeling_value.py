@@ -94,15 +94,21 @@ class PI05ValueModel(PreTrainedModel):
         image_valid = pixel_attention_mask.bool().repeat_interleave(features.shape[1] // num_cameras, dim=1)
         return torch.cat([features, text], dim=1), torch.cat([image_valid, attention_mask.bool()], dim=1)
 
-    def _returns(self, input_ids, pixel_values, attention_mask, pixel_attention_mask, value_targets,
-                 suffix: tuple[torch.Tensor, torch.Tensor] | None = None) -> PI05ValueOutput:
-        """The return distribution read by the value query after the prefix and `suffix` (tokens `[B, S, width]`
-        and which are real, a block after the prefix: they attend to it and to each other, it not to them)."""
+    def _prefix(self, input_ids, pixel_values, attention_mask=None, pixel_attention_mask=None):
+        """`_embed` with the masks' defaults (every token and camera real)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         if pixel_attention_mask is None:
             pixel_attention_mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool, device=pixel_values.device)
-        prefix, prefix_valid = self._embed(input_ids, pixel_values, pixel_attention_mask, attention_mask)
+        return self._embed(input_ids, pixel_values, pixel_attention_mask, attention_mask)
+
+    def _returns(self, input_ids, pixel_values, attention_mask, pixel_attention_mask, value_targets,
+                 suffix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> PI05ValueOutput:
+        """The return distribution read by the value query after the prefix and `suffix` (tokens `[B, S, width]`
+        and which are real, a block after the prefix: they attend to it and to each other, it not to them).
+        `prefix`: the prefix's embeddings and validity when already computed (`_prefix`)."""
+        prefix, prefix_valid = prefix or self._prefix(input_ids, pixel_values, attention_mask, pixel_attention_mask)
         batch_size = prefix.shape[0]
         query = self.value_query.weight.to(prefix.dtype).expand(batch_size, 1, -1)
         tokens, valid = [prefix, query], [prefix_valid, prefix_valid.new_ones(batch_size, 1)]
@@ -204,13 +210,16 @@ class PI05ChunkCritic(PI05ValueModel):
     def chunk_values(self, candidates: torch.Tensor, action_dim_mask: torch.Tensor | None = None,
                      **inputs) -> torch.FloatTensor:
         """The expected normalised return `[B, N]` of each of `candidates` `[B, N, chunk_size, max_action_dim]` for
-        the observations of processor outputs `inputs` (each row's inputs repeated for its N candidates)."""
+        the observations of processor outputs `inputs`: the vision tower and the embeddings run once per observation;
+        the language model reads each candidate's row (the prefix recomputed per row: no shared cache yet)."""
         batch_size, count = candidates.shape[:2]
-        keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
-        repeated = {k: inputs[k].repeat_interleave(count, dim=0) for k in keys if inputs.get(k) is not None}
+        keys = ("input_ids", "pixel_values", "attention_mask", "pixel_attention_mask")
+        # the cameras and the prompt embedded once per observation, their rows repeated for its candidates
+        prefix = tuple(x.repeat_interleave(count, dim=0) for x in self._prefix(*(inputs.get(k) for k in keys)))
         if action_dim_mask is not None:
             action_dim_mask = action_dim_mask.repeat_interleave(count, dim=0)
-        out = self(**repeated, actions=candidates.flatten(0, 1), action_dim_mask=action_dim_mask)
+        suffix = self._chunk_tokens(candidates.flatten(0, 1), None, action_dim_mask)
+        out = self._returns(None, None, None, None, None, suffix, prefix)
         return out.value.reshape(batch_size, count)
 
 
