@@ -8,7 +8,8 @@ SigLIP 128 x 2, 224 px, three cameras, chunk 50): random weights, batch 1, 10 fl
 model's length. Each N runs in a fresh process: `peak_extra_mib` is its peak resident memory while sampling less the
 peak before (the model and inputs built, nothing sampled), so it counts what sampling N candidates allocates.
 Prints JSON: per size, per N, `ms_per_call` (median), `ms_per_call_separate` (N calls of one chunk, for comparison),
-`ratio_to_one` and `peak_extra_mib`.
+`ratio_to_one`, `peak_extra_mib`, and `ms_critic`: a chunk critic of the same backbone scoring the N candidates
+(`PI05ChunkCritic.chunk_values`; selector `critic` costs `ms_per_call` + `ms_critic`).
 """
 
 from __future__ import annotations
@@ -53,9 +54,27 @@ def _one(size: str, candidates: int, repeats: int) -> dict:
             begin = time.perf_counter()
             separate()
             apart.append(time.perf_counter() - begin)
+        critic = _critic(model.config)
+        candidates_ = batched().reshape(1, candidates, config.chunk_size, config.max_action_dim)
+        critic.chunk_values(candidates_, **inputs)  # warm-up
+        scoring = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            critic.chunk_values(candidates_, **inputs)
+            scoring.append(time.perf_counter() - begin)
     return {"ms_per_call": round(1000 * statistics.median(times), 2),
             "ms_per_call_separate": round(1000 * statistics.median(apart), 2),
-            "peak_extra_mib": round((peak - before) / 1024, 1), "repeats": repeats}
+            "peak_extra_mib": round((peak - before) / 1024, 1), "ms_critic": round(1000 * statistics.median(scoring), 2),
+            "repeats": repeats}
+
+
+def _critic(config):
+    """A chunk critic (random weights) with the policy's backbone, chunk and action width."""
+    from hf_vla.models.value import PI05ChunkCritic, PI05ChunkCriticConfig
+
+    fields = {k: v for k, v in config.to_dict().items() if k in PI05ChunkCriticConfig.__dataclass_fields__
+              and k not in ("model_type", "transformers_version", "architectures", "auto_map")}
+    return PI05ChunkCritic(PI05ChunkCriticConfig(**fields)).eval()
 
 
 def main():
