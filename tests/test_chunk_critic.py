@@ -119,6 +119,22 @@ def test_the_runner_acts_on_the_critics_choice_among_the_policys_own_candidates(
     np.testing.assert_allclose(out[0], expected, atol=1e-5, rtol=0)
 
 
+def test_the_critic_picks_among_real_time_chunked_candidates(policy, critic, tiny_tokenizer):
+    """With real-time chunking every candidate continues the chunk being executed: the chosen one starts with the
+    actions already committed, whichever the critic picks."""
+    model, processor = policy
+    scorer = ChunkCriticScorer(critic, PI05Processor.from_config(critic.config, tiny_tokenizer, norm_stats=NORM_STATS,
+                                                                 head_names=[HEAD]), "critic")
+    runner = PolicyRunner(model, processor, seed=2, best_of=5, selector="critic", critic=scorer)
+    frames = observations(2, seed=9)
+    observation, task = next(frames)
+    first = runner({**observation, "prompt": task})
+    observation, task = next(frames)
+    second = runner({**observation, "prompt": task}, inference_delay=2, executed_steps=3)
+    assert runner.last_rtc_method is not None and runner.last_selection is not None
+    np.testing.assert_allclose(second[:2], first[3:5], atol=1e-5, rtol=0)  # the committed actions, as executed
+
+
 def test_a_critic_of_another_action_space_or_without_a_critic_is_refused_in_one_line(policy, critic, tiny_tokenizer):
     model, processor = policy
     other = {HEAD: {**NORM_STATS[HEAD], "actions": {k: [v * 2 for v in vals] if isinstance(vals, list) else vals
