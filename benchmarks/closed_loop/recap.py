@@ -29,6 +29,8 @@ Arms:
   executed actions, failures included, no indicator) for RECAP's minutes less its collection (the episodes are
   RECAP's);
 - `recap_weighted`: RECAP with the demonstrations' mixture weight `--demo_weight` (ColorReach);
+- `relabel`: the value models' budget alone: RECAP's last round labelled and trained again on the episodes both
+  rounds collected, with cross-fitted value models of `--relabel_steps` (their ranking per task, the policy's success);
 - `guidance`: the RECAP policy evaluated with `--cfg_beta` 1.5 and 2.5;
 - `judge`: the last value model's mean predicted value over episodes of each arm's policy acting alone, ranked against
   the arms' held-out success (Spearman).
@@ -224,6 +226,64 @@ def stage_start(bench: Bench, results: dict) -> None:
                                 "wall_seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1)}
 
 
+def _label_and_train(bench: Bench, collected: list[Path], round_dir: Path, value_steps: int,
+                     demo_weight: float = 1.0) -> tuple[float, list[Path]]:
+    """A round's labels and policy: two value models from the start's backbone (`value_steps` each), each holding out
+    one fold of the collected episodes (cross-fitting: every collected episode is annotated by a model that never
+    trained on it), the annotation, and the policy from the base on the demonstrations and the annotated episodes.
+    -> the CPU seconds and the value models."""
+    work, cpu_total, folds = bench.work, 0.0, []
+    for fold in range(2):
+        value_out = round_dir / f"value_fold{fold}"
+        datasets = _demos(bench, success=True) + [_collected(bench, root, f"round{i + 1}", hold_out_fold=[fold, 2])
+                                                  for i, root in enumerate(collected)]
+        _, cpu, _ = _run([sys.executable, "-m", "hf_vla.train", str(bench.config), "--policy", "pi05_value",
+                          "--model_name_or_path", str(work / "start"), "--model_config", "null", "--datasets",
+                          json.dumps(datasets), "--generate_demo_data", "false", "--validation_ratio", "0",
+                          "--max_steps", str(value_steps), "--learning_rate", "3e-4",
+                          "--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", "{}", "--warmup_steps", "50",
+                          "--eval_strategy", "no", "--save_strategy", "no", "--disable_tqdm", "true",
+                          "--output_dir", str(value_out)], round_dir / f"value_fold{fold}.log")
+        cpu_total += cpu
+        folds.append(value_out)
+    annotated = round_dir / "annotated"
+    _, cpu, _ = _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
+                      json.dumps([_collected(bench, root, f"round{i + 1}") for i, root in enumerate(collected)]),
+                      "--positive_fraction", str(bench.positive_fraction), "--output", str(annotated),
+                      "--overwrite", "true"], round_dir / "annotate.log")
+    cpu_total += cpu
+    conditioned = _demos(bench, advantage={"value": True}, weight=demo_weight) + [
+        _collected(bench, annotated / f"round{i + 1}" if len(collected) > 1 else annotated, f"round{i + 1}",
+                   advantage={"key": "advantage_positive"}) for i in range(len(collected))]
+    # from the base (the start) on all the data so far, as each of the paper's iterations fine-tunes
+    _, cpu, _ = _train_policy(bench, work / "start", conditioned, round_dir / "policy", round_dir / "policy.log",
+                              steps=bench.policy_steps)
+    return cpu_total + cpu, folds
+
+
+def arm_relabel(bench: Bench, value_steps: int) -> dict:
+    """The value model's budget alone: RECAP's last round again on the episodes both rounds collected, its two
+    cross-fitted value models trained `value_steps` each (the policy from the base as the round trains it); the
+    annotation's ranking (cross-fitted AUC, per task) and the policy's success."""
+    work = bench.work
+    collected = sorted(work.glob("recap_round*/rollouts"))
+    round_dir = work / f"relabel_value{value_steps}"
+    round_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    cpu, _ = _label_and_train(bench, collected, round_dir, value_steps)
+    summaries = json.loads((round_dir / "annotated" / "meta" / "hf_vla_recap.json").read_text()) \
+        if (round_dir / "annotated" / "meta" / "hf_vla_recap.json").exists() else []
+    per_task = {}
+    for summary in summaries:
+        for task, figures in summary["tasks"].items():
+            per_task.setdefault(task, {})[summary["dataset"]] = {
+                k: figures.get(k) for k in ("value_auc", "value_return_correlation", "positive_fraction")}
+    return {**evaluate(bench, round_dir / "policy", f"relabel_value{value_steps}"), "value_steps": value_steps,
+            "episodes_collected": sum(1 for _ in collected) * bench.collect * max(1, len(bench.tasks)),
+            "label_cpu_minutes": round(cpu / 60, 2), "minutes": round((time.perf_counter() - started) / 60, 2),
+            "cross_fitted": _cross_fitted_auc(round_dir / "annotated"), "per_task": per_task}
+
+
 def arm_recap(bench: Bench, rounds: int, name: str = "recap", demo_weight: float = 1.0) -> dict:
     """RECAP's rounds; returns the arm's record (minutes, episodes, per-round figures)."""
     work = bench.work
@@ -240,36 +300,9 @@ def arm_recap(bench: Bench, rounds: int, name: str = "recap", demo_weight: float
         collection_s, collection_cpu, cpu_total = collection_s + seconds, collection_cpu + cpu, cpu_total + cpu
         collected.append(rollouts)
         successes = _successes(rollouts)
-        # two value models from the start's backbone, each holding out one fold of the collected episodes
-        # (cross-fitting: every collected episode is annotated by a model that never trained on it)
-        folds = []
-        for fold in range(2):
-            value_out = round_dir / f"value_fold{fold}"
-            datasets = _demos(bench, success=True) + [_collected(bench, root, f"round{i + 1}", hold_out_fold=[fold, 2])
-                                                      for i, root in enumerate(collected)]
-            _, cpu, _ = _run([sys.executable, "-m", "hf_vla.train", str(bench.config), "--policy", "pi05_value",
-                              "--model_name_or_path", str(work / "start"), "--model_config", "null", "--datasets",
-                              json.dumps(datasets), "--generate_demo_data", "false", "--validation_ratio", "0",
-                              "--max_steps", str(bench.value_steps), "--learning_rate", "3e-4",
-                              "--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", "{}", "--warmup_steps", "50",
-                              "--eval_strategy", "no", "--save_strategy", "no", "--disable_tqdm", "true",
-                              "--output_dir", str(value_out)], round_dir / f"value_fold{fold}.log")
-            cpu_total += cpu
-            folds.append(value_out)
+        cpu, folds = _label_and_train(bench, collected, round_dir, bench.value_steps, demo_weight)
+        cpu_total += cpu
         value = folds[0]
-        annotated = round_dir / "annotated"
-        _, cpu, _ = _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
-                          json.dumps([_collected(bench, root, f"round{i + 1}") for i, root in enumerate(collected)]),
-                          "--positive_fraction", str(bench.positive_fraction), "--output", str(annotated),
-                          "--overwrite", "true"], round_dir / "annotate.log")
-        cpu_total += cpu
-        conditioned = _demos(bench, advantage={"value": True}, weight=demo_weight) + [
-            _collected(bench, annotated / f"round{i + 1}" if len(collected) > 1 else annotated, f"round{i + 1}",
-                       advantage={"key": "advantage_positive"}) for i in range(len(collected))]
-        # from the base (the start) on all the data so far, as each of the paper's iterations fine-tunes
-        _, cpu, _ = _train_policy(bench, work / "start", conditioned, round_dir / "policy", round_dir / "policy.log",
-                                  steps=bench.policy_steps)
-        cpu_total += cpu
         policy = round_dir / "policy"
         record["rounds"].append({"collected": bench.collect * max(1, len(bench.tasks)),
                                  "collected_success": successes, "value_steps": bench.value_steps,
@@ -441,7 +474,8 @@ def main():
     parser.add_argument("--bench", choices=sorted(BENCHES), default="colorreach")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "recap_cpu.json"))
     parser.add_argument("--arms", default=",".join(ARMS) + ",guidance,judge", help=f"comma list of {', '.join(ARMS)}, "
-                        "recap_weighted, guidance (the RECAP policy evaluated with cfg_beta 1.5 and 2.5) and judge "
+                        "recap_weighted, relabel (the last round again with value models of --relabel_steps), "
+                        "guidance (the RECAP policy evaluated with cfg_beta 1.5 and 2.5) and judge "
                         "(the value model as a judge of the arms' checkpoints)")
     parser.add_argument("--episodes", type=int, default=None, help="held-out episodes per evaluation (per task)")
     parser.add_argument("--collect", type=int, default=None, help="episodes RECAP collects per round (per task)")
@@ -452,6 +486,8 @@ def main():
     parser.add_argument("--value_steps", type=int, default=None)
     parser.add_argument("--judge_episodes", type=int, default=None, help="judge: episodes of each checkpoint (per task)")
     parser.add_argument("--policy_steps", type=int, default=None)
+    parser.add_argument("--relabel_steps", type=int, default=3000, help="relabel: the value models' steps when the "
+                        "last round is labelled and trained again on the same collected episodes")
     parser.add_argument("--demo_weight", type=float, default=4.0, help="recap_weighted: the demonstrations' mixture "
                         "weight against 1 for each round's collected episodes")
     parser.add_argument("--parallel", type=int, default=None, help="arms (and evaluations) run at once (default: 1 on "
@@ -515,6 +551,9 @@ def main():
                 jobs.append(pool.submit(bc))
         for job in jobs:
             job.result()
+    if "relabel" in arms:  # the value model's budget alone: the last round again with longer-trained value models
+        results[f"relabel_value{args.relabel_steps}"] = arm_relabel(bench, args.relabel_steps)
+        save()
     if "guidance" in arms:  # the RECAP policy with classifier-free guidance towards "positive"
         with ThreadPoolExecutor(parallel) as pool:
             def guided(beta):
