@@ -235,6 +235,9 @@ def _label_and_train(bench: Bench, collected: list[Path], round_dir: Path, value
     work, cpu_total, folds = bench.work, 0.0, []
     for fold in range(2):
         value_out = round_dir / f"value_fold{fold}"
+        folds.append(value_out)
+        if (value_out / "model.safetensors").exists():  # a resumed run: the model is kept (its CPU not counted)
+            continue
         datasets = _demos(bench, success=True) + [_collected(bench, root, f"round{i + 1}", hold_out_fold=[fold, 2])
                                                   for i, root in enumerate(collected)]
         _, cpu, _ = _run([sys.executable, "-m", "hf_vla.train", str(bench.config), "--policy", "pi05_value",
@@ -245,7 +248,6 @@ def _label_and_train(bench: Bench, collected: list[Path], round_dir: Path, value
                           "--eval_strategy", "no", "--save_strategy", "no", "--disable_tqdm", "true",
                           "--output_dir", str(value_out)], round_dir / f"value_fold{fold}.log")
         cpu_total += cpu
-        folds.append(value_out)
     annotated = round_dir / "annotated"
     _, cpu, _ = _run([sys.executable, "-m", "hf_vla.recap", "annotate", "--value", *map(str, folds), "--datasets",
                       json.dumps([_collected(bench, root, f"round{i + 1}") for i, root in enumerate(collected)]),
