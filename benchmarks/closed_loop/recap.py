@@ -273,8 +273,8 @@ def arm_relabel(bench: Bench, value_steps: int) -> dict:
     round_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     cpu, _ = _label_and_train(bench, collected, round_dir, value_steps)
-    summaries = json.loads((round_dir / "annotated" / "meta" / "hf_vla_recap.json").read_text()) \
-        if (round_dir / "annotated" / "meta" / "hf_vla_recap.json").exists() else []
+    several, one = round_dir / "annotated" / "hf_vla_recap.json", round_dir / "annotated" / "meta" / "hf_vla_recap.json"
+    summaries = json.loads(several.read_text()) if several.exists() else [json.loads(one.read_text())]
     per_task = {}
     for summary in summaries:
         for task, figures in summary["tasks"].items():
