@@ -95,9 +95,12 @@ def stage_arms(results: dict, episodes: int, counts: list[int]) -> None:
 
     arms = results.setdefault("arms", {})
     critic = load_critic(CRITIC)
-    plans = {"single": {}, "random_of_8": {"best_of": 8, "selector": "first"},
-             "medoid_best_of_8": {"best_of": 8, "selector": "medoid"}}
-    plans |= {f"critic_best_of_{n}": {"best_of": n, "selector": "critic", "critic": critic} for n in counts if n > 1}
+    # the headline arms first (one sample, the critic's and the medoid's choice of 8), then the critic's curve
+    plans = {"single": {}, "critic_best_of_8": {"best_of": 8, "selector": "critic", "critic": critic},
+             "medoid_best_of_8": {"best_of": 8, "selector": "medoid"},
+             "random_of_8": {"best_of": 8, "selector": "first"}}
+    plans |= {f"critic_best_of_{n}": {"best_of": n, "selector": "critic", "critic": critic} for n in counts
+              if n > 1 and n != 8}
     for name, kwargs in plans.items():
         if arms.get(name, {}).get("episodes") == episodes:
             continue
