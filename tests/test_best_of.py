@@ -74,7 +74,9 @@ def test_the_server_replies_with_the_choice_and_the_spread(policy):
     from hf_vla.serving.server import PolicyServer
 
     model, processor = policy
-    served = ThreadServer(PolicyServer(PolicyRunner(model, processor, best_of=3), max_best_of=6))
+    from hf_vla.serving.policy import InputLimits
+
+    served = ThreadServer(PolicyServer(PolicyRunner(model, processor, best_of=3, limits=InputLimits(max_best_of=6))))
     try:
         client = WebsocketClientPolicy(served.uri)
         assert client.get_server_metadata()["best_of"] == {"default": 3, "max": 6, "selector": "medoid",
@@ -86,7 +88,7 @@ def test_the_server_replies_with_the_choice_and_the_spread(policy):
         # a request's own N, bounded by the server's max_best_of: the runner's choice among that many candidates
         observation, task = next(observations(1, seed=4))
         reply = client.infer({**observation, "prompt": task, "best_of": 6, "episode_seed": 21})
-        runner = PolicyRunner(model, processor, best_of=6)
+        runner = PolicyRunner(model, processor, best_of=6)  # the same draws as the request's 6
         runner.reset(seed=21)
         np.testing.assert_allclose(reply["actions"], runner({**observation, "prompt": task}), atol=1e-5, rtol=0)
         assert reply["best_of/index"] == runner.last_selection.index

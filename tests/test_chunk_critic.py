@@ -50,22 +50,25 @@ def test_each_candidate_is_scored_alone_and_the_chunk_is_read(critic):
                              for r in range(2)])
     torch.testing.assert_close(scores, alone, atol=1e-5, rtol=0)
     assert scores[0].std() > 0  # the chunk moves the score
-    # a padded step (past an episode's end) and a padded action dim are not read
+    # a padded step (past an episode's end) is not read, nor a padded action dim of a candidate
     chunk = candidates[0, :1].clone()
     pad = torch.zeros(1, config.chunk_size, dtype=torch.bool)
     pad[:, -2:] = True
-    dim_mask = torch.ones(1, config.max_action_dim)
-    dim_mask[:, -1] = 0
     first = {k: v[:1] for k, v in inputs.items()}
     with torch.no_grad():
-        base = critic(**first, actions=chunk, action_is_pad=pad, action_dim_mask=dim_mask).value
+        base = critic(**first, actions=chunk, action_is_pad=pad).value
         moved = chunk.clone()
         moved[:, -2:] += 5.0
-        moved[:, :, -1] += 5.0
-        same = critic(**first, actions=moved, action_is_pad=pad, action_dim_mask=dim_mask).value
+        same = critic(**first, actions=moved, action_is_pad=pad).value
         read = critic(**first, actions=moved).value
     torch.testing.assert_close(same, base, atol=1e-5, rtol=0)
     assert not torch.allclose(read, base, atol=1e-4)
+    dim_mask = torch.ones(1, config.max_action_dim)
+    dim_mask[:, -1] = 0
+    padded = candidates[:1].clone()
+    padded[..., -1] += 5.0
+    torch.testing.assert_close(critic.chunk_values(padded, action_dim_mask=dim_mask, **first),
+                               critic.chunk_values(candidates[:1] * dim_mask, **first), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match=r"actions: a chunk of shape \[B, 8, 2\]"):
         critic(**first, actions=chunk[:, :3])
 

@@ -168,7 +168,7 @@ def record(args: RecordArguments, env_kwargs: dict | None = None, progress: bool
         if strategy == "policy":
             dagger = DaggerSettings(expert_labels=False)
         runner, resolved = _dagger_policy(env, policy, tasks, image_size, max_episode_steps, env_kwargs, episodes,
-                                          device, _best_of_settings(args))
+                                          {"device": device, **_best_of_settings(args)})
         tasks, image_size, max_episode_steps, env_kwargs = (resolved["task"], resolved["image_size"],
                                                             resolved["max_episode_steps"], resolved["env_kwargs"])
         if strategy == "policy":
@@ -447,10 +447,10 @@ def _best_of_settings(args: RecordArguments) -> dict:
 
 
 def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | None, max_episode_steps: int | None,
-                   env_kwargs: dict | None, episodes: int, device: str, best_of: dict | None = None):
-    """The policy of a DAgger recording, loaded, and the settings its deployment contract fixes (tasks, image size,
-    episode limit, env arguments such as a crop): a flag that contradicts the contract, or a checkpoint trained in
-    another env, is refused in one line."""
+                   env_kwargs: dict | None, episodes: int, runner: dict):
+    """The policy of a DAgger recording, loaded (`runner`: `load_policy`'s device and best-of-N settings), and the
+    settings its deployment contract fixes (tasks, image size, episode limit, env arguments such as a crop): a flag
+    that contradicts the contract, or a checkpoint trained in another env, is refused in one line."""
     from hf_vla.deployment.contract import ContractError, head_spec
     from hf_vla.envs.settings import EnvRequest, plan_env
     from hf_vla.hub.resolve import resolve_contract
@@ -479,9 +479,9 @@ def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | N
                               f"{key}={merged[key]}; drop the flag: DAgger runs the policy as it was trained")
     merged = {k: v for k, v in (merged | {k: v for k, v in given.items() if v is not None}).items()
               if k != "image_size"}
-    runner = load_policy(policy, device=device, obs_map=ObservationMap(cameras=settings["cameras"].value or None),
+    runner = load_policy(policy, obs_map=ObservationMap(cameras=settings["cameras"].value or None),
                          num_camera_slots=len(spec["cameras"]) if spec else None,
-                         memory_stride=settings["memory_stride"].value, **(best_of or {}))
+                         memory_stride=settings["memory_stride"].value, **runner)
     task = settings["task"].value if find_env(env).tasks else None  # ColorReach draws its instruction per episode
     return runner, {"task": task, "image_size": settings["image_size"].value,
                     "n_action_steps": int(settings["n_action_steps"].value),

@@ -82,7 +82,8 @@ def _serve(args, rtc, obs_map, contract, slots, record_lock):
     runner = load_policy(args.checkpoint, device=resolve_device(args.device), revision=args.revision, obs_map=obs_map, seed=args.seed,
                          rtc=rtc.rtc_config(), num_camera_slots=slots, cfg_beta=args.cfg_beta,
                          best_of=args.best_of, selector=args.selector, critic=_critic(args),
-                         limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range))
+                         limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range,
+                                            max_best_of=args.max_best_of))
     _check_guidance(runner, args.cfg_beta, args.max_cfg_beta)
     heads = runner.processor.head_names
     if args.head is not None or len(heads) == 1:
@@ -96,8 +97,7 @@ def _serve(args, rtc, obs_map, contract, slots, record_lock):
     recorder = _recorder(args, contract, runner, record_lock) if args.record else None
     server = PolicyServer(runner, metadata=metadata, max_message_mb=args.max_message_mb,
                           api_key=args.api_key or os.environ.get(API_KEY_ENV), max_batch=args.max_batch,
-                          max_connections=args.max_connections, recorder=recorder, max_cfg_beta=args.max_cfg_beta,
-                          max_best_of=args.max_best_of)
+                          max_connections=args.max_connections, recorder=recorder, max_cfg_beta=args.max_cfg_beta)
     logger.info("metadata %s", json.dumps(server.metadata))
     import signal
 

@@ -30,11 +30,13 @@ class InputLimits:
     action). `max_image_side`: pixels per image side; `max_prompt_chars`: task string length; `max_state_range`: how
     far a state value, or an action of an RTC leftover (`prev_chunk_left_over`), may lie outside the head's training
     range, in multiples of its q01..q99 width (a reading 10,000 widths away is a sensor fault or a wrong unit, not a
-    state the policy has seen, and a leftover that far out would be blended into the next chunk)."""
+    state the policy has seen, and a leftover that far out would be blended into the next chunk); `max_best_of`: the
+    most candidate chunks a request's own `best_of` may ask for (None: the runner's `best_of`)."""
 
     max_image_side: int = 2048
     max_prompt_chars: int = 2000
     max_state_range: float = 1e4
+    max_best_of: int | None = None
 
 
 def _image_chw(key: str, value, limits: InputLimits = InputLimits()) -> torch.Tensor:
@@ -411,8 +413,9 @@ class PolicyRunner:
         the policy must not act on. `continuation`: how it continues the chunk being executed (default: an
         independent chunk); `cfg_beta`: this request's guidance of an advantage-conditioned policy (default the
         runner's); `subtask`: this request's subtask (a text, or "auto"; default the runner's); `best_of`: this
-        request's candidate count (default the runner's; the caller bounds it)."""
+        request's candidate count (default the runner's; at most `limits.max_best_of`)."""
         continuation = continuation or Continuation()
+        best_of = self._request_best_of(best_of)
         inference_delay, executed_steps = continuation.inference_delay, continuation.executed_steps
         prev_chunk_left_over, execution_horizon = continuation.prev_chunk_left_over, continuation.execution_horizon
         head = self.head_name(head)
@@ -470,6 +473,22 @@ class PolicyRunner:
                    "rtc_config": replace(self.rtc, method=method)}  # as resolved here
         return PreparedRequest(inputs, noise, head, rtc, state=state[None], decode_subtask=decode, subtask=text,
                                reprompt=reprompt, rows=rows if self.critic is not None else None)
+
+    def max_best_of(self) -> int:
+        """The most candidates a request may ask for."""
+        return self.limits.max_best_of or self.best_of
+
+    def _request_best_of(self, value) -> int | None:
+        """A request's `best_of`: a whole number in [1, max_best_of], or None (the runner's)."""
+        if value is None:
+            return None
+        bound = self.max_best_of()
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 1 <= int(value) <= bound:
+            raise RequestError(f"best_of={value!r}: a whole number in [1, {bound}] (the server's --max_best_of)")
+        if int(value) > 1 and model_input_keys(self.model) == STATE_INPUTS:
+            raise RequestError("best_of: candidate chunks from one prefix need a pi0.5 policy; transformers' pi0 "
+                               "samples one chunk per call")
+        return int(value)
 
     def _camera_images(self, observation: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The observation's camera images in the policy's slots `[slots, 3, H, W]` (absent slots zero) and which are

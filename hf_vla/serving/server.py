@@ -45,11 +45,9 @@ class PolicyServer:
 
     def __init__(self, runner: PolicyRunner, metadata: dict | None = None, max_message_mb: float | None = None,
                  api_key: str | None = None, max_batch: int = 8, max_connections: int | None = None,
-                 recorder=None, max_cfg_beta: float = 3.0, max_best_of: int | None = None):
+                 recorder=None, max_cfg_beta: float = 3.0):
         self.runner = runner
         self.max_cfg_beta = float(max_cfg_beta)  # the largest guidance a request may ask of a RECAP policy
-        # the most candidate chunks a request's `best_of` may ask for (None: the runner's own count, no more)
-        self.max_best_of = int(max_best_of if max_best_of is not None else runner.best_of)
         self.recorder = recorder  # a `hf_vla.serving.recorder.ServeRecorder`: what clients sent and got, as episodes
         self.batcher = Batcher(runner.model, runner.device, max_batch)
         cameras = len(runner.obs_map.cameras) if runner.obs_map.cameras else runner.num_camera_slots
@@ -83,7 +81,7 @@ class PolicyServer:
                               runner.processor, "cfg_beta", 1.0), "max_cfg_beta": self.max_cfg_beta,
                           "indicator": getattr(runner.processor, "advantage_indicator", None)},
             # best-of-N: a request's `best_of` (1 to `max`) overrides `default`
-            "best_of": {"default": runner.best_of, "max": self.max_best_of, "selector": runner.selector,
+            "best_of": {"default": runner.best_of, "max": runner.max_best_of(), "selector": runner.selector,
                         "critic": getattr(runner.critic, "path", None)},
             # pi0.5's high-level inference: a request's `subtask` (a text, or "auto") overrides `default`
             "subtask": {"layout": getattr(config, "subtask_layout", None), "default": runner.subtask,
@@ -100,18 +98,6 @@ class PolicyServer:
             raise RequestError(f"cfg_beta={value!r}: a number in [0, {self.max_cfg_beta:g}] (the server's "
                                "--max_cfg_beta); 1 is plain conditioning on 'Advantage: positive'")
         return float(value)
-
-    def _best_of(self, value) -> int | None:
-        """A request's `best_of` (candidate chunks for this observation): a whole number in [1, max_best_of], or None
-        (the server's)."""
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 1 <= int(value) <= self.max_best_of:
-            raise RequestError(f"best_of={value!r}: a whole number in [1, {self.max_best_of}] (the server's "
-                               "--max_best_of)")
-        if int(value) > 1 and policy_name(self.runner.model) == "pi0":
-            raise RequestError("best_of: transformers' pi0 samples one chunk per call")
-        return int(value)
 
     def connection_runner(self) -> PolicyRunner:
         return dataclasses.replace(self.runner)  # the same settings; a fresh generator and no last chunk
@@ -159,7 +145,7 @@ class PolicyServer:
             return {"observed": True}
         delay = _optional_int(request.get("rtc/inference_delay", 0), "rtc/inference_delay")
         cfg_beta = self._cfg_beta(request.get("cfg_beta"))
-        best_of = self._best_of(request.get("best_of"))
+        best_of = request.get("best_of")  # checked by the runner against its limits.max_best_of
         subtask = request.get("subtask")
         if subtask is not None and (not isinstance(subtask, str) or len(subtask) > runner.limits.max_prompt_chars):
             raise RequestError(f"subtask: a text of at most {runner.limits.max_prompt_chars} characters, or 'auto'")

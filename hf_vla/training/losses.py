@@ -148,7 +148,7 @@ def value_per_sample_loss(model, inputs: dict) -> tuple[PerSampleLoss, object]:
     its target (`value_targets`: the normalised return, binned by the model's config), one element per sample."""
     keys = ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")
     if getattr(getattr(model, "module", model), "reads_chunk", False):  # a chunk critic: Q(o, chunk executed)
-        keys += ("actions", "action_is_pad", "action_dim_mask")
+        keys += ("actions", "action_is_pad")
     outputs = model(**{k: inputs[k] for k in keys if k in inputs}, value_targets=inputs["value_targets"])
     per_sample = outputs.per_sample_loss
     return PerSampleLoss(per_sample, torch.ones_like(per_sample)), outputs

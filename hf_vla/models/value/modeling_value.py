@@ -171,7 +171,8 @@ class PI05ChunkCritic(PI05ValueModel):
     policy's candidate chunks (`hf_vla.serving.selection`, selector `critic`).
 
     The chunk is a block after the prompt: the prompt does not attend to it. Padded chunk steps (`action_is_pad`, past
-    an episode's end) are left out of attention; the model's padded action dims are zeroed by `action_dim_mask`."""
+    an episode's end) are left out of attention; `chunk_values` zeroes a policy's padded action dims
+    (`action_dim_mask`)."""
 
     config_class = PI05ChunkCriticConfig
     reads_chunk = True
@@ -186,13 +187,11 @@ class PI05ChunkCritic(PI05ValueModel):
         if module is getattr(self, "chunk_position", None):
             nn.init.normal_(module.weight, std=0.02)
 
-    def _chunk_tokens(self, actions, action_is_pad=None, action_dim_mask=None):
+    def _chunk_tokens(self, actions, action_is_pad=None):
         if actions.shape[1:] != (self.config.chunk_size, self.config.max_action_dim):
             raise ValueError(f"actions: a chunk of shape [B, {self.config.chunk_size}, {self.config.max_action_dim}] "
                              f"(chunk_size, max_action_dim), got {list(actions.shape)}")
         actions = actions.float()
-        if action_dim_mask is not None:
-            actions = actions * action_dim_mask.to(actions.dtype)[:, None, :]
         tokens = self.chunk_in(actions) + self.chunk_position.weight.float()[None]
         valid = torch.ones(actions.shape[:2], dtype=torch.bool, device=actions.device) if action_is_pad is None \
             else ~action_is_pad.bool()
@@ -200,10 +199,11 @@ class PI05ChunkCritic(PI05ValueModel):
 
     def forward(self, input_ids: torch.LongTensor, pixel_values: torch.FloatTensor, actions: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, pixel_attention_mask: torch.Tensor | None = None,
-                action_is_pad: torch.Tensor | None = None, action_dim_mask: torch.Tensor | None = None,
-                value_targets: torch.Tensor | None = None, **kwargs) -> PI05ValueOutput:
-        """`actions`: the chunk `[B, chunk_size, max_action_dim]`, normalised as the policy's processor does."""
-        suffix = self._chunk_tokens(actions, action_is_pad, action_dim_mask)
+                action_is_pad: torch.Tensor | None = None, value_targets: torch.Tensor | None = None,
+                **kwargs) -> PI05ValueOutput:
+        """`actions`: the chunk `[B, chunk_size, max_action_dim]`, normalised as the policy's processor does (its
+        padded action dims zero, as the processor pads them)."""
+        suffix = self._chunk_tokens(actions, action_is_pad)
         return self._returns(input_ids, pixel_values, attention_mask, pixel_attention_mask, value_targets, suffix)
 
     @torch.no_grad()
@@ -216,9 +216,9 @@ class PI05ChunkCritic(PI05ValueModel):
         keys = ("input_ids", "pixel_values", "attention_mask", "pixel_attention_mask")
         # the cameras and the prompt embedded once per observation, their rows repeated for its candidates
         prefix = tuple(x.repeat_interleave(count, dim=0) for x in self._prefix(*(inputs.get(k) for k in keys)))
-        if action_dim_mask is not None:
-            action_dim_mask = action_dim_mask.repeat_interleave(count, dim=0)
-        suffix = self._chunk_tokens(candidates.flatten(0, 1), None, action_dim_mask)
+        if action_dim_mask is not None:  # a policy's candidates carry values in its padded dims: zeroed
+            candidates = candidates * action_dim_mask.to(candidates.dtype)[:, None, None, :]
+        suffix = self._chunk_tokens(candidates.flatten(0, 1))
         out = self._returns(None, None, None, None, None, suffix, prefix)
         return out.value.reshape(batch_size, count)
 
