@@ -438,12 +438,9 @@ def _best_of_settings(args: RecordArguments) -> dict:
     """The runner's best-of-N settings from `--best_of`, `--selector`, `--critic` (the critic loaded)."""
     if args.best_of == 1:
         return {}
-    settings = {"best_of": args.best_of, "selector": args.selector}
-    if args.critic is not None:
-        from hf_vla.serving.critic import load_critic
+    from hf_vla.serving.critic import critic_flag
 
-        settings["critic"] = load_critic(args.critic, device=args.device)
-    return settings
+    return {"best_of": args.best_of, "selector": args.selector, "critic": critic_flag(args.critic, args.device)}
 
 
 def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | None, max_episode_steps: int | None,

@@ -24,6 +24,7 @@ from hf_vla.evaluation.plan import EvaluationPlan, default_tasks_at_once, plan_e
 from hf_vla.evaluation.remote import RemotePolicy
 from hf_vla.models.common.rtc_config import RTCConfig
 from hf_vla.registry import task_env
+from hf_vla.serving.critic import critic_flag
 from hf_vla.serving.policy import ObservationMap, RequestError, check_cfg_beta, load_policy
 
 logger = logging.getLogger("hf_vla.evaluate")
@@ -147,16 +148,6 @@ def evaluate_checkpoint(args: EvaluateArguments, rtc_config: RTCConfig | None = 
     return result
 
 
-def _critic(args):
-    """`--critic`'s chunk critic, loaded where the policy runs (None without the flag)."""
-    if args.critic is None:
-        return None
-    from hf_vla.cli import resolve_device
-    from hf_vla.serving.critic import load_critic
-
-    return load_critic(args.critic, device=resolve_device(args.device))
-
-
 def _local_policy(plan: EvaluationPlan, args: EvaluateArguments, rtc_config: RTCConfig | None):
     """The plan's checkpoint loaded in-process (`PolicyRunner`) and its chunk size. A checkpoint without a contract
     is checked here against what the loaded policy says (guidance, subtasks, its default head)."""
@@ -172,7 +163,7 @@ def _local_policy(plan: EvaluationPlan, args: EvaluateArguments, rtc_config: RTC
                          obs_map=ObservationMap(cameras=settings["cameras"].value or None),
                          num_camera_slots=len(spec["cameras"]) if spec else None, cfg_beta=args.cfg_beta,
                          subtask_every=args.subtask_every, best_of=args.best_of, selector=args.selector,
-                         critic=_critic(args), **subtask)
+                         critic=critic_flag(args.critic, resolve_device(args.device)), **subtask)
     if policy.subtask is not None and not getattr(policy.model.config, "subtask_layout", None):
         raise ConfigError(f"--subtask {args.subtask}: this checkpoint was not trained with subtasks")
     check_cfg_beta("--cfg_beta", args.cfg_beta, policy)

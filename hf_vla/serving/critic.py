@@ -80,4 +80,9 @@ def load_critic(checkpoint: str | Path, device: str = "cpu", flag: str = "--crit
     return ChunkCriticScorer(model.requires_grad_(False), processor, str(checkpoint))
 
 
-__all__ = ["ChunkCriticScorer", "load_critic"]
+def critic_flag(checkpoint: str | None, device: str = "cpu") -> ChunkCriticScorer | None:
+    """A command's `--critic`: the critic loaded where the policy runs, or None without the flag."""
+    return None if checkpoint is None else load_critic(checkpoint, device=device)
+
+
+__all__ = ["ChunkCriticScorer", "critic_flag", "load_critic"]

@@ -65,23 +65,16 @@ def _check_guidance(runner, cfg_beta, max_cfg_beta) -> None:
     check_cfg_beta("--cfg_beta", cfg_beta, runner)
 
 
-def _critic(args):
-    """`--critic`'s chunk critic, loaded where the policy runs (None without the flag)."""
-    if args.critic is None:
-        return None
-    from hf_vla.serving.critic import load_critic
-
-    return load_critic(args.critic, device=resolve_device(args.device))
-
-
 def _serve(args, rtc, obs_map, contract, slots, record_lock):
     """Load the policy and serve it until stopped (the recording, if any, joined at the end)."""
+    from hf_vla.serving.critic import critic_flag
     from hf_vla.serving.policy import InputLimits, RequestError, load_policy
     from hf_vla.serving.server import PolicyServer
 
     runner = load_policy(args.checkpoint, device=resolve_device(args.device), revision=args.revision, obs_map=obs_map, seed=args.seed,
                          rtc=rtc.rtc_config(), num_camera_slots=slots, cfg_beta=args.cfg_beta,
-                         best_of=args.best_of, selector=args.selector, critic=_critic(args),
+                         best_of=args.best_of, selector=args.selector,
+                         critic=critic_flag(args.critic, resolve_device(args.device)),
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range,
                                             max_best_of=args.max_best_of))
     _check_guidance(runner, args.cfg_beta, args.max_cfg_beta)
