@@ -32,6 +32,11 @@ head's statistics), which lerobot's `PI05Policy.from_pretrained` and its async-i
 exports it to transformers' own pi0.5 format (5.25+: `PI05ForConditionalGeneration`, `PI05Processor`;
 docs/transformers.md); the other way, `--input` a directory transformers' pi0.5 and its processor were saved to
 writes an hf_vla checkpoint (one head, `--head`, default "default"), which trains as any other.
+
+    python -m hf_vla.convert --input outputs/policy --critic outputs/critic --best_of 8 --output outputs/policy_bo8
+
+bundles a chunk critic (docs/best_of_n.md) with an hf_vla policy: the copy holds it in `critic/` and its deployment
+contract records best-of-8 with it, which `evaluate`, `serve`, `record` and the lerobot plugin run without flags.
 """
 
 from __future__ import annotations
@@ -84,6 +89,11 @@ class ConvertArguments:
                                        "per chunk, 1..chunk_size (default: the checkpoint's contract)", "min": 1})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing --output (after the new one is "
                             "complete)"})
+    critic: str | None = field(default=None, metadata={"help": "bundle this chunk critic (a directory trained with "
+                               "policy pi05_chunk_critic) with the hf_vla policy --input: --output is the policy with "
+                               "the critic in critic/ and best-of-N in its contract"})
+    best_of: int | None = field(default=None, metadata={"help": "with --critic: candidate chunks per observation the "
+                                "bundle samples (default 8)"})
     vision_heads: int | None = field(default=None, metadata={"help": "--to hf_vla from a lerobot checkpoint whose "
                                      "SigLIP tower is not pi0's So400m: its attention heads (not stored in the weights; "
                                      "default: heads of 64 dims, with a warning)", "min": 1})
@@ -99,6 +109,10 @@ def main(argv=None):
                           "convert a lerobot checkpoint on load, or call hf_vla.resolve_pretrained(id) for the path")
     if not source.is_dir():
         raise ConfigError(f"--input {args.input!r}: {'is a file, not' if source.exists() else 'no such'} directory")
+    if args.best_of is not None and args.critic is None:
+        raise ConfigError(f"--best_of {args.best_of}: taken with --critic (bundling a chunk critic)")
+    if args.critic is not None:
+        return _bundle(source, Path(args.output), args)
     if args.n_action_steps is not None and args.to == "hf_vla":
         raise ConfigError(f"--n_action_steps {args.n_action_steps}: taken with --to lerobot_plugin or --to lerobot; "
                           "a converted or merged checkpoint keeps its source's (change it at evaluate / serve time)")
@@ -163,6 +177,30 @@ def main(argv=None):
     setup_logging()
     return convert_checkpoint(args.input, args.output, tokenizer=args.tokenizer or "google/paligemma-3b-pt-224",
                               head=head, overwrite=args.overwrite, vision_heads=args.vision_heads)
+
+
+def _bundle(source: Path, output: Path, args) -> Path:
+    """`--critic`: the hf_vla policy `source` with the chunk critic bundled (`hf_vla.serving.critic.bundle_critic`)."""
+    unused = [f"--{name}" for name in ("tokenizer", "head", "n_action_steps", "vision_heads")
+              if getattr(args, name) is not None]
+    if args.to != "hf_vla" or unused:
+        raise ConfigError(f"--critic: bundles a critic into an hf_vla checkpoint; leave out "
+                          f"{', '.join(unused) or '--to ' + args.to}")
+    model_type = checkpoint_model_type(source, f"--input {str(source)!r}")
+    from hf_vla.registry import find_policy
+
+    family = find_policy(model_type) if model_type else None
+    if family is None or family.value_model or family.chunk_critic:
+        raise ConfigError(f"--input {str(source)!r}: --critic bundles a critic with an hf_vla policy checkpoint (its "
+                          f"config.json's model_type is {model_type!r})")
+    from hf_vla.cli import setup_logging
+    from hf_vla.serving.critic import bundle_critic
+
+    setup_logging()
+    written = bundle_critic(source, args.critic, output, 8 if args.best_of is None else args.best_of, args.overwrite)
+    logger.info("bundled the chunk critic %s with %s into %s (best-of-%d)", args.critic, source, output,
+                8 if args.best_of is None else args.best_of)
+    return written
 
 
 def _upgrade_legacy(source: Path, output: Path, overwrite: bool) -> Path:

@@ -112,7 +112,8 @@ def test_best_of_settings_are_recorded_and_refused_in_one_line(tmp_path, policy)
     assert plan.record()["best_of"] == {"value": {"candidates": 8, "selector": "medoid"}, "source": "flag"}
     assert "best_of" not in plan_evaluation(EvaluateArguments(checkpoint=str(checkpoint), episodes=1)).record()
     for kwargs, message in [({"best_of": 65}, "--best_of 65: 1 to 64"), ({"best_of": 0}, "--best_of 0: 1 to 64"),
-                            ({"best_of": 2, "server": "ws://127.0.0.1:1"}, "--best_of: an in-process setting")]:
+                            ({"best_of": 2, "server": "ws://127.0.0.1:1"},
+                             "--best_of / --selector / --critic: in-process settings")]:
         with pytest.raises(ConfigError, match=message):
             EvaluateArguments(checkpoint=str(checkpoint), episodes=1, **kwargs)
     from hf_vla.serving.arguments import ServeArguments

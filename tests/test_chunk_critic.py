@@ -73,6 +73,36 @@ def test_each_candidate_is_scored_alone_and_the_chunk_is_read(critic):
         critic(**first, actions=chunk[:, :3])
 
 
+def test_negative_chunks_read_another_rows_chunk_as_a_failure():
+    """`negative_chunks`: in training, the drawn rows read the previous row's chunk (and padding) against the worst
+    return, -1; the others, and every row outside training, are untouched."""
+    critic = randomize_(PI05ChunkCritic(_critic_config(negative_chunks=0.5)), seed=5, scale=0.2).train()
+    config = critic.config
+    inputs = _observation_inputs(config, rows=4)
+    generator = torch.Generator().manual_seed(2)
+    actions = torch.randn(4, config.chunk_size, config.max_action_dim, generator=generator)
+    pad = torch.zeros(4, config.chunk_size, dtype=torch.bool)
+    pad[0, -3:] = True
+    targets = torch.tensor([-0.1, -0.2, -0.3, -0.4])
+    torch.manual_seed(0)
+    swap = torch.rand(4) < 0.5
+    assert swap.any() and not swap.all()
+    torch.manual_seed(0)
+    drawn = critic(**inputs, actions=actions, action_is_pad=pad, value_targets=targets).per_sample_loss
+    critic.config.negative_chunks = 0.0
+    expected = critic(**inputs, actions=torch.where(swap[:, None, None], actions.roll(1, 0), actions),
+                      action_is_pad=torch.where(swap[:, None], pad.roll(1, 0), pad),
+                      value_targets=torch.where(swap, torch.tensor(-1.0), targets)).per_sample_loss
+    torch.testing.assert_close(drawn, expected, atol=1e-5, rtol=0)
+    critic.config.negative_chunks = 0.5
+    plain = critic.eval()(**inputs, actions=actions, action_is_pad=pad, value_targets=targets).per_sample_loss
+    assert not torch.allclose(plain, expected, atol=1e-4)  # outside training every row reads its own chunk
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    with pytest.raises(StrictDataclassClassValidationError, match="negative_chunks=1.0: a share in"):
+        _critic_config(negative_chunks=1.0)
+
+
 def test_the_critic_selector_takes_the_highest_score():
     candidates = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(0))
     scores = torch.tensor([-0.5, -0.1, -0.9, -0.1, -0.3])
@@ -213,3 +243,68 @@ def test_a_critic_trains_loads_and_picks_in_evaluate(trained, capsys):
 
     with pytest.raises(ValueError, match="scores action chunks, not a policy"):
         load_pretrained(trained["critic"])
+
+
+def test_a_critic_bundled_with_its_policy_runs_without_flags(trained, tmp_path, monkeypatch):
+    """`hf_vla.convert --critic` copies the policy with the critic in `critic/` and best-of-N in its contract;
+    evaluate and record then run it without flags (a flag still wins), a Hub copy finds its critic, and what cannot
+    work is one line."""
+    from hf_vla.convert import main as convert_main
+    from hf_vla.deployment.contract import RECORD_MARKER, read
+    from hf_vla.envs.recording import RecordArguments, record
+    from hf_vla.evaluate import main as evaluate_main
+    from hf_vla.serving.critic import load_critic, plan_best_of
+
+    bundle = tmp_path / "bundle"
+    convert_main(["--input", str(trained["run"]), "--critic", str(trained["critic"]), "--best_of", "3", "--output",
+                  str(bundle)])
+    contract = read(bundle)
+    assert contract.best_of == {"candidates": 3, "selector": "critic", "critic": "critic"}
+    assert (bundle / "critic" / "model.safetensors").is_file() and not list(bundle.glob("checkpoint-*"))
+    assert isinstance(load_critic(bundle / "critic").model, PI05ChunkCritic)
+
+    def settings(*flags):
+        out = tmp_path / f"eval{len(list(tmp_path.glob('eval*')))}"
+        evaluate_main(["--checkpoint", str(bundle), "--episodes", "2", "--output_dir", str(out), "--save_videos", "0",
+                       *flags])
+        return json.loads((out / "eval_result.json").read_text())["settings"].get("best_of")
+
+    assert settings() == {"value": {"candidates": 3, "selector": "critic", "critic": str(bundle / "critic")},
+                          "source": "checkpoint"}
+    assert settings("--best_of", "1") is None  # one sample, as asked
+    assert settings("--best_of", "4", "--selector", "medoid") == {"value": {"candidates": 4, "selector": "medoid"},
+                                                                  "source": "flag"}
+    rollouts = tmp_path / "rollouts"
+    record(RecordArguments(env="color_reach", output=rollouts, episodes=1, strategy="policy", policy=str(bundle)),
+           progress=False)
+    acted = json.loads((rollouts / "meta" / RECORD_MARKER).read_text())["best_of"]
+    assert acted["candidates"] == 3 and acted["selector"] == "critic" and acted["critic"].endswith("critic")
+    # a copy on the Hub (here its cache) finds the critic in its own folder
+    from huggingface_hub import constants
+    from test_hub import add_to_hub_cache
+
+    cache = tmp_path / "hub_cache"
+    add_to_hub_cache(cache, "someone/policy_best_of_3", bundle)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    hub = plan_best_of(None, None, None, contract, "someone/policy_best_of_3")
+    assert hub.critic.startswith(str(cache)) and isinstance(load_critic(hub.critic).model, PI05ChunkCritic)
+    # refused in one line: a critic that is not one, a bundle without its folder, flags that cannot run together
+    with pytest.raises(ConfigError, match="--critic .*: a 'pi05' checkpoint, not a chunk critic"):
+        convert_main(["--input", str(trained["run"]), "--critic", str(trained["run"]), "--output", str(tmp_path / "x")])
+    with pytest.raises(ConfigError, match="--best_of 1: a critic picks among 2 or more"):
+        convert_main(["--input", str(trained["run"]), "--critic", str(trained["critic"]), "--best_of", "1",
+                      "--output", str(tmp_path / "x")])
+    with pytest.raises(ConfigError, match="--best_of 3: taken with --critic"):
+        convert_main(["--input", str(trained["run"]), "--best_of", "3", "--output", str(tmp_path / "x")])
+    with pytest.raises(ConfigError, match="--critic bundles a critic with an hf_vla policy checkpoint .*pi05_chunk_critic"):
+        convert_main(["--input", str(trained["critic"]), "--critic", str(trained["critic"]), "--output",
+                      str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+    import shutil
+
+    shutil.rmtree(bundle / "critic")
+    with pytest.raises(ConfigError, match="bundles a chunk critic at critic/, which is missing"):
+        plan_best_of(None, None, None, contract, bundle)
+    assert plan_best_of(1, None, None, contract, bundle).best_of == 1  # --best_of 1 needs no critic
+    with pytest.raises(ConfigError, match="--selector critic: give --critic PATH"):
+        plan_best_of(4, "critic", None, None, trained["run"])

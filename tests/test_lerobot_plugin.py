@@ -145,7 +145,7 @@ def test_lerobot_runs_best_of_n_as_hf_vla_does(colorreach):
     chunk = post(policy.predict_action_chunk(pre(batch)))
     np.testing.assert_allclose(chunk[0].numpy(), runner(obs, task), atol=1e-5, rtol=0)
     assert policy.runner.last_selection.index == runner.last_selection.index
-    config.critic = str(run)  # a policy given as the critic: refused in one line
+    config.critic, config.selector = str(run), None  # a policy given as the critic: refused in one line
     with pytest.raises(ValueError, match="not a chunk critic"):
         get_policy_class(config.type).from_pretrained(directory, config=config)
 

@@ -2,6 +2,8 @@
 
     python -m benchmarks.closed_loop.best_of_n                   # every stage, resumable
     python -m benchmarks.closed_loop.best_of_n --episodes 200    # fewer held-out episodes per arm
+    python -m benchmarks.closed_loop.best_of_n --stage critic,decoys --critic_steps 4000 --negatives 0.5
+                                                                 # another critic and its decoy test
 
 The start and its experience are the RECAP mechanism's (`benchmarks.closed_loop.recap_mechanism`, shared under
 `data_cache/recap_mechanism`): the demo recipe (1,000 expert episodes, 5,000 steps), which reads its prompt, on targets
@@ -10,7 +12,8 @@ there (`next.success` each).
 
 Stages (each skipped where its output exists; figures into `benchmarks/results/best_of_n_cpu.json`):
 - `critic`: a chunk critic (`policy pi05_chunk_critic`) from the start's backbone, on those 200 episodes and 200 expert
-  episodes: each frame's executed chunk against the return that followed it; its CPU minutes and data;
+  episodes: each frame's executed chunk against the return that followed it (`--negatives`: that share of each batch
+  reads another frame's chunk as a failure); its CPU minutes and data, under `critics` by its steps and negatives;
 - `decoys`: the mechanism, open loop: on held-out scenes, the scripted expert's first chunk towards the named target
   against a decoy expert's towards another target; the share of scenes whose expert chunk the critic scores higher
   (chance 50%; the critic never saw a decoy in training);
@@ -29,7 +32,6 @@ from benchmarks.closed_loop import recap_mechanism as mechanism
 
 REPO = mechanism.REPO
 WORK = mechanism.WORK
-CRITIC = WORK / "chunk_critic"
 RESULTS = REPO / "benchmarks" / "results" / "best_of_n_cpu.json"
 CRITIC_STEPS = 1500
 
@@ -39,29 +41,37 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def stage_critic(results: dict, steps: int) -> None:
+def critic_name(steps: int, negatives: float) -> str:
+    return f"s{steps}_n{round(negatives * 100)}"
+
+
+def stage_critic(results: dict, steps: int, negatives: float) -> None:
     """The chunk critic from the start's backbone, with the start's statistics (its candidates are read as sampled):
     warmup 50 steps to 3e-4, cosine."""
     datasets = [mechanism._dataset(WORK / "collected", "collected"), mechanism._dataset(WORK / "expert_200", "expert")]
-    if (CRITIC / "model.safetensors").exists():
+    name = critic_name(steps, negatives)
+    out = WORK / f"chunk_critic_{name}"
+    if (out / "model.safetensors").exists():
         return
     cpu = _children_cpu()
     seconds = mechanism._run([
         mechanism.sys.executable, "-m", "hf_vla.train", str(REPO / "configs" / "demo.json"), "--policy",
-        "pi05_chunk_critic", "--model_name_or_path", str(WORK / "start"), "--model_config", "null",
+        "pi05_chunk_critic", "--model_name_or_path", str(WORK / "start"),
+        "--model_config", json.dumps({"negative_chunks": negatives}),
         "--norm_stats_from", str(WORK / "start"), "--datasets", json.dumps(datasets), "--generate_demo_data", "false",
         "--validation_ratio", "0", "--max_steps", str(steps), "--learning_rate", "3e-4", "--lr_scheduler_type",
-        "cosine", "--lr_scheduler_kwargs", "{}", "--warmup_steps", "50", "--output_dir", str(CRITIC),
-        "--disable_tqdm", "true"], CRITIC.with_suffix(".log"))
-    results["critic"] = {"steps": steps, "wall_minutes": round(seconds / 60, 2),
-                         "cpu_minutes": round((_children_cpu() - cpu) / 60, 2),
-                         "data": {"collected": {"episodes": 200, "success": results.get("collected_success")},
-                                  "expert": {"episodes": 200, "success": 1.0}},
-                         "targets": "each frame's normalised return (steps to success; a failure costs the episode "
-                                    "limit) with the chunk executed from it"}
+        "cosine", "--lr_scheduler_kwargs", "{}", "--warmup_steps", "50", "--output_dir", str(out),
+        "--disable_tqdm", "true"], out.with_suffix(".log"))
+    results.setdefault("critics", {})[name] = {
+        "steps": steps, "negative_chunks": negatives, "wall_minutes": round(seconds / 60, 2),
+        "cpu_minutes": round((_children_cpu() - cpu) / 60, 2),
+        "data": {"collected": {"episodes": 200, "success": results.get("collected_success")},
+                 "expert": {"episodes": 200, "success": 1.0}},
+        "targets": "each frame's normalised return (steps to success; a failure costs the episode limit) with the "
+                   "chunk executed from it"}
 
 
-def stage_decoys(results: dict, scenes: int) -> None:
+def stage_decoys(results: dict, scenes: int, name: str) -> None:
     """The critic's preference for the expert's chunk over a decoy's on the same held-out scene (open loop)."""
     import numpy as np
     import torch
@@ -69,7 +79,7 @@ def stage_decoys(results: dict, scenes: int) -> None:
     from hf_vla.serving.critic import load_critic
     from hf_vla.serving.policy import ObservationMap, load_policy, stat_dims
 
-    scorer = load_critic(CRITIC)
+    scorer = load_critic(WORK / f"chunk_critic_{name}")
     runner = load_policy(WORK / "start", obs_map=ObservationMap(cameras=["observation.image"]), best_of=2,
                          critic=scorer, selector="critic")
     config, head = runner.model.config, runner.head_name()
@@ -85,32 +95,35 @@ def stage_decoys(results: dict, scenes: int) -> None:
         values = scorer.scores(rows, head, chunks, dims)
         margins.append(float(values[0] - values[1]))
     margins = np.asarray(margins)
-    results["decoys"] = {"scenes": scenes, "expert_preferred": round(float((margins > 0).mean()), 4),
-                         "mean_margin": round(float(margins.mean()), 4)}
+    results.setdefault("critics", {}).setdefault(name, {})["decoys"] = {
+        "scenes": scenes, "expert_preferred": round(float((margins > 0).mean()), 4),
+        "mean_margin": round(float(margins.mean()), 4)}
 
 
-def stage_arms(results: dict, episodes: int, counts: list[int]) -> None:
-    """Every arm on the same held-out seeds; an arm already measured at `episodes` is kept."""
+def stage_arms(results: dict, episodes: int, counts: list[int], name: str) -> None:
+    """Every arm on the same held-out seeds; an arm already measured at `episodes` (and a critic's with this critic)
+    is kept."""
     from hf_vla.serving.critic import load_critic
 
     arms = results.setdefault("arms", {})
-    critic = load_critic(CRITIC)
+    critic = load_critic(WORK / f"chunk_critic_{name}")
     # the headline arms first (one sample, the critic's and the medoid's choice of 8), then the critic's curve
     plans = {"single": {}, "critic_best_of_8": {"best_of": 8, "selector": "critic", "critic": critic},
              "medoid_best_of_8": {"best_of": 8, "selector": "medoid"},
              "random_of_8": {"best_of": 8, "selector": "first"}}
     plans |= {f"critic_best_of_{n}": {"best_of": n, "selector": "critic", "critic": critic} for n in counts
               if n > 1 and n != 8}
-    for name, kwargs in plans.items():
-        if arms.get(name, {}).get("episodes") == episodes:
+    for arm, kwargs in plans.items():
+        if arms.get(arm, {}).get("episodes") == episodes and arms[arm].get("critic") == (
+                name if "critic" in kwargs else None):
             continue
         cpu = _children_cpu() + sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
         record = mechanism.closed_loop(WORK / "start", episodes, env_kwargs=mechanism.PLATEAU, **kwargs)
         used = _children_cpu() + sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) - cpu
-        arms[name] = {"mean_success": record["success"], "episodes": record["episodes"],
-                      "other_target_rate": record["decoy_rate"], "none_rate": record["none_rate"],
-                      "cpu_minutes": round(used / 60, 2)}
-        yield name
+        arms[arm] = {"mean_success": record["success"], "episodes": record["episodes"],
+                     "other_target_rate": record["decoy_rate"], "none_rate": record["none_rate"],
+                     "cpu_minutes": round(used / 60, 2), **({"critic": name} if "critic" in kwargs else {})}
+        yield arm
     curve = {1: arms.get("single", {}).get("mean_success")}
     curve |= {n: arms.get(f"critic_best_of_{n}", {}).get("mean_success") for n in counts if n > 1}
     results["critic_curve"] = {str(n): v for n, v in sorted(curve.items())}
@@ -118,9 +131,10 @@ def stage_arms(results: dict, episodes: int, counts: list[int]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["start", "collect", "critic", "decoys", "arms", "all"], default="all")
+    parser.add_argument("--stage", default="all", help="all, or some of start, collect, critic, decoys, arms (commas)")
     parser.add_argument("--episodes", type=int, default=500, help="held-out episodes per arm")
     parser.add_argument("--critic_steps", type=int, default=CRITIC_STEPS)
+    parser.add_argument("--negatives", type=float, default=0.0, help="the critic's negative_chunks share")
     parser.add_argument("--counts", default="2,4,8,16", help="the critic's candidate counts")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
@@ -132,7 +146,8 @@ def main() -> None:
     def save():
         RESULTS.write_text(json.dumps(everything, indent=1) + "\n")
 
-    stages = ["start", "collect", "critic", "decoys", "arms"] if args.stage == "all" else [args.stage]
+    stages = ["start", "collect", "critic", "decoys", "arms"] if args.stage == "all" else args.stage.split(",")
+    name = critic_name(args.critic_steps, args.negatives)
     for stage in stages:
         if stage == "start":
             mechanism.stage_start({})
@@ -142,13 +157,13 @@ def main() -> None:
             mechanism.stage_collect(collected, 200)
             results["collected_success"] = collected["collected"]["success"]
         elif stage == "critic":
-            stage_critic(results, args.critic_steps)
+            stage_critic(results, args.critic_steps, args.negatives)
         elif stage == "decoys":
-            stage_decoys(results, 200)
+            stage_decoys(results, 200, name)
         elif stage == "arms":
-            for name in stage_arms(results, args.episodes, [int(n) for n in args.counts.split(",")]):
+            for arm in stage_arms(results, args.episodes, [int(n) for n in args.counts.split(",")], name):
                 save()
-                print(json.dumps({name: results["arms"][name]}), flush=True)
+                print(json.dumps({arm: results["arms"][arm]}), flush=True)
         save()
     print(json.dumps(results, indent=1), flush=True)
 

@@ -37,6 +37,10 @@ The file is plain JSON, versioned (`version`), readable without torch or hf_vla 
   "cfg_beta": 1.0, "indicator": "text"}`: every call asks for "Advantage: positive" (in the indicator's form: a prompt
   segment of its own, the expert's embedding, or appended to the task for checkpoints trained before the segment),
   and with `cfg_beta` != 1 the velocity is guided, `v_u + beta (v_c - v_u)`. None (absent) otherwise.
+- `best_of`: best-of-N bundled with the checkpoint (docs/best_of_n.md; `python -m hf_vla.convert --critic`):
+  `{"candidates": 8, "selector": "critic", "critic": "critic"}`, the candidate chunks drawn per observation, the
+  selector, and the chunk critic's folder inside the checkpoint (None: no critic). `evaluate`, `serve`, `record` and
+  the lerobot plugin run it unless their flags say otherwise (`--best_of 1`: one sample). None (absent) otherwise.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class DeploymentConfig:
     subtask: dict | None = None
     # MEM: {"frames", "stride" (dataset frames), "visual", "proprio", "fps" (the data's; None: unknown)}
     memory: dict | None = None
+    # best-of-N: {"candidates": N, "selector": ..., "critic": a folder inside the checkpoint, or None}
+    best_of: dict | None = None
 
     def __post_init__(self):
         if not 1 <= int(self.n_action_steps) <= int(self.chunk_size):
@@ -87,7 +93,7 @@ class DeploymentConfig:
 
     def to_dict(self) -> dict:
         return {"version": self.version, **{k: v for k, v in asdict(self).items() if k != "version" and not (
-            k in ("advantage", "subtask", "memory") and v is None)}}  # (no such field for the policies trained without it)
+            k in ("advantage", "subtask", "memory", "best_of") and v is None)}}  # (no such field for the policies trained without it)
 
     @classmethod
     def from_dict(cls, data: dict, where: str = FILE_NAME) -> DeploymentConfig:
@@ -96,7 +102,7 @@ class DeploymentConfig:
             raise ValueError(f"{where}: deployment contract version {version!r}; this hf_vla reads version {VERSION} "
                              "(upgrade hf_vla, or rewrite the file)")
         known = {"policy", "chunk_size", "n_action_steps", "image_size", "heads", "default_head", "source", "version",
-                 "advantage", "subtask", "memory"}
+                 "advantage", "subtask", "memory", "best_of"}
         unknown = sorted(set(data) - known)
         if unknown:  # fields a later hf_vla added within this version: read what this one knows
             logging.getLogger("hf_vla.deployment.contract").warning("%s: ignoring field(s) %s that this hf_vla does not know",

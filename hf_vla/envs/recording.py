@@ -195,7 +195,7 @@ def record(args: RecordArguments, env_kwargs: dict | None = None, progress: bool
                  "n_action_steps": resolved["n_action_steps"], "plan_steps": resolved["plan_steps"]}
         if runner.best_of > 1:  # best-of-N: the policy acts on one of N candidates a step
             plan["best_of"] = {"candidates": runner.best_of, "selector": runner.selector,
-                               "critic": checkpoint_identity(args.critic) if args.critic else None}
+                               "critic": checkpoint_identity(runner.critic.path) if runner.critic else None}
         if getattr(runner.processor, "advantage_conditioned", False):  # RECAP: what the policy was asked for
             plan["advantage"] = {"indicator": "positive", "cfg_beta": runner.processor.cfg_beta}
 
@@ -435,12 +435,13 @@ def _frame_text(family):
 
 
 def _best_of_settings(args: RecordArguments) -> dict:
-    """The runner's best-of-N settings from `--best_of`, `--selector`, `--critic` (the critic loaded)."""
-    if args.best_of == 1:
-        return {}
-    from hf_vla.serving.critic import critic_flag
+    """The runner's best-of-N settings from `--best_of`, `--selector`, `--critic` over the policy's contract (a bundled
+    critic: `hf_vla.serving.critic.plan_best_of`), the critic loaded."""
+    from hf_vla.hub.resolve import resolve_contract
+    from hf_vla.serving.critic import plan_best_of
 
-    return {"best_of": args.best_of, "selector": args.selector, "critic": critic_flag(args.critic, args.device)}
+    best_of = plan_best_of(args.best_of, args.selector, args.critic, resolve_contract(args.policy), args.policy)
+    return best_of.runner_kwargs(args.device)
 
 
 def _dagger_policy(env: str, policy: str, tasks: str | None, image_size: int | None, max_episode_steps: int | None,
@@ -558,8 +559,9 @@ class RecordArguments:
     stall_steps: int | None = field(default=None, metadata={"group": DAGGER, "help": "dagger: the expert takes over "
                                     "after this many steps without a new best reward"})
     device: str = field(default="cpu", metadata={"group": DAGGER, "help": "dagger: where the policy runs"})
-    best_of: int = field(default=1, metadata={"group": DAGGER, "min": 1, "help": "dagger / policy: candidate chunks "
-                         "drawn per step, one chosen by --selector (docs/best_of_n.md)"})
+    best_of: int | None = field(default=None, metadata={"group": DAGGER, "min": 1, "help": "dagger / policy: "
+                                "candidate chunks drawn per step, one chosen by --selector (docs/best_of_n.md; "
+                                "default: the policy's contract, where it bundles a critic, else 1)"})
     selector: str | None = field(default=None, metadata={"group": DAGGER, "choices": list(SELECTORS), "help": "with "
                                  "--best_of: critic, medoid or first (default: critic with --critic, else medoid)"})
     critic: str | None = field(default=None, metadata={"group": DAGGER, "help": "with --best_of: a chunk critic "
@@ -583,7 +585,7 @@ class RecordArguments:
                                                  "stall_steps") if getattr(self, name) is not None]
         if self.strategy == "policy":
             dagger_flags = [flag for flag in dagger_flags if flag != "--round"]
-        if self.best_of != 1 or self.critic is not None or self.selector is not None:
+        if self.best_of is not None or self.critic is not None or self.selector is not None:
             if self.strategy not in ACTING:
                 raise ConfigError("--best_of / --selector / --critic: how the policy acts, taken with --strategy "
                                   "dagger or policy")

@@ -71,8 +71,9 @@ class EvaluateArguments:
         "throughout (in-process)"})
     subtask_every: int | None = field(default=None, metadata={"min": 1, "help": "with --subtask auto: chunks between "
                                       "decodes (default: the checkpoint's contract, 1)"})
-    best_of: int = field(default=1, metadata={"min": 1, "help": "best-of-N: candidate chunks drawn per observation "
-                         "from one prefix, one chosen by --selector (in-process; 1: one sample)"})
+    best_of: int | None = field(default=None, metadata={"min": 1, "help": "best-of-N: candidate chunks drawn per "
+                                "observation from one prefix, one chosen by --selector (in-process; default: the "
+                                "checkpoint's contract, where it bundles a critic, else 1: one sample)"})
     selector: str | None = field(default=None, metadata={"choices": list(SELECTORS), "help": "with --best_of: "
                                  "critic (the highest expected return by --critic), medoid (the candidate closest "
                                  "to all the others) or first (default: critic with --critic, else medoid)"})
@@ -91,8 +92,9 @@ class EvaluateArguments:
         if self.cfg_beta is not None and self.server is not None:
             raise ConfigError("--cfg_beta: an in-process setting; a server's policy is guided by the server "
                               "(serve --cfg_beta, or each request's cfg_beta)")
-        if self.best_of != 1 and self.server is not None:
-            raise ConfigError("--best_of: an in-process setting; a server samples as it was started")
+        if self.server is not None and (self.best_of not in (None, 1) or self.critic or self.selector):
+            raise ConfigError("--best_of / --selector / --critic: in-process settings; a server samples as it was "
+                              "started")
         self.selector = check_selection_flags(self.best_of, self.selector, self.critic)
         if self.critic is not None:
             self.critic = model_source("--critic", self.critic)

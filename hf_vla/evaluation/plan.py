@@ -36,6 +36,7 @@ class EvaluationPlan:
     checkpoint: str | None = None
     remote: object = None  # RemotePolicy
     overrides: tuple = ()  # `--override`: the contract's settings the flags may contradict
+    best_of: object = None  # in-process best-of-N (`hf_vla.serving.critic.BestOfPlan`), None for a server
 
     def record(self) -> dict:
         """The settings as `eval_result.json` records them: `{name: {"value", "source"}}`."""
@@ -87,6 +88,7 @@ def plan_evaluation(args: EvaluateArguments, env_kwargs: dict | None = None) -> 
     from hf_vla.envs.episodes import default_num_envs
     from hf_vla.evaluation.remote import RemotePolicy
     from hf_vla.hub.resolve import resolve_contract
+    from hf_vla.serving.critic import plan_best_of
     from hf_vla.storage import check_creatable
 
     checkpoint, server, episodes = args.checkpoint, args.server, args.episodes
@@ -101,7 +103,7 @@ def plan_evaluation(args: EvaluateArguments, env_kwargs: dict | None = None) -> 
              for name in ("image_size", "max_episode_steps")}
     for name in flags:
         env_kwargs.pop(name, None)
-    remote = None
+    remote = best_of = None
     if server is not None:
         remote = RemotePolicy(websocket_uri("server", server))
         contract = remote.metadata.get("deployment")
@@ -116,9 +118,9 @@ def plan_evaluation(args: EvaluateArguments, env_kwargs: dict | None = None) -> 
     extra = {"subtask": _subtask_setting(args, contract, env_id, local=remote is None)}
     if remote is None:  # a server applies its own guidance (`serve --cfg_beta`, `max_cfg_beta`)
         extra["cfg_beta"] = _guidance_setting(args, contract)
-        if args.best_of > 1:  # best-of-N: in-process only
-            extra["best_of"] = Setting({"candidates": args.best_of, "selector": args.selector,
-                                        **({"critic": args.critic} if args.critic else {})}, "flag")
+        best_of = plan_best_of(args.best_of, args.selector, args.critic, contract, checkpoint, args.revision)
+        if best_of.best_of > 1:  # best-of-N: in-process only (flags, or what the checkpoint bundles)
+            extra["best_of"] = Setting(best_of.record(), best_of.source)
     env_cameras = env_camera_keys(env_id, env.env_kwargs)  # Meta-World renders the cameras its arguments name
     chosen = settings["cameras"].value
     if chosen and settings["cameras"].source == "checkpoint" and not set(chosen) <= set(env_cameras):
@@ -142,4 +144,4 @@ def plan_evaluation(args: EvaluateArguments, env_kwargs: dict | None = None) -> 
         settings["tasks_at_once"] = Setting(at_once, "flag" if args.tasks_at_once else "default")
     first = int(settings["seed"].value)
     return EvaluationPlan(env, settings, contract, [first + i for i in range(episodes)], output_dir, count, at_once,
-                          chunk_size, checkpoint, remote, tuple(args.override or ()))
+                          chunk_size, checkpoint, remote, tuple(args.override or ()), best_of)

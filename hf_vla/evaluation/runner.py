@@ -24,7 +24,6 @@ from hf_vla.evaluation.plan import EvaluationPlan, default_tasks_at_once, plan_e
 from hf_vla.evaluation.remote import RemotePolicy
 from hf_vla.models.common.rtc_config import RTCConfig
 from hf_vla.registry import task_env
-from hf_vla.serving.critic import critic_flag
 from hf_vla.serving.policy import ObservationMap, RequestError, check_cfg_beta, load_policy
 
 logger = logging.getLogger("hf_vla.evaluate")
@@ -158,12 +157,12 @@ def _local_policy(plan: EvaluationPlan, args: EvaluateArguments, rtc_config: RTC
     if stride is not None:  # a MEM policy's stride: the training data's frames, as this env's control steps
         subtask["memory_stride"] = stride.value
     spec, settings = plan.env.spec, plan.settings
+    best_of = plan.best_of.runner_kwargs(resolve_device(args.device)) if plan.best_of is not None else {}
     policy = load_policy(plan.checkpoint, device=resolve_device(args.device), revision=args.revision, head=args.head,
                          seed=int(settings["seed"].value), rtc=rtc_config or RTCConfig(),
                          obs_map=ObservationMap(cameras=settings["cameras"].value or None),
                          num_camera_slots=len(spec["cameras"]) if spec else None, cfg_beta=args.cfg_beta,
-                         subtask_every=args.subtask_every, best_of=args.best_of, selector=args.selector,
-                         critic=critic_flag(args.critic, resolve_device(args.device)), **subtask)
+                         subtask_every=args.subtask_every, **best_of, **subtask)
     if policy.subtask is not None and not getattr(policy.model.config, "subtask_layout", None):
         raise ConfigError(f"--subtask {args.subtask}: this checkpoint was not trained with subtasks")
     check_cfg_beta("--cfg_beta", args.cfg_beta, policy)

@@ -76,9 +76,10 @@ class ServeArguments:
                                    "checkpoint's, 1: plain conditioning); a request may send its own `cfg_beta`"})
     max_cfg_beta: float = field(default=3.0, metadata={"group": LIMITS, "help": "largest `cfg_beta` a request may "
                                 "ask for"})
-    best_of: int = field(default=1, metadata={"min": 1, "help": "best-of-N: candidate chunks drawn per observation "
-                         "from one prefix, one chosen by --selector; the reply carries best_of/index and "
-                         "best_of/spread (1: one sample)"})
+    best_of: int | None = field(default=None, metadata={"min": 1, "help": "best-of-N: candidate chunks drawn per "
+                                "observation from one prefix, one chosen by --selector; the reply carries "
+                                "best_of/index and best_of/spread (default: the checkpoint's contract, where it "
+                                "bundles a critic, else 1: one sample)"})
     selector: str | None = field(default=None, metadata={"choices": list(SELECTORS), "help": "with --best_of: "
                                  "critic (the highest expected return by --critic), medoid (the candidate closest "
                                  "to all the others) or first (default: critic with --critic, else medoid)"})
@@ -121,7 +122,7 @@ class ServeArguments:
         self.selector = check_selection_flags(self.best_of, self.selector, self.critic)
         if self.max_best_of is not None:
             check_best_of_flag(self.max_best_of, "--max_best_of")
-            if self.max_best_of < self.best_of:
+            if self.best_of is not None and self.max_best_of < self.best_of:
                 raise ConfigError(f"--max_best_of {self.max_best_of} is below --best_of {self.best_of}")
         if self.critic is not None:
             self.critic = model_source("--critic", self.critic)

@@ -85,4 +85,105 @@ def critic_flag(checkpoint: str | None, device: str = "cpu") -> ChunkCriticScore
     return None if checkpoint is None else load_critic(checkpoint, device=device)
 
 
-__all__ = ["ChunkCriticScorer", "critic_flag", "load_critic"]
+@dataclass(frozen=True)
+class BestOfPlan:
+    """A command's best-of-N: the candidates per observation, the selector and the chunk critic (a directory or Hub id;
+    None: none), from the flags or the checkpoint's contract (`source`: "flag", "checkpoint" or "default")."""
+
+    best_of: int = 1
+    selector: str = "medoid"
+    critic: str | None = None
+    source: str = "default"
+
+    def record(self) -> dict:
+        return {"candidates": self.best_of, "selector": self.selector, **({"critic": self.critic} if self.critic
+                                                                         else {})}
+
+    def runner_kwargs(self, device: str = "cpu") -> dict:
+        """`PolicyRunner` settings (the critic loaded on `device`); {} for one sample."""
+        if self.best_of < 2:
+            return {}
+        return {"best_of": self.best_of, "selector": self.selector, "critic": critic_flag(self.critic, device)}
+
+
+def plan_best_of(best_of: int | None, selector: str | None, critic: str | None, contract,
+                 checkpoint: str | Path | None = None, revision: str | None = None) -> BestOfPlan:
+    """The flags (`--best_of`, `--selector`, `--critic`; None: not given) over the contract's bundled best-of-N
+    (`DeploymentConfig.best_of`, None: none): `best_of` None takes the contract's candidates (else 1); its critic
+    (inside `checkpoint`) is used unless `--critic` names another or `--selector` another selector. ConfigError, one
+    line, for flags that cannot run together."""
+    from hf_vla.serving.selection import check_selection_flags
+
+    bundle = (getattr(contract, "best_of", None) or None) if contract is not None else None
+    source = "flag" if best_of is not None or critic is not None or selector is not None else "default"
+    if best_of is None:
+        best_of = int(bundle["candidates"]) if bundle else 1
+        source = "checkpoint" if bundle and source == "default" else source
+    if bundle and critic is None and bundle.get("critic") and best_of > 1 and selector in (None, "critic"):
+        critic = bundled_critic(checkpoint, bundle["critic"], revision)
+    if bundle and selector is None and critic is None and best_of > 1:
+        selector = bundle.get("selector") if bundle.get("selector") != "critic" else None
+    return BestOfPlan(best_of, check_selection_flags(best_of, selector, critic), critic, source)
+
+
+def bundled_critic(checkpoint: str | Path | None, folder: str, revision: str | None = None) -> str:
+    """The chunk critic a checkpoint bundles (`folder` inside it: a local path, or the Hub repo's folder downloaded)."""
+    if checkpoint is None:
+        raise ConfigError(f"the contract bundles a chunk critic ({folder}/) but names no checkpoint to find it in")
+    local = Path(checkpoint).expanduser()
+    if local.is_dir():
+        path = local / folder
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{local}: its deployment contract bundles a chunk critic at {folder}/, which is missing "
+                              "(copy the whole checkpoint, or pass --best_of 1 / --critic PATH)")
+        return str(path)
+    from huggingface_hub import snapshot_download
+
+    from hf_vla.hub.resolve import _hub_call
+
+    root = _hub_call(snapshot_download, f"the chunk critic of Hub checkpoint {str(checkpoint)!r}", str(checkpoint),
+                     revision=revision, allow_patterns=[f"{folder}/*"])
+    return str(Path(root) / folder)
+
+
+CRITIC_FOLDER = "critic"
+
+
+def bundle_critic(policy: Path, critic: str, output: Path, best_of: int, overwrite: bool = False) -> Path:
+    """`output`: the policy checkpoint `policy` with the chunk critic `critic` in its `critic/` folder and its contract
+    recording best-of-`best_of` with the critic, which evaluate / serve / record and the lerobot plugin then run.
+    The critic is loaded and checked against the policy first (action space, statistics: one line)."""
+    import shutil
+
+    from hf_vla.deployment import contract as contracts
+    from hf_vla.hub.convert import _check_paths
+    from hf_vla.serving.policy import load_policy
+    from hf_vla.serving.selection import check_best_of_flag
+    from hf_vla.storage import OUTPUT_MARKER, replace_dir, staging_dir, write_marker
+
+    left_out = ("checkpoint-*", "rollouts", "runs", OUTPUT_MARKER)  # training states, evaluations, the old marker
+    check_best_of_flag(best_of)
+    if best_of < 2:
+        raise ConfigError(f"--best_of {best_of}: a critic picks among 2 or more candidate chunks")
+    deployment = contracts.read(policy)
+    if deployment is None:
+        raise ConfigError(f"--input {str(policy)!r}: no deployment contract ({contracts.FILE_NAME}) to record the "
+                          "critic in: an hf_vla checkpoint (a converted lerobot one: convert it first)")
+    critic_dir = Path(critic).expanduser()
+    if not critic_dir.is_dir():
+        raise ConfigError(f"--critic {critic!r}: a local directory (a chunk critic trained with policy "
+                          "pi05_chunk_critic)")
+    _check_paths(policy, output, overwrite, inputs={"--critic": critic_dir})
+    load_policy(policy, best_of=best_of, selector="critic", critic=load_critic(critic_dir))  # refuses a misfit
+    staging = staging_dir(output, "bundling")
+    shutil.copytree(policy, staging, ignore=shutil.ignore_patterns(*left_out, CRITIC_FOLDER))
+    shutil.copytree(critic_dir, staging / CRITIC_FOLDER, ignore=shutil.ignore_patterns(*left_out))
+    deployment.best_of = {"candidates": best_of, "selector": "critic", "critic": CRITIC_FOLDER}
+    deployment.save(staging)
+    write_marker(staging, "hf_vla_checkpoint", source=str(policy), critic=str(critic_dir))
+    replace_dir(staging, output)
+    return output
+
+
+__all__ = ["BestOfPlan", "ChunkCriticScorer", "bundle_critic", "bundled_critic", "critic_flag", "load_critic",
+           "plan_best_of"]

@@ -67,14 +67,16 @@ def _check_guidance(runner, cfg_beta, max_cfg_beta) -> None:
 
 def _serve(args, rtc, obs_map, contract, slots, record_lock):
     """Load the policy and serve it until stopped (the recording, if any, joined at the end)."""
-    from hf_vla.serving.critic import critic_flag
+    from hf_vla.serving.critic import plan_best_of
     from hf_vla.serving.policy import InputLimits, RequestError, load_policy
     from hf_vla.serving.server import PolicyServer
 
+    best_of = plan_best_of(args.best_of, args.selector, args.critic, contract, args.checkpoint, args.revision)
+    if args.max_best_of is not None and args.max_best_of < best_of.best_of:
+        raise ConfigError(f"--max_best_of {args.max_best_of} is below the checkpoint's best-of-{best_of.best_of}")
     runner = load_policy(args.checkpoint, device=resolve_device(args.device), revision=args.revision, obs_map=obs_map, seed=args.seed,
                          rtc=rtc.rtc_config(), num_camera_slots=slots, cfg_beta=args.cfg_beta,
-                         best_of=args.best_of, selector=args.selector,
-                         critic=critic_flag(args.critic, resolve_device(args.device)),
+                         **best_of.runner_kwargs(resolve_device(args.device)),
                          limits=InputLimits(max_image_side=args.max_image_side, max_state_range=args.max_state_range,
                                             max_best_of=args.max_best_of))
     _check_guidance(runner, args.cfg_beta, args.max_cfg_beta)

@@ -49,19 +49,23 @@ def check_best_of_flag(best_of, flag: str = "--best_of") -> None:
         raise ConfigError(f"{flag} {best_of}: 1 to {MAX_BEST_OF} candidate chunks per observation")
 
 
-def check_selection_flags(best_of, selector: str | None, critic: str | None) -> str:
+def check_selection_flags(best_of, selector: str | None, critic: str | None) -> str | None:
     """The commands' best-of-N flags (`--best_of`, `--selector`, `--critic`) checked together, ConfigError in one line;
-    -> the selector (default: `critic` with `--critic`, else `medoid`)."""
+    -> the selector (default: `critic` with `--critic`, else `medoid`). `best_of` None: the checkpoint's (its contract
+    may bundle a critic, `hf_vla.serving.critic.plan_best_of`): only what no contract changes is checked, and the
+    selector is returned as given."""
     from hf_vla.errors import ConfigError
 
+    if critic and selector not in (None, "critic"):
+        raise ConfigError(f"--critic with --selector {selector}: the critic scores candidates for --selector critic")
+    if best_of is None:
+        return selector
     check_best_of_flag(best_of)
     if selector is None:
         selector = "critic" if critic else "medoid"
     if selector == "critic" and not critic:
         raise ConfigError("--selector critic: give --critic PATH, a chunk critic (python -m hf_vla.train with policy "
                           "pi05_chunk_critic; docs/best_of_n.md)")
-    if critic and selector != "critic":
-        raise ConfigError(f"--critic with --selector {selector}: the critic scores candidates for --selector critic")
     if critic and best_of < 2:
         raise ConfigError(f"--critic picks among candidate chunks: --best_of {best_of} draws one (2 or more)")
     return selector

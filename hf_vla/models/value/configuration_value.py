@@ -53,9 +53,21 @@ class PI05ChunkCriticConfig(PI05ValueConfig):
     Configuration for [`PI05ChunkCritic`]: best-of-N's chunk critic `Q(observation, prompt, chunk)`, the value model's
     fields (backbone, bins, returns' scale, cross-fitting) read with an action chunk: `chunk_size` steps of
     `max_action_dim` normalised actions (the policy's, so its candidates are scored as sampled).
+
+    negative_chunks (`float`, defaults to 0.0): in training, the share of a batch's rows whose executed chunk is
+        swapped for another row's (another frame, mostly another episode's: a chunk that does not fit this
+        observation) and labelled the worst return, -1: negatives that make the critic read the chunk against the
+        observation where the returns alone let it read the observation only.
     """
 
     model_type = "pi05_chunk_critic"
+
+    negative_chunks: float = 0.0
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        if not 0.0 <= self.negative_chunks < 1.0:
+            raise ValueError(f"PI05ChunkCriticConfig: negative_chunks={self.negative_chunks}: a share in [0, 1)")
 
 
 __all__ = ["PI05ChunkCriticConfig", "PI05ValueConfig"]

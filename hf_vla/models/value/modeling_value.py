@@ -202,9 +202,24 @@ class PI05ChunkCritic(PI05ValueModel):
                 action_is_pad: torch.Tensor | None = None, value_targets: torch.Tensor | None = None,
                 **kwargs) -> PI05ValueOutput:
         """`actions`: the chunk `[B, chunk_size, max_action_dim]`, normalised as the policy's processor does (its
-        padded action dims zero, as the processor pads them)."""
+        padded action dims zero, as the processor pads them). In training with `config.negative_chunks`, that share
+        of the rows reads another row's chunk against the worst return (`_negatives`)."""
+        if self.training and value_targets is not None and self.config.negative_chunks > 0 and len(actions) > 1:
+            actions, action_is_pad, value_targets = self._negatives(actions, action_is_pad, value_targets)
         suffix = self._chunk_tokens(actions, action_is_pad)
         return self._returns(input_ids, pixel_values, attention_mask, pixel_attention_mask, value_targets, suffix)
+
+    def _negatives(self, actions, action_is_pad, value_targets):
+        """Rows drawn with probability `negative_chunks` take the next row's chunk (and its padding) and the target -1
+        (a chunk that does not fit the observation is taken to fail)."""
+        swap = torch.rand(len(actions), device=actions.device) < self.config.negative_chunks
+        other = torch.roll(torch.arange(len(actions), device=actions.device), 1)
+        actions = torch.where(swap[:, None, None], actions[other], actions)
+        if action_is_pad is not None:
+            action_is_pad = torch.where(swap[:, None], action_is_pad[other], action_is_pad)
+        targets = self.target_distribution(value_targets)
+        worst = self.target_distribution(torch.full((1,), -1.0, device=targets.device))
+        return actions, action_is_pad, torch.where(swap[:, None], worst, targets)
 
     @torch.no_grad()
     def chunk_values(self, candidates: torch.Tensor, action_dim_mask: torch.Tensor | None = None,

@@ -19,14 +19,15 @@ class HFVLAConfig(PreTrainedConfig):
     seed: the seed of the policy's noise generator (hf_vla's `PolicyRunner`).
     best_of / selector / critic: best-of-N (hf_vla's docs/best_of_n.md): candidate chunks drawn per observation, the
         selector that picks one (critic, medoid, first; default critic with a critic, else medoid), and a chunk
-        critic's checkpoint (relative to this config's directory, absolute, or a Hub id).
+        critic's checkpoint (relative to this config's directory, absolute, or a Hub id). best_of None: the
+        checkpoint's contract (a bundled critic, `python -m hf_vla.convert --critic`), else one sample.
     """
 
     checkpoint: str = ".."
     head: str | None = None
     n_action_steps: int | None = None
     seed: int = 0
-    best_of: int = 1
+    best_of: int | None = None
     selector: str | None = None
     critic: str | None = None
 

@@ -64,13 +64,12 @@ class HFVLAPolicy(PreTrainedPolicy):
         checkpoint = checkpoint_of(config, pretrained_name_or_path)
         contract = resolve_contract(checkpoint)
         cameras, slots = served_cameras(contract, config.head, None, None)
-        best_of = {}
-        if config.best_of > 1:  # best-of-N: the runner picks among its candidates (a critic loaded beside it)
-            from hf_vla.serving.critic import load_critic
+        # best-of-N: the plugin's fields over what the checkpoint's contract bundles (a critic loaded beside it)
+        from hf_vla.serving.critic import plan_best_of
 
-            best_of = {"best_of": config.best_of, "selector": config.selector, "critic": None if config.critic is None
-                       else load_critic(checkpoint_of(config, pretrained_name_or_path, config.critic),
-                                        device=config.device or "cpu", flag="critic")}
+        critic = None if config.critic is None else checkpoint_of(config, pretrained_name_or_path, config.critic)
+        best_of = plan_best_of(config.best_of, config.selector, critic, contract, checkpoint).runner_kwargs(
+            config.device or "cpu")
         runner = load_policy(checkpoint, device=config.device or "cpu", head=config.head, seed=config.seed,
                              obs_map=ObservationMap(cameras=cameras or None), num_camera_slots=slots, **best_of)
         policy = cls(config, runner=runner, contract=contract)
