@@ -34,11 +34,15 @@ def critic():
 def _observation_inputs(config, rows=1, seed=0):
     generator = torch.Generator().manual_seed(seed)
     size = config.vlm_config.vision_config.image_size
-    return {"input_ids": torch.randint(1, 100, (rows, 9), generator=generator),
+    mask = torch.ones(rows, 9, dtype=torch.bool)
+    mask[1:, -3:] = False  # prompts of different lengths (right-padded)
+    return {"input_ids": torch.randint(1, 100, (rows, 9), generator=generator), "attention_mask": mask,
             "pixel_values": torch.randn(rows, 1, 3, size, size, generator=generator)}
 
 
 def test_each_candidate_is_scored_alone_and_the_chunk_is_read(critic):
+    """`chunk_values` (the prefix's key/value cache computed once, repeated per candidate) equals the forward of each
+    candidate alone, prompts of different lengths included."""
     config = critic.config
     inputs = _observation_inputs(config, rows=2)
     candidates = torch.randn(2, 4, config.chunk_size, config.max_action_dim, generator=torch.Generator().manual_seed(1))

@@ -129,6 +129,56 @@ def stage_arms(results: dict, episodes: int, counts: list[int], name: str) -> No
     results["critic_curve"] = {str(n): v for n, v in sorted(curve.items())}
 
 
+def metaworld(everything: dict, stages: list[str], episodes: int, steps: int, negatives: float, save) -> None:
+    """The five Meta-World tasks (RECAP's benchmark start, `benchmarks.closed_loop.recap --bench metaworld`): a chunk
+    critic on RECAP's two rounds of collected episodes (200, the policies' own, 49% successful) and the demonstrations,
+    then `single`, `random_of_8`, `medoid_best_of_8` and `critic_best_of_8` by `python -m hf_vla.evaluate` on
+    `episodes` held-out seeds per task (from 10,000: the seeds of RECAP's evaluations; `single` is its `start` arm)."""
+    import dataclasses
+
+    from benchmarks.closed_loop import recap
+
+    bench = dataclasses.replace(recap.BENCHES["metaworld"], episodes=episodes)
+    results = everything.setdefault("metaworld_five_task", {})
+    results["settings"] = {"episodes_per_task": episodes, "tasks": bench.tasks, "machine": "2-core CPU, no GPU",
+                           "start": "RECAP's Meta-World start (benchmarks/results/recap_cpu.json)"}
+    name = critic_name(steps, negatives)
+    critic = bench.work / f"chunk_critic_{name}"
+    if "critic" in stages and not (critic / "model.safetensors").exists():
+        rounds = sorted(bench.work.glob("recap_round*/rollouts"))
+        datasets = recap._demos(bench, success=True) + [recap._collected(bench, root, f"round{i + 1}")
+                                                        for i, root in enumerate(rounds)]
+        seconds, cpu, _ = recap._run([
+            mechanism.sys.executable, "-m", "hf_vla.train", str(bench.config), "--policy", "pi05_chunk_critic",
+            "--model_name_or_path", str(bench.work / "start"), "--model_config",
+            json.dumps({"negative_chunks": negatives}), "--norm_stats_from", str(bench.work / "start"),
+            "--datasets", json.dumps(datasets), "--generate_demo_data", "false", "--validation_ratio", "0",
+            "--max_steps", str(steps), "--learning_rate", "3e-4", "--lr_scheduler_type", "cosine",
+            "--lr_scheduler_kwargs", "{}", "--warmup_steps", "50", "--eval_strategy", "no", "--save_strategy", "no",
+            "--disable_tqdm", "true", "--output_dir", str(critic)], critic.with_suffix(".log"), cpu=True)
+        results.setdefault("critics", {})[name] = {
+            "steps": steps, "negative_chunks": negatives, "wall_minutes": round(seconds / 60, 2),
+            "cpu_minutes": round(cpu / 60, 2), "data": {"collected": {"episodes": len(rounds) * 100,
+                                                                      "rounds": len(rounds)},
+                                                        "demonstrations": "the start's, per task"}}
+        save()
+    if "arms" not in stages:
+        return
+    arms = results.setdefault("arms", {})
+    plans = {"single": [], "critic_best_of_8": ["--best_of", "8", "--critic", str(critic)],
+             "medoid_best_of_8": ["--best_of", "8", "--selector", "medoid"],
+             "random_of_8": ["--best_of", "8", "--selector", "first"]}
+    for arm, flags in plans.items():
+        uses = name if "--critic" in flags else None
+        if arms.get(arm, {}).get("episodes") == episodes * len(bench.tasks) and arms[arm].get("critic") == uses:
+            continue
+        cpu = _children_cpu()
+        arms[arm] = {**recap.evaluate(bench, bench.work / "start", f"best_of_n_{arm}", *flags),
+                     "cpu_minutes": round((_children_cpu() - cpu) / 60, 2), **({"critic": uses} if uses else {})}
+        save()
+        print(json.dumps({arm: arms[arm]}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", default="all", help="all, or some of start, collect, critic, decoys, arms (commas)")
@@ -136,6 +186,8 @@ def main() -> None:
     parser.add_argument("--critic_steps", type=int, default=CRITIC_STEPS)
     parser.add_argument("--negatives", type=float, default=0.0, help="the critic's negative_chunks share")
     parser.add_argument("--counts", default="2,4,8,16", help="the critic's candidate counts")
+    parser.add_argument("--bench", choices=["colorreach", "metaworld"], default="colorreach")
+    parser.add_argument("--mw_episodes", type=int, default=10, help="Meta-World: held-out episodes per task")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     everything = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -143,11 +195,17 @@ def main() -> None:
     results["settings"] = {"episodes": args.episodes, "machine": "2-core CPU, no GPU", "start": "the RECAP "
                            "mechanism's (demo recipe, reads its prompt) on layout random", "seeds": f"{mechanism.SEED}.."}
 
-    def save():
-        RESULTS.write_text(json.dumps(everything, indent=1) + "\n")
+    def save():  # this run's benchmark only: another run may be writing the other's meanwhile
+        key = "metaworld_five_task" if args.bench == "metaworld" else "colorreach_plateau"
+        current = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        RESULTS.write_text(json.dumps({**current, key: everything.get(key, {})}, indent=1) + "\n")
 
     stages = ["start", "collect", "critic", "decoys", "arms"] if args.stage == "all" else args.stage.split(",")
     name = critic_name(args.critic_steps, args.negatives)
+    if args.bench == "metaworld":
+        metaworld(everything, stages, args.mw_episodes, args.critic_steps, args.negatives, save)
+        save()
+        return
     for stage in stages:
         if stage == "start":
             mechanism.stage_start({})

@@ -225,17 +225,39 @@ class PI05ChunkCritic(PI05ValueModel):
     def chunk_values(self, candidates: torch.Tensor, action_dim_mask: torch.Tensor | None = None,
                      **inputs) -> torch.FloatTensor:
         """The expected normalised return `[B, N]` of each of `candidates` `[B, N, chunk_size, max_action_dim]` for
-        the observations of processor outputs `inputs`: the vision tower and the embeddings run once per observation;
-        the language model reads each candidate's row (the prefix recomputed per row: no shared cache yet)."""
+        the observations of processor outputs `inputs`: the cameras and the prompt run once per observation (their
+        key/value cache repeated for its candidates), then each candidate's chunk and the value query read it."""
+        from transformers import DynamicCache
+
+        from hf_vla.models.pi05.modeling_pi05 import repeat_cache
+
         batch_size, count = candidates.shape[:2]
         keys = ("input_ids", "pixel_values", "attention_mask", "pixel_attention_mask")
-        # the cameras and the prompt embedded once per observation, their rows repeated for its candidates
-        prefix = tuple(x.repeat_interleave(count, dim=0) for x in self._prefix(*(inputs.get(k) for k in keys)))
+        prefix, prefix_valid = self._prefix(*(inputs.get(k) for k in keys))
         if action_dim_mask is not None:  # a policy's candidates carry values in its padded dims: zeroed
             candidates = candidates * action_dim_mask.to(candidates.dtype)[:, None, None, :]
-        suffix = self._chunk_tokens(candidates.flatten(0, 1))
-        out = self._returns(None, None, None, None, None, suffix, prefix)
-        return out.value.reshape(batch_size, count)
+        text_model = self.model.vlm.language_model
+        always = lambda batch_idx, head_idx, q_idx, kv_idx: q_idx >= 0  # noqa: E731  (never the causal default)
+        cache = DynamicCache()
+        mask = create_bidirectional_mask(config=text_model.config, inputs_embeds=prefix, attention_mask=prefix_valid,
+                                         and_mask_function=always)
+        text_model(inputs_embeds=prefix, attention_mask=mask, position_ids=prefix_valid.long().cumsum(-1) - 1,
+                   past_key_values=cache, use_cache=True)
+        cache = repeat_cache(cache, count)
+        chunk, chunk_valid = self._chunk_tokens(candidates.flatten(0, 1))
+        query = self.value_query.weight.to(prefix.dtype).expand(len(chunk), 1, -1)
+        suffix = torch.cat([chunk.to(prefix.dtype), query], dim=1)
+        suffix_valid = torch.cat([chunk_valid, chunk_valid.new_ones(len(chunk), 1)], dim=1)
+        prefix_valid = prefix_valid.repeat_interleave(count, dim=0)
+        keys_valid = torch.cat([prefix_valid, suffix_valid], dim=1)
+        mask = create_bidirectional_mask(config=text_model.config, inputs_embeds=suffix, attention_mask=keys_valid,
+                                         encoder_hidden_states=suffix.new_empty(len(suffix), keys_valid.shape[1], 1),
+                                         and_mask_function=always)
+        positions = prefix_valid.long().sum(-1, keepdim=True) + suffix_valid.long().cumsum(-1) - 1
+        hidden = text_model(inputs_embeds=suffix, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                            use_cache=True).last_hidden_state
+        logits = self.value_readout(hidden[:, -1].float())
+        return (logits.softmax(-1) @ self.bin_values.float()).reshape(batch_size, count)
 
 
 __all__ = ["PI05ChunkCritic", "PI05ValueModel", "PI05ValueOutput"]
