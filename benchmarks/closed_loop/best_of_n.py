@@ -41,15 +41,31 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def critic_name(steps: int, negatives: float) -> str:
-    return f"s{steps}_n{round(negatives * 100)}"
+def critic_name(steps: int, negatives: float, data: str = "own") -> str:
+    return f"s{steps}_n{round(negatives * 100)}" + ("" if data == "own" else f"_{data}")
 
 
-def stage_critic(results: dict, steps: int, negatives: float) -> None:
+def contrast_data() -> list[dict]:
+    """The oracle's data: 200 scripted-expert episodes on the plateau's layout and 200 of a decoy expert driving to
+    another target than the named one (marked failures): good and bad chunks in the same kind of scene."""
+    from hf_vla.envs.recording import RecordArguments, record
+
+    expert, decoy = WORK / "plateau_expert_200", WORK / "plateau_decoy_200"
+    for out, seed, extra in ((expert, 50_000, {}), (decoy, 60_000, {"decoy": True})):
+        if not (out / "meta" / "info.json").exists():
+            record(RecordArguments(env="color_reach", output=out, episodes=200, seed=seed),
+                   env_kwargs={**mechanism.PLATEAU, **extra}, progress=True)
+    return [mechanism._dataset(expert, "plateau_expert"), mechanism._dataset(decoy, "plateau_decoy", success=False)]
+
+
+def stage_critic(results: dict, steps: int, negatives: float, data: str = "own") -> None:
     """The chunk critic from the start's backbone, with the start's statistics (its candidates are read as sampled):
-    warmup 50 steps to 3e-4, cosine."""
+    warmup 50 steps to 3e-4, cosine. `data`: "own" (the start's 200 episodes and 200 expert ones) or "contrast" (those
+    and `contrast_data`)."""
     datasets = [mechanism._dataset(WORK / "collected", "collected"), mechanism._dataset(WORK / "expert_200", "expert")]
-    name = critic_name(steps, negatives)
+    if data == "contrast":
+        datasets += contrast_data()
+    name = critic_name(steps, negatives, data)
     out = WORK / f"chunk_critic_{name}"
     if (out / "model.safetensors").exists():
         return
@@ -66,7 +82,9 @@ def stage_critic(results: dict, steps: int, negatives: float) -> None:
         "steps": steps, "negative_chunks": negatives, "wall_minutes": round(seconds / 60, 2),
         "cpu_minutes": round((_children_cpu() - cpu) / 60, 2),
         "data": {"collected": {"episodes": 200, "success": results.get("collected_success")},
-                 "expert": {"episodes": 200, "success": 1.0}},
+                 "expert": {"episodes": 200, "success": 1.0},
+                 **({"plateau_expert": {"episodes": 200, "success": 1.0},
+                     "plateau_decoy": {"episodes": 200, "success": 0.0}} if data == "contrast" else {})},
         "targets": "each frame's normalised return (steps to success; a failure costs the episode limit) with the "
                    "chunk executed from it"}
 
@@ -185,6 +203,8 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=500, help="held-out episodes per arm")
     parser.add_argument("--critic_steps", type=int, default=CRITIC_STEPS)
     parser.add_argument("--negatives", type=float, default=0.0, help="the critic's negative_chunks share")
+    parser.add_argument("--data", choices=["own", "contrast"], default="own", help="the critic's data: the start's "
+                        "episodes and the expert's, or those and an expert's and a decoy's on the plateau (oracle)")
     parser.add_argument("--counts", default="2,4,8,16", help="the critic's candidate counts")
     parser.add_argument("--bench", choices=["colorreach", "metaworld"], default="colorreach")
     parser.add_argument("--mw_episodes", type=int, default=10, help="Meta-World: held-out episodes per task")
@@ -201,7 +221,7 @@ def main() -> None:
         RESULTS.write_text(json.dumps({**current, key: everything.get(key, {})}, indent=1) + "\n")
 
     stages = ["start", "collect", "critic", "decoys", "arms"] if args.stage == "all" else args.stage.split(",")
-    name = critic_name(args.critic_steps, args.negatives)
+    name = critic_name(args.critic_steps, args.negatives, args.data)
     if args.bench == "metaworld":
         metaworld(everything, stages, args.mw_episodes, args.critic_steps, args.negatives, save)
         save()
@@ -215,7 +235,7 @@ def main() -> None:
             mechanism.stage_collect(collected, 200)
             results["collected_success"] = collected["collected"]["success"]
         elif stage == "critic":
-            stage_critic(results, args.critic_steps, args.negatives)
+            stage_critic(results, args.critic_steps, args.negatives, args.data)
         elif stage == "decoys":
             stage_decoys(results, 200, name)
         elif stage == "arms":
