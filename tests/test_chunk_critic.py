@@ -251,8 +251,8 @@ def test_a_critic_trains_loads_and_picks_in_evaluate(trained, capsys):
 
 def test_a_critic_bundled_with_its_policy_runs_without_flags(trained, tmp_path, monkeypatch):
     """`hf_vla.convert --critic` copies the policy with the critic in `critic/` and best-of-N in its contract;
-    evaluate and record then run it without flags (a flag still wins), a Hub copy finds its critic, and what cannot
-    work is one line."""
+    evaluate, serve and record then run it without flags (a flag still wins), a Hub copy finds its critic, and what
+    cannot work is one line."""
     from hf_vla.convert import main as convert_main
     from hf_vla.deployment.contract import RECORD_MARKER, read
     from hf_vla.envs.recording import RecordArguments, record
@@ -278,6 +278,16 @@ def test_a_critic_bundled_with_its_policy_runs_without_flags(trained, tmp_path, 
     assert settings("--best_of", "1") is None  # one sample, as asked
     assert settings("--best_of", "4", "--selector", "medoid") == {"value": {"candidates": 4, "selector": "medoid"},
                                                                   "source": "flag"}
+    from hf_vla.serving.arguments import RTCArguments, ServeArguments
+    from hf_vla.serving.launch import serve_checkpoint
+    from hf_vla.serving.server import PolicyServer
+
+    served = []  # the server as serve built it, not listening
+    monkeypatch.setattr(PolicyServer, "serve", lambda self, host, port: served.append(self.metadata))
+    serve_checkpoint(ServeArguments(checkpoint=str(bundle)), RTCArguments())
+    assert served[0]["best_of"] == {"default": 3, "max": 3, "selector": "critic", "critic": str(bundle / "critic")}
+    with pytest.raises(ConfigError, match="--max_best_of 2 is below the checkpoint's best-of-3"):
+        serve_checkpoint(ServeArguments(checkpoint=str(bundle), max_best_of=2), RTCArguments())
     rollouts = tmp_path / "rollouts"
     record(RecordArguments(env="color_reach", output=rollouts, episodes=1, strategy="policy", policy=str(bundle)),
            progress=False)
