@@ -102,20 +102,25 @@ def stage_decoys(results: dict, scenes: int, name: str) -> None:
                          critic=scorer, selector="critic")
     config, head = runner.model.config, runner.head_name()
     dims = stat_dims(runner.processor.norm_stats[head]["actions"])
-    margins = []
-    for seed in range(mechanism.SEED, mechanism.SEED + scenes):
-        (observation, task, expert), (_, _, decoy) = mechanism._scene_chunks(seed, config.chunk_size)
-        rows = runner.prepare(observation, task=task).rows
-        chunks = torch.zeros(2, config.chunk_size, config.max_action_dim)
-        for i, chunk in enumerate((expert, decoy)):
-            chunks[i, :, :dims] = runner.processor.normalize(torch.as_tensor(chunk, dtype=torch.float32), "actions",
-                                                             head)
-        values = scorer.scores(rows, head, chunks, dims)
-        margins.append(float(values[0] - values[1]))
-    margins = np.asarray(margins)
-    results.setdefault("critics", {}).setdefault(name, {})["decoys"] = {
-        "scenes": scenes, "expert_preferred": round(float((margins > 0).mean()), 4),
-        "mean_margin": round(float(margins.mean()), 4)}
+    entry = results.setdefault("critics", {}).setdefault(name, {})
+    if "scenes" in entry.get("decoys", {}):  # measured before the plateau's layout was: the corners'
+        entry["decoys"] = {"corners": entry["decoys"]}
+    decoys = entry.setdefault("decoys", {})
+    for layout in ("corners", "random"):  # the RECAP mechanism's scenes, and the plateau's
+        margins = []
+        for seed in range(mechanism.SEED, mechanism.SEED + scenes):
+            (observation, task, expert), (_, _, decoy) = mechanism._scene_chunks(seed, config.chunk_size,
+                                                                                layout=layout)
+            rows = runner.prepare(observation, task=task).rows
+            chunks = torch.zeros(2, config.chunk_size, config.max_action_dim)
+            for i, chunk in enumerate((expert, decoy)):
+                chunks[i, :, :dims] = runner.processor.normalize(torch.as_tensor(chunk, dtype=torch.float32),
+                                                                 "actions", head)
+            values = scorer.scores(rows, head, chunks, dims)
+            margins.append(float(values[0] - values[1]))
+        margins = np.asarray(margins)
+        decoys[layout] = {"scenes": scenes, "expert_preferred": round(float((margins > 0).mean()), 4),
+                          "mean_margin": round(float(margins.mean()), 4)}
 
 
 def stage_arms(results: dict, episodes: int, counts: list[int], name: str) -> None:

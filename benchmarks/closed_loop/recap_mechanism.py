@@ -315,16 +315,16 @@ def _label_agreement(annotated: Path) -> dict:
     return rates
 
 
-def _scene_chunks(seed: int, chunk: int):
+def _scene_chunks(seed: int, chunk: int, **env_kwargs):
     """A held-out scene (its first observation and task) with the scripted expert's first `chunk` actions towards the
-    named target and a decoy expert's towards another one."""
+    named target and a decoy expert's towards another one (`env_kwargs`: the layout, ...)."""
     import copy
 
     from hf_vla.envs.reach import ColorReachWithExpert
 
     out = []
     for decoy in (False, True):
-        env = ColorReachWithExpert(seed, decoy=decoy, image_size=32, max_steps=40)
+        env = ColorReachWithExpert(seed, decoy=decoy, image_size=32, max_steps=40, **env_kwargs)
         observation, info = env.reset(seed=seed)
         rollout, actions = copy.deepcopy(env), []
         for _ in range(chunk):
