@@ -123,33 +123,34 @@ def stage_decoys(results: dict, scenes: int, name: str) -> None:
                           "mean_margin": round(float(margins.mean()), 4)}
 
 
-def stage_arms(results: dict, episodes: int, counts: list[int], name: str) -> None:
-    """Every arm on the same held-out seeds; an arm already measured at `episodes` (and a critic's with this critic)
-    is kept."""
+def stage_arms(results: dict, episodes: int, counts: list[int], name: str, curve: bool = True):
+    """Every arm on the same held-out seeds: the critic-free ones under `arms`, the critic's under
+    `critic_arms[name]`; an arm already measured at `episodes` is kept. `curve`: the critic's choice of N besides 8."""
     from hf_vla.serving.critic import load_critic
 
-    arms = results.setdefault("arms", {})
+    plain = results.setdefault("arms", {})
+    judged = results.setdefault("critic_arms", {}).setdefault(name, {})
     critic = load_critic(WORK / f"chunk_critic_{name}")
     # the headline arms first (one sample, the critic's and the medoid's choice of 8), then the critic's curve
     plans = {"single": {}, "critic_best_of_8": {"best_of": 8, "selector": "critic", "critic": critic},
              "medoid_best_of_8": {"best_of": 8, "selector": "medoid"},
              "random_of_8": {"best_of": 8, "selector": "first"}}
-    plans |= {f"critic_best_of_{n}": {"best_of": n, "selector": "critic", "critic": critic} for n in counts
-              if n > 1 and n != 8}
+    if curve:
+        plans |= {f"critic_best_of_{n}": {"best_of": n, "selector": "critic", "critic": critic} for n in counts
+                  if n > 1 and n != 8}
     for arm, kwargs in plans.items():
-        if arms.get(arm, {}).get("episodes") == episodes and arms[arm].get("critic") == (
-                name if "critic" in kwargs else None):
+        arms = judged if "critic" in kwargs else plain
+        if arms.get(arm, {}).get("episodes") == episodes:
             continue
         cpu = _children_cpu() + sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
         record = mechanism.closed_loop(WORK / "start", episodes, env_kwargs=mechanism.PLATEAU, **kwargs)
         used = _children_cpu() + sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) - cpu
         arms[arm] = {"mean_success": record["success"], "episodes": record["episodes"],
                      "other_target_rate": record["decoy_rate"], "none_rate": record["none_rate"],
-                     "cpu_minutes": round(used / 60, 2), **({"critic": name} if "critic" in kwargs else {})}
-        yield arm
-    curve = {1: arms.get("single", {}).get("mean_success")}
-    curve |= {n: arms.get(f"critic_best_of_{n}", {}).get("mean_success") for n in counts if n > 1}
-    results["critic_curve"] = {str(n): v for n, v in sorted(curve.items())}
+                     "cpu_minutes": round(used / 60, 2)}
+        yield arm, arms[arm]
+    judged["curve"] = {"1": plain.get("single", {}).get("mean_success")} | {
+        str(n): judged.get(f"critic_best_of_{n}", {}).get("mean_success") for n in counts if n > 1}
 
 
 def metaworld(everything: dict, stages: list[str], episodes: int, steps: int, negatives: float, save) -> None:
@@ -219,6 +220,7 @@ def main() -> None:
     parser.add_argument("--data", choices=["own", "contrast"], default="own", help="the critic's data: the start's "
                         "episodes and the expert's, or those and an expert's and a decoy's on the plateau (oracle)")
     parser.add_argument("--counts", default="2,4,8,16", help="the critic's candidate counts")
+    parser.add_argument("--no_curve", action="store_true", help="the critic's choice of 8 only (not of 2, 4, 16)")
     parser.add_argument("--bench", choices=["colorreach", "metaworld"], default="colorreach")
     parser.add_argument("--mw_episodes", type=int, default=10, help="Meta-World: held-out episodes per task")
     args = parser.parse_args()
@@ -252,9 +254,10 @@ def main() -> None:
         elif stage == "decoys":
             stage_decoys(results, 200, name)
         elif stage == "arms":
-            for arm in stage_arms(results, args.episodes, [int(n) for n in args.counts.split(",")], name):
+            for arm, found in stage_arms(results, args.episodes, [int(n) for n in args.counts.split(",")], name,
+                                         curve=not args.no_curve):
                 save()
-                print(json.dumps({arm: results["arms"][arm]}), flush=True)
+                print(json.dumps({arm: found}), flush=True)
         save()
     print(json.dumps(results, indent=1), flush=True)
 
