@@ -211,6 +211,14 @@ def metaworld(everything: dict, stages: list[str], episodes: int, steps: int, ne
         print(json.dumps({arm: arms[arm]}), flush=True)
 
 
+def _merged(old: dict, new: dict) -> dict:
+    """`old` with `new`'s values, key by key into nested dicts (what `new` lacks is kept)."""
+    out = dict(old)
+    for key, value in new.items():
+        out[key] = _merged(old[key], value) if isinstance(value, dict) and isinstance(old.get(key), dict) else value
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", default="all", help="all, or some of start, collect, critic, decoys, arms (commas)")
@@ -230,10 +238,9 @@ def main() -> None:
     results["settings"] = {"episodes": args.episodes, "machine": "2-core CPU, no GPU", "start": "the RECAP "
                            "mechanism's (demo recipe, reads its prompt) on layout random", "seeds": f"{mechanism.SEED}.."}
 
-    def save():  # this run's benchmark only: another run may be writing the other's meanwhile
-        key = "metaworld_five_task" if args.bench == "metaworld" else "colorreach_plateau"
+    def save():  # merged into the file: other runs (another critic, the other benchmark) may write it meanwhile
         current = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-        RESULTS.write_text(json.dumps({**current, key: everything.get(key, {})}, indent=1) + "\n")
+        RESULTS.write_text(json.dumps(_merged(current, everything), indent=1) + "\n")
 
     stages = ["start", "collect", "critic", "decoys", "arms"] if args.stage == "all" else args.stage.split(",")
     name = critic_name(args.critic_steps, args.negatives, args.data)
