@@ -188,13 +188,14 @@ def metaworld(everything: dict, stages: list[str], episodes: int, steps: int, ne
         save()
     if "arms" not in stages:
         return
-    arms = results.setdefault("arms", {})
+    plain = results.setdefault("arms", {})
+    judged = results.setdefault("critic_arms", {}).setdefault(name, {})
     plans = {"single": [], "critic_best_of_8": ["--best_of", "8", "--critic", str(critic)],
              "medoid_best_of_8": ["--best_of", "8", "--selector", "medoid"],
              "random_of_8": ["--best_of", "8", "--selector", "first"]}
     for arm, flags in plans.items():
-        uses = name if "--critic" in flags else None
-        if arms.get(arm, {}).get("episodes") == episodes * len(bench.tasks) and arms[arm].get("critic") == uses:
+        arms = judged if "--critic" in flags else plain
+        if arms.get(arm, {}).get("episodes") == episodes * len(bench.tasks):
             continue
         earlier = bench.work / "eval_start" / "eval_result.json"  # RECAP's start arm: this command, these seeds
         if arm == "single" and earlier.exists() and all(
@@ -204,9 +205,8 @@ def metaworld(everything: dict, stages: list[str], episodes: int, steps: int, ne
                          "tasks": {task: r["success_rate"] for task, r in found["tasks"].items()},
                          "measured_by": "benchmarks.closed_loop.recap's start arm (the same evaluation)"}
             continue
-        cpu = _children_cpu()
-        arms[arm] = {**recap.evaluate(bench, bench.work / "start", f"best_of_n_{arm}", *flags),
-                     "cpu_minutes": round((_children_cpu() - cpu) / 60, 2), **({"critic": uses} if uses else {})}
+        arms[arm] = recap.evaluate(bench, bench.work / "start", f"best_of_n_{arm}_{name}" if arms is judged
+                                   else f"best_of_n_{arm}", *flags)
         save()
         print(json.dumps({arm: arms[arm]}), flush=True)
 
