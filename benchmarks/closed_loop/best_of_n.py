@@ -1,25 +1,35 @@
-"""Best-of-N with a learned chunk critic on ColorReach's plateau (docs/best_of_n.md):
+"""Best-of-N with a learned chunk critic on ColorReach's plateau and the five Meta-World tasks (docs/best_of_n.md):
 
-    python -m benchmarks.closed_loop.best_of_n                   # every stage, resumable
+    python -m benchmarks.closed_loop.best_of_n                   # ColorReach: every stage, resumable
     python -m benchmarks.closed_loop.best_of_n --episodes 200    # fewer held-out episodes per arm
     python -m benchmarks.closed_loop.best_of_n --stage critic,decoys --critic_steps 4000 --negatives 0.5
                                                                  # another critic and its decoy test
+    python -m benchmarks.closed_loop.best_of_n --stage critic,decoys,arms --data contrast   # the oracle's data
+    python -m benchmarks.closed_loop.best_of_n --bench metaworld --stage critic,arms --critic_steps 3000
 
-The start and its experience are the RECAP mechanism's (`benchmarks.closed_loop.recap_mechanism`, shared under
-`data_cache/recap_mechanism`): the demo recipe (1,000 expert episodes, 5,000 steps), which reads its prompt, on targets
-anywhere (`layout: "random"`), where its chunks often go to another target than the named one; 200 of its own episodes
-there (`next.success` each).
+ColorReach: the start and its experience are the RECAP mechanism's (`benchmarks.closed_loop.recap_mechanism`, shared
+under `data_cache/recap_mechanism`): the demo recipe (1,000 expert episodes, 5,000 steps), which reads its prompt, on
+targets anywhere (`layout: "random"`), where its chunks often go to another target than the named one; 200 of its own
+episodes there (`next.success` each).
 
-Stages (each skipped where its output exists; figures into `benchmarks/results/best_of_n_cpu.json`):
+Stages (each skipped where its output exists; figures into `benchmarks/results/best_of_n_cpu.json`, merged key by
+key so that several runs may write it):
 - `critic`: a chunk critic (`policy pi05_chunk_critic`) from the start's backbone, on those 200 episodes and 200 expert
   episodes: each frame's executed chunk against the return that followed it (`--negatives`: that share of each batch
-  reads another frame's chunk as a failure); its CPU minutes and data, under `critics` by its steps and negatives;
-- `decoys`: the mechanism, open loop: on held-out scenes, the scripted expert's first chunk towards the named target
-  against a decoy expert's towards another target; the share of scenes whose expert chunk the critic scores higher
-  (chance 50%; the critic never saw a decoy in training);
+  reads another frame's chunk as a failure; `--data contrast`: also 200 expert and 200 decoy-expert episodes on the
+  plateau's layout, good and bad chunks in the same kind of scene: the oracle's data); its CPU minutes and data,
+  under `critics` by its steps, negatives and data;
+- `decoys`: the mechanism, open loop: on 200 held-out scenes of each layout (the mechanism's corners, the plateau's
+  random), the scripted expert's first chunk towards the named target against a decoy expert's towards another
+  target; the share of scenes whose expert chunk the critic scores higher (chance 50%);
 - `arms`: on `--episodes` held-out seeds of the plateau: `single` (one chunk), `random_of_8` (the first of 8
-  candidates: one sample's behaviour at 8 chunks' cost), `medoid_best_of_8`, `critic_best_of_8`, and the critic's curve
-  over N = 1, 2, 4, 8, 16 (N = 1 is `single`): success (the named target reached first), the other-target rate.
+  candidates: one sample's behaviour at 8 chunks' cost), `medoid_best_of_8` under `arms`; `critic_best_of_8` and the
+  critic's curve over N = 2, 4, 16 under `critic_arms[critic]`: success (the named target reached first), the
+  other-target rate.
+
+Meta-World (`--bench metaworld`): RECAP's start and its two rounds of collected episodes
+(`benchmarks.closed_loop.recap`, `data_cache/recap_metaworld`); a critic on them and the demonstrations, and the same
+four arms by `python -m hf_vla.evaluate` on `--mw_episodes` held-out seeds per task.
 """
 
 from __future__ import annotations
