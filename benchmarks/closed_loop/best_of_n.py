@@ -4,7 +4,7 @@
     python -m benchmarks.closed_loop.best_of_n --episodes 200    # fewer held-out episodes per arm
     python -m benchmarks.closed_loop.best_of_n --stage critic,decoys --critic_steps 4000 --negatives 0.5
                                                                  # another critic and its decoy test
-    python -m benchmarks.closed_loop.best_of_n --stage critic,decoys,arms --data contrast   # the oracle's data
+    python -m benchmarks.closed_loop.best_of_n --stage critic,decoys,arms --data paired   # the oracle's data
     python -m benchmarks.closed_loop.best_of_n --bench metaworld --stage critic,arms --critic_steps 3000
 
 ColorReach: the start and its experience are the RECAP mechanism's (`benchmarks.closed_loop.recap_mechanism`, shared
@@ -16,9 +16,9 @@ Stages (each skipped where its output exists; figures into `benchmarks/results/b
 key so that several runs may write it):
 - `critic`: a chunk critic (`policy pi05_chunk_critic`) from the start's backbone, on those 200 episodes and 200 expert
   episodes: each frame's executed chunk against the return that followed it (`--negatives`: that share of each batch
-  reads another frame's chunk as a failure; `--data contrast`: also 200 expert and 200 decoy-expert episodes on the
-  plateau's layout, good and bad chunks in the same kind of scene: the oracle's data); its CPU minutes and data,
-  under `critics` by its steps, negatives and data;
+  reads another frame's chunk as a failure; `--data contrast` / `paired`: also 200 expert and 200 decoy-expert
+  episodes on the plateau's layout, good and bad chunks in the same kind of scene or (paired) in the same scenes: the
+  oracle's data); its CPU minutes and data, under `critics` by its steps, negatives and data;
 - `decoys`: the mechanism, open loop: on 200 held-out scenes of each layout (the mechanism's corners, the plateau's
   random), the scripted expert's first chunk towards the named target against a decoy expert's towards another
   target; the share of scenes whose expert chunk the critic scores higher (chance 50%);
@@ -55,13 +55,16 @@ def critic_name(steps: int, negatives: float, data: str = "own") -> str:
     return f"s{steps}_n{round(negatives * 100)}" + ("" if data == "own" else f"_{data}")
 
 
-def contrast_data() -> list[dict]:
+def contrast_data(paired: bool = False) -> list[dict]:
     """The oracle's data: 200 scripted-expert episodes on the plateau's layout and 200 of a decoy expert driving to
-    another target than the named one (marked failures): good and bad chunks in the same kind of scene."""
+    another target than the named one (marked failures): good and bad chunks in the same kind of scene. `paired`: the
+    decoy's episodes on the expert's own seeds (the same scenes: the same first observation, two chunks, two
+    outcomes), so that only the chunk tells them apart."""
     from hf_vla.envs.recording import RecordArguments, record
 
-    expert, decoy = WORK / "plateau_expert_200", WORK / "plateau_decoy_200"
-    for out, seed, extra in ((expert, 50_000, {}), (decoy, 60_000, {"decoy": True})):
+    expert = WORK / "plateau_expert_200"
+    decoy = WORK / ("plateau_decoy_paired_200" if paired else "plateau_decoy_200")
+    for out, seed, extra in ((expert, 50_000, {}), (decoy, 50_000 if paired else 60_000, {"decoy": True})):
         if not (out / "meta" / "info.json").exists():
             record(RecordArguments(env="color_reach", output=out, episodes=200, seed=seed),
                    env_kwargs={**mechanism.PLATEAU, **extra}, progress=True)
@@ -73,8 +76,8 @@ def stage_critic(results: dict, steps: int, negatives: float, data: str = "own")
     warmup 50 steps to 3e-4, cosine. `data`: "own" (the start's 200 episodes and 200 expert ones) or "contrast" (those
     and `contrast_data`)."""
     datasets = [mechanism._dataset(WORK / "collected", "collected"), mechanism._dataset(WORK / "expert_200", "expert")]
-    if data == "contrast":
-        datasets += contrast_data()
+    if data in ("contrast", "paired"):
+        datasets += contrast_data(paired=data == "paired")
     name = critic_name(steps, negatives, data)
     out = WORK / f"chunk_critic_{name}"
     if (out / "model.safetensors").exists():
@@ -94,7 +97,8 @@ def stage_critic(results: dict, steps: int, negatives: float, data: str = "own")
         "data": {"collected": {"episodes": 200, "success": results.get("collected_success")},
                  "expert": {"episodes": 200, "success": 1.0},
                  **({"plateau_expert": {"episodes": 200, "success": 1.0},
-                     "plateau_decoy": {"episodes": 200, "success": 0.0}} if data == "contrast" else {})},
+                     "plateau_decoy": {"episodes": 200, "success": 0.0, "same_scenes_as_expert": data == "paired"}}
+                    if data in ("contrast", "paired") else {})},
         "targets": "each frame's normalised return (steps to success; a failure costs the episode limit) with the "
                    "chunk executed from it"}
 
@@ -235,8 +239,9 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=500, help="held-out episodes per arm")
     parser.add_argument("--critic_steps", type=int, default=CRITIC_STEPS)
     parser.add_argument("--negatives", type=float, default=0.0, help="the critic's negative_chunks share")
-    parser.add_argument("--data", choices=["own", "contrast"], default="own", help="the critic's data: the start's "
-                        "episodes and the expert's, or those and an expert's and a decoy's on the plateau (oracle)")
+    parser.add_argument("--data", choices=["own", "contrast", "paired"], default="own", help="the critic's data: "
+                        "the start's episodes and the expert's; or those and an expert's and a decoy's on the plateau "
+                        "(oracle), the decoy's on other scenes (contrast) or on the expert's (paired)")
     parser.add_argument("--counts", default="2,4,8,16", help="the critic's candidate counts")
     parser.add_argument("--no_curve", action="store_true", help="the critic's choice of 8 only (not of 2, 4, 16)")
     parser.add_argument("--bench", choices=["colorreach", "metaworld"], default="colorreach")
