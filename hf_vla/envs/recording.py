@@ -440,7 +440,11 @@ def _best_of_settings(args: RecordArguments) -> dict:
     from hf_vla.hub.resolve import resolve_contract
     from hf_vla.serving.critic import plan_best_of
 
-    best_of = plan_best_of(args.best_of, args.selector, args.critic, resolve_contract(args.policy), args.policy)
+    try:
+        contract = resolve_contract(args.policy)
+    except ConfigError:  # a policy that cannot be found or read: said under its flag when it is loaded
+        contract = None
+    best_of = plan_best_of(args.best_of, args.selector, args.critic, contract, args.policy)
     return best_of.runner_kwargs(args.device)
 
 
