@@ -197,9 +197,9 @@ def _bundle(source: Path, output: Path, args) -> Path:
     from hf_vla.serving.critic import bundle_critic
 
     setup_logging()
-    written = bundle_critic(source, args.critic, output, 8 if args.best_of is None else args.best_of, args.overwrite)
-    logger.info("bundled the chunk critic %s with %s into %s (best-of-%d)", args.critic, source, output,
-                8 if args.best_of is None else args.best_of)
+    count = 8 if args.best_of is None else args.best_of
+    written = bundle_critic(source, args.critic, output, count, args.overwrite)
+    logger.info("bundled the chunk critic %s with %s into %s (best-of-%d)", args.critic, source, output, count)
     return written
 
 

@@ -80,11 +80,6 @@ def load_critic(checkpoint: str | Path, device: str = "cpu", flag: str = "--crit
     return ChunkCriticScorer(model.requires_grad_(False), processor, str(checkpoint))
 
 
-def critic_flag(checkpoint: str | None, device: str = "cpu") -> ChunkCriticScorer | None:
-    """A command's `--critic`: the critic loaded where the policy runs, or None without the flag."""
-    return None if checkpoint is None else load_critic(checkpoint, device=device)
-
-
 @dataclass(frozen=True)
 class BestOfPlan:
     """A command's best-of-N: the candidates per observation, the selector and the chunk critic (a directory or Hub id;
@@ -103,7 +98,8 @@ class BestOfPlan:
         """`PolicyRunner` settings (the critic loaded on `device`); {} for one sample."""
         if self.best_of < 2:
             return {}
-        return {"best_of": self.best_of, "selector": self.selector, "critic": critic_flag(self.critic, device)}
+        critic = None if self.critic is None else load_critic(self.critic, device=device)
+        return {"best_of": self.best_of, "selector": self.selector, "critic": critic}
 
 
 def plan_best_of(best_of: int | None, selector: str | None, critic: str | None, contract,
@@ -185,5 +181,5 @@ def bundle_critic(policy: Path, critic: str, output: Path, best_of: int, overwri
     return output
 
 
-__all__ = ["BestOfPlan", "ChunkCriticScorer", "bundle_critic", "bundled_critic", "critic_flag", "load_critic",
+__all__ = ["BestOfPlan", "ChunkCriticScorer", "bundle_critic", "bundled_critic", "load_critic",
            "plan_best_of"]

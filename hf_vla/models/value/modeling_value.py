@@ -210,7 +210,7 @@ class PI05ChunkCritic(PI05ValueModel):
         return self._returns(input_ids, pixel_values, attention_mask, pixel_attention_mask, value_targets, suffix)
 
     def _negatives(self, actions, action_is_pad, value_targets):
-        """Rows drawn with probability `negative_chunks` take the next row's chunk (and its padding) and the target -1
+        """Rows drawn with probability `negative_chunks` take the previous row's chunk (and its padding) and the target -1
         (a chunk that does not fit the observation is taken to fail)."""
         swap = torch.rand(len(actions), device=actions.device) < self.config.negative_chunks
         other = torch.roll(torch.arange(len(actions), device=actions.device), 1)
